@@ -1,0 +1,30 @@
+"""The unit every strategy half exchanges: small metadata plus named numpy arrays.
+
+Simulation passes these objects directly; the MQTT runtime encodes them with
+`fedal.protocol.envelope`, so a strategy never knows which transport carries it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+Scalar = str | int | float | bool | None
+
+
+@dataclass
+class Message:
+    meta: dict[str, Scalar] = field(default_factory=dict)
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def phase(self) -> str:
+        return str(self.meta.get("phase", ""))
+
+    def tensor_bytes(self) -> int:
+        return int(sum(a.nbytes for a in self.tensors.values()))
+
+    def with_meta(self, **extra: Any) -> "Message":
+        return Message({**self.meta, **extra}, dict(self.tensors))

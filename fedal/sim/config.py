@@ -1,0 +1,124 @@
+"""A run's complete description, validated: what `fedal simulate` reads from TOML and flags,
+and what it writes back into the results so the run can be repeated exactly."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fedal.strategies import STRATEGY_NAMES, StrategyParams, get_strategy
+
+DATASET_NAMES = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn")
+PARTITION_NAMES = ("dirichlet-client", "dirichlet-class", "iid")
+DEFAULT_MODELS = {
+    "mnist1d": ["mlp", "cnn1d", "cnn1d_wide"],
+    "digits": ["mlp", "lenet5", "smallcnn"],
+    "mnist": ["lenet5", "smallcnn", "mlp"],
+    "fashion-mnist": ["lenet5", "smallcnn", "mlp"],
+    "cifar10": ["resnet18", "wrn16_1", "smallcnn"],
+    "svhn": ["wrn10_1", "wrn16_1", "smallcnn"],
+}
+
+
+class ConfigError(ValueError):
+    """A config that cannot describe a run; the message says what to change."""
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    strategy: str = "fedal"
+    dataset: str = "mnist1d"
+    data_dir: str | None = Field(None, description="folder with dataset files (file-backed datasets only)")
+    clients: int = Field(10, ge=2, le=10_000)
+    partition: str = "dirichlet-client"
+    alpha: float = Field(1.0, gt=0, description="Dirichlet concentration (per client or per class)")
+    samples_per_client: int | None = Field(None, ge=1, description="None: an equal share of what is left")
+    public_size: int = Field(1000, ge=1)
+    models: list[str] | None = Field(None, description="assigned round-robin; default per dataset")
+    rounds: int = Field(20, ge=1)
+    seed: int = Field(0, ge=0)
+    eval_every: int = Field(1, ge=1, description="evaluate every k rounds (and always after the last)")
+    threads: int = Field(1, ge=1, description="torch intra-op threads (1 is fastest for tiny models)")
+    strategy_params: StrategyParams = Field(default_factory=StrategyParams)
+
+    @field_validator("strategy")
+    @classmethod
+    def _strategy(cls, v: str) -> str:
+        get_strategy(v)
+        return v
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset(cls, v: str) -> str:
+        if v not in DATASET_NAMES:
+            raise ValueError(f"unknown dataset {v!r}; valid choices: {', '.join(DATASET_NAMES)}")
+        return v
+
+    @field_validator("partition")
+    @classmethod
+    def _partition(cls, v: str) -> str:
+        if v not in PARTITION_NAMES:
+            raise ValueError(f"unknown partition {v!r}; valid choices: {', '.join(PARTITION_NAMES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RunConfig":
+        from fedal.models import MODEL_NAMES
+
+        models = self.resolved_models()
+        unknown = [m for m in models if m not in MODEL_NAMES]
+        if unknown:
+            raise ValueError(f"unknown model(s) {unknown}; valid choices: {', '.join(MODEL_NAMES)}")
+        if get_strategy(self.strategy).homogeneous_models and len(set(models)) > 1:
+            raise ValueError(f"strategy {self.strategy!r} averages parameters and needs one model for all clients, got {models}")
+        if self.dataset not in ("mnist1d", "digits") and not self.data_dir:
+            raise ValueError(f"dataset {self.dataset!r} is read from files: set data_dir")
+        return self
+
+    def resolved_models(self) -> list[str]:
+        return list(self.models) if self.models else list(DEFAULT_MODELS[self.dataset])
+
+    def resolved(self) -> "RunConfig":
+        """The same run with every default made explicit."""
+        params = self.strategy_params.resolve(get_strategy(self.strategy).preset)
+        return self.model_copy(update={"strategy_params": params, "models": self.resolved_models()})
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """TOML file (top-level keys plus a [strategy_params] table), then overrides on top."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key in StrategyParams.model_fields:
+            data.setdefault("strategy_params", {})[key] = value
+        else:
+            data[key] = value
+    try:
+        return RunConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}: {msg}")
+    return "invalid config: " + "; ".join(lines)
+
+
+__all__ = ["ConfigError", "RunConfig", "load_config", "DATASET_NAMES", "PARTITION_NAMES", "STRATEGY_NAMES"]

@@ -1,0 +1,30 @@
+"""Accuracy-vs-round plots from results JSON (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_accuracy(runs: dict[str, dict], path: str | Path, x: str = "round") -> Path:
+    """One line per run label: mean client accuracy against rounds (or local steps)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, res in runs.items():
+        pts = [r for r in res["rounds"] if "mean_acc" in r]
+        tau = res["config"]["strategy_params"]["tau"]
+        xs = [r["round"] * (tau if x == "steps" else 1) for r in pts]
+        ax.plot(xs, [r["mean_acc"] for r in pts], label=label)
+    ax.set_xlabel("local steps (rounds x tau)" if x == "steps" else "round")
+    ax.set_ylabel("mean client accuracy (common test set)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,56 @@
+"""Strategy registry: each name maps to its server half, client half and default knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedal.strategies import fedal as _fedal
+from fedal.strategies import fedavg as _fedavg
+from fedal.strategies import fedmd as _fedmd
+from fedal.strategies import local as _local
+from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf
+from fedal.strategies.params import StrategyParams
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    name: str
+    server: type[ServerHalf]
+    client: type[ClientHalf]
+    preset: dict
+    homogeneous_models: bool = False
+    uses_public_set: bool = False
+
+
+STRATEGIES: dict[str, StrategySpec] = {
+    s.name: s
+    for s in (
+        StrategySpec("fedal", _fedal.FedALServer, _fedal.FedALClient, _fedal.PRESET, uses_public_set=True),
+        StrategySpec("fedmd", _fedmd.FedMDServer, _fedmd.FedMDClient, _fedmd.FEDMD_PRESET, uses_public_set=True),
+        StrategySpec("fedmd-lf", _fedmd.FedMDServer, _fedmd.FedMDClient, _fedmd.FEDMD_LF_PRESET, uses_public_set=True),
+        StrategySpec("local", _local.LocalServer, _local.LocalClient, _local.PRESET),
+        StrategySpec("fedavg", _fedavg.FedAvgServer, _fedavg.FedAvgClient, _fedavg.PRESET, homogeneous_models=True),
+    )
+}
+STRATEGY_NAMES = tuple(STRATEGIES)
+
+
+def get_strategy(name: str) -> StrategySpec:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; valid choices: {', '.join(STRATEGY_NAMES)}") from None
+
+
+__all__ = [
+    "STRATEGIES",
+    "STRATEGY_NAMES",
+    "ClientHalf",
+    "InvalidResult",
+    "PhaseTasks",
+    "ServerContext",
+    "ServerHalf",
+    "StrategyParams",
+    "StrategySpec",
+    "get_strategy",
+]

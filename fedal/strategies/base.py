@@ -1,0 +1,153 @@
+"""The strategy contract: a server half and a client half that talk only in Messages.
+
+A round is a short sequence of phases. In each phase the server half produces one task per
+client; each client half answers with a result; the server half turns the results into the
+next phase's tasks, or ends the round. Neither half knows how messages travel (in-process
+for simulation, MQTT for deployment), and the engine that moves them knows no algorithm.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedal.data import ArrayDataset
+from fedal.protocol import Message
+from fedal.strategies.params import StrategyParams
+
+
+class InvalidResult(ValueError):
+    """A client's result that the server half refuses (wrong phase, shape, NaN, ...)."""
+
+
+@dataclass
+class PhaseTasks:
+    phase: str
+    round: int
+    iteration: int
+    tasks: dict[str, Message] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    num_classes: int
+    public_size: int
+    seed: int
+
+
+class ServerHalf(ABC):
+    """Runs on the coordinator. Holds no client data and no client model."""
+
+    def __init__(self, params: StrategyParams, client_ids: list[str], context: ServerContext):
+        if len(set(client_ids)) != len(client_ids) or not client_ids:
+            raise ValueError("client_ids must be a non-empty list of unique ids")
+        self.params = params
+        self.client_ids = list(client_ids)
+        self.context = context
+        self.metrics: dict[str, list[float]] = {}
+
+    @abstractmethod
+    def begin_round(self, round_idx: int) -> PhaseTasks: ...
+
+    @abstractmethod
+    def collect(self, phase: PhaseTasks, results: dict[str, Message]) -> PhaseTasks | None:
+        """Turn the valid results of `phase` into the next phase's tasks, or None at round end."""
+
+    def validate(self, phase: PhaseTasks, client_id: str, result: Message) -> None:
+        """Raise InvalidResult unless `result` answers `phase` for an enrolled client."""
+        if client_id not in phase.tasks:
+            raise InvalidResult(f"client {client_id!r} had no task in phase {phase.phase!r}")
+        for key, want in (("phase", phase.phase), ("round", phase.round), ("iteration", phase.iteration)):
+            if result.meta.get(key) != want:
+                raise InvalidResult(f"result {key}={result.meta.get(key)!r}, expected {want!r}")
+        for name, arr in result.tensors.items():
+            if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr)):
+                raise InvalidResult(f"tensor {name!r} contains NaN or infinity")
+
+    def record(self, name: str, value: float) -> None:
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def round_metrics(self) -> dict[str, float]:
+        """Mean of every metric recorded since the last call (one round's diagnostics)."""
+        out = {k: float(np.mean(v)) for k, v in self.metrics.items() if v}
+        self.metrics = {}
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+    def task(self, phase: str, round_idx: int, iteration: int, **meta: Any) -> Message:
+        return Message({"phase": phase, "round": round_idx, "iteration": iteration, **meta})
+
+
+class ClientHalf(ABC):
+    """Runs on the device. Owns the private model, its optimizer and the private data."""
+
+    def __init__(
+        self,
+        client_id: str,
+        model: torch.nn.Module,
+        train: ArrayDataset,
+        public_x: np.ndarray | None,
+        params: StrategyParams,
+        seed: int,
+    ):
+        self.client_id = client_id
+        self.model = model
+        self.train_data = train
+        self.params = params
+        self.x_train = torch.from_numpy(np.ascontiguousarray(train.x))
+        self.y_train = torch.from_numpy(np.ascontiguousarray(train.y))
+        self.public_x = None if public_x is None else torch.from_numpy(np.ascontiguousarray(public_x))
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self.optimizer = make_optimizer(params, model.parameters())
+
+    @abstractmethod
+    def handle(self, task: Message) -> Message: ...
+
+    def reply(self, task: Message, tensors: dict[str, np.ndarray] | None = None, **meta: Any) -> Message:
+        base = {k: task.meta[k] for k in ("phase", "round", "iteration") if k in task.meta}
+        return Message({**base, **meta}, tensors or {})
+
+    def sample_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(self.y_train)
+        idx = torch.randperm(n, generator=self.generator)[: min(self.params.batch_size, n)]
+        return self.x_train[idx], self.y_train[idx]
+
+    @torch.no_grad()
+    def predict(self, x: np.ndarray | torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
+        was_training = self.model.training
+        self.model.eval()
+        xt = torch.as_tensor(x)
+        out = torch.cat([self.model(xt[i : i + batch_size]) for i in range(0, len(xt), batch_size)])
+        self.model.train(was_training)
+        return out
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> float:
+        pred = self.predict(x).argmax(dim=1).numpy()
+        return float((pred == np.asarray(y)).mean())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
+
+
+def make_optimizer(params: StrategyParams, parameters) -> torch.optim.Optimizer:
+    if params.optimizer == "adam":
+        return torch.optim.Adam(parameters, lr=params.lr)
+    return torch.optim.SGD(parameters, lr=params.lr, momentum=params.momentum)

@@ -1,0 +1,239 @@
+"""FedAL (fedal.txt, Algorithm 1; ALGORITHMS.md section 1): both halves of one round.
+
+Round t:
+  local_train   client: tau SGD steps on CE + lambda_lf_loc * KL(p(theta_ref_loc) || p)
+  tau x:
+    logits      server sends public row indices; client uploads f_n on them   (K*B up)
+    feedback    server: one discriminator step, per-sample G_n with the updated w, fbar;
+                client: one step on lambda_kd * KL(softmax(target) || p_n)
+                        + lambda_lf_glo * KL(p(theta_ref_glo) || p_n)
+                        + lambda_adv * <G_n / B, f_n> (a vector-Jacobian product)   (2*K*B down)
+FedMD and FedMD-LF are this file with other presets (lambda_adv = 0; no LF for FedMD).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedal.protocol import Message
+from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf
+from fedal.strategies.discriminator import Discriminator, discriminator_input, per_sample_adversarial_grad
+from fedal.strategies.losses import kl_grad_wrt_student, kl_to_student, mean_kl_to_mean
+from fedal.strategies.params import StrategyParams
+
+PRESET = {"tau": 5, "lambda_kd": 1.0, "lambda_adv": 1.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}
+
+
+def public_indices(seed: int, round_idx: int, iteration: int, public_size: int, batch: int) -> np.ndarray:
+    """The public minibatch of (t, i): a pure function of the run seed, so a restart agrees."""
+    rng = np.random.default_rng([seed, round_idx, iteration, 0x46414C])
+    return rng.choice(public_size, size=min(batch, public_size), replace=False).astype(np.int64)
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+class FedALServer(ServerHalf):
+    def __init__(self, params: StrategyParams, client_ids: list[str], context: ServerContext):
+        super().__init__(params, client_ids, context)
+        self.client_index = {cid: i for i, cid in enumerate(self.client_ids)}
+        self.adversarial = params.lambda_adv > 0
+        self.disc: Discriminator | None = None
+        if self.adversarial:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(context.seed)
+                self.disc = Discriminator(context.num_classes, len(self.client_ids), params.disc_hidden)
+            self.disc_opt = torch.optim.Adam(self.disc.parameters(), lr=params.disc_lr)
+
+    # -- phases ---------------------------------------------------------------------------
+    def begin_round(self, round_idx: int) -> PhaseTasks:
+        tasks = {cid: self.task("local_train", round_idx, 0, steps=self.params.tau) for cid in self.client_ids}
+        return PhaseTasks("local_train", round_idx, 0, tasks)
+
+    def collect(self, phase: PhaseTasks, results: dict[str, Message]) -> PhaseTasks | None:
+        if phase.phase == "local_train":
+            for res in results.values():
+                self.record("local_loss", res.meta.get("loss", float("nan")))
+            return self._logits_phase(phase.round, 0)
+        if phase.phase == "logits":
+            if not results:
+                return self._next_iteration(phase)
+            return self._feedback_phase(phase, results)
+        if phase.phase == "feedback":
+            for res in results.values():
+                for key in ("loss_kd", "gnorm_kd", "gnorm_lf", "gnorm_adv"):
+                    if key in res.meta:
+                        self.record(key, res.meta[key])
+            return self._next_iteration(phase)
+        raise ValueError(f"unknown phase {phase.phase!r}")
+
+    def _next_iteration(self, phase: PhaseTasks) -> PhaseTasks | None:
+        if phase.iteration + 1 < self.params.tau:
+            return self._logits_phase(phase.round, phase.iteration + 1)
+        return None
+
+    def _logits_phase(self, round_idx: int, iteration: int) -> PhaseTasks:
+        idx = public_indices(self.context.seed, round_idx, iteration, self.context.public_size, self.params.public_batch_size)
+        tasks = {cid: Message(self.task("logits", round_idx, iteration).meta, {"indices": idx}) for cid in self.client_ids}
+        return PhaseTasks("logits", round_idx, iteration, tasks)
+
+    def validate(self, phase: PhaseTasks, client_id: str, result: Message) -> None:
+        super().validate(phase, client_id, result)
+        if phase.phase == "logits":
+            logits = result.tensors.get("logits")
+            want = (len(phase.tasks[client_id].tensors["indices"]), self.context.num_classes)
+            if logits is None or logits.shape != want or not np.issubdtype(logits.dtype, np.floating):
+                got = None if logits is None else (logits.shape, str(logits.dtype))
+                raise InvalidResult(f"logits must be a float array of shape {want}, got {got}")
+
+    def _feedback_phase(self, phase: PhaseTasks, results: dict[str, Message]) -> PhaseTasks:
+        cids = [cid for cid in self.client_ids if cid in results]  # enrolment order: deterministic
+        f = torch.stack([torch.from_numpy(np.asarray(results[c].tensors["logits"], dtype=np.float32)) for c in cids])
+        n_avg, batch = f.shape[0], f.shape[1]
+        self.record("participation", n_avg / len(self.client_ids))
+        self.record("discrepancy", mean_kl_to_mean(F.softmax(f, dim=2)))
+        fbar = f.mean(dim=0)
+
+        grads: dict[str, np.ndarray] = {}
+        if self.adversarial:
+            rows = f.reshape(n_avg * batch, -1)
+            target = torch.tensor([self.client_index[c] for c in cids]).repeat_interleave(batch)
+            self._discriminator_step(rows, target)
+            g = per_sample_adversarial_grad(self.disc, rows, target, self.params.temperature_disc)
+            grads = {c: g[k * batch : (k + 1) * batch].numpy() for k, c in enumerate(cids)}
+
+        tasks = {}
+        for cid in cids:
+            tensors = {"fbar": fbar.numpy()}
+            if self.adversarial:
+                tensors["grad"] = grads[cid]
+            tasks[cid] = Message(self.task("feedback", phase.round, phase.iteration, n_avg=n_avg).meta, tensors)
+        return PhaseTasks("feedback", phase.round, phase.iteration, tasks)
+
+    def _discriminator_step(self, rows: torch.Tensor, target: torch.Tensor) -> None:
+        """One Adam step on mean CE over all received rows: gradient ascent on U."""
+        self.disc.train()
+        out = self.disc(discriminator_input(rows, self.params.temperature_disc))
+        loss = F.cross_entropy(out, target)
+        self.disc_opt.zero_grad()
+        loss.backward()
+        self.disc_opt.step()
+        self.record("disc_loss", loss.item())
+        self.record("disc_acc", (out.argmax(dim=1) == target).float().mean().item())
+
+    # -- persistence ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if not self.adversarial:
+            return {}
+        return {"disc": self.disc.state_dict(), "disc_opt": self.disc_opt.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.adversarial and state:
+            self.disc.load_state_dict(state["disc"])
+            self.disc_opt.load_state_dict(state["disc_opt"])
+
+
+class FedALClient(ClientHalf):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ref_loc: torch.nn.Module | None = None
+        self.ref_glo: torch.nn.Module | None = None
+        self.pending: dict[str, Any] | None = None  # indices and logits of the last upload
+
+    def handle(self, task: Message) -> Message:
+        if task.phase == "local_train":
+            return self._local_train(task)
+        if task.phase == "logits":
+            return self._upload_logits(task)
+        if task.phase == "feedback":
+            return self._apply_feedback(task)
+        raise ValueError(f"unknown phase {task.phase!r}")
+
+    def _local_train(self, task: Message) -> Message:
+        p = self.params
+        self.ref_loc = frozen_copy(self.model) if p.lambda_lf_loc > 0 else None
+        self.model.train()
+        losses = []
+        for _ in range(int(task.meta.get("steps", p.tau))):
+            x, y = self.sample_batch()
+            logits = self.model(x)
+            loss = F.cross_entropy(logits, y)
+            if self.ref_loc is not None:
+                with torch.no_grad():
+                    ref = self.ref_loc(x)
+                loss = loss + p.lambda_lf_loc * kl_to_student(ref, logits, p.temperature_lf)
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+            losses.append(loss.item())
+        self.ref_glo = frozen_copy(self.model) if p.lambda_lf_glo > 0 else None
+        return self.reply(task, loss=float(np.mean(losses)) if losses else 0.0)
+
+    def _upload_logits(self, task: Message) -> Message:
+        idx = torch.from_numpy(np.asarray(task.tensors["indices"], dtype=np.int64))
+        self.model.train()
+        logits = self.model(self.public_x[idx])
+        self.pending = {"round": task.meta["round"], "iteration": task.meta["iteration"], "indices": idx, "logits": logits}
+        return self.reply(task, {"logits": logits.detach().numpy().astype(np.float32)})
+
+    def _apply_feedback(self, task: Message) -> Message:
+        p = self.params
+        pend = self.pending
+        if pend is None or (pend["round"], pend["iteration"]) != (task.meta["round"], task.meta["iteration"]):
+            raise ValueError("feedback for an iteration whose logits this client did not upload")
+        self.pending = None
+        f, x = pend["logits"], self.public_x[pend["indices"]]
+        fbar = torch.from_numpy(np.asarray(task.tensors["fbar"], dtype=np.float32))
+        if fbar.shape != f.shape:
+            raise ValueError(f"fbar has shape {tuple(fbar.shape)}, expected {tuple(f.shape)}")
+        target = self.kd_target(fbar, f.detach(), int(task.meta.get("n_avg", 1)))
+
+        loss = p.lambda_kd * kl_to_student(target, f, p.temperature_kd)
+        diag = {"loss_kd": loss.item(), "gnorm_kd": p.lambda_kd * kl_grad_wrt_student(target, f, p.temperature_kd).norm().item()}
+        if self.ref_glo is not None:
+            with torch.no_grad():
+                ref = self.ref_glo(x)
+            loss = loss + p.lambda_lf_glo * kl_to_student(ref, f, p.temperature_lf)
+            diag["gnorm_lf"] = p.lambda_lf_glo * kl_grad_wrt_student(ref, f, p.temperature_lf).norm().item()
+
+        self.optimizer.zero_grad()
+        if "grad" in task.tensors and p.lambda_adv > 0:
+            g = torch.from_numpy(np.asarray(task.tensors["grad"], dtype=np.float32))
+            if g.shape != f.shape:
+                raise ValueError(f"grad has shape {tuple(g.shape)}, expected {tuple(f.shape)}")
+            adv = p.lambda_adv * g / f.shape[0]
+            diag["gnorm_adv"] = adv.norm().item()
+            torch.autograd.backward([loss, f], [torch.ones_like(loss), adv])
+        else:
+            loss.backward()
+        self.optimizer.step()
+        return self.reply(task, **diag)
+
+    def kd_target(self, fbar: torch.Tensor, own: torch.Tensor, n_avg: int) -> torch.Tensor:
+        """Eq. 5: the average of the *other* clients' logits, (N' fbar - f_n) / (N' - 1)."""
+        if self.params.kd_target == "all" or n_avg <= 1:
+            return fbar
+        return (n_avg * fbar - own) / (n_avg - 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["ref_loc"] = None if self.ref_loc is None else self.ref_loc.state_dict()
+        state["ref_glo"] = None if self.ref_glo is None else self.ref_glo.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for name in ("ref_loc", "ref_glo"):
+            if state.get(name) is not None:
+                ref = frozen_copy(self.model)
+                ref.load_state_dict(state[name])
+                setattr(self, name, ref)

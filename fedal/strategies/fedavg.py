@@ -1,0 +1,107 @@
+"""FedAvg (McMahan et al.): data-size-weighted parameter averaging of identical models.
+
+Round 0 starts with an `init` phase in which the first client uploads its initial weights, so
+every client starts from the same point without relying on identical random initialisation
+across devices and torch builds. BatchNorm buffers are averaged too; integer buffers (batch
+counters) take the weighted mean rounded down.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedal.protocol import Message
+from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerHalf
+from fedal.strategies.local import train_steps
+
+PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
+
+
+def weighted_average(states: list[dict[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    out = {}
+    for key in states[0]:
+        stacked = np.stack([s[key].astype(np.float64) for s in states])
+        avg = np.tensordot(w, stacked, axes=1)
+        dtype = states[0][key].dtype
+        out[key] = (np.floor(avg) if np.issubdtype(dtype, np.integer) else avg).astype(dtype)
+    return out
+
+
+class FedAvgServer(ServerHalf):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.global_weights: dict[str, np.ndarray] | None = None
+
+    def begin_round(self, round_idx: int) -> PhaseTasks:
+        if self.global_weights is None:
+            first = self.client_ids[0]
+            return PhaseTasks("init", round_idx, 0, {first: self.task("init", round_idx, 0)})
+        return self._train_phase(round_idx)
+
+    def _train_phase(self, round_idx: int) -> PhaseTasks:
+        msg = self.task("train", round_idx, 0, steps=self.params.tau)
+        tasks = {cid: Message(dict(msg.meta), self.global_weights) for cid in self.client_ids}
+        return PhaseTasks("train", round_idx, 0, tasks)
+
+    def validate(self, phase: PhaseTasks, client_id: str, result: Message) -> None:
+        super().validate(phase, client_id, result)
+        ref = self.global_weights
+        if ref is not None:
+            if set(result.tensors) != set(ref):
+                raise InvalidResult("uploaded weights do not match the global model's tensors")
+            for key, arr in result.tensors.items():
+                if arr.shape != ref[key].shape:
+                    raise InvalidResult(f"tensor {key!r} has shape {arr.shape}, expected {ref[key].shape}")
+        if phase.phase == "train" and not float(result.meta.get("num_samples", 0)) > 0:
+            raise InvalidResult("a train result must report num_samples > 0")
+
+    def collect(self, phase: PhaseTasks, results: dict[str, Message]) -> PhaseTasks | None:
+        if phase.phase == "init":
+            if not results:
+                return None  # nobody answered: try again next round
+            (res,) = results.values()
+            self.global_weights = dict(res.tensors)
+            return self._train_phase(phase.round)
+        if results:
+            cids = [c for c in self.client_ids if c in results]
+            self.global_weights = weighted_average(
+                [results[c].tensors for c in cids], [float(results[c].meta["num_samples"]) for c in cids]
+            )
+            self.record("participation", len(cids) / len(self.client_ids))
+            for c in cids:
+                self.record("local_loss", results[c].meta.get("loss", float("nan")))
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.global_weights is None else {"global": dict(self.global_weights)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("global") is not None:
+            self.global_weights = {k: np.asarray(v) for k, v in state["global"].items()}
+
+
+class FedAvgClient(ClientHalf):
+    def handle(self, task: Message) -> Message:
+        if task.phase == "init":
+            return self.reply(task, model_to_numpy(self.model))
+        if task.phase == "train":
+            load_numpy_into(self.model, task.tensors)
+            loss = train_steps(self, int(task.meta.get("steps", self.params.tau)))
+            return self.reply(task, model_to_numpy(self.model), loss=loss, num_samples=len(self.y_train))
+        raise ValueError(f"unknown phase {task.phase!r}")
+
+
+def model_to_numpy(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def load_numpy_into(model: torch.nn.Module, tensors: dict[str, np.ndarray]) -> None:
+    current = model.state_dict()
+    if set(tensors) != set(current):
+        raise ValueError("received weights do not match this client's model")
+    model.load_state_dict({k: torch.from_numpy(np.array(v)).to(current[k].dtype) for k, v in tensors.items()})

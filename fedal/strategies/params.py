@@ -1,0 +1,48 @@
+"""Every strategy knob, named and documented (ALGORITHMS.md section 1).
+
+Fields left unset (None) take the selected strategy's preset (e.g. FedMD: tau = 1, no
+adversarial and no less-forgetting term); `resolve()` returns the complete, explicit set that
+is saved with a run's results so the run can be repeated exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StrategyParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tau: int | None = Field(None, ge=1, description="local steps and transfer iterations per round")
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: float = Field(1e-3, gt=0, description="client learning rate (paper: Adam 1e-3)")
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (SGD only)")
+    batch_size: int = Field(32, ge=1, description="local minibatch size")
+    public_batch_size: int = Field(32, ge=1, description="public minibatch size B per transfer iteration")
+
+    lambda_kd: float | None = Field(None, ge=0, description="weight of the KD term KL(target || p_n)")
+    lambda_adv: float | None = Field(None, ge=0, description="weight of the adversarial term U_n")
+    lambda_lf_loc: float | None = Field(None, ge=0, description="less-forgetting weight, local training")
+    lambda_lf_glo: float | None = Field(None, ge=0, description="less-forgetting weight, knowledge transfer")
+    temperature_kd: float = Field(1.0, gt=0, description="E in the KD KL term")
+    temperature_lf: float = Field(1.0, gt=0, description="E in both less-forgetting KL terms")
+    temperature_disc: float = Field(2.0, gt=0, description="E_d: softmax temperature of the discriminator input")
+    kd_target: Literal["leave_one_out", "all"] = Field(
+        "leave_one_out", description="eq. 5 leave-one-out average, or Algorithm 1's average over all"
+    )
+
+    disc_hidden: list[int] = Field(default_factory=lambda: [32, 256], description="discriminator hidden widths")
+    disc_lr: float = Field(1e-4, gt=0, description="discriminator Adam learning rate")
+
+    def resolve(self, preset: dict) -> "StrategyParams":
+        """Fill unset fields from `preset`; fields the user set win."""
+        values = self.model_dump()
+        for key, value in preset.items():
+            if values.get(key) is None:
+                values[key] = value
+        for key in ("tau", "lambda_kd", "lambda_adv", "lambda_lf_loc", "lambda_lf_glo"):
+            if values[key] is None:
+                values[key] = {"tau": 5}.get(key, 0.0)
+        return StrategyParams(**values)

@@ -1,0 +1,42 @@
+"""Small builders shared by the strategy tests: tiny data and models, no dataset generation."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedal.data import ArrayDataset
+from fedal.strategies import ServerContext, StrategyParams, get_strategy
+
+
+class TinyNet(nn.Module):
+    """A 2-layer MLP small enough for exact gradient comparisons."""
+
+    def __init__(self, d_in: int = 6, k: int = 4):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, k))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def toy_dataset(n: int = 40, d_in: int = 6, k: int = 4, seed: int = 0) -> ArrayDataset:
+    rng = np.random.default_rng(seed)
+    return ArrayDataset(
+        x=rng.normal(size=(n, d_in)).astype(np.float32), y=rng.integers(0, k, n).astype(np.int64), num_classes=k, name="toy"
+    )
+
+
+def toy_federation(strategy: str, n_clients: int = 3, k: int = 4, public: int = 50, seed: int = 0, **param_overrides):
+    spec = get_strategy(strategy)
+    params = StrategyParams(**param_overrides).resolve(spec.preset)
+    rng = np.random.default_rng(seed)
+    public_x = rng.normal(size=(public, 6)).astype(np.float32)
+    ids = [f"c{i}" for i in range(n_clients)]
+    clients = {}
+    for i, cid in enumerate(ids):
+        torch.manual_seed(100 + i)
+        clients[cid] = spec.client(cid, TinyNet(k=k), toy_dataset(k=k, seed=i), public_x, params, seed=7 + i)
+    server = spec.server(params, ids, ServerContext(num_classes=k, public_size=public, seed=seed))
+    return server, clients, params

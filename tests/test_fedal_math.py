@@ -1,0 +1,274 @@
+"""FedAL's math (ALGORITHMS.md section 1, "Facts the tests must hold")."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedal.protocol import Message
+from fedal.strategies.discriminator import Discriminator, per_sample_adversarial_grad
+from fedal.strategies.fedal import FedALServer, frozen_copy
+from fedal.strategies.losses import kl_to_student
+from fedal.sim.engine import InProcessEngine
+from tests.helpers import toy_federation
+
+
+def run_to_feedback(server, clients, round_idx=0):
+    """Drive one round up to the first feedback phase; returns (logits phase, results, feedback phase)."""
+    phase = server.begin_round(round_idx)
+    results = {cid: clients[cid].handle(t) for cid, t in phase.tasks.items()}
+    logits_phase = server.collect(phase, results)
+    logits = {cid: clients[cid].handle(t) for cid, t in logits_phase.tasks.items()}
+    feedback = server.collect(logits_phase, logits)
+    return logits_phase, logits, feedback
+
+
+def test_split_gradient_equals_end_to_end_autograd():
+    lam_kd, lam_adv, lam_lf, e_d, e_kd = 0.7, 1.3, 0.4, 2.0, 1.5
+    server, clients, params = toy_federation(
+        "fedal", optimizer="sgd", lr=0.1, lambda_kd=lam_kd, lambda_adv=lam_adv, lambda_lf_glo=lam_lf,
+        temperature_disc=e_d, temperature_kd=e_kd, tau=2,
+    )
+    logits_phase, logits, feedback = run_to_feedback(server, clients)
+    cid = "c1"
+    client = clients[cid]
+    idx = torch.from_numpy(logits_phase.tasks[cid].tensors["indices"])
+    x = client.public_x[idx]
+    before = frozen_copy(client.model)
+
+    # End to end: the client's loss with the (updated) discriminator inside the graph.
+    model = frozen_copy(client.model).train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    f = model(x)
+    n_avg = len(logits)
+    fbar = torch.from_numpy(feedback.tasks[cid].tensors["fbar"])
+    target = (n_avg * fbar - f.detach()) / (n_avg - 1)
+    ref = client.ref_glo(x)
+    disc = server.disc
+    u_n = -F.cross_entropy(disc(F.softmax(f / e_d, dim=1)), torch.full((len(x),), server.client_index[cid]))
+    loss = lam_kd * kl_to_student(target, f, e_kd) + lam_lf * kl_to_student(ref, f, 1.0) + lam_adv * u_n
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+
+    client.handle(feedback.tasks[cid])  # split path: server G_n sent down, applied as a VJP
+    for p_before, g, p_after in zip(before.parameters(), grads, client.model.parameters()):
+        torch.testing.assert_close(p_after, p_before - 0.1 * g, rtol=1e-5, atol=1e-6)
+
+
+def test_server_gradient_uses_updated_discriminator_and_no_batch_factor():
+    server, clients, params = toy_federation("fedal", tau=1)
+    before = {k: v.clone() for k, v in server.disc.state_dict().items()}
+    logits_phase, logits, feedback = run_to_feedback(server, clients)
+    after = server.disc.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before), "discriminator did not take a step"
+    for cid in logits:
+        f = torch.from_numpy(logits[cid].tensors["logits"]).requires_grad_(True)
+        n = torch.full((f.shape[0],), server.client_index[cid])
+        u = -F.cross_entropy(server.disc(F.softmax(f / params.temperature_disc, dim=1)), n, reduction="none")
+        # per sample: row b of G is d U_n[b] / d f[b], the sum's gradient, not the mean's
+        (g,) = torch.autograd.grad(u.sum(), f)
+        np.testing.assert_allclose(feedback.tasks[cid].tensors["grad"], g.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_optimal_discriminator_is_uniform_for_identical_clients():
+    n_clients, k = 5, 4
+    p = torch.softmax(torch.randn(8, k), dim=1)
+    probs = p.unsqueeze(0).expand(n_clients, -1, -1)  # every client emits the same p
+    h_star = probs / probs.sum(dim=0, keepdim=True)  # Lemma IV.2: h*_n = p_n / sum_m p_m
+    torch.testing.assert_close(h_star, torch.full_like(h_star, 1 / n_clients))
+    # eq. 10: the discriminator's expected CE is -sum_k p_k log h*_n = log N (since sum_k p_k = 1)
+    ce = -(probs * h_star.log()).sum(dim=2).mean()
+    assert ce.item() == pytest.approx(math.log(n_clients), rel=1e-6)
+
+
+def test_uniform_discriminator_gives_log_n_and_zero_gradient():
+    n_clients, k = 6, 10
+    disc = Discriminator(k, n_clients, [32, 256])
+    with torch.no_grad():
+        last = disc.net[-1]
+        last.weight.zero_()
+        last.bias.zero_()
+    logits = torch.randn(12, k)
+    target = torch.arange(12) % n_clients
+    ce = F.cross_entropy(disc(F.softmax(logits / 2, dim=1)), target)
+    assert ce.item() == pytest.approx(math.log(n_clients), abs=1e-6)
+    g = per_sample_adversarial_grad(disc, logits, target, 2.0)
+    assert torch.count_nonzero(g) == 0
+
+
+def test_trained_discriminator_on_identical_outputs_stays_at_chance():
+    """Identical client outputs carry no signal: the discriminator cannot beat log N, and the
+    gradient it sends is tiny compared to when clients really differ."""
+    server, clients, _ = toy_federation("fedal", n_clients=4, tau=1, disc_lr=1e-2)
+    shared = torch.randn(32, 4)
+    rows = shared.repeat(4, 1)
+    target = torch.arange(4).repeat_interleave(32)
+    for _ in range(300):
+        server._discriminator_step(rows, target)
+    assert server.metrics["disc_loss"][-1] == pytest.approx(math.log(4), abs=0.02)
+    g_same = per_sample_adversarial_grad(server.disc, rows, target, 2.0).norm()
+
+    server2, _, _ = toy_federation("fedal", n_clients=4, tau=1, disc_lr=1e-2)
+    distinct = torch.randn(4 * 32, 4) * 3 + torch.arange(4).repeat_interleave(32).unsqueeze(1) * torch.eye(4)[
+        torch.arange(4).repeat_interleave(32)] * 4
+    for _ in range(300):
+        server2._discriminator_step(distinct, target)
+    assert server2.metrics["disc_loss"][-1] < math.log(4) - 0.3
+    g_diff = per_sample_adversarial_grad(server2.disc, distinct, target, 2.0).norm()
+    assert g_same < 0.05 * g_diff
+
+
+def test_client_best_response_is_the_average():
+    """Lemma IV.3: against the optimal discriminator, client n's objective is minimised by
+    p_n equal to the average of all clients' probabilities."""
+    torch.manual_seed(0)
+    others = torch.softmax(torch.randn(3, 5) * 2, dim=1)  # three fixed clients, K = 5
+    z = torch.zeros(5, requires_grad=True)
+    opt = torch.optim.Adam([z], lr=0.05)
+    for _ in range(3000):
+        p_n = torch.softmax(z, dim=0)
+        probs = torch.cat([others, p_n.unsqueeze(0)])
+        h_star = probs / probs.sum(dim=0, keepdim=True)
+        value = (probs * h_star.clamp_min(1e-12).log()).sum()  # eq. 10: sum_n E_{p_n} log h*_n
+        opt.zero_grad()
+        value.backward()
+        opt.step()
+    p_n = torch.softmax(z, dim=0).detach()
+    avg_all = (others.sum(dim=0) + p_n) / 4
+    torch.testing.assert_close(p_n, avg_all, atol=2e-3, rtol=0)
+    torch.testing.assert_close(p_n, others.mean(dim=0), atol=2e-3, rtol=0)
+
+
+def test_kl_gradient_closed_form():
+    q_logits, f = torch.randn(7, 10), torch.randn(7, 10, requires_grad=True)
+    (g,) = torch.autograd.grad(kl_to_student(q_logits, f, 1.0), f)
+    expected = (torch.softmax(f, 1) - torch.softmax(q_logits, 1)) / 7  # batchmean
+    torch.testing.assert_close(g, expected.detach())
+
+
+@pytest.mark.parametrize("mode", ["leave_one_out", "all"])
+def test_kd_target(mode):
+    server, clients, _ = toy_federation("fedal", n_clients=4, kd_target=mode)
+    _, logits, feedback = run_to_feedback(server, clients)
+    stacked = {c: torch.from_numpy(m.tensors["logits"]) for c, m in logits.items()}
+    fbar = torch.from_numpy(feedback.tasks["c2"].tensors["fbar"])
+    torch.testing.assert_close(fbar, torch.stack(list(stacked.values())).mean(0))
+    target = clients["c2"].kd_target(fbar, stacked["c2"], feedback.tasks["c2"].meta["n_avg"])
+    if mode == "leave_one_out":
+        others = torch.stack([v for c, v in stacked.items() if c != "c2"]).mean(0)
+        torch.testing.assert_close(target, others, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(target, fbar)
+
+
+def test_communication_sizes_per_transfer_iteration():
+    k, b = 4, 16
+    server, clients, _ = toy_federation("fedal", k=k, public_batch_size=b)
+    logits_phase, logits, feedback = run_to_feedback(server, clients)
+    for cid in clients:
+        assert logits[cid].tensors["logits"].size == k * b  # K*B up
+        down = feedback.tasks[cid].tensors
+        assert sorted(down) == ["fbar", "grad"] and sum(a.size for a in down.values()) == 2 * k * b
+    server_md, clients_md, _ = toy_federation("fedmd", k=k, public_batch_size=b)
+    _, _, feedback_md = run_to_feedback(server_md, clients_md)
+    assert sorted(feedback_md.tasks["c0"].tensors) == ["fbar"]  # no discriminator: K*B down
+
+
+def test_partial_participation_excludes_late_clients():
+    server, clients, _ = toy_federation("fedal", n_clients=4)
+    phase = server.begin_round(0)
+    server_phase = server.collect(phase, {c: clients[c].handle(t) for c, t in phase.tasks.items()})
+    answered = {c: clients[c].handle(t) for c, t in server_phase.tasks.items() if c != "c3"}
+    feedback = server.collect(server_phase, answered)
+    assert sorted(feedback.tasks) == ["c0", "c1", "c2"]
+    assert feedback.tasks["c0"].meta["n_avg"] == 3
+    assert server.disc.net[-1].out_features == 4  # output size stays the enrolled count
+    torch.testing.assert_close(
+        torch.from_numpy(feedback.tasks["c0"].tensors["fbar"]),
+        torch.stack([torch.from_numpy(m.tensors["logits"]) for m in answered.values()]).mean(0),
+    )
+
+
+def test_invalid_results_are_rejected_and_counted():
+    server, clients, _ = toy_federation("fedal", n_clients=3, tau=1)
+
+    class Broken:
+        def __init__(self, inner, mode):
+            self.inner, self.mode = inner, mode
+
+        def handle(self, task):
+            res = self.inner.handle(task)
+            if task.phase == "logits":
+                if self.mode == "nan":
+                    res.tensors["logits"][0, 0] = np.nan
+                else:
+                    res.tensors["logits"] = res.tensors["logits"][:, :2].copy()
+            return res
+
+    clients["c1"] = Broken(clients["c1"], "nan")
+    clients["c2"] = Broken(clients["c2"], "shape")
+    rec = InProcessEngine(server, clients).run_round(0)
+    assert rec.rejected == 2
+    assert any("NaN" in r for r in rec.reject_reasons) and any("shape" in r for r in rec.reject_reasons)
+    assert rec.server_metrics["participation"] == pytest.approx(1 / 3)
+
+
+def test_lf_references_are_snapshots_at_stage_start():
+    server, clients, _ = toy_federation("fedal", tau=3)
+    c = clients["c0"]
+    start = frozen_copy(c.model)
+    phase = server.begin_round(0)
+    c.handle(phase.tasks["c0"])
+    for a, b in zip(c.ref_loc.parameters(), start.parameters()):
+        torch.testing.assert_close(a, b)  # theta_ref_loc: round start
+    for a, b in zip(c.ref_glo.parameters(), c.model.parameters()):
+        torch.testing.assert_close(a, b)  # theta_ref_glo: right after local training
+    assert any(not torch.equal(a, b) for a, b in zip(c.ref_glo.parameters(), start.parameters()))
+
+
+def test_fedmd_lf_with_zero_lf_weights_equals_fedmd_step_for_step():
+    s_md, c_md, _ = toy_federation("fedmd", tau=2)
+    s_lf, c_lf, _ = toy_federation("fedmd-lf", tau=2, lambda_lf_loc=0.0, lambda_lf_glo=0.0)
+    e_md, e_lf = InProcessEngine(s_md, c_md), InProcessEngine(s_lf, c_lf)
+    for r in range(4):
+        e_md.run_round(r)
+        e_lf.run_round(r)
+        for cid in c_md:
+            for a, b in zip(c_md[cid].model.parameters(), c_lf[cid].model.parameters()):
+                assert torch.equal(a, b), f"diverged at round {r} for {cid}"
+    # and the LF terms really act when switched on
+    s_on, c_on, _ = toy_federation("fedmd-lf", tau=2)
+    InProcessEngine(s_on, c_on).run_round(0)
+    assert any(not torch.equal(a, b) for a, b in zip(c_md["c0"].model.parameters(), c_on["c0"].model.parameters()))
+
+
+def test_feedback_without_matching_logits_is_refused():
+    server, clients, _ = toy_federation("fedal")
+    _, _, feedback = run_to_feedback(server, clients)
+    task = feedback.tasks["c0"]
+    clients["c0"].handle(task)
+    with pytest.raises(ValueError, match="did not upload"):
+        clients["c0"].handle(task)  # a duplicate is never applied twice
+
+
+def test_client_state_roundtrip_resumes_identically():
+    server, clients, _ = toy_federation("fedal", tau=2)
+    engine = InProcessEngine(server, clients)
+    engine.run_round(0)
+    saved = {c: clients[c].state_dict() for c in clients}
+    srv = server.state_dict()
+    engine.run_round(1)
+    after = {c: [p.clone() for p in clients[c].model.parameters()] for c in clients}
+
+    server2, clients2, _ = toy_federation("fedal", tau=2)
+    for c in clients2:
+        clients2[c].load_state_dict(saved[c])
+    server2.load_state_dict(srv)
+    InProcessEngine(server2, clients2).run_round(1)
+    for c in clients2:
+        for a, b in zip(after[c], clients2[c].model.parameters()):
+            assert torch.equal(a, b)
