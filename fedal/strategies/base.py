@@ -8,6 +8,7 @@ for simulation, MQTT for deployment), and the engine that moves them knows no al
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,11 +136,14 @@ class ClientHalf(ABC):
         return float((pred == np.asarray(y)).mean())
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "generator": self.generator.get_state(),
-        }
+        """A deep copy: a checkpoint must not change when training goes on."""
+        return copy.deepcopy(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "generator": self.generator.get_state(),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])

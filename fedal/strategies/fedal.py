@@ -134,7 +134,7 @@ class FedALServer(ServerHalf):
     def state_dict(self) -> dict[str, Any]:
         if not self.adversarial:
             return {}
-        return {"disc": self.disc.state_dict(), "disc_opt": self.disc_opt.state_dict()}
+        return copy.deepcopy({"disc": self.disc.state_dict(), "disc_opt": self.disc_opt.state_dict()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.adversarial and state:
