@@ -1,0 +1,136 @@
+"""Datasets that need no files and no network: MNIST-1D (generated) and scikit-learn's digits.
+
+They make every experiment and test reproducible offline. MNIST-1D is generated locally with
+the `mnist1d` package (never its download path) and cached, because generation takes seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import tempfile
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+from fedal.data.arrays import ArrayDataset
+
+__all__ = ["load_mnist1d", "load_digits", "default_cache_dir"]
+
+_CACHE_FORMAT = 1  # bump when the cached file layout changes
+
+
+def default_cache_dir() -> Path:
+    """`$FEDAL_CACHE_DIR` if set, else `~/.cache/fedal`."""
+    env = os.environ.get("FEDAL_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "fedal"
+
+
+def _mnist1d_args(num_samples: int, seed: int):
+    import mnist1d.data
+
+    args = mnist1d.data.get_dataset_args()
+    args.num_samples = int(num_samples)
+    args.seed = int(seed)
+    return args
+
+
+def _generation_key(args) -> dict:
+    """Everything that determines the generated arrays (the download URL does not)."""
+    key = {k: v for k, v in sorted(vars(args).items()) if k != "url"}
+    try:
+        key["mnist1d_version"] = metadata.version("mnist1d")  # generator code may change
+    except metadata.PackageNotFoundError:  # pragma: no cover - vendored copy
+        key["mnist1d_version"] = "unknown"
+    key["cache_format"] = _CACHE_FORMAT
+    return key
+
+
+def _generate_mnist1d(args) -> dict[str, np.ndarray]:
+    import mnist1d.data
+
+    # make_dataset reseeds the global `random` and `np.random` generators; restore them so that
+    # loading data never changes the caller's random stream.
+    np_state, py_state = np.random.get_state(), random.getstate()
+    try:
+        d = mnist1d.data.make_dataset(args)
+    finally:
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+    return {
+        "x": np.asarray(d["x"], dtype=np.float32),
+        "y": np.asarray(d["y"], dtype=np.int64),
+        "x_test": np.asarray(d["x_test"], dtype=np.float32),
+        "y_test": np.asarray(d["y_test"], dtype=np.int64),
+    }
+
+
+def _read_cache(path: Path, key_json: str) -> dict[str, np.ndarray] | None:
+    """The cached arrays, or None if the file is missing, unreadable or for other args."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if str(z["key"]) != key_json:
+                return None
+            return {k: z[k] for k in ("x", "y", "x_test", "y_test")}
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
+        return None
+
+
+def _write_atomic(path: Path, arrays: dict[str, np.ndarray], key_json: str) -> None:
+    """Write via a temp file in the same directory + os.replace, so that concurrent runs never
+    see a half-written cache."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, key=np.array(key_json), **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_mnist1d(num_samples: int = 12000, seed: int = 42,
+                 cache_dir: str | os.PathLike | None = None) -> tuple[ArrayDataset, ArrayDataset]:
+    """MNIST-1D (train, test): x [n, 40] float32, 10 classes, the package's 80/20 split.
+
+    Generated with `mnist1d.data.make_dataset` (num_samples // 10 samples per class), cached as
+    `mnist1d-<hash of the generation args>.npz` in `cache_dir` (default: `default_cache_dir()`).
+    """
+    if int(num_samples) < 10:
+        raise ValueError(f"num_samples must be at least 10 (one per class), got {num_samples}")
+    args = _mnist1d_args(num_samples, seed)
+    key_json = json.dumps(_generation_key(args), sort_keys=True)
+    digest = hashlib.sha256(key_json.encode()).hexdigest()[:16]
+    path = Path(cache_dir if cache_dir is not None else default_cache_dir()) / f"mnist1d-{digest}.npz"
+
+    arrays = _read_cache(path, key_json)
+    if arrays is None:
+        arrays = _generate_mnist1d(args)
+        _write_atomic(path, arrays, key_json)
+    name = "mnist1d"
+    return (ArrayDataset(arrays["x"], arrays["y"], 10, name),
+            ArrayDataset(arrays["x_test"], arrays["y_test"], 10, name + "-test"))
+
+
+def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[ArrayDataset, ArrayDataset]:
+    """scikit-learn's bundled 8x8 digits (train, test): x [n, 1, 8, 8] float32 in [0, 1].
+
+    The split is stratified and fixed by `seed`, so every run sees the same test set.
+    """
+    from sklearn.datasets import load_digits as _sk_digits
+    from sklearn.model_selection import train_test_split
+
+    d = _sk_digits()
+    x = (d.images.astype(np.float32) / 16.0)[:, None, :, :]  # pixel values are 0..16
+    y = d.target.astype(np.int64)
+    idx_train, idx_test = train_test_split(np.arange(len(y)), test_size=test_fraction,
+                                           random_state=seed, stratify=y)
+    idx_train, idx_test = np.sort(idx_train), np.sort(idx_test)
+    return (ArrayDataset(x[idx_train], y[idx_train], 10, "digits"),
+            ArrayDataset(x[idx_test], y[idx_test], 10, "digits-test"))

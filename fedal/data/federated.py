@@ -1,0 +1,127 @@
+"""One call from a dataset name to the federated setting: clients, public set, test set.
+
+Order (ALGORITHMS.md section 2): load -> hold the public set out of the training split ->
+partition what remains among clients -> keep the test split separate. The public split and the
+client partition use independent random streams derived from `seed`, so the public set (and
+its hash) depends only on dataset, public_size and seed, not on the partition settings:
+runs that differ only in partition or alpha share the same P.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedal.data.arrays import ArrayDataset
+from fedal.data.embedded import load_digits, load_mnist1d
+from fedal.data.files import load_cifar10_dir, load_mnist_dir, load_svhn_dir
+from fedal.data.partition import PARTITIONERS, label_histogram
+from fedal.data.public import content_hash, split_public_indices
+
+__all__ = ["DATASETS", "FederatedData", "build_federated", "load_dataset"]
+
+DATASETS = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn")
+_FILE_DATASETS = ("mnist", "fashion-mnist", "cifar10", "svhn")
+
+
+@dataclass(eq=False)
+class FederatedData:
+    """Client datasets, the unlabeled public set and the common test set."""
+
+    clients: list[ArrayDataset]
+    public_x: np.ndarray
+    public_hash: str
+    test: ArrayDataset
+    num_classes: int
+    input_shape: tuple
+    partition_stats: np.ndarray  # [N, K] label histogram of the clients
+    # Provenance: indices into the loaded training split (None if built by hand).
+    public_indices: np.ndarray | None = None
+    client_indices: list[np.ndarray] | None = None
+
+
+def load_dataset(dataset: str, data_dir=None) -> tuple[ArrayDataset, ArrayDataset]:
+    """(train, test) for a name in DATASETS.
+
+    The file datasets read from `data_dir`; for mnist1d, `data_dir` (if given) is where the
+    generated arrays are cached instead of the default cache directory; digits ignores it.
+    """
+    if dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}; choose one of: {', '.join(DATASETS)}")
+    if dataset in _FILE_DATASETS and data_dir is None:
+        raise ValueError(f"dataset {dataset!r} is read from local files: pass data_dir "
+                         f"(nothing is downloaded)")
+    if dataset == "mnist1d":
+        return load_mnist1d(cache_dir=data_dir)
+    if dataset == "digits":
+        return load_digits()
+    if dataset == "mnist":
+        return load_mnist_dir(data_dir, kind="mnist")
+    if dataset == "fashion-mnist":
+        return load_mnist_dir(data_dir, kind="fashion")
+    if dataset == "cifar10":
+        return load_cifar10_dir(data_dir)
+    return load_svhn_dir(data_dir)
+
+
+def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-client",
+                    alpha: float = 1.0, samples_per_client: int | None = None,
+                    public_size: int = 1000, seed: int = 0,
+                    data_dir: str | os.PathLike | None = None) -> FederatedData:
+    """Load `dataset` and split it into `num_clients` clients plus a public set.
+
+    `alpha` is the Dirichlet concentration of the chosen partition (alpha of the FedAL paper's
+    per-client scheme, beta of the per-class scheme; ignored by "iid").
+    `samples_per_client=None` gives every client as many samples as fit equally; for
+    "dirichlet-class" (unequal sizes by design) it uses the whole remaining pool, and a number
+    first draws num_clients * samples_per_client samples uniformly from the pool.
+    Same arguments -> identical arrays.
+    """
+    if dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}; choose one of: {', '.join(DATASETS)}")
+    if partition not in PARTITIONERS:
+        raise ValueError(f"unknown partition {partition!r}; "
+                         f"choose one of: {', '.join(PARTITIONERS)}")
+    if int(num_clients) < 1:
+        raise ValueError(f"num_clients must be at least 1, got {num_clients}")
+    train, test = load_dataset(dataset, data_dir)
+
+    public_seq, partition_seq = np.random.SeedSequence(seed).spawn(2)
+    public_idx, remaining = split_public_indices(len(train), public_size,
+                                                 np.random.default_rng(public_seq))
+    public_x = np.ascontiguousarray(train.x[public_idx])
+
+    rng = np.random.default_rng(partition_seq)
+    pool_labels = train.y[remaining]
+    if partition == "dirichlet-client":
+        local = PARTITIONERS[partition](pool_labels, num_clients, alpha, samples_per_client, rng,
+                                        num_classes=train.num_classes)
+    elif partition == "iid":
+        local = PARTITIONERS[partition](pool_labels, num_clients, samples_per_client, rng)
+    else:  # dirichlet-class
+        pool = np.arange(len(remaining))
+        if samples_per_client is not None:
+            total = num_clients * int(samples_per_client)
+            if total > len(pool):
+                raise ValueError(f"cannot give {num_clients} clients {samples_per_client} "
+                                 f"samples each: {total} needed, {len(pool)} available")
+            pool = np.sort(rng.permutation(len(pool))[:total])
+        local = [pool[p] for p in PARTITIONERS[partition](pool_labels[pool], num_clients,
+                                                          alpha, rng)]
+    client_idx = [remaining[p] for p in local]  # back to indices into the training split
+
+    clients = [train.subset(idx, name=f"{train.name}/client{n}")
+               for n, idx in enumerate(client_idx)]
+    return FederatedData(
+        clients=clients,
+        public_x=public_x,
+        public_hash=content_hash(public_x),
+        test=test,
+        num_classes=train.num_classes,
+        input_shape=train.input_shape,
+        partition_stats=label_histogram(train.y, client_idx, train.num_classes),
+        public_indices=public_idx,
+        client_indices=client_idx,
+    )

@@ -1,0 +1,218 @@
+"""Loaders for real datasets from files the user already has (nothing is ever downloaded).
+
+Each reads the official distribution format, checks it (magic numbers, sizes, label ranges) and
+returns `ArrayDataset`s with pixels scaled to [0, 1], channels first. Missing files raise
+FileNotFoundError naming what was expected and where; corrupt or mismatched files ValueError.
+"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from fedal.data.arrays import ArrayDataset
+
+__all__ = ["load_idx", "load_mnist_dir", "load_cifar10_dir", "load_svhn_dir"]
+
+_IDX_IMAGES_MAGIC = 2051  # 0x00000803: unsigned bytes, 3 dimensions
+_IDX_LABELS_MAGIC = 2049  # 0x00000801: unsigned bytes, 1 dimension
+
+
+def _require_file(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise FileNotFoundError(f"{what}: expected file {path}")
+    return path
+
+
+def _read_maybe_gzip(path: Path) -> bytes:
+    """File contents, transparently gunzipped (decided by the gzip magic, not the name)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:
+            raise ValueError(f"{path}: corrupt gzip data ({e})") from e
+    return data
+
+
+def _parse_idx(path: Path, magic: int, ndim: int) -> np.ndarray:
+    data = _read_maybe_gzip(path)
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise ValueError(f"{path}: too short for an IDX header ({len(data)} bytes)")
+    got_magic = struct.unpack(">i", data[:4])[0]
+    if got_magic != magic:
+        raise ValueError(f"{path}: bad IDX magic number {got_magic}, expected {magic}")
+    dims = struct.unpack(">" + "i" * ndim, data[4:header])
+    if any(d < 0 for d in dims):
+        raise ValueError(f"{path}: negative IDX dimension in {dims}")
+    expected = int(np.prod(dims, dtype=np.int64))
+    if len(data) - header != expected:
+        raise ValueError(f"{path}: IDX header {dims} promises {expected} bytes of data, "
+                         f"file has {len(data) - header} (truncated or corrupt)")
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)
+
+
+def load_idx(images_path, labels_path, name: str, num_classes: int = 10) -> ArrayDataset:
+    """An MNIST-style IDX pair (gzip or raw): x [n, 1, rows, cols] float32 in [0, 1]."""
+    images_path = _require_file(Path(images_path), f"{name} images")
+    labels_path = _require_file(Path(labels_path), f"{name} labels")
+    images = _parse_idx(images_path, _IDX_IMAGES_MAGIC, 3)
+    labels = _parse_idx(labels_path, _IDX_LABELS_MAGIC, 1)
+    if len(images) != len(labels):
+        raise ValueError(f"{name}: {images_path} has {len(images)} images but "
+                         f"{labels_path} has {len(labels)} labels")
+    if len(labels) and labels.max() >= num_classes:
+        raise ValueError(f"{name}: {labels_path} contains label {labels.max()}, "
+                         f"expected labels below {num_classes}")
+    x = (images.astype(np.float32) / np.float32(255.0))[:, None, :, :]
+    return ArrayDataset(x, labels.astype(np.int64), num_classes, name)
+
+
+_MNIST_DIRS = {"mnist": ("MNIST/raw", "mnist"), "fashion": ("FashionMNIST/raw", "fashion-mnist")}
+
+
+def _find_first(dirs: list[Path], names: list[str]) -> Path | None:
+    for d in dirs:
+        for n in names:
+            if (d / n).is_file():
+                return d / n
+    return None
+
+
+def load_mnist_dir(root, kind: str = "mnist") -> tuple[ArrayDataset, ArrayDataset]:
+    """MNIST or Fashion-MNIST (train, test) from the four standard IDX files.
+
+    Looks in `root` and in torchvision's layout (`root/MNIST/raw`, `root/FashionMNIST/raw`);
+    accepts `train-images-idx3-ubyte`, the `train-images.idx3-ubyte` spelling, and `.gz`.
+    """
+    if kind not in _MNIST_DIRS:
+        raise ValueError(f"unknown kind {kind!r}; choose one of: {', '.join(_MNIST_DIRS)}")
+    root = Path(root)
+    sub, name = _MNIST_DIRS[kind]
+    dirs = [root, root / "raw", root / sub]
+    found = {}
+    for stem, suffix in [("train-images", "idx3-ubyte"), ("train-labels", "idx1-ubyte"),
+                         ("t10k-images", "idx3-ubyte"), ("t10k-labels", "idx1-ubyte")]:
+        names = [f"{stem}-{suffix}", f"{stem}.{suffix}"]
+        names += [n + ".gz" for n in names]
+        path = _find_first(dirs, names)
+        if path is None:
+            raise FileNotFoundError(
+                f"{name}: none of {', '.join(names)} found in {', '.join(map(str, dirs))}; "
+                f"expected the files train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+                f"t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (optionally .gz)")
+        found[stem] = path
+    return (load_idx(found["train-images"], found["train-labels"], name),
+            load_idx(found["t10k-images"], found["t10k-labels"], name + "-test"))
+
+
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """Unpickler that can rebuild numpy arrays and nothing else.
+
+    The CIFAR-10 python batches are only distributed as pickles, and unpickling can run
+    arbitrary code. Reading them is acceptable only because they are the user's own dataset
+    files; refusing every global except numpy's array reconstructors is defence in depth.
+    """
+
+    _ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+        ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+        ("numpy", "ndarray"), ("numpy", "dtype"),
+        ("_codecs", "encode"),  # how protocol-2 pickles written by Python 3 store bytes
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a dataset file")
+        if module.startswith("numpy.core.") and hasattr(np, "_core"):
+            module = "numpy._core." + module[len("numpy.core."):]  # numpy 2 renamed; skip the shim
+        return super().find_class(module, name)
+
+
+def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        with open(path, "rb") as f:
+            # encoding="bytes" is the official way to read these Python 2 pickles (keys are bytes).
+            batch = _NumpyOnlyUnpickler(f, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
+            IndexError, KeyError, struct.error, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a readable CIFAR-10 batch ({type(e).__name__}: {e})") from e
+    if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
+        raise ValueError(f"{path}: expected a dict with b'data' and b'labels'")
+    data = np.asarray(batch[b"data"])
+    labels = np.asarray(batch[b"labels"])
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+        raise ValueError(f"{path}: b'data' must be uint8 [n, 3072], got {data.dtype} {data.shape}")
+    if labels.ndim != 1 or len(labels) != len(data) or not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"{path}: b'labels' must be {len(data)} integers, got {labels.shape}")
+    if len(labels) and (labels.min() < 0 or labels.max() > 9):
+        raise ValueError(f"{path}: labels must be in 0..9, got [{labels.min()}, {labels.max()}]")
+    return data, labels.astype(np.int64)
+
+
+def _cifar_dataset(paths: list[Path], name: str) -> ArrayDataset:
+    parts = [_read_cifar_batch(p) for p in paths]
+    data = np.concatenate([d for d, _ in parts])
+    labels = np.concatenate([lab for _, lab in parts])
+    # Each row is 1024 red, then 1024 green, then 1024 blue values, rows of 32 pixels.
+    x = data.reshape(-1, 3, 32, 32).astype(np.float32) / np.float32(255.0)
+    return ArrayDataset(x, labels, 10, name)
+
+
+def load_cifar10_dir(root) -> tuple[ArrayDataset, ArrayDataset]:
+    """CIFAR-10 (train, test) from the python batches: x [n, 3, 32, 32] float32 in [0, 1].
+
+    Looks in `root` and `root/cifar-10-batches-py` for `data_batch_1`..`data_batch_5` and `test_batch`.
+    """
+    root = Path(root)
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    for d in (root, root / "cifar-10-batches-py"):
+        if all((d / n).is_file() for n in names):
+            paths = [d / n for n in names]
+            return _cifar_dataset(paths[:5], "cifar10"), _cifar_dataset(paths[5:], "cifar10-test")
+    raise FileNotFoundError(f"cifar10: expected {', '.join(names)} in {root} "
+                            f"or {root / 'cifar-10-batches-py'}")
+
+
+def _read_svhn(path: Path, name: str) -> ArrayDataset:
+    import scipy.io
+
+    try:
+        mat = scipy.io.loadmat(path)
+    except Exception as e:  # scipy raises many types for a damaged file; all mean "corrupt"
+        raise ValueError(f"{path}: not a readable SVHN .mat file ({type(e).__name__}: {e})") from e
+    if "X" not in mat or "y" not in mat:
+        raise ValueError(f"{path}: expected variables 'X' and 'y'")
+    xs, ys = np.asarray(mat["X"]), np.asarray(mat["y"]).reshape(-1)
+    if xs.dtype != np.uint8 or xs.ndim != 4 or xs.shape[:3] != (32, 32, 3):
+        raise ValueError(f"{path}: 'X' must be uint8 [32, 32, 3, n], got {xs.dtype} {xs.shape}")
+    if xs.shape[3] != len(ys):
+        raise ValueError(f"{path}: {xs.shape[3]} images but {len(ys)} labels")
+    if not np.issubdtype(ys.dtype, np.number) or (len(ys) and (ys.min() < 1 or ys.max() > 10)) \
+            or not np.all(ys == np.round(ys)):
+        raise ValueError(f"{path}: labels must be integers in 1..10")
+    y = ys.astype(np.int64)
+    y[y == 10] = 0  # SVHN stores digit 0 as label 10
+    # [H, W, C, n] -> [n, C, H, W], made C-contiguous before scaling
+    x = np.ascontiguousarray(xs.transpose(3, 2, 0, 1), dtype=np.float32) / np.float32(255.0)
+    return ArrayDataset(x, y, 10, name)
+
+
+def load_svhn_dir(root) -> tuple[ArrayDataset, ArrayDataset]:
+    """SVHN cropped digits (train, test) from `train_32x32.mat` and `test_32x32.mat` in `root`:
+    x [n, 3, 32, 32] float32 in [0, 1], label 10 mapped to digit 0."""
+    root = Path(root)
+    paths = [root / "train_32x32.mat", root / "test_32x32.mat"]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"svhn: expected train_32x32.mat and test_32x32.mat in {root}; "
+                                f"missing {', '.join(missing)}")
+    return _read_svhn(paths[0], "svhn"), _read_svhn(paths[1], "svhn-test")

@@ -1,0 +1,54 @@
+"""The shared unlabeled public set P and its fingerprint.
+
+P is held out from the training split before clients are formed, so no client ever trains on
+a public row with its label; labels are dropped because the protocol only ever sends logits on
+P. Its content hash goes into the run config, so results name exactly which P they used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from fedal.data.arrays import ArrayDataset
+
+__all__ = ["split_public", "split_public_indices", "content_hash"]
+
+
+def split_public_indices(n: int, public_size: int,
+                         rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(public indices, remaining indices) of a uniformly random hold-out; both sorted int64."""
+    if not 0 <= public_size <= n:
+        raise ValueError(f"public_size must be between 0 and {n} (the training split size), "
+                         f"got {public_size}")
+    perm = rng.permutation(n)
+    return (np.sort(perm[:public_size]).astype(np.int64),
+            np.sort(perm[public_size:]).astype(np.int64))
+
+
+def split_public(train: ArrayDataset, public_size: int,
+                 rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Hold `public_size` random rows of `train` out as the public set.
+
+    Returns (public_x, remaining_indices): public_x [public_size, *input_shape] float32 without
+    labels (rows in dataset order), and the sorted indices into `train` of everything else.
+    """
+    public_idx, remaining = split_public_indices(len(train), public_size, rng)
+    return np.ascontiguousarray(train.x[public_idx]), remaining
+
+
+def content_hash(x: np.ndarray) -> str:
+    """sha256 hex digest over dtype, shape and C-order bytes of `x`.
+
+    Stable across runs and machines: the bytes are taken little-endian and C-contiguous
+    whatever the array's memory layout.
+    """
+    x = np.asarray(x)
+    if x.dtype.byteorder == ">":
+        x = x.astype(x.dtype.newbyteorder("<"))
+    x = np.ascontiguousarray(x)
+    h = hashlib.sha256()
+    h.update(f"{x.dtype.str}|{tuple(int(d) for d in x.shape)}|".encode())
+    h.update(x.tobytes())
+    return h.hexdigest()

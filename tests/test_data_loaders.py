@@ -1,0 +1,257 @@
+"""Loaders read the official file formats (written here in miniature) and the embedded datasets."""
+
+import gzip
+import io
+import pickle
+import random
+import struct
+
+import numpy as np
+import pytest
+
+from fedal.data import embedded
+from fedal.data.arrays import ArrayDataset
+from fedal.data.embedded import load_digits, load_mnist1d
+from fedal.data.files import load_cifar10_dir, load_idx, load_mnist_dir, load_svhn_dir
+
+
+# ---------------------------------------------------------------- ArrayDataset
+
+def test_array_dataset_validates_and_subsets():
+    x = np.zeros((4, 3), np.float32)
+    y = np.array([0, 1, 2, 1], np.int64)
+    ds = ArrayDataset(x, y, 3, "t")
+    assert len(ds) == 4 and ds.input_shape == (3,)
+    sub = ds.subset([3, 1])
+    assert sub.y.tolist() == [1, 1] and sub.name == "t"
+    assert len(ds.subset([])) == 0
+    for bad in [dict(x=x.astype(np.float64)), dict(y=y.astype(np.int32)), dict(y=y[:3]),
+                dict(y=np.array([0, 1, 3, 1])), dict(num_classes=0), dict(x=np.zeros(4, np.float32))]:
+        kw = dict(x=x, y=y, num_classes=3, name="t") | bad
+        with pytest.raises(ValueError):
+            ArrayDataset(**kw)
+
+
+# ---------------------------------------------------------------- IDX (MNIST / Fashion-MNIST)
+
+def idx_images(imgs: np.ndarray) -> bytes:
+    n, r, c = imgs.shape
+    return struct.pack(">iiii", 2051, n, r, c) + imgs.astype(np.uint8).tobytes()
+
+
+def idx_labels(labels: np.ndarray) -> bytes:
+    return struct.pack(">ii", 2049, len(labels)) + labels.astype(np.uint8).tobytes()
+
+
+def write(path, data: bytes, gz: bool):
+    path.write_bytes(gzip.compress(data) if gz else data)
+    return path
+
+
+@pytest.fixture
+def mnist_arrays():
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 256, size=(5, 28, 28)), np.array([3, 0, 9, 1, 7])
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_load_idx(tmp_path, mnist_arrays, gz):
+    imgs, labs = mnist_arrays
+    sfx = ".gz" if gz else ""
+    ip = write(tmp_path / f"i{sfx}", idx_images(imgs), gz)
+    lp = write(tmp_path / f"l{sfx}", idx_labels(labs), gz)
+    ds = load_idx(ip, lp, "mnist")
+    assert ds.x.shape == (5, 1, 28, 28) and ds.x.dtype == np.float32 and ds.y.dtype == np.int64
+    assert 0.0 <= ds.x.min() and ds.x.max() <= 1.0
+    np.testing.assert_allclose(ds.x[:, 0] * 255, imgs, atol=1e-4)
+    assert ds.y.tolist() == labs.tolist()
+
+
+@pytest.mark.parametrize("corrupt", ["magic", "truncated", "count_mismatch", "bad_gzip"])
+def test_load_idx_corrupt(tmp_path, mnist_arrays, corrupt):
+    imgs, labs = mnist_arrays
+    img_bytes, lab_bytes = idx_images(imgs), idx_labels(labs)
+    if corrupt == "magic":
+        img_bytes = struct.pack(">i", 2049) + img_bytes[4:]
+    elif corrupt == "truncated":
+        img_bytes = img_bytes[:-10]
+    elif corrupt == "count_mismatch":
+        lab_bytes = idx_labels(labs[:4])
+    ip = write(tmp_path / "i", img_bytes, False)
+    if corrupt == "bad_gzip":
+        ip.write_bytes(gzip.compress(img_bytes)[:-20])
+    lp = write(tmp_path / "l", lab_bytes, False)
+    with pytest.raises(ValueError):
+        load_idx(ip, lp, "mnist")
+
+
+def test_load_mnist_dir(tmp_path, mnist_arrays):
+    imgs, labs = mnist_arrays
+    raw = tmp_path / "FashionMNIST" / "raw"  # torchvision's layout, mixing gz and raw files
+    raw.mkdir(parents=True)
+    write(raw / "train-images-idx3-ubyte.gz", idx_images(imgs), True)
+    write(raw / "train-labels-idx1-ubyte.gz", idx_labels(labs), True)
+    write(raw / "t10k-images-idx3-ubyte", idx_images(imgs[:2]), False)
+    write(raw / "t10k-labels-idx1-ubyte", idx_labels(labs[:2]), False)
+    train, test = load_mnist_dir(tmp_path, kind="fashion")
+    assert len(train) == 5 and len(test) == 2 and train.name == "fashion-mnist"
+    with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte"):
+        load_mnist_dir(tmp_path, kind="mnist")
+    with pytest.raises(ValueError):
+        load_mnist_dir(tmp_path, kind="emnist")
+
+
+# ---------------------------------------------------------------- CIFAR-10 python batches
+
+class Py2Pickler(pickle._Pickler):
+    """Writes str and bytes as Python 2's cPickle wrote its 8-bit str (the official batches)."""
+
+    def save_bytes(self, obj):
+        if len(obj) < 256:
+            self.write(pickle.SHORT_BINSTRING + bytes([len(obj)]) + obj)
+        else:
+            self.write(pickle.BINSTRING + struct.pack("<i", len(obj)) + obj)
+        self.memoize(obj)
+
+    def save_str(self, obj):
+        self.save_bytes(obj.encode("latin1"))
+
+    dispatch = dict(pickle._Pickler.dispatch)
+    dispatch[bytes] = save_bytes
+    dispatch[str] = save_str
+
+
+def dumps(obj, protocol) -> bytes:
+    if protocol != "py2":
+        return pickle.dumps(obj, protocol=protocol)
+    buf = io.BytesIO()
+    Py2Pickler(buf, protocol=2).dump({k.decode(): v for k, v in obj.items()})  # py2 str keys
+    # numpy < 2 (which wrote the real files) named its module numpy.core
+    return buf.getvalue().replace(b"numpy._core.", b"numpy.core.")
+
+
+def write_cifar(root, n_train=4, n_test=3, protocol="py2"):
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True, exist_ok=True)
+    batches = {}
+    for name, n in [(f"data_batch_{i}", n_train) for i in range(1, 6)] + [("test_batch", n_test)]:
+        batch = {b"batch_label": name.encode(), b"labels": rng.integers(0, 10, n).tolist(),
+                 b"data": rng.integers(0, 256, size=(n, 3072), dtype=np.uint8),
+                 b"filenames": [b"x.png"] * n}
+        (root / name).write_bytes(dumps(batch, protocol))
+        batches[name] = batch
+    return batches
+
+
+@pytest.mark.parametrize("protocol", ["py2", 2, 4, 5])
+def test_load_cifar10_dir(tmp_path, protocol):
+    batches = write_cifar(tmp_path / "cifar-10-batches-py", protocol=protocol)
+    train, test = load_cifar10_dir(tmp_path)
+    assert train.x.shape == (20, 3, 32, 32) and test.x.shape == (3, 3, 32, 32)
+    assert train.x.dtype == np.float32 and 0 <= train.x.min() and train.x.max() <= 1
+    first = batches["data_batch_1"]
+    # channel-first layout: the first 1024 values are the red plane, row by row
+    np.testing.assert_allclose(train.x[0, 0].reshape(-1) * 255, first[b"data"][0, :1024], atol=1e-4)
+    np.testing.assert_allclose(train.x[0, 2, 31, 31] * 255, first[b"data"][0, -1], atol=1e-4)
+    assert train.y[:4].tolist() == first[b"labels"]
+    assert test.y.tolist() == batches["test_batch"][b"labels"]
+
+
+def test_load_cifar10_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data_batch_1"):
+        load_cifar10_dir(tmp_path)
+    write_cifar(tmp_path)
+    (tmp_path / "data_batch_3").write_bytes(b"\x80\x02garbage")
+    with pytest.raises(ValueError):
+        load_cifar10_dir(tmp_path)
+    # a well-formed pickle that would call something other than numpy is refused
+    (tmp_path / "data_batch_3").write_bytes(pickle.dumps({b"data": random.Random}, protocol=2))
+    with pytest.raises(ValueError, match="refusing"):
+        load_cifar10_dir(tmp_path)
+    bad = {b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}
+    (tmp_path / "data_batch_3").write_bytes(pickle.dumps(bad, protocol=2))
+    with pytest.raises(ValueError, match="3072"):
+        load_cifar10_dir(tmp_path)
+
+
+# ---------------------------------------------------------------- SVHN .mat
+
+def write_svhn(path, n, labels=None):
+    import scipy.io
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, size=(32, 32, 3, n), dtype=np.uint8)
+    y = (np.arange(n) % 10 + 1 if labels is None else np.asarray(labels)).reshape(n, 1).astype(np.uint8)
+    scipy.io.savemat(path, {"X": x, "y": y})
+    return x, y
+
+
+def test_load_svhn_dir(tmp_path):
+    x, y = write_svhn(tmp_path / "train_32x32.mat", 12)
+    write_svhn(tmp_path / "test_32x32.mat", 5)
+    train, test = load_svhn_dir(tmp_path)
+    assert train.x.shape == (12, 3, 32, 32) and test.x.shape == (5, 3, 32, 32)
+    assert train.x.dtype == np.float32 and train.x.flags.c_contiguous
+    assert 0 <= train.x.min() and train.x.max() <= 1
+    np.testing.assert_allclose(train.x[4, 1, 7, 3] * 255, x[7, 3, 1, 4], atol=1e-4)  # [H,W,C,n]
+    assert train.y.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2]  # label 10 means digit 0
+
+
+def test_load_svhn_errors(tmp_path):
+    write_svhn(tmp_path / "train_32x32.mat", 3)
+    with pytest.raises(FileNotFoundError, match="test_32x32.mat"):
+        load_svhn_dir(tmp_path)
+    (tmp_path / "test_32x32.mat").write_bytes(b"MATLAB 5.0 nonsense" * 3)
+    with pytest.raises(ValueError):
+        load_svhn_dir(tmp_path)
+    write_svhn(tmp_path / "test_32x32.mat", 3, labels=[1, 11, 2])
+    with pytest.raises(ValueError, match="1..10"):
+        load_svhn_dir(tmp_path)
+
+
+# ---------------------------------------------------------------- embedded
+
+def test_mnist1d_generates_caches_and_reloads(tmp_path, monkeypatch):
+    np.random.seed(123)
+    before = np.random.get_state()[1].copy()
+    train, test = load_mnist1d(num_samples=600, seed=7, cache_dir=tmp_path)
+    assert np.array_equal(np.random.get_state()[1], before), "caller's global RNG was reseeded"
+    assert train.x.shape == (480, 40) and test.x.shape == (120, 40)
+    assert train.x.dtype == np.float32 and train.y.dtype == np.int64 and train.num_classes == 10
+    cached = list(tmp_path.glob("mnist1d-*.npz"))
+    assert len(cached) == 1 and not list(tmp_path.glob("*.tmp"))
+
+    def no_generation(args):
+        raise AssertionError("should have read the cache")
+    monkeypatch.setattr(embedded, "_generate_mnist1d", no_generation)
+    train2, test2 = load_mnist1d(num_samples=600, seed=7, cache_dir=tmp_path)
+    assert np.array_equal(train.x, train2.x) and np.array_equal(test.y, test2.y)
+    with pytest.raises(AssertionError, match="cache"):  # other args -> other file
+        load_mnist1d(num_samples=600, seed=8, cache_dir=tmp_path)
+
+
+def test_mnist1d_corrupt_cache_is_regenerated(tmp_path):
+    train, _ = load_mnist1d(num_samples=100, seed=1, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("mnist1d-*.npz")
+    good = path.read_bytes()
+    for damaged in (b"not a zip", good[: len(good) // 2]):
+        path.write_bytes(damaged)
+        again, _ = load_mnist1d(num_samples=100, seed=1, cache_dir=tmp_path)
+        assert np.array_equal(train.x, again.x)
+        with np.load(path) as z:  # rewritten with the regenerated arrays
+            assert np.array_equal(z["x"], train.x)
+
+
+def test_mnist1d_default_cache_dir_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDAL_CACHE_DIR", str(tmp_path / "c"))
+    load_mnist1d(num_samples=100, seed=1)
+    assert len(list((tmp_path / "c").glob("mnist1d-*.npz"))) == 1
+
+
+def test_digits():
+    train, test = load_digits()
+    assert train.x.shape[1:] == (1, 8, 8) and len(train) + len(test) == 1797
+    assert abs(len(test) - 0.2 * 1797) < 2
+    assert train.x.dtype == np.float32 and train.x.min() == 0.0 and train.x.max() == 1.0
+    assert np.array_equal(np.bincount(test.y) > 30, np.ones(10, bool))  # stratified
+    again, _ = load_digits()
+    assert np.array_equal(train.x, again.x)
