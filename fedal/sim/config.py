@@ -3,6 +3,7 @@ and what it writes back into the results so the run can be repeated exactly."""
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -89,16 +90,11 @@ class RunConfig(BaseModel):
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """TOML file (top-level keys plus a [strategy_params] table), then overrides on top."""
+    """A TOML file (top-level keys plus a [strategy_params] table) or a results JSON (its
+    saved `config`, to repeat a run), then overrides on top."""
     data: dict[str, Any] = {}
     if path is not None:
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        data = _read_config_file(Path(path))
     for key, value in (overrides or {}).items():
         if value is None:
             continue
@@ -110,6 +106,29 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         return RunConfig(**data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    if path.suffix == ".json":
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
+        data = data.get("config", data) if isinstance(data, dict) else data
+    else:
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table of settings")
+    return data
 
 
 def format_validation_error(exc: ValidationError) -> str:

@@ -1,0 +1,126 @@
+"""`fedal simulate` end to end: real processes, real files, the results contract."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fedal.sim import RunConfig, load_config, simulate
+
+SMALL = ["--dataset", "digits", "--clients", "3", "--rounds", "2", "--tau", "2", "--public-size", "100", "--quiet"]
+
+
+def fedal(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "fedal.cli.main", *args], capture_output=True, text=True, cwd=cwd, env={**os.environ}, timeout=300
+    )
+
+
+def without_timings(res: dict) -> dict:
+    return {k: v for k, v in res.items() if k != "timings"}
+
+
+def test_cli_run_writes_results_contract_and_is_deterministic(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for out in (a, b):
+        proc = fedal("simulate", "--strategy", "fedal", *SMALL, "--seed", "3", "--out", str(out), "--plot", str(tmp_path / "p.png"))
+        assert proc.returncode == 0, proc.stderr
+    ra, rb = json.loads(a.read_text()), json.loads(b.read_text())
+    assert without_timings(ra) == without_timings(rb)
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    cfg = ra["config"]
+    assert cfg["strategy"] == "fedal" and cfg["seed"] == 3 and cfg["strategy_params"]["tau"] == 2
+    assert cfg["strategy_params"]["lambda_adv"] == 1.0  # preset made explicit
+    assert [r["round"] for r in ra["rounds"]] == [1, 2]
+    for r in ra["rounds"]:
+        assert {"round", "mean_acc", "min_acc", "max_acc", "client_acc", "bytes_up", "bytes_down"} <= set(r)
+        assert len(r["client_acc"]) == 3 and r["min_acc"] <= r["mean_acc"] <= r["max_acc"]
+        assert r["bytes_up"] > 0 and r["bytes_down"] > 0
+    assert set(ra["final"]) == {"mean_acc", "min_acc", "max_acc", "client_acc"}
+    assert ra["data"]["public_size"] == 100 and len(ra["data"]["public_hash"]) == 64
+
+
+def test_other_seed_changes_the_run(tmp_path):
+    outs = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"{seed}.json"
+        assert fedal("simulate", "--strategy", "fedmd", *SMALL, "--seed", seed, "--out", str(out)).returncode == 0
+        outs.append(json.loads(out.read_text()))
+    assert outs[0]["rounds"] != outs[1]["rounds"]
+
+
+def test_saved_config_reruns_identically(tmp_path):
+    cfg = load_config(None, dict(strategy="fedmd-lf", dataset="digits", clients=3, rounds=2, tau=2, public_size=100, seed=5))
+    first = simulate(cfg)
+    out = tmp_path / "first.json"
+    out.write_text(json.dumps(first))
+    again = simulate(load_config(out))  # a results JSON is a valid --config
+    assert without_timings(again) == without_timings(first)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--strategy", "nope"], "fedal"),
+        (["--dataset", "imagenet"], "mnist1d"),
+        (["--clients", "1"], "clients"),
+        (["--alpha", "-1"], "alpha"),
+        (["--rounds", "0"], "rounds"),
+        (["--clients", "three"], "three"),
+        (["--models", "mlp,transformer"], "cnn1d"),
+        (["--strategy", "fedavg", "--models", "mlp,lenet5"], "one model"),
+        (["--dataset", "cifar10"], "data_dir"),
+        (["--config", "/nonexistent/run.toml"], "not found"),
+    ],
+)
+def test_cli_errors_exit_2_with_a_clear_message(args, needle, tmp_path):
+    proc = fedal("simulate", *args, "--out", str(tmp_path / "x.json"))
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_bad_config_files_exit_2(tmp_path):
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text("strategy = \n")
+    unknown_key = tmp_path / "unknown.toml"
+    unknown_key.write_text('strategy = "fedal"\nlearning_rate = 3\n')
+    bad_param = tmp_path / "param.toml"
+    bad_param.write_text('[strategy_params]\nkd_target = "median"\n')
+    for path, needle in ((bad_toml, "not valid TOML"), (unknown_key, "learning_rate"), (bad_param, "kd_target")):
+        proc = fedal("simulate", "--config", str(path), "--out", str(tmp_path / "x.json"))
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+def test_config_file_with_flag_override(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('strategy = "fedmd"\ndataset = "digits"\nclients = 4\nrounds = 9\n[strategy_params]\nlambda_kd = 0.5\n')
+    cfg = load_config(path, {"rounds": 2, "tau": 3}).resolved()
+    assert (cfg.strategy, cfg.clients, cfg.rounds) == ("fedmd", 4, 2)
+    assert cfg.strategy_params.tau == 3 and cfg.strategy_params.lambda_kd == 0.5
+    assert cfg.strategy_params.lambda_adv == 0.0  # FedMD preset
+
+
+def test_wire_bytes_follow_the_strategy():
+    base = dict(dataset="digits", clients=3, rounds=1, public_size=100, seed=0, strategy_params={"tau": 2})
+    res = {s: simulate(RunConfig(strategy=s, **base))["rounds"][0] for s in ("fedal", "fedmd-lf", "local")}
+    k, b, n, tau = 10, 32, 3, 2
+    # FedAL sends the discriminator gradient down as well: 2*K*B floats instead of K*B
+    extra_down = res["fedal"]["bytes_down"] - res["fedmd-lf"]["bytes_down"]
+    assert extra_down >= n * tau * k * b * 4
+    assert abs(res["fedal"]["bytes_up"] - res["fedmd-lf"]["bytes_up"]) < n * tau * 200  # metadata only
+    assert res["fedmd-lf"]["bytes_up"] > n * tau * k * b * 4
+    assert res["local"]["bytes_up"] < 1000  # no tensors, only envelopes
+
+
+def test_collaboration_beats_local_only_on_digits():
+    base = dict(dataset="digits", clients=4, alpha=0.3, rounds=30, public_size=300, seed=1, models=["mlp"],
+                strategy_params={"tau": 5})
+    local = simulate(RunConfig(strategy="local", **base))["final"]["mean_acc"]
+    fedmd_lf = simulate(RunConfig(strategy="fedmd-lf", **base))["final"]["mean_acc"]
+    assert fedmd_lf > local + 0.05
