@@ -1,0 +1,143 @@
+"""Export a model to ONNX with a dynamic batch axis, for onnxruntime on the edge agents.
+
+Exporter choice (checked on torch 2.13 with every zoo model, opset 17):
+
+* The legacy TorchScript exporter (`dynamo=False` + `dynamic_axes`) is used first. It
+  honours the requested opset, exports every zoo model with a symbolic batch dimension
+  in well under two seconds (resnet18) and takes the same arguments from torch 2.10 (the
+  Pi builds) to 2.13. Its only noise is DeprecationWarnings, which are filtered here.
+* The dynamo exporter (`dynamo=True` + `dynamic_shapes`) is only a fallback for when the
+  legacy one is gone or fails. It also exports every zoo model with parity, but it always
+  builds opset 18 and then tries to down-convert: for models with global average pooling
+  (smallcnn, the WRNs, resnet18) that conversion fails (logging a traceback) and the file
+  silently stays at opset 18. It is also 5-10x slower (1-5 s per model) and chatty
+  (stdout progress, warnings, logs), which `_quiet` suppresses. A batch of 1 in the example
+  would make it specialise the batch dimension, so the example always has >= 2 rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+import torch
+
+__all__ = ["export_onnx", "INPUT_NAME", "OUTPUT_NAME", "BATCH_AXIS_NAME"]
+
+INPUT_NAME = "input"
+OUTPUT_NAME = "logits"
+BATCH_AXIS_NAME = "batch"
+
+_log = logging.getLogger(__name__)
+
+
+def export_onnx(
+    model: torch.nn.Module,
+    example_input: torch.Tensor,
+    path: str | os.PathLike[str],
+    opset: int = 17,
+) -> Path:
+    """Write `model` as ONNX to `path` and return it as a Path, after `onnx.checker` passes.
+
+    The graph has one input "input" and one output "logits", both with a dynamic batch axis
+    (dimension 0, named "batch"). `example_input` is a batch [B, *input_shape]; only its
+    per-sample shape and dtype matter. The model is exported in eval mode (BatchNorm uses
+    its running statistics); its previous train/eval mode is restored afterwards.
+    """
+    if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
+        raise ValueError("example_input must be a batched tensor [B, *input_shape]")
+    if example_input.shape[0] < 1:
+        raise ValueError("example_input must hold at least one sample")
+    expected = getattr(model, "input_shape", None)
+    if expected is not None and tuple(example_input.shape[1:]) != tuple(expected):
+        raise ValueError(
+            f"example_input has per-sample shape {tuple(example_input.shape[1:])}, "
+            f"but the model expects {tuple(expected)}"
+        )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    example = example_input.detach()
+    if example.shape[0] == 1:
+        # Size-1 dims get specialised by torch.export; two rows keep the batch axis symbolic.
+        example = torch.cat([example, example])
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            try:
+                _export_legacy(model, example, path, opset)
+            except Exception as exc:  # legacy exporter removed or unable to trace the model
+                _log.warning("legacy ONNX export failed (%s); retrying with dynamo", exc)
+                _export_dynamo(model, example, path, opset)
+                _warn_if_opset_differs(path, opset)
+    finally:
+        model.train(was_training)
+
+    # Path form lets the checker handle external data; full_check also runs shape inference.
+    onnx.checker.check_model(str(path), full_check=True)
+    return path
+
+
+def _export_legacy(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
+    with warnings.catch_warnings():
+        # "You are using the legacy TorchScript-based ONNX export" and friends; tracer notes.
+        for category in (DeprecationWarning, FutureWarning, torch.jit.TracerWarning):
+            warnings.simplefilter("ignore", category)
+        torch.onnx.export(
+            model,
+            (example,),
+            str(path),
+            dynamo=False,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            dynamic_axes={INPUT_NAME: {0: BATCH_AXIS_NAME}, OUTPUT_NAME: {0: BATCH_AXIS_NAME}},
+            opset_version=opset,
+            do_constant_folding=True,
+        )
+
+
+def _export_dynamo(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
+    batch = torch.export.Dim(BATCH_AXIS_NAME)
+    with _quiet():
+        torch.onnx.export(
+            model,
+            (example,),
+            str(path),
+            dynamo=True,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            dynamic_shapes=({0: batch},),
+            opset_version=opset,
+            external_data=False,  # one self-contained file to ship to the agents
+            verbose=False,
+        )
+
+
+def _warn_if_opset_differs(path: Path, opset: int) -> None:
+    proto = onnx.load(str(path), load_external_data=False)
+    actual = [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")]
+    if actual != [opset]:
+        _log.warning("ONNX file %s has opset %s instead of the requested %d", path, actual, opset)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence the dynamo exporter's progress prints, warnings and opset-conversion logs."""
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnxscript")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
