@@ -38,6 +38,7 @@ class ServerContext:
     num_classes: int
     public_size: int
     seed: int
+    device: str = "cpu"  # where server-side models (FedAL's discriminator) run
 
 
 class ServerHalf(ABC):

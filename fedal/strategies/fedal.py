@@ -52,6 +52,7 @@ class FedALServer(ServerHalf):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(context.seed)
                 self.disc = Discriminator(context.num_classes, len(self.client_ids), params.disc_hidden)
+            self.disc.to(context.device)
             self.disc_opt = torch.optim.Adam(self.disc.parameters(), lr=params.disc_lr)
 
     # -- phases ---------------------------------------------------------------------------
@@ -105,10 +106,11 @@ class FedALServer(ServerHalf):
 
         grads: dict[str, np.ndarray] = {}
         if self.adversarial:
-            rows = f.reshape(n_avg * batch, -1)
-            target = torch.tensor([self.client_index[c] for c in cids]).repeat_interleave(batch)
+            device = self.context.device
+            rows = f.reshape(n_avg * batch, -1).to(device)
+            target = torch.tensor([self.client_index[c] for c in cids]).repeat_interleave(batch).to(device)
             self._discriminator_step(rows, target)
-            g = per_sample_adversarial_grad(self.disc, rows, target, self.params.temperature_disc)
+            g = per_sample_adversarial_grad(self.disc, rows, target, self.params.temperature_disc).cpu()
             grads = {c: g[k * batch : (k + 1) * batch].numpy() for k, c in enumerate(cids)}
 
         tasks = {}
@@ -138,7 +140,7 @@ class FedALServer(ServerHalf):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.adversarial and state:
-            self.disc.load_state_dict(state["disc"])
+            self.disc.load_state_dict(state["disc"])  # load_state_dict keeps the module's device
             self.disc_opt.load_state_dict(state["disc_opt"])
 
 
@@ -179,7 +181,12 @@ class FedALClient(ClientHalf):
         return self.reply(task, loss=float(np.mean(losses)) if losses else 0.0)
 
     def _upload_logits(self, task: Message) -> Message:
-        idx = torch.from_numpy(np.asarray(task.tensors["indices"], dtype=np.int64))
+        raw = np.asarray(task.tensors["indices"])
+        if raw.ndim != 1 or not np.issubdtype(raw.dtype, np.integer) or raw.size == 0:
+            raise ValueError("indices must be a non-empty 1-D integer array")
+        if raw.min() < 0 or raw.max() >= len(self.public_x):
+            raise ValueError(f"indices outside the public set of {len(self.public_x)} rows")
+        idx = torch.from_numpy(raw.astype(np.int64))
         self.model.train()
         logits = self.model(self.public_x[idx])
         self.pending = {"round": task.meta["round"], "iteration": task.meta["iteration"], "indices": idx, "logits": logits}
@@ -191,7 +198,11 @@ class FedALClient(ClientHalf):
         if pend is None or (pend["round"], pend["iteration"]) != (task.meta["round"], task.meta["iteration"]):
             raise ValueError("feedback for an iteration whose logits this client did not upload")
         self.pending = None
-        f, x = pend["logits"], self.public_x[pend["indices"]]
+        x = self.public_x[pend["indices"]]
+        f = pend.get("logits")
+        if f is None:  # restored from a checkpoint: recompute the uploaded logits (same weights)
+            self.model.train()
+            f = self.model(x)
         fbar = torch.from_numpy(np.asarray(task.tensors["fbar"], dtype=np.float32))
         if fbar.shape != f.shape:
             raise ValueError(f"fbar has shape {tuple(fbar.shape)}, expected {tuple(f.shape)}")
@@ -226,8 +237,11 @@ class FedALClient(ClientHalf):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state["ref_loc"] = None if self.ref_loc is None else self.ref_loc.state_dict()
-        state["ref_glo"] = None if self.ref_glo is None else self.ref_glo.state_dict()
+        state["ref_loc"] = None if self.ref_loc is None else copy.deepcopy(self.ref_loc.state_dict())
+        state["ref_glo"] = None if self.ref_glo is None else copy.deepcopy(self.ref_glo.state_dict())
+        state["pending"] = None if self.pending is None else {
+            k: self.pending[k].clone() if k == "indices" else self.pending[k] for k in ("round", "iteration", "indices")
+        }
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -237,3 +251,4 @@ class FedALClient(ClientHalf):
                 ref = frozen_copy(self.model)
                 ref.load_state_dict(state[name])
                 setattr(self, name, ref)
+        self.pending = state.get("pending")

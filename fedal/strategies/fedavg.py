@@ -78,11 +78,13 @@ class FedAvgServer(ServerHalf):
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {} if self.global_weights is None else {"global": dict(self.global_weights)}
+        if self.global_weights is None:
+            return {}
+        return {"global": {k: torch.from_numpy(v.copy()) for k, v in self.global_weights.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("global") is not None:
-            self.global_weights = {k: np.asarray(v) for k, v in state["global"].items()}
+            self.global_weights = {k: torch.as_tensor(v).numpy().copy() for k, v in state["global"].items()}
 
 
 class FedAvgClient(ClientHalf):

@@ -1,0 +1,5 @@
+"""python -m coordinator --config coordinator.toml"""
+
+from coordinator.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""The coordinator's MQTT session (paho-mqtt 2.x, VERSION2 callbacks).
+
+Callbacks run in paho's network thread and only enqueue; the round engine thread does all
+decoding and computing. Results larger than the broker packet limit arrive chunked.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import ssl
+import threading
+
+import paho.mqtt.client as mqtt
+
+from coordinator.config import BrokerSettings
+from fedal.protocol import parse_broker_url, split, topics
+
+log = logging.getLogger("coordinator.mqtt")
+
+
+class CoordinatorBus:
+    def __init__(self, settings: BrokerSettings, run_id: str, inbox: "queue.Queue[tuple[str, bytes]]"):
+        self.settings = settings
+        self.run_id = run_id
+        self.inbox = inbox
+        self.connected = threading.Event()
+        self.bytes_down = 0
+        addr = parse_broker_url(settings.url)
+        self.address = addr
+        self.client = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2, client_id=f"fedal-coordinator-{run_id}", clean_session=True, protocol=mqtt.MQTTv311
+        )
+        username = settings.username or addr.username
+        if username:
+            self.client.username_pw_set(username, settings.password or addr.password)
+        if addr.tls:
+            self.client.tls_set(ca_certs=str(settings.ca_file) if settings.ca_file else None, cert_reqs=ssl.CERT_REQUIRED)
+        self.client.reconnect_delay_set(min_delay=1, max_delay=30)
+        self.client.max_queued_messages_set(0)
+        self.client.on_connect = self._on_connect
+        self.client.on_disconnect = self._on_disconnect
+        self.client.on_message = self._on_message
+
+    def start(self, timeout_s: float = 30) -> None:
+        self.client.connect_async(self.address.host, self.address.port, keepalive=self.settings.keepalive)
+        self.client.loop_start()
+        if not self.connected.wait(timeout_s):
+            raise ConnectionError(f"cannot reach the broker at {self.address.redacted()}")
+
+    def stop(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+    def publish_task(self, client_id: str, payload: bytes) -> int:
+        sent = 0
+        for part in split(payload, self.settings.max_payload):
+            self.client.publish(topics.task(self.run_id, client_id), part, qos=1)
+            sent += len(part)
+        self.bytes_down += sent
+        return sent
+
+    def publish_manifest(self, payload: bytes) -> None:
+        self.client.publish(topics.run_manifest(self.run_id), payload, qos=1, retain=True)
+
+    def _on_connect(self, client, _userdata, _flags, reason_code, _properties) -> None:
+        if reason_code.is_failure:
+            log.warning("broker refused the connection: %s", reason_code)
+            return
+        client.subscribe([(topics.results_filter(self.run_id), 1), (topics.status_filter(self.run_id), 1)])
+        self.connected.set()
+        self.inbox.put(("$connected", b""))
+        log.info("connected to %s", self.address.redacted())
+
+    def _on_disconnect(self, _client, _userdata, _flags, reason_code, _properties) -> None:
+        self.connected.clear()
+        log.warning("disconnected from the broker (%s); reconnecting", reason_code)
+
+    def _on_message(self, _client, _userdata, message) -> None:
+        self.inbox.put((message.topic, bytes(message.payload)))

@@ -1,0 +1,80 @@
+"""Coordinator configuration: a TOML file with FEDAL_COORD_* environment overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from fedal.protocol import DEFAULT_MAX_PAYLOAD, parse_broker_url, topics
+from fedal.settings import load_settings
+from fedal.sim.config import RunConfig
+
+
+class BrokerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = "mqtt://127.0.0.1:1883"
+    username: str | None = None
+    password: str | None = None
+    ca_file: Path | None = None
+    keepalive: int = Field(30, ge=5, le=3600)
+    max_payload: int = Field(DEFAULT_MAX_PAYLOAD, ge=4096)
+    max_message_bytes: int = Field(64 * 1024 * 1024, ge=4096, description="refuse reassembled results larger than this")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        parse_broker_url(v)
+        return v
+
+
+class ApiSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    public_base_url: str | None = Field(None, description="URL agents use to reach this API; default http://host:port")
+
+
+class PhaseSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    deadline_s: float = Field(60.0, gt=0, description="a phase closes at its deadline if the quorum answered")
+    train_deadline_s: float = Field(300.0, gt=0, description="deadline of training phases (local_train, train)")
+    quorum: float = Field(0.5, gt=0, le=1, description="fraction of a phase's clients needed to close it at the deadline")
+    resend_s: float = Field(10.0, gt=0, description="re-send unanswered tasks this often")
+
+
+class CoordinatorConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FEDAL_COORD_", env_nested_delimiter="__", extra="forbid")
+
+    run_id: str = "run"
+    run: RunConfig = Field(default_factory=RunConfig, description="strategy, rounds, seed and the rest of the run")
+    client_ids: list[str] = Field(description="enrolled clients, in enrolment order (the discriminator's classes)")
+    num_classes: int = Field(ge=2)
+    public_file: Path | None = Field(None, description=".npz with x: the public set served to agents")
+    state_dir: Path = Path("coordinator-state")
+    results_file: Path | None = Field(None, description="results JSON; default state_dir/results.json")
+    broker: BrokerSettings = Field(default_factory=BrokerSettings)
+    api: ApiSettings = Field(default_factory=ApiSettings)
+    phases: PhaseSettings = Field(default_factory=PhaseSettings)
+    device: str = Field("auto", description="auto: CUDA when available, else CPU")
+    exit_on_finish: bool = False
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str) -> str:
+        return topics.check_id(v, "run id")
+
+    @field_validator("client_ids")
+    @classmethod
+    def _clients(cls, v: list[str]) -> list[str]:
+        if len(v) < 2 or len(set(v)) != len(v):
+            raise ValueError("client_ids needs at least two unique ids")
+        return [topics.check_id(c, "client id") for c in v]
+
+
+def load_coordinator_config(path: str | Path | None = None, **overrides) -> CoordinatorConfig:
+    return load_settings(CoordinatorConfig, path, **overrides)

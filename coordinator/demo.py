@@ -1,0 +1,210 @@
+"""`fedal demo`: a whole deployment on one machine.
+
+Starts a broker (the embedded one unless --broker), the coordinator and N agent processes, each
+agent in its own workspace holding only its own partition (and the common test set for
+evaluation; the public set it fetches from the coordinator over HTTP and checks against the
+run's hash). Shows progress, prints a per-client table, writes the same results JSON as
+`fedal simulate`, and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import click
+import numpy as np
+import tomli_w
+from tqdm import tqdm
+
+from fedal.cli.options import config_from_flags, run_options
+from fedal.cli.simulate import write_results
+from fedal.data import build_federated
+from fedal.sim.config import RunConfig
+from fedal.sim.runner import client_ids as make_client_ids
+from fedal.sim.runner import client_seed
+
+RUN_ID = "demo"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_port: int) -> tuple[Path, list[Path], dict]:
+    """Partition files, agent configs and the coordinator config for `config` (resolved)."""
+    data = build_federated(config.dataset, num_clients=config.clients, partition=config.partition, alpha=config.alpha,
+                           samples_per_client=config.samples_per_client, public_size=config.public_size,
+                           seed=config.seed, data_dir=config.data_dir)
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    (workdir / "coordinator").mkdir(parents=True)
+    public_file = workdir / "coordinator" / "public.npz"
+    np.savez(public_file, x=data.public_x)
+    ids = make_client_ids(config.clients)
+    agent_configs = []
+    for i, cid in enumerate(ids):
+        ws = workdir / "agents" / cid
+        ws.mkdir(parents=True)
+        np.savez(ws / "train.npz", x=data.clients[i].x, y=data.clients[i].y)
+        np.savez(ws / "test.npz", x=data.test.x, y=data.test.y)
+        agent = {
+            "client_id": cid, "run_id": RUN_ID, "model": config.models[i % len(config.models)],
+            "seed": client_seed(config.seed, i), "data_file": str(ws / "train.npz"), "test_file": str(ws / "test.npz"),
+            "workspace": str(ws), "threads": config.threads, "broker": {"url": broker_url},
+        }
+        path = ws / "agent.toml"
+        path.write_text(tomli_w.dumps(agent))
+        agent_configs.append(path)
+    coord = {
+        "run_id": RUN_ID, "client_ids": ids, "num_classes": data.num_classes, "public_file": str(public_file),
+        "state_dir": str(workdir / "coordinator" / "state"), "broker": {"url": broker_url},
+        "api": {"host": "127.0.0.1", "port": api_port},
+        "run": json.loads(config.model_dump_json(exclude_none=True)),
+    }
+    coord_path = workdir / "coordinator" / "coordinator.toml"
+    coord_path.write_text(tomli_w.dumps(coord))
+    data_info = {
+        "public_hash": data.public_hash, "public_size": int(len(data.public_x)), "test_size": int(len(data.test)),
+        "client_sizes": [int(len(c)) for c in data.clients],
+        "label_histogram": np.asarray(data.partition_stats).astype(int).tolist(),
+    }
+    return coord_path, agent_configs, data_info
+
+
+def get_json(url: str, timeout: float = 2.0):
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def spawn(module: str, config: Path, log_path: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = open(log_path, "wb")
+    return subprocess.Popen([sys.executable, "-m", module, "--config", str(config)], stdout=log, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)
+
+
+def terminate(procs: list[subprocess.Popen], grace_s: float = 10) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_demo(config: RunConfig, workdir: Path, broker: str | None = None, api_port: int = 0, linger_s: float = 0,
+             quiet: bool = False, timeout_s: float = 3600) -> dict:
+    config = config.resolved()
+    api_port = api_port or free_port()
+    embedded = None
+    if broker is None:
+        from coordinator.broker import EmbeddedBroker
+
+        embedded = EmbeddedBroker(port=free_port()).start()
+        broker = embedded.url
+    procs: list[subprocess.Popen] = []
+    try:
+        coord_path, agent_paths, data_info = prepare_workspace(config, workdir, broker, api_port)
+        api = f"http://127.0.0.1:{api_port}"
+        procs.append(spawn("coordinator", coord_path, workdir / "coordinator" / "coordinator.log"))
+        for path in agent_paths:
+            procs.append(spawn("edge_agent", path, path.parent / "agent.log"))
+        if not quiet:
+            click.echo(f"broker {broker} | REST API {api}/api/v1/runs/{RUN_ID} | workspace {workdir}", err=True)
+        results = _follow(api, procs, config.rounds, quiet, timeout_s)
+        results["data"] = {**data_info, **results.get("data", {})}
+        results["clients"] = [{"id": c["id"], "model": config.models[i % len(config.models)]}
+                              for i, c in enumerate(results["clients"])]
+        if linger_s > 0:
+            if not quiet:
+                click.echo(f"run finished; the coordinator stays up {linger_s:.0f} s at {api}", err=True)
+            time.sleep(linger_s)
+        return results
+    finally:
+        terminate(procs)
+        if embedded is not None:
+            embedded.stop()
+
+
+def _follow(api: str, procs: list[subprocess.Popen], rounds: int, quiet: bool, timeout_s: float) -> dict:
+    bar = tqdm(total=rounds, desc="demo", unit="round", disable=quiet, file=sys.stderr)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if procs[0].poll() is not None:
+                raise click.ClickException(f"the coordinator exited with status {procs[0].returncode}; see its log")
+            try:
+                run = get_json(f"{api}/api/v1/runs/{RUN_ID}")
+            except (urllib.error.URLError, OSError, ValueError):
+                time.sleep(0.3)
+                continue
+            last = run.get("last_round") or {}
+            if "mean_acc" in last:
+                bar.set_postfix(mean_acc=f"{last['mean_acc']:.3f}", refresh=False)
+            if run["completed_rounds"] > bar.n:
+                bar.update(run["completed_rounds"] - bar.n)
+            if run["state"] == "finished":
+                return get_json(f"{api}/api/v1/runs/{RUN_ID}/results", timeout=10)
+            if run["state"] in ("failed", "stopped"):
+                raise click.ClickException(f"the run {run['state']}: {run.get('error')}")
+            time.sleep(0.3)
+        raise click.ClickException(f"the run did not finish within {timeout_s:.0f} s")
+    finally:
+        bar.close()
+
+
+def summary_table(results: dict) -> str:
+    dep = results.get("deployment", {}).get("clients", {})
+    accs = results["final"].get("client_acc", [])
+    lines = [f"{'client':8} {'model':12} {'acc':>7} {'answered':>9} {'late':>5} {'rejected':>9} {'KB up':>9} {'KB down':>9}"]
+    for i, c in enumerate(results["clients"]):
+        d = dep.get(c["id"], {})
+        acc = accs[i] if i < len(accs) and accs[i] is not None else float("nan")
+        lines.append(f"{c['id']:8} {c.get('model', '?'):12} {acc:7.4f} {d.get('answered', 0):9d} {d.get('late', 0):5d} "
+                     f"{d.get('rejected', 0):9d} {d.get('bytes_up', 0) / 1024:9.1f} {d.get('bytes_down', 0) / 1024:9.1f}")
+    final = results["final"]
+    lines.append(f"mean acc {final.get('mean_acc', float('nan')):.4f} (min {final.get('min_acc', float('nan')):.4f}, "
+                 f"max {final.get('max_acc', float('nan')):.4f})")
+    return "\n".join(lines)
+
+
+@click.command("demo")
+@run_options
+@click.option("--broker", help="External broker URL (mqtt://host:port) instead of the embedded one.")
+@click.option("--api-port", type=click.IntRange(0, 65535), default=0, help="Coordinator REST port (0: a free one).")
+@click.option("--linger", type=click.FloatRange(0), default=0.0, help="Keep the coordinator up S seconds after the run.")
+@click.option("--workdir", type=click.Path(file_okay=False), default="runs/demo", show_default=True,
+              help="Workspace for the coordinator and the agents (replaced).")
+@click.option("--out", type=click.Path(dir_okay=False), default="runs/demo/results.json", show_default=True)
+@click.option("--plot", type=click.Path(dir_okay=False), help="Also write accuracy vs round as a PNG.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, **flags) -> None:
+    """Run a federated training across processes: broker, coordinator and N agents over MQTT."""
+    config = config_from_flags(config_path, flags)
+    if broker is not None:
+        from fedal.protocol import parse_broker_url
+
+        try:
+            parse_broker_url(broker)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--broker") from None
+    results = run_demo(config, Path(workdir), broker, api_port, linger, quiet)
+    write_results(results, out, plot)
+    click.echo(summary_table(results))
+    click.echo(f"results -> {out}")

@@ -1,0 +1,420 @@
+"""The round engine: drives a strategy's server half over MQTT, phase by phase.
+
+Generic: it knows deadlines, quorum, re-sending, deduplication, validation, evaluation and
+persistence, never an algorithm. Each phase gets a sequence number (epoch, seq); the epoch
+grows with every coordinator start, so agents can tell a re-sent task from a stale one.
+A phase closes when every client answered, or at its deadline once the quorum answered; late
+clients are left out of that phase and rejoin with the next one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import math
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from coordinator.bus import CoordinatorBus
+from coordinator.config import CoordinatorConfig
+from coordinator.store import RunStore
+from fedal import __version__
+from fedal.data import content_hash
+from fedal.protocol import EnvelopeError, Message, Reassembler, RunManifest, encode, topics
+from fedal.sim.runner import accuracy_summary
+from fedal.strategies import InvalidResult, PhaseTasks, ServerContext, get_strategy
+
+log = logging.getLogger("coordinator.engine")
+TRAIN_PHASES = ("local_train", "train")
+
+
+class Stopped(Exception):
+    pass
+
+
+@dataclass
+class ClientInfo:
+    online: bool = False
+    last_seen: float | None = None
+    answered: int = 0
+    late: int = 0
+    rejected: int = 0
+    duplicates: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    last_acc: float | None = None
+
+
+@dataclass
+class PhaseState:
+    phase: PhaseTasks
+    key: tuple[int, int]
+    payloads: dict[str, bytes]
+    pending: set[str]
+    results: dict[str, Message] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+
+
+def pick_device(setting: str) -> str:
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return setting
+
+
+class RoundEngine:
+    def __init__(self, config: CoordinatorConfig):
+        self.cfg = config
+        self.run_config = config.run.model_copy(update={"clients": len(config.client_ids)}).resolved()
+        self.spec = get_strategy(self.run_config.strategy)
+        self.client_ids = list(config.client_ids)
+        self.public_bytes: bytes | None = None
+        self.public_hash: str | None = None
+        public_size = 0
+        if config.public_file is not None:
+            self.public_bytes = config.public_file.read_bytes()
+            with np.load(io.BytesIO(self.public_bytes), allow_pickle=False) as z:
+                x = np.ascontiguousarray(z["x"], dtype=np.float32)
+            self.public_hash, public_size = content_hash(x), len(x)
+        elif self.spec.uses_public_set:
+            raise ValueError(f"strategy {self.spec.name!r} needs a public set: set public_file")
+        self.device = pick_device(config.device)
+        context = ServerContext(config.num_classes, public_size, self.run_config.seed, self.device)
+        self.server = self.spec.server(self.run_config.strategy_params, self.client_ids, context)
+
+        self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.bus = CoordinatorBus(config.broker, config.run_id, self.inbox)
+        self.reassembler = Reassembler(max_size=config.broker.max_message_bytes)
+        self.store = RunStore(config.state_dir)
+        self.lock = threading.RLock()
+        self.stop_event = threading.Event()
+        self.finished_event = threading.Event()
+        self.clients = {cid: ClientInfo() for cid in self.client_ids}
+        self.counters: Counter[str] = Counter()
+        self.records: list[dict[str, Any]] = []
+        self.state = "pending"
+        self.error: str | None = None
+        self.round = 0
+        self.current: PhaseState | None = None
+        self.epoch = 0
+        self.seq = 0
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+        self.config_hash = hashlib.sha256(
+            json.dumps([config.run_id, self.run_config.model_dump(mode="json"), self.client_ids, self.public_hash]).encode()
+        ).hexdigest()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def public_url(self) -> str:
+        base = self.cfg.api.public_base_url or f"http://{self.cfg.api.host}:{self.cfg.api.port}"
+        return f"{base.rstrip('/')}/api/v1/runs/{self.cfg.run_id}/public"
+
+    def manifest(self) -> RunManifest:
+        return RunManifest(
+            run_id=self.cfg.run_id,
+            strategy=self.run_config.strategy,
+            strategy_params=self.run_config.strategy_params.model_dump(mode="json"),
+            num_classes=self.cfg.num_classes,
+            clients=self.client_ids,
+            rounds=self.run_config.rounds,
+            eval_every=self.run_config.eval_every,
+            public_hash=self.public_hash,
+            public_size=None if self.public_bytes is None else self.server.context.public_size,
+            public_url=self.public_url() if self.public_bytes is not None else None,
+            state="running" if self.state in ("pending", "running") else self.state,
+            round=self.round,
+        )
+
+    def run(self) -> None:
+        """Thread target: resume or start, run every round, finish."""
+        try:
+            start = self._resume()
+            self.bus.start()
+            with self.lock:
+                self.state = "running"
+                self.started_at = self.started_at or time.time()
+            self.bus.publish_manifest(self.manifest().to_json())
+            for r in range(start, self.run_config.rounds):
+                with self.lock:
+                    self.round = r
+                self.bus.publish_manifest(self.manifest().to_json())
+                record = self._run_round(r)
+                with self.lock:
+                    self.records.append(record)
+                self._save(completed=r + 1)
+            self._finish("finished")
+        except Stopped:
+            self._finish("stopped")
+        except Exception as exc:  # the API must still report what happened
+            log.exception("run failed")
+            with self.lock:
+                self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            self.finished_event.set()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def _resume(self) -> int:
+        progress = self.store.load_progress()
+        start = 0
+        if progress and progress.get("config_hash") == self.config_hash:
+            self.server.load_state_dict(self.store.load_server_state())
+            self.records = progress["records"]
+            start = int(progress["completed_rounds"])
+            self.epoch = int(progress["epoch"]) + 1
+            self.started_at = progress.get("started_at")
+            for cid, info in progress.get("clients", {}).items():
+                if cid in self.clients:
+                    self.clients[cid] = ClientInfo(**{**info, "online": False})
+            log.info("resuming run %s after round %d (epoch %d)", self.cfg.run_id, start, self.epoch)
+        elif progress:
+            log.warning("state in %s belongs to another config; starting afresh", self.store.dir)
+        self._save(completed=start, server_state=start == 0)
+        return start
+
+    def _save(self, completed: int, server_state: bool = True) -> None:
+        with self.lock:
+            progress = {
+                "config_hash": self.config_hash,
+                "completed_rounds": completed,
+                "epoch": self.epoch,
+                "started_at": self.started_at,
+                "records": self.records,
+                "clients": {c: asdict(i) for c, i in self.clients.items()},
+            }
+        self.store.save(progress, self.server.state_dict() if server_state else None)
+
+    def _finish(self, state: str) -> None:
+        with self.lock:
+            self.state = state
+            self.current = None
+            self.finished_at = time.time()
+        if self.bus.connected.is_set():
+            self.bus.publish_manifest(self.manifest().to_json())
+        if state == "finished":
+            path = self.cfg.results_file or (self.cfg.state_dir / "results.json")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.results(), indent=2) + "\n")
+        self.finished_event.set()
+
+    # -- rounds and phases -------------------------------------------------------------------
+    def _run_round(self, r: int) -> dict[str, Any]:
+        t0 = time.monotonic()
+        up0, down0 = self._bytes()
+        phase = self.server.begin_round(r)
+        latencies: dict[str, list[float]] = {}
+        while phase is not None:
+            state = self._run_phase(phase)
+            latencies.setdefault(phase.phase, []).append(time.monotonic() - state.started)
+            phase = self.server.collect(phase, state.results)
+        up1, down1 = self._bytes()
+        record: dict[str, Any] = {"round": r + 1, "bytes_up": up1 - up0, "bytes_down": down1 - down0}
+        if (r + 1) % self.run_config.eval_every == 0 or r + 1 == self.run_config.rounds:
+            record.update(self._evaluate(r))
+        record["rejected"] = sum(i.rejected for i in self.clients.values())
+        record["server"] = self.server.round_metrics()
+        record["latency_s"] = {k: round(float(np.mean(v)), 4) for k, v in latencies.items()}
+        record["wall_s"] = round(time.monotonic() - t0, 4)
+        return record
+
+    def _evaluate(self, r: int) -> dict[str, Any]:
+        tasks = {cid: Message({"phase": "evaluate", "round": r, "iteration": 0}) for cid in self.client_ids}
+        state = self._run_phase(PhaseTasks("evaluate", r, 0, tasks))  # after the round's byte count
+        accs = [state.results[c].meta.get("acc") if c in state.results else None for c in self.client_ids]
+        for cid, acc in zip(self.client_ids, accs):
+            if acc is not None:
+                self.clients[cid].last_acc = acc
+        known = [a for a in accs if a is not None]
+        if not known:
+            return {}
+        summary = accuracy_summary(known)
+        summary["client_acc"] = accs
+        return summary
+
+    def _run_phase(self, phase: PhaseTasks) -> PhaseState:
+        self.seq += 1
+        key = (self.epoch, self.seq)
+        payloads = {}
+        for cid, task in phase.tasks.items():
+            meta = {**task.meta, "run": self.cfg.run_id, "client": cid, "epoch": key[0], "seq": key[1]}
+            payloads[cid] = encode(Message(meta, task.tensors))
+        state = PhaseState(phase, key, payloads, set(phase.tasks))
+        with self.lock:
+            self.current = state
+        for cid, payload in payloads.items():
+            self._send(cid, payload)
+        train = phase.phase in TRAIN_PHASES
+        deadline = state.started + (self.cfg.phases.train_deadline_s if train else self.cfg.phases.deadline_s)
+        need = math.ceil(self.cfg.phases.quorum * len(phase.tasks))
+        last_resend = time.monotonic()
+        while state.pending:
+            if self.stop_event.is_set():
+                raise Stopped()
+            try:
+                self._handle(*self.inbox.get(timeout=0.05))
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            if now >= deadline and len(state.results) >= need:
+                break
+            if now - last_resend >= self.cfg.phases.resend_s:
+                last_resend = now
+                for cid in list(state.pending):
+                    if self.clients[cid].online:
+                        self._send(cid, payloads[cid])
+        with self.lock:
+            for cid in state.pending:
+                self.clients[cid].late += 1
+            if state.pending:
+                log.info("phase %s r%d i%d closed at its deadline without %s", phase.phase, phase.round, phase.iteration,
+                         sorted(state.pending))
+        return state
+
+    def _send(self, cid: str, payload: bytes) -> None:
+        self.clients[cid].bytes_down += self.bus.publish_task(cid, payload)
+
+    # -- incoming messages -------------------------------------------------------------------
+    def _handle(self, topic: str, payload: bytes) -> None:
+        if topic == "$connected":  # (re)connected: the retained manifest and open tasks again
+            self.bus.publish_manifest(self.manifest().to_json())
+            if self.current is not None:
+                for cid in self.current.pending:
+                    self._send(cid, self.current.payloads[cid])
+            return
+        try:
+            t = topics.parse(topic)
+        except topics.TopicError as exc:
+            self._reject(None, f"bad topic: {exc}")
+            return
+        if t.run != self.cfg.run_id or t.client not in self.clients:
+            self._reject(None, f"message from unknown client {t.client!r} (run {t.run!r})")
+            return
+        if t.kind == "status":
+            self._on_status(t.client, payload)
+        elif t.kind == "up":
+            self._on_result(t.client, payload)
+
+    def _on_status(self, cid: str, payload: bytes) -> None:
+        try:
+            state = json.loads(payload)["state"]
+        except (ValueError, KeyError, TypeError):
+            self._reject(cid, "malformed status message")
+            return
+        info = self.clients[cid]
+        was_online = info.online
+        with self.lock:
+            info.online = state == "online"
+            info.last_seen = time.time()
+        cur = self.current
+        if info.online and not was_online and cur is not None and cid in cur.pending:
+            self._send(cid, cur.payloads[cid])  # a (re)started agent gets the open task at once
+
+    def _on_result(self, cid: str, payload: bytes) -> None:
+        info = self.clients[cid]
+        try:
+            msg = self.reassembler.feed(cid, payload)
+        except EnvelopeError as exc:
+            self._reject(cid, f"malformed envelope: {exc}")
+            return
+        info.bytes_up += len(payload)
+        if msg is None:
+            return
+        meta = msg.meta
+        if meta.get("run") != self.cfg.run_id or meta.get("client") != cid:
+            self._reject(cid, f"result claims run {meta.get('run')!r} client {meta.get('client')!r}")
+            return
+        cur = self.current
+        try:
+            key = (int(meta["epoch"]), int(meta["seq"]))
+        except (KeyError, TypeError, ValueError):
+            self._reject(cid, "result without a valid epoch/seq")
+            return
+        if cur is None or key != cur.key:
+            self.counters["stale"] += 1
+            return
+        if cid in cur.results:
+            info.duplicates += 1
+            self.counters["duplicates"] += 1
+            return
+        try:
+            if cur.phase.phase == "evaluate":
+                self._validate_evaluation(cur.phase, cid, msg)
+            else:
+                self.server.validate(cur.phase, cid, msg)
+        except InvalidResult as exc:
+            self._reject(cid, str(exc))
+            return
+        with self.lock:
+            cur.results[cid] = msg
+            cur.pending.discard(cid)
+            info.answered += 1
+            info.last_seen = time.time()
+
+    def _validate_evaluation(self, phase: PhaseTasks, cid: str, msg: Message) -> None:
+        for k in ("phase", "round", "iteration"):
+            if msg.meta.get(k) != phase.tasks[cid].meta.get(k):
+                raise InvalidResult(f"evaluation result has {k}={msg.meta.get(k)!r}")
+        acc = msg.meta.get("acc")
+        if acc is not None and not (isinstance(acc, (int, float)) and 0.0 <= acc <= 1.0):
+            raise InvalidResult(f"accuracy {acc!r} is not in [0, 1]")
+
+    def _reject(self, cid: str | None, reason: str) -> None:
+        self.counters["rejected"] += 1
+        if cid is not None:
+            self.clients[cid].rejected += 1
+        log.warning("rejected%s: %s", f" from {cid}" if cid else "", reason)
+
+    # -- accounting and reporting ------------------------------------------------------------
+    def _bytes(self) -> tuple[int, int]:
+        return sum(i.bytes_up for i in self.clients.values()), sum(i.bytes_down for i in self.clients.values())
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            cur = self.current
+            return {
+                "run_id": self.cfg.run_id,
+                "strategy": self.run_config.strategy,
+                "state": self.state,
+                "error": self.error,
+                "round": self.round + (1 if self.state == "running" else 0),
+                "rounds": self.run_config.rounds,
+                "completed_rounds": len(self.records),
+                "phase": cur.phase.phase if cur else None,
+                "iteration": cur.phase.iteration if cur else None,
+                "started_at": self.started_at,
+                "finished_at": self.finished_at,
+                "counters": dict(self.counters),
+                "clients": {c: asdict(i) for c, i in self.clients.items()},
+                "config": self.run_config.model_dump(mode="json"),
+                "last_round": self.records[-1] if self.records else None,
+            }
+
+    def results(self) -> dict[str, Any]:
+        """The same results contract as `fedal simulate`."""
+        with self.lock:
+            records = list(self.records)
+        last_eval = next((r for r in reversed(records) if "mean_acc" in r), None)
+        final = {k: last_eval[k] for k in ("mean_acc", "min_acc", "max_acc", "client_acc")} if last_eval else {}
+        return {
+            "config": self.run_config.model_dump(mode="json"),
+            "data": {"public_hash": self.public_hash, "public_size": self.server.context.public_size},
+            "clients": [{"id": cid} for cid in self.client_ids],
+            "rounds": records,
+            "final": final,
+            "deployment": {
+                "run_id": self.cfg.run_id,
+                "device": self.device,
+                "counters": dict(self.counters),
+                "clients": {c: asdict(i) for c, i in self.clients.items()},
+            },
+            "environment": {"fedal": __version__, "torch": torch.__version__},
+            "timings": {"wall_seconds": round((self.finished_at or time.time()) - (self.started_at or time.time()), 3)},
+        }

@@ -1,0 +1,233 @@
+"""The agent: the MQTT link, a worker thread running the strategy's client half, checkpoints.
+
+Tasks carry (epoch, seq), a per-phase sequence number from the coordinator. A task older than
+the last one handled is stale and ignored; the same one again (a QoS 1 redelivery, or the
+coordinator re-sending after a reconnect) is answered from the cached result, never
+recomputed, so feedback is applied exactly once. The checkpoint written after every phase holds
+the client half's state together with that cached result, so a restarted agent resumes where
+it was.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge_agent import checkpoint
+from edge_agent.config import AgentConfig
+from edge_agent.mqtt_link import MqttLink
+from edge_agent.public_set import PublicSetError, load_public_set
+from fedal.data import ArrayDataset
+from fedal.models import build_model
+from fedal.protocol import EnvelopeError, ManifestError, Message, Reassembler, RunManifest, encode, topics
+from fedal.strategies import StrategyParams, get_strategy
+
+log = logging.getLogger("edge_agent")
+
+
+def load_npz_dataset(path: Path, num_classes: int, name: str) -> ArrayDataset:
+    with np.load(path, allow_pickle=False) as z:
+        x, y = z["x"], z["y"]
+    return ArrayDataset(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(y, np.int64), num_classes, name)
+
+
+class Agent:
+    def __init__(self, config: AgentConfig):
+        self.config = config
+        self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.link = MqttLink(config, self.inbox)
+        self.reassembler = Reassembler()
+        self.stop_event = threading.Event()
+        self.finished = threading.Event()
+        self.counters: Counter[str] = Counter()
+        self.manifest: RunManifest | None = None
+        self.client = None
+        self.deferred: list[bytes] = []
+        self.last_key: tuple[int, int] | None = None
+        self.last_result: bytes | None = None
+        self.workspace = Path(config.workspace)
+        self.ckpt_path = self.workspace / "checkpoint.pt"
+        self.retry_at = 0.0
+        self.join_backoff = 0.5
+        self.worker = threading.Thread(target=self._work, name="fedal-worker", daemon=True)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def run(self) -> int:
+        """Block until the run finishes or stop() is called; returns a process exit code."""
+        torch.set_num_threads(self.config.threads)
+        self.workspace.mkdir(parents=True, exist_ok=True)
+        self.link.start()
+        self.worker.start()
+        while not self.stop_event.is_set() and not self.finished.is_set():
+            self.stop_event.wait(0.2)
+        self.stop_event.set()
+        self.worker.join(timeout=30)
+        self.link.stop()
+        self._write_status_file()
+        return 0
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    # -- worker thread -----------------------------------------------------------------------
+    def _work(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                topic, payload = self.inbox.get(timeout=0.2)
+            except queue.Empty:
+                if self.manifest is not None and self.client is None and time.monotonic() >= self.retry_at:
+                    self._join(self.manifest)  # the last attempt to join failed: try again
+                continue
+            try:
+                self._dispatch(topic, payload)
+            except Exception:  # never let one message kill the agent
+                self.counters["errors"] += 1
+                log.exception("error while handling a message on %s", topic)
+
+    def _dispatch(self, topic: str, payload: bytes) -> None:
+        if topic == self.link.manifest_topic:
+            self._on_manifest(payload)
+        elif topic == self.link.task_topic:
+            if self.client is None:
+                self.deferred.append(payload)  # tasks may overtake the retained manifest
+                return
+            self._on_task(payload)
+        else:
+            self._reject(f"message on unexpected topic {topic}")
+
+    def _on_manifest(self, payload: bytes) -> None:
+        if not payload:
+            return  # retained manifest cleared
+        try:
+            manifest = RunManifest.from_json(payload)
+        except ManifestError as exc:
+            self._reject(str(exc))
+            return
+        if manifest.run_id != self.config.run_id or self.config.client_id not in manifest.clients:
+            self._reject(f"manifest for run {manifest.run_id!r} does not enrol {self.config.client_id!r}")
+            return
+        self.manifest = manifest
+        if self.client is None and not self._join(manifest):
+            return
+        if manifest.state in ("finished", "stopped"):
+            self._finish(manifest)
+
+    def _join(self, manifest: RunManifest) -> bool:
+        try:
+            self._setup(manifest)
+        except (PublicSetError, ValueError, OSError) as exc:
+            self.counters["setup_failures"] += 1
+            self.join_backoff = min(30.0, self.join_backoff * 2)
+            self.retry_at = time.monotonic() + self.join_backoff
+            log.error("cannot join run %s (retrying in %.0f s): %s", manifest.run_id, self.join_backoff, exc)
+            return False
+        for held in self.deferred:
+            self._on_task(held)
+        self.deferred.clear()
+        return True
+
+    def _setup(self, manifest: RunManifest) -> None:
+        cfg = self.config
+        spec = get_strategy(manifest.strategy)
+        params = StrategyParams(**manifest.strategy_params)
+        train = load_npz_dataset(cfg.data_file, manifest.num_classes, f"{cfg.client_id}-train")
+        self.test = load_npz_dataset(cfg.test_file, manifest.num_classes, "test") if cfg.test_file else None
+        public = None
+        if spec.uses_public_set:
+            public = load_public_set(manifest.public_hash, cfg.public_file, manifest.public_url, self.workspace / "public.npz")
+        torch.manual_seed(cfg.seed)  # the same initialisation as `fedal simulate` for this seed
+        model = build_model(cfg.model, train.input_shape, manifest.num_classes)
+        self.client = spec.client(cfg.client_id, model, train, public, params, seed=cfg.seed)
+        state = checkpoint.load(self.ckpt_path)
+        if state is not None and state.get("run_id") == cfg.run_id:
+            self.client.load_state_dict(state["client"])
+            self.last_key = tuple(state["last_key"]) if state.get("last_key") else None
+            self.last_result = bytes(state["last_result"].numpy().tobytes()) if state.get("last_result") is not None else None
+            log.info("resumed from checkpoint at %s", self.last_key)
+        log.info("joined run %s as %s with a private %s", manifest.run_id, cfg.client_id, cfg.model)
+
+    def _on_task(self, payload: bytes) -> None:
+        try:
+            task = self.reassembler.feed("coordinator", payload)
+        except EnvelopeError as exc:
+            self._reject(f"malformed task: {exc}")
+            return
+        if task is None:
+            return  # a chunk of a larger task
+        meta = task.meta
+        if meta.get("run") != self.config.run_id or meta.get("client") != self.config.client_id:
+            self._reject(f"task addressed to run {meta.get('run')!r} client {meta.get('client')!r}")
+            return
+        try:
+            key = (int(meta["epoch"]), int(meta["seq"]))
+        except (KeyError, TypeError, ValueError):
+            self._reject("task without a valid epoch/seq")
+            return
+        if self.last_key is not None and key < self.last_key:
+            self.counters["stale"] += 1
+            return
+        if key == self.last_key and self.last_result is not None:
+            self.counters["duplicates"] += 1
+            self.link.publish_result(self.last_result)  # answered before: resend, never recompute
+            return
+        try:
+            result = self._evaluate(task) if task.phase == "evaluate" else self.client.handle(task)
+        except Exception as exc:  # a task this client cannot apply is refused, not fatal
+            self._reject(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {exc}")
+            return
+        result.meta.update(run=self.config.run_id, client=self.config.client_id, epoch=key[0], seq=key[1],
+                           msg_id=uuid.uuid4().hex)
+        wire = encode(result)
+        self.last_key, self.last_result = key, wire
+        self._checkpoint()
+        self.link.publish_result(wire)
+        self.counters["tasks"] += 1
+
+    def _evaluate(self, task: Message) -> Message:
+        base = {k: task.meta[k] for k in ("phase", "round", "iteration")}
+        if self.test is None:
+            return Message({**base, "acc": None})
+        return Message({**base, "acc": self.client.evaluate(self.test.x, self.test.y), "num_test": len(self.test)})
+
+    def _checkpoint(self) -> None:
+        checkpoint.save_atomic(
+            {
+                "run_id": self.config.run_id,
+                "client": self.client.state_dict(),
+                "last_key": list(self.last_key) if self.last_key else None,
+                "last_result": torch.frombuffer(bytearray(self.last_result), dtype=torch.uint8) if self.last_result else None,
+            },
+            self.ckpt_path,
+        )
+
+    def _finish(self, manifest: RunManifest) -> None:
+        """The deployable artifacts of a finished run: the final weights and test-set outputs."""
+        if self.client is None or self.finished.is_set():
+            return
+        out = self.workspace / "final"
+        out.mkdir(parents=True, exist_ok=True)
+        checkpoint.save_atomic(self.client.model.state_dict(), out / "model.pt")
+        if self.test is not None:
+            np.save(out / "test_logits.npy", self.client.predict(self.test.x).numpy())
+        log.info("run %s %s; final model in %s", manifest.run_id, manifest.state, out)
+        if self.config.exit_on_finish:
+            self.finished.set()
+
+    def _reject(self, reason: str) -> None:
+        self.counters["rejected"] += 1
+        log.warning("rejected: %s", reason)
+
+    def _write_status_file(self) -> None:
+        status: dict[str, Any] = {"client_id": self.config.client_id, "counters": dict(self.counters),
+                                  "last_key": self.last_key, "connects": self.link.connects, "ts": time.time()}
+        (self.workspace / "agent-status.json").write_text(json.dumps(status, indent=2))

@@ -1,0 +1,56 @@
+"""Agent configuration: a TOML file with FEDAL_AGENT_* environment overrides
+(nested keys with a double underscore, e.g. FEDAL_AGENT_BROKER__URL)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from fedal.protocol import DEFAULT_MAX_PAYLOAD, parse_broker_url, topics
+from fedal.settings import load_settings
+
+
+class BrokerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = "mqtt://127.0.0.1:1883"
+    username: str | None = None
+    password: str | None = None
+    ca_file: Path | None = Field(None, description="CA bundle for mqtts:// brokers")
+    keepalive: int = Field(30, ge=5, le=3600)
+    max_payload: int = Field(DEFAULT_MAX_PAYLOAD, ge=4096, description="larger envelopes are chunked")
+    reconnect_min_s: float = Field(1.0, gt=0)
+    reconnect_max_s: float = Field(30.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        parse_broker_url(v)
+        return v
+
+
+class AgentConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FEDAL_AGENT_", env_nested_delimiter="__", extra="forbid")
+
+    client_id: str
+    run_id: str
+    broker: BrokerSettings = Field(default_factory=BrokerSettings)
+    model: str = Field(description="private model architecture (zoo name); never leaves the device")
+    seed: int = Field(0, ge=0, description="model initialisation and minibatch sampling")
+    data_file: Path = Field(description=".npz with x (float32) and y (int64): the private training data")
+    test_file: Path | None = Field(None, description=".npz with x, y: the common test set, for evaluation")
+    public_file: Path | None = Field(None, description=".npz with x: the public set; else fetched once over HTTP")
+    workspace: Path = Field(Path("fedal-agent"), description="checkpoints and outputs")
+    threads: int = Field(1, ge=1, description="torch intra-op threads")
+    exit_on_finish: bool = True
+
+    @field_validator("client_id", "run_id")
+    @classmethod
+    def _ids(cls, v: str) -> str:
+        return topics.check_id(v)
+
+
+def load_agent_config(path: str | Path | None = None, **overrides) -> AgentConfig:
+    return load_settings(AgentConfig, path, **overrides)

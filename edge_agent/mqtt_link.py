@@ -1,0 +1,98 @@
+"""The agent's MQTT session (paho-mqtt 2.x, VERSION2 callbacks).
+
+The network loop runs in paho's own thread; callbacks only enqueue what arrives, so training
+never blocks keepalive pings. A retained `online` status is published on every (re)connect and
+the broker publishes the retained Last Will `offline` if the device disappears. paho reconnects
+by itself with exponential backoff between reconnect_min_s and reconnect_max_s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import ssl
+import threading
+import time
+
+import paho.mqtt.client as mqtt
+
+from edge_agent.config import AgentConfig
+from fedal.protocol import parse_broker_url, split, topics
+
+log = logging.getLogger("edge_agent.mqtt")
+
+
+def status_payload(state: str) -> bytes:
+    return json.dumps({"state": state, "ts": time.time()}).encode()
+
+
+class MqttLink:
+    def __init__(self, config: AgentConfig, inbox: "queue.Queue[tuple[str, bytes]]"):
+        self.config = config
+        self.inbox = inbox
+        self.connected = threading.Event()
+        self.connects = 0
+        run, cid = config.run_id, config.client_id
+        self.task_topic = topics.task(run, cid)
+        self.result_topic = topics.result(run, cid)
+        self.status_topic = topics.status(run, cid)
+        self.manifest_topic = topics.run_manifest(run)
+
+        b = config.broker
+        addr = parse_broker_url(b.url)
+        self.address = addr
+        self.client = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2,
+            client_id=f"fedal-agent-{run}-{cid}",
+            clean_session=False,  # the broker keeps QoS 1 tasks across short disconnects
+            protocol=mqtt.MQTTv311,
+        )
+        username = b.username or addr.username
+        if username:
+            self.client.username_pw_set(username, b.password or addr.password)
+        if addr.tls:
+            self.client.tls_set(ca_certs=str(b.ca_file) if b.ca_file else None, cert_reqs=ssl.CERT_REQUIRED)
+        self.client.will_set(self.status_topic, status_payload("offline"), qos=1, retain=True)
+        self.client.reconnect_delay_set(min_delay=max(1, int(b.reconnect_min_s)), max_delay=int(b.reconnect_max_s))
+        self.client.max_queued_messages_set(0)
+        self.client.on_connect = self._on_connect
+        self.client.on_disconnect = self._on_disconnect
+        self.client.on_message = self._on_message
+
+    def start(self) -> None:
+        self.client.connect_async(self.address.host, self.address.port, keepalive=self.config.broker.keepalive)
+        self.client.loop_start()
+
+    def stop(self) -> None:
+        if self.connected.is_set():
+            self.client.publish(self.status_topic, status_payload("offline"), qos=1, retain=True).wait_for_publish(5)
+        self.client.disconnect()
+        self.client.loop_stop()
+
+    def publish_result(self, payload: bytes) -> int:
+        """Publish one result envelope (chunked if large); returns the bytes sent."""
+        sent = 0
+        for part in split(payload, self.config.broker.max_payload):
+            self.client.publish(self.result_topic, part, qos=1)
+            sent += len(part)
+        return sent
+
+    # -- paho callbacks: network thread, enqueue only ----------------------------------------
+    def _on_connect(self, client, _userdata, _flags, reason_code, _properties) -> None:
+        if reason_code.is_failure:
+            log.warning("broker refused the connection: %s", reason_code)
+            return
+        self.connects += 1
+        client.subscribe([(self.manifest_topic, 1), (self.task_topic, 1)])
+        client.publish(self.status_topic, status_payload("online"), qos=1, retain=True)
+        self.connected.set()
+        log.info("connected to %s", self.address.redacted())
+
+    def _on_disconnect(self, _client, _userdata, _flags, reason_code, _properties) -> None:
+        self.connected.clear()
+        if reason_code != 0:
+            log.warning("disconnected (%s); paho reconnects with backoff", reason_code)
+
+    def _on_message(self, _client, _userdata, message) -> None:
+        self.inbox.put((message.topic, bytes(message.payload)))

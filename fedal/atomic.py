@@ -1,0 +1,33 @@
+"""Atomic file writes: readers see the old file or the new one, never a torn one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, BinaryIO
+
+
+def write_atomic(path: str | Path, write: Callable[[BinaryIO], Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    write_atomic(path, lambda fh: fh.write(data))
+
+
+def torch_save_atomic(obj: Any, path: str | Path) -> None:
+    import torch
+
+    write_atomic(path, lambda fh: torch.save(obj, fh))

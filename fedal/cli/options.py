@@ -1,0 +1,53 @@
+"""The run flags shared by `fedal simulate` and `fedal demo`."""
+
+from __future__ import annotations
+
+import click
+
+from fedal.sim.config import DATASET_NAMES, PARTITION_NAMES, ConfigError, RunConfig, load_config
+from fedal.strategies import STRATEGY_NAMES
+
+
+def _models(_ctx, _param, value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise click.BadParameter("give at least one model name, comma separated")
+    return names
+
+
+RUN_OPTIONS = [
+    click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML run config (or a results JSON); flags override it."),
+    click.option("--strategy", type=click.Choice(STRATEGY_NAMES), help="Algorithm to run."),
+    click.option("--dataset", type=click.Choice(DATASET_NAMES), help="Dataset (mnist1d and digits are embedded)."),
+    click.option("--data-dir", type=click.Path(file_okay=False), help="Folder with dataset files (file-backed datasets)."),
+    click.option("--clients", type=int, help="Number of clients N."),
+    click.option("--partition", type=click.Choice(PARTITION_NAMES), help="How private data is split."),
+    click.option("--alpha", type=float, help="Dirichlet concentration."),
+    click.option("--samples-per-client", type=int, help="Private samples per client."),
+    click.option("--public-size", type=int, help="Unlabeled public rows |P|."),
+    click.option("--rounds", type=int, help="Rounds T."),
+    click.option("--tau", type=int, help="Local steps and transfer iterations per round."),
+    click.option("--seed", type=int, help="Seed driving data, models and sampling."),
+    click.option("--models", callback=_models, help="Comma-separated model names, assigned round-robin."),
+    click.option("--eval-every", type=int, help="Evaluate every k rounds."),
+    click.option("--threads", type=int, help="torch threads per process."),
+]
+
+RUN_FLAGS = ("strategy", "dataset", "data_dir", "clients", "partition", "alpha", "samples_per_client", "public_size",
+             "rounds", "tau", "seed", "models", "eval_every", "threads")
+
+
+def run_options(func):
+    for option in reversed(RUN_OPTIONS):
+        func = option(func)
+    return func
+
+
+def config_from_flags(config_path: str | None, flags: dict) -> RunConfig:
+    """The run config from --config plus flags; usage errors exit with status 2."""
+    try:
+        return load_config(config_path, {k: flags.get(k) for k in RUN_FLAGS})
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None

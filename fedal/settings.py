@@ -1,0 +1,55 @@
+"""TOML config files with environment-variable overrides, for the agent and the coordinator.
+
+Precedence: explicit arguments > environment (e.g. FEDAL_AGENT_BROKER__URL) > the TOML file >
+defaults. Errors come back as one readable line per problem.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, TomlConfigSettingsSource
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+class SettingsError(ValueError):
+    pass
+
+
+def load_settings(cls: type[S], path: str | Path | None = None, **overrides) -> S:
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise SettingsError(f"config file not found: {path}")
+        try:
+            tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
+
+    class _WithFile(cls):  # type: ignore[misc, valid-type]
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+            if path is not None:
+                sources += (TomlConfigSettingsSource(settings_cls, toml_file=path),)
+            return sources
+
+    try:
+        loaded = _WithFile(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
+        )
+        raise SettingsError(f"invalid config{f' {path}' if path else ''}: {problems}") from None
+    return cls.model_validate(loaded.model_dump())
