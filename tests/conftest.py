@@ -15,3 +15,49 @@ def _fedal_cache(tmp_path_factory):
         os.environ.pop("FEDAL_CACHE_DIR", None)
     else:
         os.environ["FEDAL_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def mosquitto(tmp_path_factory):
+    """A private Mosquitto on a free loopback port, with a generated config."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+    if not Path(binary).exists():
+        pytest.fail("mosquitto is not installed: run the README's test command (scripts/test.sh installs it)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = tmp_path_factory.mktemp("mosquitto")
+    conf = d / "mosquitto.conf"
+    conf.write_text(
+        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+        f"log_dest file {d / 'mosquitto.log'}\nmax_queued_messages 10000\n"
+    )
+    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("mosquitto did not start")
+    yield f"mqtt://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture()
+def embedded_broker():
+    from coordinator.broker import EmbeddedBroker
+    from coordinator.demo import free_port
+
+    broker = EmbeddedBroker(port=free_port()).start()
+    yield broker.url
+    broker.stop()
