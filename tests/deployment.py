@@ -1,0 +1,71 @@
+"""A deployment on loopback for tests: workspace from `fedal demo`'s preparation, then the
+coordinator and agents as real processes that the test can kill and restart."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+
+import tomli_w
+
+from coordinator.demo import RUN_ID, free_port, prepare_workspace, spawn, terminate
+
+
+class Deployment:
+    def __init__(self, config, workdir: Path, broker: str, phases: dict | None = None, coordinator: dict | None = None):
+        self.config = config.resolved()
+        self.workdir = workdir
+        self.port = free_port()
+        self.api = f"http://127.0.0.1:{self.port}"
+        self.coord_path, self.agent_paths, self.data_info = prepare_workspace(self.config, workdir, broker, self.port)
+        coord = tomllib.loads(self.coord_path.read_text())
+        coord["phases"] = {**coord.get("phases", {}), **(phases or {})}
+        coord.update(coordinator or {})
+        self.coord_path.write_text(tomli_w.dumps(coord))
+        self.coord_config = coord
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.coordinator: subprocess.Popen | None = None
+
+    def agent_path(self, cid: str) -> Path:
+        return next(p for p in self.agent_paths if p.parent.name == cid)
+
+    def start_coordinator(self) -> None:
+        self.coordinator = spawn("coordinator", self.coord_path, self.workdir / "coordinator" / "coordinator.log")
+
+    def start_agent(self, cid: str) -> subprocess.Popen:
+        path = self.agent_path(cid)
+        self.agents[cid] = spawn("edge_agent", path, path.parent / f"agent-{time.monotonic_ns()}.log")
+        return self.agents[cid]
+
+    def run(self) -> dict:
+        return get(f"{self.api}/api/v1/runs/{RUN_ID}")
+
+    def wait_for(self, predicate, timeout_s: float = 120, what: str = "condition") -> dict:
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            if self.coordinator is not None and self.coordinator.poll() is not None:
+                raise AssertionError(f"coordinator exited with {self.coordinator.returncode}")
+            try:
+                last = self.run()
+                if predicate(last):
+                    return last
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}; last state: {json.dumps(last)[:2000] if last else None}")
+
+    def results(self) -> dict:
+        return get(f"{self.api}/api/v1/runs/{RUN_ID}/results")
+
+    def close(self) -> None:
+        terminate([p for p in [*self.agents.values(), self.coordinator] if p is not None])
+
+
+def get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.loads(resp.read())
