@@ -44,7 +44,7 @@ class PhaseSettings(BaseModel):
     deadline_s: float = Field(60.0, gt=0, description="a phase closes at its deadline if the quorum answered")
     train_deadline_s: float = Field(300.0, gt=0, description="deadline of training phases (local_train, train)")
     quorum: float = Field(0.5, gt=0, le=1, description="fraction of a phase's clients needed to close it at the deadline")
-    resend_s: float = Field(10.0, gt=0, description="re-send unanswered tasks this often")
+    resend_s: float = Field(30.0, gt=0, description="re-send unanswered tasks to online clients this often")
 
 
 class CoordinatorConfig(BaseSettings):

@@ -15,8 +15,10 @@ import json
 import logging
 import math
 import queue
+import socket
 import threading
 import time
+import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -62,6 +64,7 @@ class PhaseState:
     pending: set[str]
     results: dict[str, Message] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
+    wall_started: float = field(default_factory=time.time)
 
 
 def pick_device(setting: str) -> str:
@@ -106,15 +109,20 @@ class RoundEngine:
         self.current: PhaseState | None = None
         self.epoch = 0
         self.seq = 0
+        self.connects = 0
         self.started_at: float | None = None
         self.finished_at: float | None = None
+        self.instance = ""  # set by _resume: the same across restarts of one run, new for a fresh start
         self.config_hash = hashlib.sha256(
             json.dumps([config.run_id, self.run_config.model_dump(mode="json"), self.client_ids, self.public_hash]).encode()
         ).hexdigest()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def public_url(self) -> str:
-        base = self.cfg.api.public_base_url or f"http://{self.cfg.api.host}:{self.cfg.api.port}"
+        host = self.cfg.api.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.getfqdn()  # a wildcard bind address is not an address agents can reach
+        base = self.cfg.api.public_base_url or f"http://{host}:{self.cfg.api.port}"
         return f"{base.rstrip('/')}/api/v1/runs/{self.cfg.run_id}/public"
 
     def manifest(self) -> RunManifest:
@@ -131,6 +139,7 @@ class RoundEngine:
             public_url=self.public_url() if self.public_bytes is not None else None,
             state="running" if self.state in ("pending", "running") else self.state,
             round=self.round,
+            instance=self.instance,
         )
 
     def run(self) -> None:
@@ -170,6 +179,7 @@ class RoundEngine:
             self.records = progress["records"]
             start = int(progress["completed_rounds"])
             self.epoch = int(progress["epoch"]) + 1
+            self.instance = progress["instance"]
             self.started_at = progress.get("started_at")
             for cid, info in progress.get("clients", {}).items():
                 if cid in self.clients:
@@ -177,6 +187,8 @@ class RoundEngine:
             log.info("resuming run %s after round %d (epoch %d)", self.cfg.run_id, start, self.epoch)
         elif progress:
             log.warning("state in %s belongs to another config; starting afresh", self.store.dir)
+        if not self.instance:
+            self.instance = f"{self.config_hash[:12]}-{uuid.uuid4().hex[:8]}"
         self._save(completed=start, server_state=start == 0)
         return start
 
@@ -186,6 +198,7 @@ class RoundEngine:
                 "config_hash": self.config_hash,
                 "completed_rounds": completed,
                 "epoch": self.epoch,
+                "instance": self.instance,
                 "started_at": self.started_at,
                 "records": self.records,
                 "clients": {c: asdict(i) for c, i in self.clients.items()},
@@ -283,11 +296,13 @@ class RoundEngine:
 
     # -- incoming messages -------------------------------------------------------------------
     def _handle(self, topic: str, payload: bytes) -> None:
-        if topic == "$connected":  # (re)connected: the retained manifest and open tasks again
-            self.bus.publish_manifest(self.manifest().to_json())
-            if self.current is not None:
-                for cid in self.current.pending:
-                    self._send(cid, self.current.payloads[cid])
+        if topic == "$connected":
+            self.connects += 1
+            if self.connects > 1:  # a reconnect: the retained manifest and the open tasks again
+                self.bus.publish_manifest(self.manifest().to_json())
+                if self.current is not None:
+                    for cid in self.current.pending:
+                        self._send(cid, self.current.payloads[cid])
             return
         try:
             t = topics.parse(topic)
@@ -304,7 +319,8 @@ class RoundEngine:
 
     def _on_status(self, cid: str, payload: bytes) -> None:
         try:
-            state = json.loads(payload)["state"]
+            status = json.loads(payload)
+            state, ts = status["state"], float(status.get("ts", 0.0))
         except (ValueError, KeyError, TypeError):
             self._reject(cid, "malformed status message")
             return
@@ -314,8 +330,8 @@ class RoundEngine:
             info.online = state == "online"
             info.last_seen = time.time()
         cur = self.current
-        if info.online and not was_online and cur is not None and cid in cur.pending:
-            self._send(cid, cur.payloads[cid])  # a (re)started agent gets the open task at once
+        if info.online and not was_online and cur is not None and cid in cur.pending and ts >= cur.wall_started:
+            self._send(cid, cur.payloads[cid])  # connected after the task went out: send it again
 
     def _on_result(self, cid: str, payload: bytes) -> None:
         info = self.clients[cid]
@@ -351,6 +367,9 @@ class RoundEngine:
                 self.server.validate(cur.phase, cid, msg)
         except InvalidResult as exc:
             self._reject(cid, str(exc))
+            return
+        except Exception as exc:  # a validator tripping over odd input is still a rejection
+            self._reject(cid, f"unusable result: {type(exc).__name__}: {exc}")
             return
         with self.lock:
             cur.results[cid] = msg

@@ -119,8 +119,10 @@ class Agent:
         self.manifest = manifest
         if self.client is None and not self._join(manifest):
             return
-        if manifest.state in ("finished", "stopped"):
+        if manifest.state == "finished":
             self._finish(manifest)
+        elif manifest.state == "stopped":
+            log.info("run %s is stopped; waiting for it to resume", manifest.run_id)
 
     def _join(self, manifest: RunManifest) -> bool:
         try:
@@ -149,7 +151,7 @@ class Agent:
         model = build_model(cfg.model, train.input_shape, manifest.num_classes)
         self.client = spec.client(cfg.client_id, model, train, public, params, seed=cfg.seed)
         state = checkpoint.load(self.ckpt_path)
-        if state is not None and state.get("run_id") == cfg.run_id:
+        if state is not None and (state.get("run_id"), state.get("instance")) == (cfg.run_id, manifest.instance):
             self.client.load_state_dict(state["client"])
             self.last_key = tuple(state["last_key"]) if state.get("last_key") else None
             self.last_result = bytes(state["last_result"].numpy().tobytes()) if state.get("last_result") is not None else None
@@ -203,6 +205,7 @@ class Agent:
         checkpoint.save_atomic(
             {
                 "run_id": self.config.run_id,
+                "instance": self.manifest.instance if self.manifest else "",
                 "client": self.client.state_dict(),
                 "last_key": list(self.last_key) if self.last_key else None,
                 "last_result": torch.frombuffer(bytearray(self.last_result), dtype=torch.uint8) if self.last_result else None,

@@ -76,3 +76,22 @@ def test_mutated_envelopes_never_crash(pos, byte):
         decode(bytes(good))
     except EnvelopeError:
         pass
+
+
+def test_dtypes_numpy_cannot_hold_are_refused_not_fatal():
+    header = json.dumps({"__metadata__": {"fedal": json.dumps({"v": PROTOCOL_VERSION})},
+                         "x": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}).encode()
+    with pytest.raises(EnvelopeError):
+        decode(len(header).to_bytes(8, "little") + header + b"\x00" * 4)
+
+
+@pytest.mark.parametrize("meta", ['{"v": true}', '{"v": 1.0}', '{"v": 1, "loss": NaN}', '"just a string"'])
+def test_metadata_must_be_strict(meta):
+    header = json.dumps({"__metadata__": {"fedal": meta}}).encode()
+    with pytest.raises(EnvelopeError):
+        decode(len(header).to_bytes(8, "little") + header)
+
+
+def test_encoding_refuses_non_finite_metadata():
+    with pytest.raises(ValueError):
+        encode(Message({"loss": float("nan")}))

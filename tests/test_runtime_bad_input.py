@@ -139,9 +139,11 @@ def test_bad_input_is_rejected_counted_and_survived(deployment, mosquitto):
     counters = final["counters"]
     # garbage, shape, NaN, Inf, dtype, other run, other client, oversized, chunk limit, intruder, bad status, bad acc
     assert counters["rejected"] >= 12, counters
-    assert counters.get("stale", 0) >= 1 and counters.get("duplicates", 0) >= 1, counters
+    # the stale sequence number, and the duplicate (counted as a duplicate, or as stale once its phase closed)
+    assert counters.get("stale", 0) + counters.get("duplicates", 0) >= 2, counters
     assert final["completed_rounds"] == 3
-    assert final["clients"]["c02"]["answered"] > 0
+    # every phase counted c02 once: 3 rounds x (local_train + 2 x (logits + feedback)) + 3 evaluations
+    assert final["clients"]["c02"]["answered"] == 3 * (1 + 2 * 2) + 3
     assert dep.coordinator.poll() is None  # still serving
 
     for cid in ("c00", "c01"):

@@ -26,7 +26,7 @@ class EnvelopeError(ValueError):
 def encode(message: Message) -> bytes:
     meta = {**message.meta, "v": PROTOCOL_VERSION}
     arrays = {k: np.ascontiguousarray(v) for k, v in message.tensors.items()}
-    return st_save(arrays, metadata={_META_KEY: json.dumps(meta, sort_keys=True)})
+    return st_save(arrays, metadata={_META_KEY: json.dumps(meta, sort_keys=True, allow_nan=False)})
 
 
 def decode(payload: bytes) -> Message:
@@ -43,19 +43,27 @@ def decode(payload: bytes) -> Message:
         tensors = st_load(payload)
     except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
         raise EnvelopeError(f"not a safetensors envelope: {exc}") from exc
+    except Exception as exc:  # e.g. a dtype numpy cannot hold (BF16, F8): refused, never fatal
+        raise EnvelopeError(f"unsupported envelope content: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(header, dict):
+        raise EnvelopeError("envelope header is not a JSON object")
     raw_meta = (header.get("__metadata__") or {}).get(_META_KEY)
     if raw_meta is None:
         raise EnvelopeError("envelope has no fedal metadata")
     try:
-        meta = json.loads(raw_meta)
+        meta = json.loads(raw_meta, parse_constant=_refuse_constant)
     except ValueError as exc:
         raise EnvelopeError(f"metadata is not JSON: {exc}") from exc
     if not isinstance(meta, dict):
         raise EnvelopeError("metadata must be a JSON object")
     version = meta.pop("v", None)
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise EnvelopeError(f"protocol version {version!r} is not supported (expected {PROTOCOL_VERSION})")
     return Message(meta, dict(tensors))
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"metadata holds {name}, which is not JSON")
 
 
 def wire_size(message: Message) -> int:

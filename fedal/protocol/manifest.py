@@ -29,8 +29,9 @@ class RunManifest(BaseModel):
     public_hash: str | None = None
     public_size: int | None = None
     public_url: str | None = None
-    state: Literal["running", "paused", "finished", "stopped"] = "running"
+    state: Literal["running", "finished", "stopped"] = "running"
     round: int = 0
+    instance: str = Field("", description="changes when a run starts afresh; kept when a coordinator resumes it")
 
     def to_json(self) -> bytes:
         return self.model_dump_json().encode()

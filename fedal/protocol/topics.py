@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 ROOT = "fedal/v1"
-ID_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 KINDS = ("run", "down", "up", "status")
 
 
@@ -21,7 +21,7 @@ class TopicError(ValueError):
 
 
 def check_id(value: str, what: str = "id") -> str:
-    if not isinstance(value, str) or not ID_PATTERN.match(value):
+    if not isinstance(value, str) or not ID_PATTERN.fullmatch(value):
         raise TopicError(f"invalid {what} {value!r}: use 1-64 characters from A-Z a-z 0-9 _ . -")
     return value
 

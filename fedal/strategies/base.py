@@ -70,7 +70,10 @@ class ServerHalf(ABC):
             if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr)):
                 raise InvalidResult(f"tensor {name!r} contains NaN or infinity")
 
-    def record(self, name: str, value: float) -> None:
+    def record(self, name: str, value: object) -> None:
+        """Keep a diagnostic; values a client sent that are not finite numbers are ignored."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+            return
         self.metrics.setdefault(name, []).append(float(value))
 
     def round_metrics(self) -> dict[str, float]:

@@ -55,9 +55,10 @@ class FedAvgServer(ServerHalf):
             if set(result.tensors) != set(ref):
                 raise InvalidResult("uploaded weights do not match the global model's tensors")
             for key, arr in result.tensors.items():
-                if arr.shape != ref[key].shape:
-                    raise InvalidResult(f"tensor {key!r} has shape {arr.shape}, expected {ref[key].shape}")
-        if phase.phase == "train" and not float(result.meta.get("num_samples", 0)) > 0:
+                if arr.shape != ref[key].shape or arr.dtype != ref[key].dtype:
+                    raise InvalidResult(f"tensor {key!r} is {arr.dtype}{list(arr.shape)}, expected {ref[key].dtype}{list(ref[key].shape)}")
+        n = result.meta.get("num_samples")
+        if phase.phase == "train" and (isinstance(n, bool) or not isinstance(n, (int, float)) or not n > 0):
             raise InvalidResult("a train result must report num_samples > 0")
 
     def collect(self, phase: PhaseTasks, results: dict[str, Message]) -> PhaseTasks | None:
@@ -65,6 +66,8 @@ class FedAvgServer(ServerHalf):
             if not results:
                 return None  # nobody answered: try again next round
             (res,) = results.values()
+            if not res.tensors:
+                return None  # no weights: ask again next round
             self.global_weights = dict(res.tensors)
             return self._train_phase(phase.round)
         if results:
