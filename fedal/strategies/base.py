@@ -119,6 +119,8 @@ class ClientHalf(ABC):
 
     def reply(self, task: Message, tensors: dict[str, np.ndarray] | None = None, **meta: Any) -> Message:
         base = {k: task.meta[k] for k in ("phase", "round", "iteration") if k in task.meta}
+        # a diverged loss is reported as null: non-finite numbers are not JSON
+        meta = {k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in meta.items()}
         return Message({**base, **meta}, tensors or {})
 
     def sample_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
