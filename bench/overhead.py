@@ -129,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     t_dist = sum(r["wall_s"] for r in results["rounds"])
     k, b, n, tau = 10, args.public_batch, args.clients, args.tau
     iterations = args.rounds * tau * n  # client-iterations
-    up = observer.bytes[("up", "logits")] + observer.bytes[("up", "feedback")]
-    down = observer.bytes[("down", "logits")] + observer.bytes[("down", "feedback")]
+    # every byte of the round's training traffic (local_train + transfer), per client-iteration
+    up = observer.bytes[("up", "local_train")] + observer.bytes[("up", "transfer")]
+    down = observer.bytes[("down", "local_train")] + observer.bytes[("down", "transfer")]
     per_up, per_down = up / iterations, down / iterations
     report = {
         "broker": broker_name,

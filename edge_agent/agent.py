@@ -15,7 +15,6 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -187,8 +186,7 @@ class Agent:
         except Exception as exc:  # a task this client cannot apply is refused, not fatal
             self._reject(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {exc}")
             return
-        result.meta.update(run=self.config.run_id, client=self.config.client_id, epoch=key[0], seq=key[1],
-                           msg_id=uuid.uuid4().hex)
+        result.meta.update(run=self.config.run_id, client=self.config.client_id, epoch=key[0], seq=key[1])
         wire = encode(result)
         self.last_key, self.last_result = key, wire
         self._checkpoint()

@@ -18,13 +18,12 @@ from tests.helpers import toy_federation
 
 
 def run_to_feedback(server, clients, round_idx=0):
-    """Drive one round up to the first feedback phase; returns (logits phase, results, feedback phase)."""
+    """Drive one round up to the first feedback; returns (the phase that sent the public rows,
+    the results carrying logits on them, the transfer phase carrying the feedback)."""
     phase = server.begin_round(round_idx)
     results = {cid: clients[cid].handle(t) for cid, t in phase.tasks.items()}
-    logits_phase = server.collect(phase, results)
-    logits = {cid: clients[cid].handle(t) for cid, t in logits_phase.tasks.items()}
-    feedback = server.collect(logits_phase, logits)
-    return logits_phase, logits, feedback
+    feedback = server.collect(phase, results)
+    return phase, results, feedback
 
 
 def test_split_gradient_equals_end_to_end_autograd():
@@ -172,19 +171,23 @@ def test_communication_sizes_per_transfer_iteration():
     for cid in clients:
         assert logits[cid].tensors["logits"].size == k * b  # K*B up
         down = feedback.tasks[cid].tensors
-        assert sorted(down) == ["fbar", "grad"] and sum(a.size for a in down.values()) == 2 * k * b
-    server_md, clients_md, _ = toy_federation("fedmd", k=k, public_batch_size=b)
+        assert sorted(down) == ["fbar", "grad", "indices"]  # feedback travels with the next rows
+        assert down["fbar"].size + down["grad"].size == 2 * k * b and down["indices"].size == b
+    server_md, clients_md, _ = toy_federation("fedmd-lf", k=k, public_batch_size=b)
     _, _, feedback_md = run_to_feedback(server_md, clients_md)
-    assert sorted(feedback_md.tasks["c0"].tensors) == ["fbar"]  # no discriminator: K*B down
+    assert sorted(feedback_md.tasks["c0"].tensors) == ["fbar", "indices"]  # no discriminator: K*B down
+    server_md, clients_md, _ = toy_federation("fedmd", k=k, public_batch_size=b)  # tau = 1: no next rows
+    _, _, feedback_md = run_to_feedback(server_md, clients_md)
+    assert sorted(feedback_md.tasks["c0"].tensors) == ["fbar"]
 
 
 def test_partial_participation_excludes_late_clients():
     server, clients, _ = toy_federation("fedal", n_clients=4)
     phase = server.begin_round(0)
-    server_phase = server.collect(phase, {c: clients[c].handle(t) for c, t in phase.tasks.items()})
-    answered = {c: clients[c].handle(t) for c, t in server_phase.tasks.items() if c != "c3"}
-    feedback = server.collect(server_phase, answered)
-    assert sorted(feedback.tasks) == ["c0", "c1", "c2"]
+    answered = {c: clients[c].handle(t) for c, t in phase.tasks.items() if c != "c3"}
+    feedback = server.collect(phase, answered)
+    assert sorted(c for c, t in feedback.tasks.items() if "fbar" in t.tensors) == ["c0", "c1", "c2"]
+    assert sorted(feedback.tasks["c3"].tensors) == ["indices"]  # left out, but rejoins at the next iteration
     assert feedback.tasks["c0"].meta["n_avg"] == 3
     assert server.disc.net[-1].out_features == 4  # output size stays the enrolled count
     torch.testing.assert_close(
@@ -202,7 +205,7 @@ def test_invalid_results_are_rejected_and_counted():
 
         def handle(self, task):
             res = self.inner.handle(task)
-            if task.phase == "logits":
+            if "logits" in res.tensors and task.meta["round"] == 0:
                 if self.mode == "nan":
                     res.tensors["logits"][0, 0] = np.nan
                 else:

@@ -79,7 +79,7 @@ def attack_agent(c: ScriptedClient) -> None:
     c.publish_raw(down, b"not an envelope")
     c.publish_raw(down, encode(Message({"phase": "logits", "run": RUN, "client": "c01", "epoch": 0, "seq": 99})))
     c.publish_raw(down, encode(Message({"phase": "logits", "run": RUN, "client": "c00"})))  # no sequence number
-    c.publish_raw(down, encode(Message({"phase": "feedback", "run": RUN, "client": "c00", "epoch": 0, "seq": 10**6,
+    c.publish_raw(down, encode(Message({"phase": "transfer", "run": RUN, "client": "c00", "epoch": 0, "seq": 10**6,
                                         "round": 0, "iteration": 0}, {"fbar": np.zeros((3, 3), np.float32)})))
 
 
@@ -110,7 +110,7 @@ def test_bad_input_is_rejected_counted_and_survived(deployment, mosquitto):
             except queue.Empty:
                 continue
             phase = task.meta["phase"]
-            if phase == "logits":
+            if "indices" in task.tensors:  # a task that wants logits back
                 if not attacked["logits"]:
                     attacked["logits"] = True
                     attack_on_logits(c, task, k)
@@ -122,7 +122,7 @@ def test_bad_input_is_rejected_counted_and_survived(deployment, mosquitto):
                     c.reply(task, acc=1.5)  # not an accuracy
                 c.reply(task, acc=0.5)
             else:
-                if not attacked["agent"] and phase == "feedback":
+                if not attacked["agent"] and phase == "transfer":
                     attacked["agent"] = True
                     attack_agent(c)
                 c.reply(task, loss=0.0)
@@ -142,8 +142,8 @@ def test_bad_input_is_rejected_counted_and_survived(deployment, mosquitto):
     # the stale sequence number, and the duplicate (counted as a duplicate, or as stale once its phase closed)
     assert counters.get("stale", 0) + counters.get("duplicates", 0) >= 2, counters
     assert final["completed_rounds"] == 3
-    # every phase counted c02 once: 3 rounds x (local_train + 2 x (logits + feedback)) + 3 evaluations
-    assert final["clients"]["c02"]["answered"] == 3 * (1 + 2 * 2) + 3
+    # every phase counted c02 once: 3 rounds x (local_train + 2 transfers) + 3 evaluations
+    assert final["clients"]["c02"]["answered"] == 3 * (1 + 2) + 3
     assert dep.coordinator.poll() is None  # still serving
 
     for cid in ("c00", "c01"):

@@ -1,13 +1,16 @@
 """FedAL (fedal.txt, Algorithm 1; ALGORITHMS.md section 1): both halves of one round.
 
-Round t:
-  local_train   client: tau SGD steps on CE + lambda_lf_loc * KL(p(theta_ref_loc) || p)
-  tau x:
-    logits      server sends public row indices; client uploads f_n on them   (K*B up)
-    feedback    server: one discriminator step, per-sample G_n with the updated w, fbar;
-                client: one step on lambda_kd * KL(softmax(target) || p_n)
-                        + lambda_lf_glo * KL(p(theta_ref_glo) || p_n)
-                        + lambda_adv * <G_n / B, f_n> (a vector-Jacobian product)   (2*K*B down)
+Round t, tau + 1 round trips (each transfer iteration's feedback travels with the next
+iteration's public rows, so no message is a bare request or a bare acknowledgement):
+  local_train      server -> client: steps, public rows of iteration 0
+                   client: tau SGD steps on CE + lambda_lf_loc * KL(p(theta_ref_loc) || p),
+                           then uploads its logits f_n on those rows                (K*B up)
+  transfer i       server: one discriminator step on all f_n, per-sample G_n with the updated
+  (i = 0..tau-1)           w, and fbar; sends fbar, G_n and the rows of iteration i+1 (2*K*B down)
+                   client: one step on lambda_kd * KL(softmax(target) || p_n)
+                           + lambda_lf_glo * KL(p(theta_ref_glo) || p_n)
+                           + lambda_adv * <G_n / B, f_n> (a vector-Jacobian product),
+                           then uploads f_n on the rows of iteration i+1 (none after the last)
 FedMD and FedMD-LF are this file with other presets (lambda_adv = 0; no LF for FedMD).
 """
 
@@ -32,7 +35,7 @@ PRESET = {"tau": 5, "lambda_kd": 1.0, "lambda_adv": 1.0, "lambda_lf_loc": 1.0, "
 def public_indices(seed: int, round_idx: int, iteration: int, public_size: int, batch: int) -> np.ndarray:
     """The public minibatch of (t, i): a pure function of the run seed, so a restart agrees."""
     rng = np.random.default_rng([seed, round_idx, iteration, 0x46414C])
-    return rng.choice(public_size, size=min(batch, public_size), replace=False).astype(np.int64)
+    return rng.choice(public_size, size=min(batch, public_size), replace=False).astype(np.int32)
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -57,69 +60,69 @@ class FedALServer(ServerHalf):
 
     # -- phases ---------------------------------------------------------------------------
     def begin_round(self, round_idx: int) -> PhaseTasks:
-        tasks = {cid: self.task("local_train", round_idx, 0, steps=self.params.tau) for cid in self.client_ids}
+        idx = self.indices(round_idx, 0)
+        tasks = {cid: Message(self.task("local_train", round_idx, 0, steps=self.params.tau).meta, {"indices": idx})
+                 for cid in self.client_ids}
         return PhaseTasks("local_train", round_idx, 0, tasks)
 
     def collect(self, phase: PhaseTasks, results: dict[str, Message]) -> PhaseTasks | None:
         if phase.phase == "local_train":
             for res in results.values():
-                self.record("local_loss", res.meta.get("loss", float("nan")))
-            return self._logits_phase(phase.round, 0)
-        if phase.phase == "logits":
-            if not results:
-                return self._next_iteration(phase)
-            return self._feedback_phase(phase, results)
-        if phase.phase == "feedback":
+                self.record("local_loss", res.meta.get("loss"))
+            return self._transfer_phase(phase.round, 0, results)
+        if phase.phase == "transfer":
             for res in results.values():
                 for key in ("loss_kd", "gnorm_kd", "gnorm_lf", "gnorm_adv"):
-                    if key in res.meta:
-                        self.record(key, res.meta[key])
-            return self._next_iteration(phase)
+                    self.record(key, res.meta.get(key))
+            if phase.iteration + 1 < self.params.tau:
+                return self._transfer_phase(phase.round, phase.iteration + 1, results)
+            return None
         raise ValueError(f"unknown phase {phase.phase!r}")
 
-    def _next_iteration(self, phase: PhaseTasks) -> PhaseTasks | None:
-        if phase.iteration + 1 < self.params.tau:
-            return self._logits_phase(phase.round, phase.iteration + 1)
-        return None
-
-    def _logits_phase(self, round_idx: int, iteration: int) -> PhaseTasks:
-        idx = public_indices(self.context.seed, round_idx, iteration, self.context.public_size, self.params.public_batch_size)
-        tasks = {cid: Message(self.task("logits", round_idx, iteration).meta, {"indices": idx}) for cid in self.client_ids}
-        return PhaseTasks("logits", round_idx, iteration, tasks)
+    def indices(self, round_idx: int, iteration: int) -> np.ndarray:
+        return public_indices(self.context.seed, round_idx, iteration, self.context.public_size, self.params.public_batch_size)
 
     def validate(self, phase: PhaseTasks, client_id: str, result: Message) -> None:
         super().validate(phase, client_id, result)
-        if phase.phase == "logits":
+        task = phase.tasks[client_id]
+        if "indices" in task.tensors:
             logits = result.tensors.get("logits")
-            want = (len(phase.tasks[client_id].tensors["indices"]), self.context.num_classes)
+            want = (len(task.tensors["indices"]), self.context.num_classes)
             if logits is None or logits.shape != want or not np.issubdtype(logits.dtype, np.floating):
                 got = None if logits is None else (logits.shape, str(logits.dtype))
                 raise InvalidResult(f"logits must be a float array of shape {want}, got {got}")
 
-    def _feedback_phase(self, phase: PhaseTasks, results: dict[str, Message]) -> PhaseTasks:
+    def _transfer_phase(self, round_idx: int, iteration: int, results: dict[str, Message]) -> PhaseTasks | None:
+        """Feedback on the logits of `iteration`, with the public rows of the next one."""
+        feedback = self._feedback(results) if results else {}
+        last = iteration + 1 >= self.params.tau
+        nxt = None if last else self.indices(round_idx, iteration + 1)
+        tasks = {}
+        for cid in self.client_ids:  # a client left out of this iteration still gets the next rows
+            tensors = dict(feedback.get(cid, {}))
+            if nxt is not None:
+                tensors["indices"] = nxt
+            if tensors:
+                tasks[cid] = Message(self.task("transfer", round_idx, iteration, n_avg=len(results)).meta, tensors)
+        return PhaseTasks("transfer", round_idx, iteration, tasks) if tasks else None
+
+    def _feedback(self, results: dict[str, Message]) -> dict[str, dict[str, np.ndarray]]:
         cids = [cid for cid in self.client_ids if cid in results]  # enrolment order: deterministic
         f = torch.stack([torch.from_numpy(np.asarray(results[c].tensors["logits"], dtype=np.float32)) for c in cids])
         n_avg, batch = f.shape[0], f.shape[1]
         self.record("participation", n_avg / len(self.client_ids))
         self.record("discrepancy", mean_kl_to_mean(F.softmax(f, dim=2)))
-        fbar = f.mean(dim=0)
-
-        grads: dict[str, np.ndarray] = {}
+        fbar = f.mean(dim=0).numpy()
+        out = {c: {"fbar": fbar} for c in cids}
         if self.adversarial:
             device = self.context.device
             rows = f.reshape(n_avg * batch, -1).to(device)
             target = torch.tensor([self.client_index[c] for c in cids]).repeat_interleave(batch).to(device)
             self._discriminator_step(rows, target)
             g = per_sample_adversarial_grad(self.disc, rows, target, self.params.temperature_disc).cpu()
-            grads = {c: g[k * batch : (k + 1) * batch].numpy() for k, c in enumerate(cids)}
-
-        tasks = {}
-        for cid in cids:
-            tensors = {"fbar": fbar.numpy()}
-            if self.adversarial:
-                tensors["grad"] = grads[cid]
-            tasks[cid] = Message(self.task("feedback", phase.round, phase.iteration, n_avg=n_avg).meta, tensors)
-        return PhaseTasks("feedback", phase.round, phase.iteration, tasks)
+            for k, c in enumerate(cids):
+                out[c]["grad"] = g[k * batch : (k + 1) * batch].numpy()
+        return out
 
     def _discriminator_step(self, rows: torch.Tensor, target: torch.Tensor) -> None:
         """One Adam step on mean CE over all received rows: gradient ascent on U."""
@@ -153,14 +156,18 @@ class FedALClient(ClientHalf):
 
     def handle(self, task: Message) -> Message:
         if task.phase == "local_train":
-            return self._local_train(task)
-        if task.phase == "logits":
-            return self._upload_logits(task)
-        if task.phase == "feedback":
-            return self._apply_feedback(task)
-        raise ValueError(f"unknown phase {task.phase!r}")
+            diag = {"loss": self._local_train(task)}
+        elif task.phase == "transfer":
+            diag = self._apply_feedback(task) if "fbar" in task.tensors else {}
+        else:
+            raise ValueError(f"unknown phase {task.phase!r}")
+        tensors = {}
+        if "indices" in task.tensors:  # the rows of the next transfer iteration
+            nxt = 0 if task.phase == "local_train" else int(task.meta["iteration"]) + 1
+            tensors["logits"] = self._upload_logits(task.tensors["indices"], int(task.meta["round"]), nxt)
+        return self.reply(task, tensors, **diag)
 
-    def _local_train(self, task: Message) -> Message:
+    def _local_train(self, task: Message) -> float:
         p = self.params
         self.ref_loc = frozen_copy(self.model) if p.lambda_lf_loc > 0 else None
         self.model.train()
@@ -178,10 +185,10 @@ class FedALClient(ClientHalf):
             self.optimizer.step()
             losses.append(loss.item())
         self.ref_glo = frozen_copy(self.model) if p.lambda_lf_glo > 0 else None
-        return self.reply(task, loss=float(np.mean(losses)) if losses else 0.0)
+        return float(np.mean(losses)) if losses else 0.0
 
-    def _upload_logits(self, task: Message) -> Message:
-        raw = np.asarray(task.tensors["indices"])
+    def _upload_logits(self, indices: np.ndarray, round_idx: int, iteration: int) -> np.ndarray:
+        raw = np.asarray(indices)
         if raw.ndim != 1 or not np.issubdtype(raw.dtype, np.integer) or raw.size == 0:
             raise ValueError("indices must be a non-empty 1-D integer array")
         if raw.min() < 0 or raw.max() >= len(self.public_x):
@@ -189,10 +196,11 @@ class FedALClient(ClientHalf):
         idx = torch.from_numpy(raw.astype(np.int64))
         self.model.train()
         logits = self.model(self.public_x[idx])
-        self.pending = {"round": task.meta["round"], "iteration": task.meta["iteration"], "indices": idx, "logits": logits}
-        return self.reply(task, {"logits": logits.detach().numpy().astype(np.float32)})
+        # the graph is kept: the feedback's vector-Jacobian product goes through this very forward
+        self.pending = {"round": round_idx, "iteration": iteration, "indices": idx, "logits": logits}
+        return logits.detach().numpy().astype(np.float32)
 
-    def _apply_feedback(self, task: Message) -> Message:
+    def _apply_feedback(self, task: Message) -> dict[str, float]:
         p = self.params
         pend = self.pending
         if pend is None or (pend["round"], pend["iteration"]) != (task.meta["round"], task.meta["iteration"]):
@@ -227,7 +235,7 @@ class FedALClient(ClientHalf):
         else:
             loss.backward()
         self.optimizer.step()
-        return self.reply(task, **diag)
+        return diag
 
     def kd_target(self, fbar: torch.Tensor, own: torch.Tensor, n_avg: int) -> torch.Tensor:
         """Eq. 5: the average of the *other* clients' logits, (N' fbar - f_n) / (N' - 1)."""
