@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The main job: a federated FedAL run on the embedded MNIST-1D default (10 clients with
-# heterogeneous private models), results in runs/demo/.
+# The main job: a federated FedAL run across processes on this machine -- an embedded MQTT
+# broker, the coordinator (REST API) and 10 edge agents with heterogeneous private models on
+# the embedded MNIST-1D default. Results in runs/demo/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh all
 PYTHON="${PYTHON:-python3}"
-mkdir -p runs/demo
-"$PYTHON" -m fedal.cli.main simulate --config examples/demo.toml \
-  --out runs/demo/results.json --plot runs/demo/accuracy.png "$@"
+"$PYTHON" -m fedal.cli.main demo --config examples/demo.toml \
+  --workdir runs/demo --out runs/demo/results.json --plot runs/demo/accuracy.png "$@"
