@@ -146,6 +146,7 @@ class RoundEngine:
         """Thread target: resume or start, run every round, finish."""
         try:
             start = self._resume()
+            self.round = start
             self.bus.start()
             with self.lock:
                 self.state = "running"
@@ -179,7 +180,7 @@ class RoundEngine:
             self.records = progress["records"]
             start = int(progress["completed_rounds"])
             self.epoch = int(progress["epoch"]) + 1
-            self.instance = progress["instance"]
+            self.instance = progress.get("instance", "")
             self.started_at = progress.get("started_at")
             for cid, info in progress.get("clients", {}).items():
                 if cid in self.clients:
@@ -296,6 +297,12 @@ class RoundEngine:
 
     # -- incoming messages -------------------------------------------------------------------
     def _handle(self, topic: str, payload: bytes) -> None:
+        try:
+            self._dispatch(topic, payload)
+        except Exception as exc:  # whatever a message holds, it never ends the run
+            self._reject(None, f"unusable message on {topic}: {type(exc).__name__}: {exc}")
+
+    def _dispatch(self, topic: str, payload: bytes) -> None:
         if topic == "$connected":
             self.connects += 1
             if self.connects > 1:  # a reconnect: the retained manifest and the open tasks again
@@ -348,10 +355,9 @@ class RoundEngine:
             self._reject(cid, f"result claims run {meta.get('run')!r} client {meta.get('client')!r}")
             return
         cur = self.current
-        try:
-            key = (int(meta["epoch"]), int(meta["seq"]))
-        except (KeyError, TypeError, ValueError):
-            self._reject(cid, "result without a valid epoch/seq")
+        key = (meta.get("epoch"), meta.get("seq"))
+        if not all(type(v) is int for v in key):
+            self._reject(cid, "result without integer epoch and seq")
             return
         if cur is None or key != cur.key:
             self.counters["stale"] += 1
@@ -382,7 +388,7 @@ class RoundEngine:
             if msg.meta.get(k) != phase.tasks[cid].meta.get(k):
                 raise InvalidResult(f"evaluation result has {k}={msg.meta.get(k)!r}")
         acc = msg.meta.get("acc")
-        if acc is not None and not (isinstance(acc, (int, float)) and 0.0 <= acc <= 1.0):
+        if acc is not None and (isinstance(acc, bool) or not isinstance(acc, (int, float)) or not 0.0 <= acc <= 1.0):
             raise InvalidResult(f"accuracy {acc!r} is not in [0, 1]")
 
     def _reject(self, cid: str | None, reason: str) -> None:

@@ -52,6 +52,7 @@ class Agent:
         self.manifest: RunManifest | None = None
         self.client = None
         self.deferred: list[bytes] = []
+        self.joined_instance: str | None = None
         self.last_key: tuple[int, int] | None = None
         self.last_result: bytes | None = None
         self.workspace = Path(config.workspace)
@@ -84,7 +85,8 @@ class Agent:
             try:
                 topic, payload = self.inbox.get(timeout=0.2)
             except queue.Empty:
-                if self.manifest is not None and self.client is None and time.monotonic() >= self.retry_at:
+                m = self.manifest
+                if m is not None and m.state != "finished" and self.client is None and time.monotonic() >= self.retry_at:
                     self._join(self.manifest)  # the last attempt to join failed: try again
                 continue
             try:
@@ -116,12 +118,36 @@ class Agent:
             self._reject(f"manifest for run {manifest.run_id!r} does not enrol {self.config.client_id!r}")
             return
         self.manifest = manifest
+        if self.client is not None and manifest.instance != self.joined_instance:
+            log.info("run %s was started afresh (instance %s); joining it anew", manifest.run_id, manifest.instance)
+            self._leave()
+        if manifest.state == "finished":
+            # a finished run this agent took part in (now, or before a restart) ends here; a
+            # finished run left retained on the broker by an earlier instance does not
+            if self.client is None and self._checkpoint_instance() == manifest.instance:
+                self._join(manifest)
+            if self.client is not None and self.last_key is not None:
+                self._finish(manifest)
+            else:
+                log.info("ignoring run instance %s: finished without this agent; waiting for a new one", manifest.instance)
+            return
         if self.client is None and not self._join(manifest):
             return
-        if manifest.state == "finished":
-            self._finish(manifest)
-        elif manifest.state == "stopped":
+        if manifest.state == "stopped":
             log.info("run %s is stopped; waiting for it to resume", manifest.run_id)
+
+    def _checkpoint_instance(self) -> str | None:
+        try:
+            state = checkpoint.load(self.ckpt_path)
+        except Exception:  # an unreadable checkpoint is no checkpoint
+            return None
+        return None if state is None else state.get("instance")
+
+    def _leave(self) -> None:
+        self.client = None
+        self.joined_instance = None
+        self.last_key = self.last_result = None
+        self.deferred.clear()
 
     def _join(self, manifest: RunManifest) -> bool:
         try:
@@ -149,12 +175,17 @@ class Agent:
         torch.manual_seed(cfg.seed)  # the same initialisation as `fedal simulate` for this seed
         model = build_model(cfg.model, train.input_shape, manifest.num_classes)
         self.client = spec.client(cfg.client_id, model, train, public, params, seed=cfg.seed)
-        state = checkpoint.load(self.ckpt_path)
+        try:
+            state = checkpoint.load(self.ckpt_path)
+        except Exception as exc:  # unreadable (e.g. torn by a power cut before the atomic rename existed)
+            log.warning("ignoring an unreadable checkpoint: %s", exc)
+            state = None
         if state is not None and (state.get("run_id"), state.get("instance")) == (cfg.run_id, manifest.instance):
             self.client.load_state_dict(state["client"])
             self.last_key = tuple(state["last_key"]) if state.get("last_key") else None
             self.last_result = bytes(state["last_result"].numpy().tobytes()) if state.get("last_result") is not None else None
             log.info("resumed from checkpoint at %s", self.last_key)
+        self.joined_instance = manifest.instance
         log.info("joined run %s as %s with a private %s", manifest.run_id, cfg.client_id, cfg.model)
 
     def _on_task(self, payload: bytes) -> None:
@@ -169,10 +200,9 @@ class Agent:
         if meta.get("run") != self.config.run_id or meta.get("client") != self.config.client_id:
             self._reject(f"task addressed to run {meta.get('run')!r} client {meta.get('client')!r}")
             return
-        try:
-            key = (int(meta["epoch"]), int(meta["seq"]))
-        except (KeyError, TypeError, ValueError):
-            self._reject("task without a valid epoch/seq")
+        key = (meta.get("epoch"), meta.get("seq"))
+        if not all(type(v) is int for v in key):
+            self._reject("task without integer epoch and seq")
             return
         if self.last_key is not None and key < self.last_key:
             self.counters["stale"] += 1
@@ -194,10 +224,9 @@ class Agent:
         self.counters["tasks"] += 1
 
     def _evaluate(self, task: Message) -> Message:
-        base = {k: task.meta[k] for k in ("phase", "round", "iteration")}
-        if self.test is None:
-            return Message({**base, "acc": None})
-        return Message({**base, "acc": self.client.evaluate(self.test.x, self.test.y), "num_test": len(self.test)})
+        if self.test is None or len(self.test) == 0:
+            return self.client.reply(task, acc=None)
+        return self.client.reply(task, acc=self.client.evaluate(self.test.x, self.test.y), num_test=len(self.test))
 
     def _checkpoint(self) -> None:
         checkpoint.save_atomic(

@@ -16,7 +16,8 @@ from coordinator.demo import RUN_ID, free_port, prepare_workspace, spawn, termin
 
 
 class Deployment:
-    def __init__(self, config, workdir: Path, broker: str, phases: dict | None = None, coordinator: dict | None = None):
+    def __init__(self, config, workdir: Path, broker: str, phases: dict | None = None, coordinator: dict | None = None,
+                 agent: dict | None = None):
         self.config = config.resolved()
         self.workdir = workdir
         self.port = free_port()
@@ -24,9 +25,13 @@ class Deployment:
         self.coord_path, self.agent_paths, self.data_info = prepare_workspace(self.config, workdir, broker, self.port)
         coord = tomllib.loads(self.coord_path.read_text())
         coord["phases"] = {**coord.get("phases", {}), **(phases or {})}
-        coord.update(coordinator or {})
+        merge(coord, coordinator or {})
         self.coord_path.write_text(tomli_w.dumps(coord))
         self.coord_config = coord
+        for path in self.agent_paths:
+            cfg = tomllib.loads(path.read_text())
+            merge(cfg, agent or {})
+            path.write_text(tomli_w.dumps(cfg))
         self.agents: dict[str, subprocess.Popen] = {}
         self.coordinator: subprocess.Popen | None = None
 
@@ -64,6 +69,12 @@ class Deployment:
 
     def close(self) -> None:
         terminate([p for p in [*self.agents.values(), self.coordinator] if p is not None])
+
+
+def merge(base: dict, overrides: dict) -> None:
+    """Override keys of a config table; nested tables are merged, not replaced."""
+    for key, value in overrides.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
 
 
 def get(url: str) -> dict:

@@ -15,6 +15,7 @@ import uuid
 import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
+from safetensors.numpy import save as st_save
 
 from fedal.protocol import Message, decode, encode, parse_broker_url, topics
 from fedal.sim import load_config
@@ -70,6 +71,10 @@ def attack_on_logits(c: ScriptedClient, task: Message, k: int) -> None:
     c.publish_raw(up, encode(chunk))                                                # chunk beyond the size limit
     c.publish_raw(topics.result(RUN, "intruder"), encode(Message({"phase": "logits"})))  # unknown client
     c.publish_raw(topics.status(RUN, "c01"), b"{not json")                          # malformed status
+    c.publish_raw(topics.status(RUN, "c01"), b'{"state": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")  # deep nesting
+    meta = {k: task.meta[k] for k in ("phase", "round", "iteration", "seq")} | {"run": RUN, "client": c.cid, "v": 1}
+    overflow = json.dumps(meta)[:-1] + ', "epoch": 1e400}'                           # epoch overflows
+    c.publish_raw(up, st_save({"logits": good}, metadata={"fedal": overflow}))
     c.reply(task, {"logits": good})                                                 # finally, valid
     c.reply(task, {"logits": good})                                                 # and a duplicate
 
@@ -88,7 +93,7 @@ def deployment(mosquitto, tmp_path):
     config = load_config(None, dict(strategy="fedal", dataset="digits", clients=3, rounds=3, tau=2, public_size=100, seed=3))
     dep = Deployment(config, tmp_path / "dep", mosquitto,
                      phases={"deadline_s": 30.0, "train_deadline_s": 60.0, "quorum": 1.0, "resend_s": 30.0},
-                     coordinator={"broker": {"url": mosquitto, "max_message_bytes": 1_000_000}})
+                     coordinator={"broker": {"max_message_bytes": 1_000_000}})
     yield dep
     dep.close()
 
@@ -137,8 +142,9 @@ def test_bad_input_is_rejected_counted_and_survived(deployment, mosquitto):
         c.close()
     assert all(attacked.values())
     counters = final["counters"]
-    # garbage, shape, NaN, Inf, dtype, other run, other client, oversized, chunk limit, intruder, bad status, bad acc
-    assert counters["rejected"] >= 12, counters
+    # garbage, shape, NaN, Inf, dtype, other run, other client, oversized, chunk limit, intruder, bad status,
+    # deeply nested status, overflowing epoch, bad accuracy
+    assert counters["rejected"] >= 14, counters
     # the stale sequence number, and the duplicate (counted as a duplicate, or as stale once its phase closed)
     assert counters.get("stale", 0) + counters.get("duplicates", 0) >= 2, counters
     assert final["completed_rounds"] == 3

@@ -70,7 +70,7 @@ class Reassembler:
             key = (sender, str(meta["chunk_of"]))
             index, count, size = int(meta["index"]), int(meta["count"]), int(meta["size"])
             data = msg.tensors["data"]
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise EnvelopeError(f"malformed chunk: {exc!r}") from None
         if not (0 < count <= 1_000_000 and 0 <= index < count and 0 < size <= self.max_size):
             raise EnvelopeError(f"chunk out of bounds: index {index}, count {count}, size {size}")

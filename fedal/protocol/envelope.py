@@ -41,8 +41,8 @@ def decode(payload: bytes) -> Message:
     try:
         header = json.loads(payload[8 : 8 + header_len])
         tensors = st_load(payload)
-    except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
-        raise EnvelopeError(f"not a safetensors envelope: {exc}") from exc
+    except (SafetensorError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise EnvelopeError(f"not a safetensors envelope: {type(exc).__name__}: {exc}") from exc
     except Exception as exc:  # e.g. a dtype numpy cannot hold (BF16, F8): refused, never fatal
         raise EnvelopeError(f"unsupported envelope content: {type(exc).__name__}: {exc}") from exc
     if not isinstance(header, dict):
@@ -52,7 +52,7 @@ def decode(payload: bytes) -> Message:
         raise EnvelopeError("envelope has no fedal metadata")
     try:
         meta = json.loads(raw_meta, parse_constant=_refuse_constant)
-    except ValueError as exc:
+    except (ValueError, TypeError, RecursionError) as exc:
         raise EnvelopeError(f"metadata is not JSON: {exc}") from exc
     if not isinstance(meta, dict):
         raise EnvelopeError("metadata must be a JSON object")

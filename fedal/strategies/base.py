@@ -64,7 +64,8 @@ class ServerHalf(ABC):
         if client_id not in phase.tasks:
             raise InvalidResult(f"client {client_id!r} had no task in phase {phase.phase!r}")
         for key, want in (("phase", phase.phase), ("round", phase.round), ("iteration", phase.iteration)):
-            if result.meta.get(key) != want:
+            got = result.meta.get(key)
+            if got != want or type(got) is not type(want):
                 raise InvalidResult(f"result {key}={result.meta.get(key)!r}, expected {want!r}")
         for name, arr in result.tensors.items():
             if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr)):

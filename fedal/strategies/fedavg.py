@@ -58,7 +58,7 @@ class FedAvgServer(ServerHalf):
                 if arr.shape != ref[key].shape or arr.dtype != ref[key].dtype:
                     raise InvalidResult(f"tensor {key!r} is {arr.dtype}{list(arr.shape)}, expected {ref[key].dtype}{list(ref[key].shape)}")
         n = result.meta.get("num_samples")
-        if phase.phase == "train" and (isinstance(n, bool) or not isinstance(n, (int, float)) or not n > 0):
+        if phase.phase == "train" and (isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 < n < float("inf")):
             raise InvalidResult("a train result must report num_samples > 0")
 
     def collect(self, phase: PhaseTasks, results: dict[str, Message]) -> PhaseTasks | None:

@@ -1,0 +1,62 @@
+"""Agent and coordinator configs: TOML, environment overrides, clear refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import load_coordinator_config
+from edge_agent.config import load_agent_config
+from fedal.settings import SettingsError
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_example_configs_load():
+    agent = load_agent_config(EXAMPLES / "agent.toml")
+    assert agent.client_id == "pi-01" and agent.broker.url.startswith("mqtts://")
+    coord = load_coordinator_config(EXAMPLES / "coordinator.toml")
+    assert coord.client_ids == ["pi-01", "pi-02", "pi-03"]
+    assert coord.run.resolved().strategy_params.tau == 5 and coord.phases.quorum == 0.5
+
+
+def test_environment_overrides_the_file(monkeypatch):
+    monkeypatch.setenv("FEDAL_AGENT_BROKER__URL", "mqtt://10.0.0.5:1884")
+    monkeypatch.setenv("FEDAL_AGENT_CLIENT_ID", "pi-07")
+    agent = load_agent_config(EXAMPLES / "agent.toml")
+    assert agent.broker.url == "mqtt://10.0.0.5:1884" and agent.client_id == "pi-07"
+    assert agent.broker.username == "pi-01"  # the rest of [broker] still comes from the file
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ('client_id = "a b"\nrun_id = "r"\nmodel = "mlp"\ndata_file = "x.npz"\n', "client_id"),
+        ('client_id = "a"\nrun_id = "r"\nmodel = "mlp"\n', "data_file"),
+        ('client_id = "a"\nrun_id = "r"\nmodel = "mlp"\ndata_file = "x.npz"\n[broker]\nurl = "http://x"\n', "mqtt://"),
+        ('client_id = "a"\nrun_id = "r"\nmodel = "mlp"\ndata_file = "x.npz"\ncolour = "red"\n', "colour"),
+        ("client_id = \n", "not valid TOML"),
+    ],
+)
+def test_bad_agent_configs_are_refused(tmp_path, text, needle):
+    path = tmp_path / "agent.toml"
+    path.write_text(text)
+    with pytest.raises(SettingsError, match=needle):
+        load_agent_config(path)
+
+
+def test_bad_coordinator_config_is_refused(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('client_ids = ["only-one"]\nnum_classes = 10\n')
+    with pytest.raises(SettingsError, match="at least two"):
+        load_coordinator_config(path)
+
+
+@pytest.mark.parametrize("module", ["edge_agent", "coordinator"])
+def test_cli_exits_2_on_a_missing_config(module, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", module, "--config", str(tmp_path / "nope.toml")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not found" in proc.stderr
