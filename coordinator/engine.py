@@ -152,6 +152,7 @@ class RoundEngine:
                 self.state = "running"
                 self.started_at = self.started_at or time.time()
             self.bus.publish_manifest(self.manifest().to_json())
+            self._wait_for_clients(self.cfg.phases.start_timeout_s)
             for r in range(start, self.run_config.rounds):
                 with self.lock:
                     self.round = r
@@ -171,6 +172,20 @@ class RoundEngine:
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    def _wait_for_clients(self, timeout_s: float) -> None:
+        """Let the fleet come online before the first task goes out (up to timeout_s)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not all(i.online for i in self.clients.values()):
+            if self.stop_event.is_set():
+                raise Stopped()
+            try:
+                self._handle(*self.inbox.get(timeout=0.05))
+            except queue.Empty:
+                pass
+        offline = sorted(c for c, i in self.clients.items() if not i.online)
+        if offline:
+            log.info("starting without %s (not online after %.0f s)", offline, timeout_s)
 
     def _resume(self) -> int:
         progress = self.store.load_progress()

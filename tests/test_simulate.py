@@ -124,3 +124,14 @@ def test_collaboration_beats_local_only_on_digits():
     local = simulate(RunConfig(strategy="local", **base))["final"]["mean_acc"]
     fedmd_lf = simulate(RunConfig(strategy="fedmd-lf", **base))["final"]["mean_acc"]
     assert fedmd_lf > local + 0.05
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [(["--broker", "http://127.0.0.1:1883"], "mqtt://"), (["--strategy", "nope"], "fedal"), (["--api-port", "-3"], "api-port")],
+)
+def test_demo_cli_errors_exit_2(args, needle, tmp_path):
+    proc = fedal("demo", *args, "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "x.json"))
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr
+    assert not (tmp_path / "w").exists()
