@@ -273,7 +273,8 @@ class RoundEngine:
         key = (self.epoch, self.seq)
         payloads = {}
         for cid, task in phase.tasks.items():
-            meta = {**task.meta, "run": self.cfg.run_id, "client": cid, "epoch": key[0], "seq": key[1]}
+            meta = {**task.meta, "run": self.cfg.run_id, "client": cid, "instance": self.instance,
+                    "epoch": key[0], "seq": key[1]}
             payloads[cid] = encode(Message(meta, task.tensors))
         state = PhaseState(phase, key, payloads, set(phase.tasks))
         with self.lock:

@@ -200,6 +200,9 @@ class Agent:
         if meta.get("run") != self.config.run_id or meta.get("client") != self.config.client_id:
             self._reject(f"task addressed to run {meta.get('run')!r} client {meta.get('client')!r}")
             return
+        if meta.get("instance") != self.joined_instance:
+            self.counters["stale"] += 1  # e.g. queued by the broker for an earlier run under this id
+            return
         key = (meta.get("epoch"), meta.get("seq"))
         if not all(type(v) is int for v in key):
             self._reject("task without integer epoch and seq")

@@ -79,12 +79,14 @@ def attack_on_logits(c: ScriptedClient, task: Message, k: int) -> None:
     c.reply(task, {"logits": good})                                                 # and a duplicate
 
 
-def attack_agent(c: ScriptedClient) -> None:
+def attack_agent(c: ScriptedClient, instance: str) -> None:
     down = topics.task(RUN, "c00")
+    own = {"run": RUN, "client": "c00", "instance": instance}
     c.publish_raw(down, b"not an envelope")
-    c.publish_raw(down, encode(Message({"phase": "logits", "run": RUN, "client": "c01", "epoch": 0, "seq": 99})))
-    c.publish_raw(down, encode(Message({"phase": "logits", "run": RUN, "client": "c00"})))  # no sequence number
-    c.publish_raw(down, encode(Message({"phase": "transfer", "run": RUN, "client": "c00", "epoch": 0, "seq": 10**6,
+    c.publish_raw(down, encode(Message({"phase": "transfer", **own, "client": "c01", "epoch": 0, "seq": 99})))
+    c.publish_raw(down, encode(Message({"phase": "transfer", **own})))  # no sequence number
+    c.publish_raw(down, encode(Message({"phase": "transfer", **own, "instance": "an-earlier-run", "epoch": 0, "seq": 10**6})))
+    c.publish_raw(down, encode(Message({"phase": "transfer", **own, "epoch": 0, "seq": 10**6,
                                         "round": 0, "iteration": 0}, {"fbar": np.zeros((3, 3), np.float32)})))
 
 
@@ -129,7 +131,7 @@ def test_bad_input_is_rejected_counted_and_survived(deployment, mosquitto):
             else:
                 if not attacked["agent"] and phase == "transfer":
                     attacked["agent"] = True
-                    attack_agent(c)
+                    attack_agent(c, task.meta["instance"])
                 c.reply(task, loss=0.0)
 
     server = threading.Thread(target=serve, daemon=True)
@@ -155,6 +157,7 @@ def test_bad_input_is_rejected_counted_and_survived(deployment, mosquitto):
     for cid in ("c00", "c01"):
         assert dep.agents[cid].wait(timeout=60) == 0
     status = json.loads((dep.agent_path("c00").parent / "agent-status.json").read_text())
-    assert status["counters"]["rejected"] >= 3, status
+    assert status["counters"]["rejected"] >= 4, status
+    assert status["counters"]["stale"] >= 1, status  # the task of another run instance
     results = dep.results()
     assert results["final"]["client_acc"][2] == 0.5
