@@ -40,6 +40,12 @@ def load_npz_dataset(path: Path, num_classes: int, name: str) -> ArrayDataset:
     return ArrayDataset(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(y, np.int64), num_classes, name)
 
 
+def warm_up() -> None:
+    """Creating the first optimizer imports torch's compiler stack (seconds on a Pi)."""
+    p = torch.zeros(1, requires_grad=True)
+    torch.optim.Adam([p]).step()
+
+
 class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
@@ -66,6 +72,7 @@ class Agent:
         """Block until the run finishes or stop() is called; returns a process exit code."""
         torch.set_num_threads(self.config.threads)
         self.workspace.mkdir(parents=True, exist_ok=True)
+        warm_up()  # "online" should mean ready: pay torch's lazy imports before connecting
         self.link.start()
         self.worker.start()
         while not self.stop_event.is_set() and not self.finished.is_set():

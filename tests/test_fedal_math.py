@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -262,7 +263,7 @@ def test_client_state_roundtrip_resumes_identically():
     server, clients, _ = toy_federation("fedal", tau=2)
     engine = InProcessEngine(server, clients)
     engine.run_round(0)
-    saved = {c: clients[c].state_dict() for c in clients}
+    saved = {c: copy.deepcopy(clients[c].state_dict()) for c in clients}  # as if written to disk
     srv = server.state_dict()
     engine.run_round(1)
     after = {c: [p.clone() for p in clients[c].model.parameters()] for c in clients}

@@ -8,7 +8,6 @@ for simulation, MQTT for deployment), and the engine that moves them knows no al
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,14 +142,13 @@ class ClientHalf(ABC):
         return float((pred == np.asarray(y)).mean())
 
     def state_dict(self) -> dict[str, Any]:
-        """A deep copy: a checkpoint must not change when training goes on."""
-        return copy.deepcopy(
-            {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "generator": self.generator.get_state(),
-            }
-        )
+        """Live references, like torch's state_dict: serialise it (the agent's checkpoint) or
+        deep-copy it before training goes on. Not copying keeps the per-phase checkpoint cheap."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "generator": self.generator.get_state(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])

@@ -245,8 +245,8 @@ class FedALClient(ClientHalf):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state["ref_loc"] = None if self.ref_loc is None else copy.deepcopy(self.ref_loc.state_dict())
-        state["ref_glo"] = None if self.ref_glo is None else copy.deepcopy(self.ref_glo.state_dict())
+        state["ref_loc"] = None if self.ref_loc is None else self.ref_loc.state_dict()
+        state["ref_glo"] = None if self.ref_glo is None else self.ref_glo.state_dict()
         state["pending"] = None if self.pending is None else {
             k: self.pending[k].clone() if k == "indices" else self.pending[k] for k in ("round", "iteration", "indices")
         }
