@@ -13,14 +13,14 @@ import threading
 
 import paho.mqtt.client as mqtt
 
-from coordinator.config import BrokerSettings
+from coordinator.config import CoordinatorBrokerSettings
 from fedal.protocol import parse_broker_url, split, topics
 
 log = logging.getLogger("coordinator.mqtt")
 
 
 class CoordinatorBus:
-    def __init__(self, settings: BrokerSettings, run_id: str, inbox: "queue.Queue[tuple[str, bytes]]"):
+    def __init__(self, settings: CoordinatorBrokerSettings, run_id: str, inbox: "queue.Queue[tuple[str, bytes]]"):
         self.settings = settings
         self.run_id = run_id
         self.inbox = inbox

@@ -7,27 +7,13 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fedal.protocol import DEFAULT_MAX_PAYLOAD, parse_broker_url, topics
+from fedal.protocol import BrokerSettings, topics
 from fedal.settings import load_settings
 from fedal.sim.config import RunConfig
 
 
-class BrokerSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    url: str = "mqtt://127.0.0.1:1883"
-    username: str | None = None
-    password: str | None = None
-    ca_file: Path | None = None
-    keepalive: int = Field(30, ge=5, le=3600)
-    max_payload: int = Field(DEFAULT_MAX_PAYLOAD, ge=4096)
+class CoordinatorBrokerSettings(BrokerSettings):
     max_message_bytes: int = Field(64 * 1024 * 1024, ge=4096, description="refuse reassembled results larger than this")
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        parse_broker_url(v)
-        return v
 
 
 class ApiSettings(BaseModel):
@@ -58,7 +44,7 @@ class CoordinatorConfig(BaseSettings):
     public_file: Path | None = Field(None, description=".npz with x: the public set served to agents")
     state_dir: Path = Path("coordinator-state")
     results_file: Path | None = Field(None, description="results JSON; default state_dir/results.json")
-    broker: BrokerSettings = Field(default_factory=BrokerSettings)
+    broker: CoordinatorBrokerSettings = Field(default_factory=CoordinatorBrokerSettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
     phases: PhaseSettings = Field(default_factory=PhaseSettings)
     device: str = Field("auto", description="auto: CUDA when available, else CPU")

@@ -177,12 +177,7 @@ class RoundEngine:
         """Let the fleet come online before the first task goes out (up to timeout_s)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not all(i.online for i in self.clients.values()):
-            if self.stop_event.is_set():
-                raise Stopped()
-            try:
-                self._handle(*self.inbox.get(timeout=0.05))
-            except queue.Empty:
-                pass
+            self._pump()
         offline = sorted(c for c, i in self.clients.items() if not i.online)
         if offline:
             log.info("starting without %s (not online after %.0f s)", offline, timeout_s)
@@ -286,12 +281,7 @@ class RoundEngine:
         need = math.ceil(self.cfg.phases.quorum * len(phase.tasks))
         last_resend = time.monotonic()
         while state.pending:
-            if self.stop_event.is_set():
-                raise Stopped()
-            try:
-                self._handle(*self.inbox.get(timeout=0.05))
-            except queue.Empty:
-                pass
+            self._pump()
             now = time.monotonic()
             if now >= deadline and len(state.results) >= need:
                 break
@@ -307,6 +297,15 @@ class RoundEngine:
                 log.info("phase %s r%d i%d closed at its deadline without %s", phase.phase, phase.round, phase.iteration,
                          sorted(state.pending))
         return state
+
+    def _pump(self) -> None:
+        """Handle the next incoming message, if one arrives within 50 ms."""
+        if self.stop_event.is_set():
+            raise Stopped()
+        try:
+            self._handle(*self.inbox.get(timeout=0.05))
+        except queue.Empty:
+            pass
 
     def _send(self, cid: str, payload: bytes) -> None:
         self.clients[cid].bytes_down += self.bus.publish_task(cid, payload)

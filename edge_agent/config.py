@@ -5,30 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fedal.protocol import DEFAULT_MAX_PAYLOAD, parse_broker_url, topics
+from fedal.protocol import BrokerSettings, topics
 from fedal.settings import load_settings
 
 
-class BrokerSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    url: str = "mqtt://127.0.0.1:1883"
-    username: str | None = None
-    password: str | None = None
-    ca_file: Path | None = Field(None, description="CA bundle for mqtts:// brokers")
-    keepalive: int = Field(30, ge=5, le=3600)
-    max_payload: int = Field(DEFAULT_MAX_PAYLOAD, ge=4096, description="larger envelopes are chunked")
+class AgentBrokerSettings(BrokerSettings):
     reconnect_min_s: float = Field(1.0, gt=0)
     reconnect_max_s: float = Field(30.0, gt=0)
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        parse_broker_url(v)
-        return v
 
 
 class AgentConfig(BaseSettings):
@@ -36,7 +22,7 @@ class AgentConfig(BaseSettings):
 
     client_id: str
     run_id: str
-    broker: BrokerSettings = Field(default_factory=BrokerSettings)
+    broker: AgentBrokerSettings = Field(default_factory=AgentBrokerSettings)
     model: str = Field(description="private model architecture (zoo name); never leaves the device")
     seed: int = Field(0, ge=0, description="model initialisation and minibatch sampling")
     data_file: Path = Field(description=".npz with x (float32) and y (int64): the private training data")

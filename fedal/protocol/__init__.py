@@ -4,7 +4,7 @@ Shared by the strategy halves, the agent and the coordinator; no network code li
 """
 
 from fedal.protocol import topics
-from fedal.protocol.broker_url import BrokerAddress, parse_broker_url
+from fedal.protocol.broker_url import BrokerAddress, BrokerSettings, parse_broker_url
 from fedal.protocol.chunking import DEFAULT_MAX_PAYLOAD, Reassembler, split
 from fedal.protocol.envelope import PROTOCOL_VERSION, EnvelopeError, decode, encode, wire_size
 from fedal.protocol.manifest import ManifestError, RunManifest
@@ -12,6 +12,7 @@ from fedal.protocol.message import Message
 
 __all__ = [
     "BrokerAddress",
+    "BrokerSettings",
     "DEFAULT_MAX_PAYLOAD",
     "EnvelopeError",
     "ManifestError",

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import unquote, urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from fedal.protocol.chunking import DEFAULT_MAX_PAYLOAD
 
 
 @dataclass(frozen=True)
@@ -37,3 +42,22 @@ def parse_broker_url(url: str) -> BrokerAddress:
         username=unquote(parts.username) if parts.username else None,
         password=unquote(parts.password) if parts.password else None,
     )
+
+
+class BrokerSettings(BaseModel):
+    """The `[broker]` table shared by the agent's and the coordinator's configs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = "mqtt://127.0.0.1:1883"
+    username: str | None = None
+    password: str | None = None
+    ca_file: Path | None = Field(None, description="CA bundle for mqtts:// brokers")
+    keepalive: int = Field(30, ge=5, le=3600)
+    max_payload: int = Field(DEFAULT_MAX_PAYLOAD, ge=4096, description="larger envelopes are chunked")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        parse_broker_url(v)
+        return v
