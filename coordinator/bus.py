@@ -40,13 +40,18 @@ class CoordinatorBus:
         self.client.max_queued_messages_set(0)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
+        self.client.on_connect_fail = self._on_connect_fail
         self.client.on_message = self._on_message
 
-    def start(self, timeout_s: float = 30) -> None:
+    def start(self, stop: threading.Event, warn_every_s: float = 30) -> bool:
+        """Connect, waiting as long as it takes (paho retries with backoff); False if stopped."""
         self.client.connect_async(self.address.host, self.address.port, keepalive=self.settings.keepalive)
         self.client.loop_start()
-        if not self.connected.wait(timeout_s):
-            raise ConnectionError(f"cannot reach the broker at {self.address.redacted()}")
+        while not self.connected.wait(warn_every_s):
+            if stop.is_set():
+                return False
+            log.warning("still waiting for the broker at %s", self.address.redacted())
+        return True
 
     def stop(self) -> None:
         self.client.disconnect()
@@ -71,6 +76,9 @@ class CoordinatorBus:
         self.connected.set()
         self.inbox.put(("$connected", b""))
         log.info("connected to %s", self.address.redacted())
+
+    def _on_connect_fail(self, _client, _userdata) -> None:
+        log.warning("cannot connect to %s; retrying with backoff", self.address.redacted())
 
     def _on_disconnect(self, _client, _userdata, _flags, reason_code, _properties) -> None:
         self.connected.clear()

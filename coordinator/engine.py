@@ -147,7 +147,8 @@ class RoundEngine:
         try:
             start = self._resume()
             self.round = start
-            self.bus.start()
+            if not self.bus.start(self.stop_event, warn_every_s=5):
+                raise Stopped()
             with self.lock:
                 self.state = "running"
                 self.started_at = self.started_at or time.time()

@@ -58,6 +58,7 @@ class MqttLink:
         self.client.max_queued_messages_set(0)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
+        self.client.on_connect_fail = self._on_connect_fail
         self.client.on_message = self._on_message
 
     def start(self) -> None:
@@ -88,6 +89,9 @@ class MqttLink:
         client.publish(self.status_topic, status_payload("online"), qos=1, retain=True)
         self.connected.set()
         log.info("connected to %s", self.address.redacted())
+
+    def _on_connect_fail(self, _client, _userdata) -> None:
+        log.warning("cannot connect to %s; retrying with backoff", self.address.redacted())
 
     def _on_disconnect(self, _client, _userdata, _flags, reason_code, _properties) -> None:
         self.connected.clear()
