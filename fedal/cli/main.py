@@ -18,6 +18,7 @@ LAZY_COMMANDS = {
     "demo": ("coordinator.demo", "demo_cmd", "Run a federated training across processes over MQTT."),
     "coordinator": ("coordinator.cli", "coordinator_cmd", "Run the coordinator (round engine + REST API)."),
     "agent": ("edge_agent.cli", "agent_cmd", "Run an edge agent."),
+    "export": ("export.cli", "export_cmd", "Export a model to ONNX (parity check, int8)."),
 }
 
 

@@ -1,0 +1,136 @@
+"""`fedal export`: a zoo model (optionally with trained weights) to ONNX, checked, optionally int8.
+
+One command so a deployment is one reproducible step: the agent ships the .onnx (or
+.int8.onnx) and the JSON report records what was checked (parity, int8 accuracy cost).
+Bad arguments exit 2 (click.UsageError); failed checks or unusable files exit 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import click
+
+from fedal.models import MODEL_NAMES
+
+DATASETS = ("mnist1d", "digits")
+PARITY_ATOL = 1e-4
+PARITY_RANDOM_ROWS = 16
+PARITY_REAL_ROWS = 256
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise click.UsageError(f"--input-shape must be positive integers like 1,8,8, got {text!r}")
+    return shape
+
+
+@click.command("export")
+@click.option("--model", "model_name", required=True, type=click.Choice(MODEL_NAMES), help="Zoo model name.")
+@click.option("--checkpoint", type=click.Path(exists=True, dir_okay=False),
+              help="state_dict file (torch.save), e.g. an agent's final/model.pt. Default: untrained weights.")
+@click.option("--dataset", type=click.Choice(DATASETS),
+              help="Gives input shape/classes and real samples for parity, calibration and int8 accuracy.")
+@click.option("--input-shape", help="Per-sample shape, e.g. 1,8,8 (required without --dataset).")
+@click.option("--num-classes", type=int, help="Number of classes (required without --dataset).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output .onnx file.")
+@click.option("--opset", type=int, default=17, show_default=True, help="ONNX opset.")
+@click.option("--quantize", type=click.Choice(["int8"]), help="Also write <out stem>.int8.onnx.")
+@click.option("--quantize-mode", type=click.Choice(["dynamic", "static"]),
+              help="int8 mode. Default: static (QDQ, calibrated on the train split) with --dataset, else dynamic.")
+@click.option("--check", is_flag=True, help=f"Fail unless ONNX matches torch within {PARITY_ATOL:g}.")
+@click.option("--threads", type=int, help="onnxruntime intra-op threads for the checks. Default: all cores.")
+def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, opset, quantize,
+               quantize_mode, check, threads) -> None:
+    """Export a zoo model to ONNX, optionally check parity and write an int8 copy."""
+    import numpy as np
+    import torch
+
+    from export.checkpoint import load_checkpoint
+    from export.onnx_export import export_onnx
+    from export.parity import ParityError, check_parity
+    from export.quantize import accuracy_delta, quantize_int8
+    from fedal.models import build_model
+
+    if threads is not None and threads < 1:
+        raise click.UsageError("--threads must be >= 1")
+    train = test = None
+    if dataset:
+        from fedal.data import load_dataset
+
+        train, test = load_dataset(dataset)
+        data_shape, data_classes = tuple(train.x.shape[1:]), int(train.num_classes)
+        if input_shape and _parse_shape(input_shape) != data_shape:
+            raise click.UsageError(f"--input-shape {input_shape} contradicts dataset {dataset} "
+                                   f"(per-sample shape {data_shape})")
+        if num_classes is not None and num_classes != data_classes:
+            raise click.UsageError(f"--num-classes {num_classes} contradicts dataset {dataset} "
+                                   f"({data_classes} classes)")
+        shape, classes = data_shape, data_classes
+    else:
+        if not input_shape or num_classes is None:
+            raise click.UsageError("without --dataset, both --input-shape and --num-classes are required")
+        shape, classes = _parse_shape(input_shape), num_classes
+    mode = quantize_mode or ("static" if dataset else "dynamic")
+    if quantize and mode == "static" and not dataset:
+        raise click.UsageError("--quantize-mode static needs --dataset for calibration samples")
+
+    try:
+        model = build_model(model_name, shape, classes)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if checkpoint:
+        try:
+            load_checkpoint(model, checkpoint)
+        except (ValueError, FileNotFoundError) as exc:
+            raise click.ClickException(str(exc)) from None
+    else:
+        click.echo("note: no --checkpoint, exporting untrained weights", err=True)
+    model.eval()
+
+    out = Path(out)
+    gen = torch.Generator().manual_seed(0)
+    random_x = torch.randn(PARITY_RANDOM_ROWS, *shape, generator=gen)
+    try:
+        export_onnx(model, random_x[:2], out, opset=opset)
+    except Exception as exc:
+        raise click.ClickException(f"ONNX export of {model_name} failed: {exc}") from None
+    report: dict = {"model": model_name, "input_shape": list(shape), "num_classes": classes,
+                    "checkpoint": checkpoint, "dataset": dataset, "opset": opset, "onnx": str(out),
+                    "onnx_bytes": out.stat().st_size, "parity_max_diff": None, "int8": None}
+
+    if check:
+        try:
+            diffs = [check_parity(model, out, random_x, atol=PARITY_ATOL)]
+            if test is not None:
+                diffs.append(check_parity(model, out, torch.from_numpy(test.x[:PARITY_REAL_ROWS]),
+                                          atol=PARITY_ATOL))
+        except ParityError as exc:
+            raise click.ClickException(f"parity check failed: {exc}") from None
+        report["parity_max_diff"] = max(diffs)
+        click.echo(f"parity ok: max |onnx - torch| = {max(diffs):.2e} (atol {PARITY_ATOL:g})")
+
+    if quantize:
+        int8_path = out.with_name(out.stem + ".int8.onnx")
+        try:
+            quantize_int8(out, int8_path, mode=mode, calibration=None if train is None else train.x)
+        except Exception as exc:
+            raise click.ClickException(f"int8 quantization failed: {exc}") from None
+        report["int8"] = {"path": str(int8_path), "mode": mode, "bytes": int8_path.stat().st_size,
+                          "accuracy": None}
+        click.echo(f"wrote {int8_path} ({mode}, {int8_path.stat().st_size} bytes)")
+        if test is not None:
+            acc = accuracy_delta(out, int8_path, test.x, test.y, threads=threads)
+            report["int8"]["accuracy"] = acc
+            click.echo(f"{dataset} test accuracy: fp32 {acc['fp32_acc']:.4f}, int8 {acc['int8_acc']:.4f} "
+                       f"({acc['delta_points']:+.2f} points)")
+
+    report_path = Path(os.fspath(out) + ".json")
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    click.echo(f"wrote {out} ({report['onnx_bytes']} bytes) and {report_path}")
