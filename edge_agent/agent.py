@@ -25,6 +25,7 @@ import torch
 from edge_agent import checkpoint
 from edge_agent.config import AgentConfig
 from edge_agent.mqtt_link import MqttLink
+from edge_agent.inference import OnnxInference, write_final_onnx
 from edge_agent.public_set import PublicSetError, load_public_set
 from fedal.data import ArrayDataset
 from fedal.models import build_model
@@ -182,6 +183,8 @@ class Agent:
         torch.manual_seed(cfg.seed)  # the same initialisation as `fedal simulate` for this seed
         model = build_model(cfg.model, train.input_shape, manifest.num_classes)
         self.client = spec.client(cfg.client_id, model, train, public, params, seed=cfg.seed)
+        if cfg.inference_backend != "torch":
+            self.client.inference = OnnxInference(cfg.inference_backend, self.workspace, cfg.threads, train.x)
         try:
             state = checkpoint.load(self.ckpt_path)
         except Exception as exc:  # unreadable (e.g. torn by a power cut before the atomic rename existed)
@@ -259,6 +262,7 @@ class Agent:
         checkpoint.save_atomic(self.client.model.state_dict(), out / "model.pt")
         if self.test is not None:
             np.save(out / "test_logits.npy", self.client.predict(self.test.x).numpy())
+        write_final_onnx(self.client.model, self.client.train_data.x, out, self.config.export_int8)
         log.info("run %s %s; final model in %s", manifest.run_id, manifest.state, out)
         if self.config.exit_on_finish:
             self.finished.set()

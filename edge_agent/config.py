@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -30,6 +31,10 @@ class AgentConfig(BaseSettings):
     public_file: Path | None = Field(None, description=".npz with x: the public set; else fetched once over HTTP")
     workspace: Path = Field(Path("fedal-agent"), description="checkpoints and outputs")
     threads: int = Field(1, ge=1, description="torch intra-op threads")
+    inference_backend: Literal["torch", "onnx", "auto"] = Field(
+        "torch", description="frozen forward passes (references, evaluation): torch, onnxruntime, or the faster"
+    )
+    export_int8: bool = Field(False, description="also write the final model as int8 ONNX")
     exit_on_finish: bool = True
 
     @field_validator("client_id", "run_id")

@@ -17,6 +17,7 @@ import torch
 
 from fedal.data import ArrayDataset
 from fedal.protocol import Message
+from fedal.strategies.frozen import TorchInference
 from fedal.strategies.params import StrategyParams
 
 
@@ -113,6 +114,7 @@ class ClientHalf(ABC):
         self.public_x = None if public_x is None else torch.from_numpy(np.ascontiguousarray(public_x))
         self.generator = torch.Generator().manual_seed(int(seed))
         self.optimizer = make_optimizer(params, model.parameters())
+        self.inference = TorchInference()  # the agent may install a faster backend
 
     @abstractmethod
     def handle(self, task: Message) -> Message: ...
@@ -128,14 +130,9 @@ class ClientHalf(ABC):
         idx = torch.randperm(n, generator=self.generator)[: min(self.params.batch_size, n)]
         return self.x_train[idx], self.y_train[idx]
 
-    @torch.no_grad()
     def predict(self, x: np.ndarray | torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
-        was_training = self.model.training
-        self.model.eval()
-        xt = torch.as_tensor(x)
-        out = torch.cat([self.model(xt[i : i + batch_size]) for i in range(0, len(xt), batch_size)])
-        self.model.train(was_training)
-        return out
+        """The current model's logits, without gradients (on the inference backend)."""
+        return self.inference.predict(self.model, x, batch_size)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> float:
         pred = self.predict(x).argmax(dim=1).numpy()

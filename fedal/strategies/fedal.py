@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf
+from fedal.strategies.frozen import Frozen, frozen_copy
 from fedal.strategies.discriminator import Discriminator, discriminator_input, per_sample_adversarial_grad
 from fedal.strategies.losses import kl_grad_wrt_student, kl_to_student, mean_kl_to_mean
 from fedal.strategies.params import StrategyParams
@@ -36,13 +37,6 @@ def public_indices(seed: int, round_idx: int, iteration: int, public_size: int, 
     """The public minibatch of (t, i): a pure function of the run seed, so a restart agrees."""
     rng = np.random.default_rng([seed, round_idx, iteration, 0x46414C])
     return rng.choice(public_size, size=min(batch, public_size), replace=False).astype(np.int32)
-
-
-def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
 
 
 class FedALServer(ServerHalf):
@@ -150,8 +144,8 @@ class FedALServer(ServerHalf):
 class FedALClient(ClientHalf):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.ref_loc: torch.nn.Module | None = None
-        self.ref_glo: torch.nn.Module | None = None
+        self.ref_loc: Frozen | None = None
+        self.ref_glo: Frozen | None = None
         self.pending: dict[str, Any] | None = None  # indices and logits of the last upload
 
     def handle(self, task: Message) -> Message:
@@ -169,7 +163,7 @@ class FedALClient(ClientHalf):
 
     def _local_train(self, task: Message) -> float:
         p = self.params
-        self.ref_loc = frozen_copy(self.model) if p.lambda_lf_loc > 0 else None
+        self.ref_loc = self.inference.snapshot(self.model) if p.lambda_lf_loc > 0 else None
         self.model.train()
         losses = []
         for _ in range(int(task.meta.get("steps", p.tau))):
@@ -184,7 +178,7 @@ class FedALClient(ClientHalf):
             loss.backward()
             self.optimizer.step()
             losses.append(loss.item())
-        self.ref_glo = frozen_copy(self.model) if p.lambda_lf_glo > 0 else None
+        self.ref_glo = self.inference.snapshot(self.model) if p.lambda_lf_glo > 0 else None
         return float(np.mean(losses)) if losses else 0.0
 
     def _upload_logits(self, indices: np.ndarray, round_idx: int, iteration: int) -> np.ndarray:
@@ -256,7 +250,7 @@ class FedALClient(ClientHalf):
         super().load_state_dict(state)
         for name in ("ref_loc", "ref_glo"):
             if state.get(name) is not None:
-                ref = frozen_copy(self.model)
-                ref.load_state_dict(state[name])
-                setattr(self, name, ref)
+                weights = frozen_copy(self.model)
+                weights.load_state_dict(state[name])
+                setattr(self, name, self.inference.snapshot(weights))
         self.pending = state.get("pending")
