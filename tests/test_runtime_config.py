@@ -60,3 +60,19 @@ def test_cli_exits_2_on_a_missing_config(module, tmp_path):
     proc = subprocess.run([sys.executable, "-m", module, "--config", str(tmp_path / "nope.toml")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not found" in proc.stderr
+
+
+def test_agent_needs_only_the_agent_extra():
+    """The agent imports nothing from the web stack or the simulation extras."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'fastapi', 'uvicorn', 'amqtt', 'mnist1d', 'sklearn', 'matplotlib', 'scipy', 'tomli_w'}:\n"
+        "            raise ImportError(f'agent imported {name}')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import edge_agent.agent, edge_agent.cli, edge_agent.inference\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
