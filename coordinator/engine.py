@@ -65,6 +65,34 @@ class PhaseState:
     results: dict[str, Message] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     wall_started: float = field(default_factory=time.time)
+    latencies: list[float] = field(default_factory=list)  # seconds from sending to each accepted result
+
+
+class PhaseStats:
+    """Per phase name over one round: response latencies (p50/p95) and participation."""
+
+    def __init__(self) -> None:
+        self.latencies: dict[str, list[float]] = {}
+        self.sent: dict[str, int] = {}
+        self.answered: dict[str, int] = {}
+
+    def add(self, state: "PhaseState") -> None:
+        name = state.phase.phase
+        self.latencies.setdefault(name, []).extend(state.latencies)
+        self.sent[name] = self.sent.get(name, 0) + len(state.phase.tasks)
+        self.answered[name] = self.answered.get(name, 0) + len(state.results)
+
+    def summary(self) -> dict[str, dict[str, float | int | None]]:
+        out = {}
+        for name, sent in self.sent.items():
+            lat = self.latencies.get(name) or []
+            out[name] = {
+                "count": sent,
+                "participation": round(self.answered[name] / sent, 4) if sent else None,
+                "p50_s": round(float(np.percentile(lat, 50)), 4) if lat else None,
+                "p95_s": round(float(np.percentile(lat, 95)), 4) if lat else None,
+            }
+        return out
 
 
 def pick_device(setting: str) -> str:
@@ -235,24 +263,25 @@ class RoundEngine:
         t0 = time.monotonic()
         up0, down0 = self._bytes()
         phase = self.server.begin_round(r)
-        latencies: dict[str, list[float]] = {}
+        stats = PhaseStats()
         while phase is not None:
             state = self._run_phase(phase)
-            latencies.setdefault(phase.phase, []).append(time.monotonic() - state.started)
+            stats.add(state)
             phase = self.server.collect(phase, state.results)
         up1, down1 = self._bytes()
         record: dict[str, Any] = {"round": r + 1, "bytes_up": up1 - up0, "bytes_down": down1 - down0}
         if (r + 1) % self.run_config.eval_every == 0 or r + 1 == self.run_config.rounds:
-            record.update(self._evaluate(r))
+            record.update(self._evaluate(r, stats))
         record["rejected"] = sum(i.rejected for i in self.clients.values())
         record["server"] = self.server.round_metrics()
-        record["latency_s"] = {k: round(float(np.mean(v)), 4) for k, v in latencies.items()}
+        record["phases"] = stats.summary()
         record["wall_s"] = round(time.monotonic() - t0, 4)
         return record
 
-    def _evaluate(self, r: int) -> dict[str, Any]:
+    def _evaluate(self, r: int, stats: "PhaseStats") -> dict[str, Any]:
         tasks = {cid: Message({"phase": "evaluate", "round": r, "iteration": 0}) for cid in self.client_ids}
         state = self._run_phase(PhaseTasks("evaluate", r, 0, tasks))  # after the round's byte count
+        stats.add(state)
         accs = [state.results[c].meta.get("acc") if c in state.results else None for c in self.client_ids]
         for cid, acc in zip(self.client_ids, accs):
             if acc is not None:
@@ -395,6 +424,7 @@ class RoundEngine:
             return
         with self.lock:
             cur.results[cid] = msg
+            cur.latencies.append(time.monotonic() - cur.started)
             cur.pending.discard(cid)
             info.answered += 1
             info.last_seen = time.time()
@@ -437,6 +467,10 @@ class RoundEngine:
                 "config": self.run_config.model_dump(mode="json"),
                 "last_round": self.records[-1] if self.records else None,
             }
+
+    def rounds(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return list(self.records)
 
     def results(self) -> dict[str, Any]:
         """The same results contract as `fedal simulate`."""

@@ -1,0 +1,86 @@
+"""The coordinator's REST API and Prometheus metrics: in-process with TestClient, and against a
+live coordinator after a real run."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.app import create_app
+from coordinator.config import load_coordinator_config
+from coordinator.engine import RoundEngine
+from fedal.sim import load_config
+from tests.deployment import Deployment, get
+
+
+@pytest.fixture()
+def engine(tmp_path):
+    np.savez(tmp_path / "public.npz", x=np.zeros((20, 40), np.float32))
+    cfg = load_coordinator_config(None, run_id="unit", client_ids=["a", "b"], num_classes=10,
+                                  public_file=tmp_path / "public.npz", state_dir=tmp_path / "state")
+    return RoundEngine(cfg)
+
+
+def metric_values(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_endpoints_before_the_run_starts(engine):
+    client = TestClient(create_app(engine))
+    assert client.get("/healthz").json() == {"status": "ok", "broker_connected": False, "run_state": "pending"}
+    runs = client.get("/api/v1/runs").json()
+    assert [r["run_id"] for r in runs] == ["unit"] and runs[0]["state"] == "pending"
+    assert client.get("/api/v1/runs/unit/rounds").json() == []
+    assert [c["id"] for c in client.get("/api/v1/clients").json()] == ["a", "b"]
+    assert client.get("/api/v1/clients/a").json()["online"] is False
+    assert client.get("/api/v1/clients/zz").status_code == 404
+    assert client.get("/api/v1/runs/other").status_code == 404
+    public = client.get("/api/v1/runs/unit/public")
+    assert public.status_code == 200 and public.headers["x-content-hash"] == engine.public_hash
+    metrics = client.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    values = metric_values(metrics.text)
+    assert values[("fedal_clients_enrolled", (("run", "unit"),))] == 2
+    assert values[("fedal_run_state", (("run", "unit"), ("state", "pending")))] == 1
+    assert all(name.startswith("fedal_") for name, _ in values)
+    assert client.get("/openapi.json").json()["info"]["title"].startswith("FedAL Edge")
+
+
+def test_api_after_a_real_run(mosquitto, tmp_path):
+    config = load_config(None, dict(strategy="fedal", dataset="digits", clients=3, rounds=2, tau=2, public_size=100, seed=9))
+    dep = Deployment(config, tmp_path / "dep", mosquitto)
+    try:
+        dep.start_coordinator()
+        for cid in ("c00", "c01", "c02"):
+            dep.start_agent(cid)
+        dep.wait_for(lambda r: r["state"] == "finished", timeout_s=180, what="the run to finish")
+        rounds = get(f"{dep.api}/api/v1/runs/demo/rounds")
+        clients = {c["id"]: c for c in get(f"{dep.api}/api/v1/clients")}
+        one = get(f"{dep.api}/api/v1/clients/c01")
+        with urllib.request.urlopen(f"{dep.api}/metrics", timeout=5) as resp:
+            metrics = metric_values(resp.read().decode())
+    finally:
+        dep.close()
+    assert [r["round"] for r in rounds] == [1, 2]
+    for r in rounds:
+        assert set(r["phases"]) == {"local_train", "transfer", "evaluate"}
+        for stats in r["phases"].values():
+            assert stats["participation"] == 1.0 and 0 <= stats["p50_s"] <= stats["p95_s"]
+        assert r["bytes_up"] > 0 and r["bytes_down"] > 0
+        assert 0 < r["server"]["disc_loss"] and 0 <= r["server"]["disc_acc"] <= 1 and r["server"]["discrepancy"] >= 0
+        assert len(r["client_acc"]) == 3 and all(0 <= a <= 1 for a in r["client_acc"])
+    assert set(clients) == {"c00", "c01", "c02"}
+    assert all(c["answered"] == 2 * (1 + 2 + 1) for c in clients.values())  # 2 rounds x (train, 2 transfers, eval)
+    assert one["id"] == "c01" and one["rejected"] == 0 and one["bytes_up"] > 0 and one["last_seen"] is not None
+    assert metrics[("fedal_rounds_completed", (("run", "demo"),))] == 2
+    assert metrics[("fedal_run_state", (("run", "demo"), ("state", "finished")))] == 1
+    assert metrics[("fedal_client_answered_total", (("client", "c02"), ("run", "demo")))] == 8
+    assert ("fedal_phase_latency_seconds", (("phase", "transfer"), ("quantile", "0.95"), ("run", "demo"))) in metrics
