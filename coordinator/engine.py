@@ -28,6 +28,7 @@ import torch
 
 from coordinator.bus import CoordinatorBus
 from coordinator.config import CoordinatorConfig
+from coordinator.events import EventHub
 from coordinator.store import RunStore
 from fedal import __version__
 from fedal.data import content_hash
@@ -128,6 +129,9 @@ class RoundEngine:
         self.lock = threading.RLock()
         self.stop_event = threading.Event()
         self.finished_event = threading.Event()
+        self.resume_event = threading.Event()  # cleared while paused
+        self.resume_event.set()
+        self.events = EventHub()
         self.clients = {cid: ClientInfo() for cid in self.client_ids}
         self.counters: Counter[str] = Counter()
         self.records: list[dict[str, Any]] = []
@@ -165,7 +169,7 @@ class RoundEngine:
             public_hash=self.public_hash,
             public_size=None if self.public_bytes is None else self.server.context.public_size,
             public_url=self.public_url() if self.public_bytes is not None else None,
-            state="running" if self.state in ("pending", "running") else self.state,
+            state=self.state if self.state in ("finished", "stopped") else "running",  # agents need no pause
             round=self.round,
             instance=self.instance,
         )
@@ -178,8 +182,8 @@ class RoundEngine:
             if not self.bus.start(self.stop_event, warn_every_s=5):
                 raise Stopped()
             with self.lock:
-                self.state = "running"
                 self.started_at = self.started_at or time.time()
+            self._set_state("running")
             self.bus.publish_manifest(self.manifest().to_json())
             self._wait_for_clients(self.cfg.phases.start_timeout_s)
             for r in range(start, self.run_config.rounds):
@@ -189,6 +193,8 @@ class RoundEngine:
                 record = self._run_round(r)
                 with self.lock:
                     self.records.append(record)
+                self.events.publish("round", run_id=self.cfg.run_id, **{k: record.get(k) for k in (
+                    "round", "mean_acc", "min_acc", "max_acc", "bytes_up", "bytes_down", "wall_s")})
                 self._save(completed=r + 1)
             self._finish("finished")
         except Stopped:
@@ -201,6 +207,23 @@ class RoundEngine:
 
     def stop(self) -> None:
         self.stop_event.set()
+        self.resume_event.set()
+
+    def pause(self) -> None:
+        """Hold the run before its next phase; open phases finish, agents keep their state."""
+        if self.state == "running":
+            self.resume_event.clear()
+            self._set_state("paused")
+
+    def resume(self) -> None:
+        if self.state == "paused":
+            self._set_state("running")
+            self.resume_event.set()
+
+    def _set_state(self, state: str) -> None:
+        with self.lock:
+            self.state = state
+        self.events.publish("run", run_id=self.cfg.run_id, state=state)
 
     def _wait_for_clients(self, timeout_s: float) -> None:
         """Let the fleet come online before the first task goes out (up to timeout_s)."""
@@ -247,9 +270,9 @@ class RoundEngine:
 
     def _finish(self, state: str) -> None:
         with self.lock:
-            self.state = state
             self.current = None
             self.finished_at = time.time()
+        self._set_state(state)
         if self.bus.connected.is_set():
             self.bus.publish_manifest(self.manifest().to_json())
         if state == "finished":
@@ -294,6 +317,8 @@ class RoundEngine:
         return summary
 
     def _run_phase(self, phase: PhaseTasks) -> PhaseState:
+        while not self.resume_event.is_set():  # paused: keep handling messages, send nothing new
+            self._pump()
         self.seq += 1
         key = (self.epoch, self.seq)
         payloads = {}
@@ -304,6 +329,8 @@ class RoundEngine:
         state = PhaseState(phase, key, payloads, set(phase.tasks))
         with self.lock:
             self.current = state
+        self.events.publish("phase", run_id=self.cfg.run_id, phase=phase.phase, round=phase.round + 1,
+                            iteration=phase.iteration, clients=len(phase.tasks))
         for cid, payload in payloads.items():
             self._send(cid, payload)
         train = phase.phase in TRAIN_PHASES
@@ -381,6 +408,8 @@ class RoundEngine:
         with self.lock:
             info.online = state == "online"
             info.last_seen = time.time()
+        if info.online != was_online:
+            self.events.publish("client", run_id=self.cfg.run_id, client=cid, online=info.online)
         cur = self.current
         if info.online and not was_online and cur is not None and cid in cur.pending and ts >= cur.wall_started:
             self._send(cid, cur.payloads[cid])  # connected after the task went out: send it again

@@ -3,6 +3,7 @@ live coordinator after a real run."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import numpy as np
@@ -84,3 +85,73 @@ def test_api_after_a_real_run(mosquitto, tmp_path):
     assert metrics[("fedal_run_state", (("run", "demo"), ("state", "finished")))] == 1
     assert metrics[("fedal_client_answered_total", (("client", "c02"), ("run", "demo")))] == 8
     assert ("fedal_phase_latency_seconds", (("phase", "transfer"), ("quantile", "0.95"), ("run", "demo"))) in metrics
+
+
+@pytest.fixture()
+def guarded(tmp_path):
+    np.savez(tmp_path / "public.npz", x=np.zeros((20, 40), np.float32))
+    cfg = load_coordinator_config(None, run_id="unit", client_ids=["a", "b"], num_classes=10, public_file=tmp_path / "public.npz",
+                                  state_dir=tmp_path / "state", api={"token": "s3cret", "read_requires_token": True})
+    return RoundEngine(cfg)
+
+
+def test_write_endpoints_need_the_token(guarded, engine):
+    client = TestClient(create_app(guarded))
+    assert client.post("/api/v1/runs/unit/pause").status_code == 401
+    assert client.post("/api/v1/runs/unit/pause", headers={"Authorization": "Bearer nope"}).status_code == 403
+    ok = client.post("/api/v1/runs/unit/stop", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200 and ok.json()["action"] == "stop"
+    assert client.post("/api/v1/runs/unit/explode", headers={"Authorization": "Bearer s3cret"}).status_code == 404
+    # reads can be made to need it too; health and the agents' public set stay open
+    assert client.get("/api/v1/runs").status_code == 401
+    assert client.get("/api/v1/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/healthz").status_code == 200 and client.get("/api/v1/runs/unit/public").status_code == 200
+    # without a configured token, writes are off altogether
+    open_client = TestClient(create_app(engine))
+    assert open_client.post("/api/v1/runs/unit/stop", headers={"Authorization": "Bearer anything"}).status_code == 403
+    assert open_client.get("/api/v1/runs").status_code == 200
+
+
+def test_pause_resume_and_live_events_during_a_real_run(mosquitto, tmp_path):
+    import json
+    import threading
+
+    import httpx
+
+    config = load_config(None, dict(strategy="fedmd", dataset="digits", clients=3, rounds=12, tau=1, public_size=100, seed=2))
+    dep = Deployment(config, tmp_path / "dep", mosquitto, coordinator={"api": {"token": "tok"}})
+    auth = {"Authorization": "Bearer tok"}
+    events: list[dict] = []
+
+    def listen() -> None:
+        with httpx.stream("GET", f"{dep.api}/api/v1/events", timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if events[-1].get("state") == "finished":
+                        return
+
+    try:
+        dep.start_coordinator()
+        dep.wait_for(lambda r: r["state"] in ("pending", "running"), what="the API")
+        listener = threading.Thread(target=listen, daemon=True)
+        listener.start()
+        for cid in ("c00", "c01", "c02"):
+            dep.start_agent(cid)
+        dep.wait_for(lambda r: r["completed_rounds"] >= 2, what="two rounds")
+        assert httpx.post(f"{dep.api}/api/v1/runs/demo/pause", headers=auth).json()["state"] == "paused"
+        held = dep.wait_for(lambda r: r["state"] == "paused", what="the pause")["completed_rounds"]
+        time.sleep(3)
+        assert dep.run()["completed_rounds"] <= held + 1  # at most the round in flight completes
+        assert httpx.post(f"{dep.api}/api/v1/runs/demo/resume", headers=auth).json()["state"] == "running"
+        dep.wait_for(lambda r: r["state"] == "finished", timeout_s=180, what="the run to finish")
+        listener.join(timeout=30)
+        assert httpx.post(f"{dep.api}/api/v1/runs/demo/pause", headers=auth).status_code == 409
+    finally:
+        dep.close()
+    kinds = {e["type"] for e in events}
+    assert {"hello", "client", "phase", "round", "run"} <= kinds
+    assert [e["round"] for e in events if e["type"] == "round"] == list(range(1, 13))
+    states = [e["state"] for e in events if e["type"] == "run"]
+    assert "paused" in states and states[-1] == "finished"
