@@ -41,7 +41,7 @@ TRAIN_PHASES = ("local_train", "train")
 
 
 class Stopped(Exception):
-    pass
+    """Raised inside the round loop when stop() was called; the run ends as `stopped`."""
 
 
 @dataclass
@@ -360,9 +360,10 @@ class RoundEngine:
         if self.stop_event.is_set():
             raise Stopped()
         try:
-            self._handle(*self.inbox.get(timeout=0.05))
+            topic, payload = self.inbox.get(timeout=0.05)
         except queue.Empty:
-            pass
+            return
+        self._handle(topic, payload)
 
     def _send(self, cid: str, payload: bytes) -> None:
         self.clients[cid].bytes_down += self.bus.publish_task(cid, payload)

@@ -6,6 +6,7 @@ or vanished dashboard never blocks the engine (its oldest events are dropped ins
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import queue
@@ -31,10 +32,8 @@ class EventHub:
                     q.put_nowait(event)
                     break
                 except queue.Full:
-                    try:
+                    with contextlib.suppress(queue.Empty):  # another reader may have emptied it
                         q.get_nowait()  # drop the oldest
-                    except queue.Empty:
-                        pass
 
     def subscribe(self) -> queue.Queue:
         q: queue.Queue = queue.Queue(maxsize=self.max_queue)

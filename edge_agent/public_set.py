@@ -13,7 +13,7 @@ from fedal.data import content_hash
 
 
 class PublicSetError(RuntimeError):
-    pass
+    """The public set is missing, unreadable, or not the one the run's hash names."""
 
 
 def load_public_set(expected_hash: str | None, file: Path | None, url: str | None, cache: Path, timeout_s: float = 60) -> np.ndarray:

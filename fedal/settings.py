@@ -17,7 +17,7 @@ S = TypeVar("S", bound=BaseSettings)
 
 
 class SettingsError(ValueError):
-    pass
+    """A config file or environment that cannot configure the program; the message says why."""
 
 
 def load_settings(cls: type[S], path: str | Path | None = None, **overrides) -> S:

@@ -17,13 +17,25 @@ def _fedal_cache(tmp_path_factory):
         os.environ["FEDAL_CACHE_DIR"] = old
 
 
+@pytest.fixture()
+def one_torch_thread():
+    """Tiny models on shared CPU cores: extra intra-op threads only add contention stalls."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def mosquitto(tmp_path_factory):
     """A private Mosquitto on a free loopback port, with a generated config."""
     import shutil
     import socket
     import subprocess
-    import time
+
+    from tests.helpers import wait_for_port
 
     binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     if not Path(binary).exists():
@@ -39,14 +51,7 @@ def mosquitto(tmp_path_factory):
         + ("user root\n" if os.geteuid() == 0 else "")  # as root it would drop to a user that cannot write tmp
     )
     proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    else:
+    if not wait_for_port(port):
         proc.kill()
         pytest.fail("mosquitto did not start")
     yield f"mqtt://127.0.0.1:{port}"

@@ -55,14 +55,21 @@ class Deployment:
         while time.monotonic() < deadline:
             if self.coordinator is not None and self.coordinator.poll() is not None:
                 raise AssertionError(f"coordinator exited with {self.coordinator.returncode}")
-            try:
-                last = self.run()
-                if predicate(last):
-                    return last
-            except OSError:
-                pass
+            last = poll_run(self.api) or last
+            if last is not None and predicate(last):
+                return last
             time.sleep(0.2)
         raise AssertionError(f"timed out waiting for {what}; last state: {json.dumps(last)[:2000] if last else None}")
+
+    def start_all(self) -> None:
+        self.start_coordinator()
+        for path in self.agent_paths:
+            self.start_agent(path.parent.name)
+
+    def finish(self, timeout_s: float = 240) -> dict:
+        """Wait for the run to finish; its results JSON."""
+        self.wait_for(lambda r: r["state"] == "finished", timeout_s=timeout_s, what="the run to finish")
+        return self.results()
 
     def results(self) -> dict:
         return get(f"{self.api}/api/v1/runs/{RUN_ID}/results")
@@ -75,6 +82,14 @@ def merge(base: dict, overrides: dict) -> None:
     """Override keys of a config table; nested tables are merged, not replaced."""
     for key, value in overrides.items():
         base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+
+
+def poll_run(api: str, run_id: str = RUN_ID) -> dict | None:
+    """The run's state, or None while the API is not (or no longer) reachable."""
+    try:
+        return get(f"{api}/api/v1/runs/{run_id}")
+    except OSError:
+        return None
 
 
 def get(url: str) -> dict:

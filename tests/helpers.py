@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import numpy as np
 import torch
 from torch import nn
@@ -40,3 +43,15 @@ def toy_federation(strategy: str, n_clients: int = 3, k: int = 4, public: int = 
         clients[cid] = spec.client(cid, TinyNet(k=k), toy_dataset(k=k, seed=i), public_x, params, seed=7 + i)
     server = spec.server(params, ids, ServerContext(num_classes=k, public_size=public, seed=seed))
     return server, clients, params
+
+
+def wait_for_port(port: int, timeout_s: float = 10.0) -> bool:
+    """True once something accepts TCP connections on 127.0.0.1:port."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return True
+        except OSError:
+            time.sleep(0.05)
+    return False

@@ -19,12 +19,7 @@ from tests.helpers import toy_federation
 SHAPES = {"mlp": (40,), "cnn1d": (40,), "cnn1d_wide": (40,), "lenet5": (1, 8, 8), "smallcnn": (1, 8, 8)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -103,11 +98,8 @@ def test_agents_on_the_onnx_backend_over_mosquitto(mosquitto, tmp_path):
     config = load_config(None, dict(strategy="fedal", dataset="digits", clients=3, rounds=2, tau=2, public_size=100, seed=8))
     dep = Deployment(config, tmp_path / "dep", mosquitto, agent={"inference_backend": "onnx", "export_int8": True})
     try:
-        dep.start_coordinator()
-        for cid in ("c00", "c01", "c02"):
-            dep.start_agent(cid)
-        dep.wait_for(lambda r: r["state"] == "finished", timeout_s=240, what="the run to finish")
-        results = dep.results()
+        dep.start_all()
+        results = dep.finish()
         for cid in ("c00", "c01", "c02"):
             assert dep.agents[cid].wait(timeout=60) == 0
     finally:

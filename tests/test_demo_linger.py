@@ -8,7 +8,7 @@ import urllib.request
 
 from coordinator.demo import free_port, run_demo
 from fedal.sim import load_config
-from tests.deployment import get
+from tests.deployment import get, poll_run
 
 
 def test_api_lingers_after_the_run_then_goes(mosquitto, tmp_path):
@@ -22,12 +22,10 @@ def test_api_lingers_after_the_run_then_goes(mosquitto, tmp_path):
     deadline = time.monotonic() + 180
     seen_finished = False
     while time.monotonic() < deadline and runner.is_alive():
-        try:
-            if get(f"{api}/api/v1/runs/demo")["state"] == "finished":
-                seen_finished = True
-                break
-        except OSError:
-            pass
+        run = poll_run(api)
+        if run is not None and run["state"] == "finished":
+            seen_finished = True
+            break
         time.sleep(0.2)
     assert seen_finished
     time.sleep(1.5)

@@ -31,13 +31,7 @@ EXPORT_BATCH = 3
 PARITY_BATCHES = (2, 5)  # both differ from EXPORT_BATCH: proves the batch axis is dynamic
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models on shared CPU cores: extra intra-op threads only add contention stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _inputs(shape, batch, seed=0):

@@ -56,13 +56,7 @@ NUM_CLASSES = 7
 CASE_IDS = [f"{name}-{'x'.join(map(str, shape))}" for name, shape in CASES]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models on shared CPU cores: extra intra-op threads only add contention stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _build(name: str, shape: tuple[int, ...], seed: int = 0) -> SplitModel:

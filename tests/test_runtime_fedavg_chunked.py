@@ -13,11 +13,8 @@ def test_fedavg_weights_chunked_over_mosquitto_match_simulation(mosquitto, tmp_p
     small = {"broker": {"max_payload": 8192}}
     dep = Deployment(config, tmp_path / "dep", mosquitto, coordinator=small, agent=small)
     try:
-        dep.start_coordinator()
-        for cid in ("c00", "c01", "c02"):
-            dep.start_agent(cid)
-        dep.wait_for(lambda r: r["state"] == "finished", timeout_s=240, what="the run to finish")
-        results = dep.results()
+        dep.start_all()
+        results = dep.finish()
     finally:
         dep.close()
     expected = simulate(config)

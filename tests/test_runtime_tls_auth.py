@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 
@@ -17,6 +16,7 @@ from coordinator.demo import free_port
 from fedal.protocol import topics
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment
+from tests.helpers import wait_for_port
 
 
 def openssl(*args: str, cwd) -> None:
@@ -47,13 +47,7 @@ def tls_broker(tmp_path):
         + ("user root\n" if os.geteuid() == 0 else "")  # as root it would drop to a user that cannot read tmp
     )
     proc = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    else:
+    if not wait_for_port(port):
         proc.kill()
         pytest.fail(f"mosquitto with TLS did not start: {(d / 'mosquitto.log').read_text() if (d / 'mosquitto.log').exists() else ''}")
     yield {"url": f"mqtts://127.0.0.1:{port}", "ca": str(d / "ca.crt"), "users": users}

@@ -12,7 +12,7 @@ from fedal.protocol.envelope import PROTOCOL_VERSION
 
 
 class ManifestError(ValueError):
-    pass
+    """A run manifest that is not valid JSON of this protocol version."""
 
 
 class RunManifest(BaseModel):
