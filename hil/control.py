@@ -1,0 +1,100 @@
+"""The emulated broker's control API (FastAPI): read the counters, change faults during a run.
+
+It runs in the proxy's event loop (uvicorn as a task), so a request and a packet never see the
+fault state half-changed. Bind it to loopback: it has no authentication.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import uvicorn
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel, ConfigDict, Field
+
+from hil.faults import resolve
+from hil.profiles import Faults
+from hil.proxy import Proxy
+
+
+class PartitionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    client: str = Field("*", description="client id or glob pattern")
+    duration_s: float = Field(gt=0, le=86_400)
+    start_in_s: float = Field(0.0, ge=0, description="begin this many seconds from now")
+
+
+class ResetRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    client: str = Field("*", description="client id or glob pattern")
+
+
+def build_app(proxy: Proxy) -> FastAPI:
+    engine = proxy.engine
+    app = FastAPI(title="FedAL Edge emulated broker", description="Fault injection control for `fedal hil broker`.")
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"ok": True, "connections": len(proxy.sessions), "elapsed_s": round(engine.elapsed(), 3)}
+
+    @app.get("/faults")
+    def get_faults() -> dict:
+        return {"profile": engine.profile_name, "seed": engine.seed,
+                **engine.faults.model_dump(mode="json", exclude_none=True),
+                "partitions": [p.model_dump(mode="json") for p in engine.partitions]}
+
+    @app.put("/faults")
+    def put_faults(faults: Faults) -> dict:
+        """Replace the default and per-client rules (partitions are kept); live connections too."""
+        engine.set_faults(faults)
+        return get_faults()
+
+    @app.get("/faults/{client_id}")
+    def client_faults(client_id: str) -> dict:
+        """The faults in force for one client id, every field resolved, per direction."""
+        return {d: resolve(engine.faults, client_id, d).__dict__ for d in ("up", "down")} | {
+            "partitioned": engine.partitioned(client_id)}
+
+    @app.post("/partition")
+    def partition(req: PartitionRequest) -> dict:
+        return engine.add_partition(req.client, req.duration_s, req.start_in_s).model_dump(mode="json")
+
+    @app.post("/reset")
+    def reset(req: ResetRequest) -> dict:
+        return {"reset": proxy.reset_clients(req.client)}
+
+    @app.get("/stats")
+    def stats() -> dict:
+        return {**engine.snapshot(), "connections": sorted(s.client_id for s in proxy.sessions)}
+
+    @app.get("/events")
+    def events(limit: int = 100, fault: str | None = None, client: str | None = None) -> list[dict]:
+        if limit < 1:
+            raise HTTPException(422, "limit must be >= 1")
+        chosen = [e for e in engine.events if (fault is None or e["fault"] == fault) and (client is None or e["client"] == client)]
+        return chosen[-limit:]
+
+    return app
+
+
+async def serve_control(proxy: Proxy, host: str, port: int) -> tuple[uvicorn.Server, asyncio.Task, int]:
+    """Start the control API in this loop: the server, its task and the bound port.
+
+    The socket is bound here, so a busy port is an OSError for the caller rather than uvicorn's
+    exit, and uvicorn leaves the process's signals to the proxy's CLI.
+    """
+    sock = socket.create_server((host, port))
+    config = uvicorn.Config(build_app(proxy), log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    server.capture_signals = contextlib.nullcontext
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("control API stopped before it started")
+        await asyncio.sleep(0.02)
+    return server, task, sock.getsockname()[1]
