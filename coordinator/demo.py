@@ -30,8 +30,10 @@ from fedal.cli.options import config_from_flags, run_options
 from fedal.cli.simulate import write_results
 from fedal.data import build_federated
 from fedal.sim.config import RunConfig
+from fedal.sim.fairness import fairness_line, standalone_fairness
 from fedal.sim.runner import client_ids as make_client_ids
 from fedal.sim.runner import client_seed
+from fedal.strategies import get_strategy
 
 RUN_ID = "demo"
 
@@ -46,7 +48,8 @@ def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_por
     """Partition files, agent configs and the coordinator config for `config` (resolved)."""
     data = build_federated(config.dataset, num_clients=config.clients, partition=config.partition, alpha=config.alpha,
                            samples_per_client=config.samples_per_client, public_size=config.public_size,
-                           seed=config.seed, data_dir=config.data_dir)
+                           seed=config.seed, data_dir=config.data_dir, local_test_fraction=config.local_test_fraction,
+                           shift_c=config.shift_c)
     if workdir.exists():
         shutil.rmtree(workdir)
     (workdir / "coordinator").mkdir(parents=True)
@@ -64,6 +67,9 @@ def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_por
             "seed": client_seed(config.seed, i), "data_file": str(ws / "train.npz"), "test_file": str(ws / "test.npz"),
             "workspace": str(ws), "threads": config.threads, "broker": {"url": broker_url},
         }
+        if len(data.client_tests[i]):
+            np.savez(ws / "local_test.npz", x=data.client_tests[i].x, y=data.client_tests[i].y)
+            agent["local_test_file"] = str(ws / "local_test.npz")
         path = ws / "agent.toml"
         path.write_text(tomli_w.dumps(agent))
         agent_configs.append(path)
@@ -78,6 +84,7 @@ def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_por
     data_info = {
         "public_hash": data.public_hash, "public_size": int(len(data.public_x)), "test_size": int(len(data.test)),
         "client_sizes": [int(len(c)) for c in data.clients],
+        "local_test_sizes": [int(len(t)) for t in data.client_tests],
         "label_histogram": np.asarray(data.partition_stats).astype(int).tolist(),
     }
     return coord_path, agent_configs, data_info
@@ -131,6 +138,8 @@ def run_demo(config: RunConfig, workdir: Path, broker: str | None = None, api_po
         results["data"] = {**data_info, **results.get("data", {})}
         results["clients"] = [{"id": c["id"], "model": config.models[i % len(config.models)]}
                               for i, c in enumerate(results["clients"])]
+        if get_strategy(config.strategy).fairness:  # CF's standalone baseline: no communication, so in-process
+            results["final"].update(standalone_fairness(config, results["final"]))
         if linger_s > 0:
             if not quiet:
                 click.echo(f"run finished; the coordinator stays up {linger_s:.0f} s at {api}", err=True)
@@ -181,6 +190,8 @@ def summary_table(results: dict) -> str:
     final = results["final"]
     lines.append(f"mean acc {final.get('mean_acc', float('nan')):.4f} (min {final.get('min_acc', float('nan')):.4f}, "
                  f"max {final.get('max_acc', float('nan')):.4f})")
+    if "cf" in final:
+        lines.append(fairness_line(final))
     return "\n".join(lines)
 
 

@@ -33,7 +33,7 @@ from coordinator.store import RunStore
 from fedal import __version__
 from fedal.data import content_hash
 from fedal.protocol import EnvelopeError, Message, Reassembler, RunManifest, encode, topics
-from fedal.sim.runner import accuracy_summary
+from fedal.sim.runner import evaluation_summary
 from fedal.strategies import InvalidResult, PhaseTasks, ServerContext, get_strategy
 
 log = logging.getLogger("coordinator.engine")
@@ -55,6 +55,7 @@ class ClientInfo:
     bytes_up: int = 0
     bytes_down: int = 0
     last_acc: float | None = None
+    last_local_acc: float | None = None
 
 
 @dataclass
@@ -67,21 +68,28 @@ class PhaseState:
     started: float = field(default_factory=time.monotonic)
     wall_started: float = field(default_factory=time.time)
     latencies: list[float] = field(default_factory=list)  # seconds from sending to each accepted result
+    compute_s: float = 0.0  # the server half producing this phase's tasks (begin_round / collect)
+    wall_s: float = 0.0  # from the server half starting on this phase to the phase closing
 
 
 class PhaseStats:
-    """Per phase name over one round: response latencies (p50/p95) and participation."""
+    """Per phase name over one round: response latencies (p50/p95), participation, and the mean
+    server-half compute time and end-to-end time of one phase (e.g. one transfer iteration)."""
 
     def __init__(self) -> None:
         self.latencies: dict[str, list[float]] = {}
         self.sent: dict[str, int] = {}
         self.answered: dict[str, int] = {}
+        self.compute: dict[str, list[float]] = {}
+        self.wall: dict[str, list[float]] = {}
 
     def add(self, state: "PhaseState") -> None:
         name = state.phase.phase
         self.latencies.setdefault(name, []).extend(state.latencies)
         self.sent[name] = self.sent.get(name, 0) + len(state.phase.tasks)
         self.answered[name] = self.answered.get(name, 0) + len(state.results)
+        self.compute.setdefault(name, []).append(state.compute_s)
+        self.wall.setdefault(name, []).append(state.wall_s)
 
     def summary(self) -> dict[str, dict[str, float | int | None]]:
         out = {}
@@ -92,6 +100,8 @@ class PhaseStats:
                 "participation": round(self.answered[name] / sent, 4) if sent else None,
                 "p50_s": round(float(np.percentile(lat, 50)), 4) if lat else None,
                 "p95_s": round(float(np.percentile(lat, 95)), 4) if lat else None,
+                "compute_s": round(float(np.mean(self.compute[name])), 4),
+                "wall_s": round(float(np.mean(self.wall[name])), 4),
             }
         return out
 
@@ -194,7 +204,7 @@ class RoundEngine:
                 with self.lock:
                     self.records.append(record)
                 self.events.publish("round", run_id=self.cfg.run_id, **{k: record.get(k) for k in (
-                    "round", "mean_acc", "min_acc", "max_acc", "bytes_up", "bytes_down", "wall_s")})
+                    "round", "mean_acc", "min_acc", "max_acc", "local_mean_acc", "bytes_up", "bytes_down", "wall_s")})
                 self._save(completed=r + 1)
             self._finish("finished")
         except Stopped:
@@ -285,11 +295,13 @@ class RoundEngine:
     def _run_round(self, r: int) -> dict[str, Any]:
         t0 = time.monotonic()
         up0, down0 = self._bytes()
+        t = time.monotonic()
         phase = self.server.begin_round(r)
         stats = PhaseStats()
         while phase is not None:
-            state = self._run_phase(phase)
+            state = self._run_phase(phase, computed_from=t)
             stats.add(state)
+            t = time.monotonic()
             phase = self.server.collect(phase, state.results)
         up1, down1 = self._bytes()
         record: dict[str, Any] = {"round": r + 1, "bytes_up": up1 - up0, "bytes_down": down1 - down0}
@@ -305,20 +317,26 @@ class RoundEngine:
         tasks = {cid: Message({"phase": "evaluate", "round": r, "iteration": 0}) for cid in self.client_ids}
         state = self._run_phase(PhaseTasks("evaluate", r, 0, tasks))  # after the round's byte count
         stats.add(state)
-        accs = [state.results[c].meta.get("acc") if c in state.results else None for c in self.client_ids]
-        for cid, acc in zip(self.client_ids, accs):
-            if acc is not None:
-                self.clients[cid].last_acc = acc
-        known = [a for a in accs if a is not None]
-        if not known:
-            return {}
-        summary = accuracy_summary(known)
-        summary["client_acc"] = accs
-        return summary
+        accs = [self._reported(state, c, "acc") for c in self.client_ids]
+        local = [self._reported(state, c, "local_acc") for c in self.client_ids]
+        for cid, acc, local_acc in zip(self.client_ids, accs, local):
+            info = self.clients[cid]
+            info.last_acc = acc if acc is not None else info.last_acc
+            info.last_local_acc = local_acc if local_acc is not None else info.last_local_acc
+        return evaluation_summary(accs, local)
 
-    def _run_phase(self, phase: PhaseTasks) -> PhaseState:
+    @staticmethod
+    def _reported(state: "PhaseState", cid: str, key: str) -> float | None:
+        """A client's reported accuracy (validated on arrival), None if it did not answer."""
+        value = state.results[cid].meta.get(key) if cid in state.results else None
+        return None if value is None else float(value)
+
+    def _run_phase(self, phase: PhaseTasks, computed_from: float | None = None) -> PhaseState:
+        """computed_from: when the server half started producing `phase` (for its timing)."""
+        compute_s = 0.0 if computed_from is None else time.monotonic() - computed_from
         while not self.resume_event.is_set():  # paused: keep handling messages, send nothing new
             self._pump()
+            computed_from = None  # a pause is neither compute nor network time
         self.seq += 1
         key = (self.epoch, self.seq)
         payloads = {}
@@ -326,7 +344,7 @@ class RoundEngine:
             meta = {**task.meta, "run": self.cfg.run_id, "client": cid, "instance": self.instance,
                     "epoch": key[0], "seq": key[1]}
             payloads[cid] = encode(Message(meta, task.tensors))
-        state = PhaseState(phase, key, payloads, set(phase.tasks))
+        state = PhaseState(phase, key, payloads, set(phase.tasks), compute_s=compute_s)
         with self.lock:
             self.current = state
         self.events.publish("phase", run_id=self.cfg.run_id, phase=phase.phase, round=phase.round + 1,
@@ -347,6 +365,7 @@ class RoundEngine:
                 for cid in list(state.pending):
                     if self.clients[cid].online:
                         self._send(cid, payloads[cid])
+        state.wall_s = time.monotonic() - (state.started if computed_from is None else computed_from)
         with self.lock:
             for cid in state.pending:
                 self.clients[cid].late += 1
@@ -463,9 +482,10 @@ class RoundEngine:
         for k in ("phase", "round", "iteration"):
             if msg.meta.get(k) != phase.tasks[cid].meta.get(k):
                 raise InvalidResult(f"evaluation result has {k}={msg.meta.get(k)!r}")
-        acc = msg.meta.get("acc")
-        if acc is not None and (isinstance(acc, bool) or not isinstance(acc, (int, float)) or not 0.0 <= acc <= 1.0):
-            raise InvalidResult(f"accuracy {acc!r} is not in [0, 1]")
+        for key in ("acc", "local_acc"):
+            acc = msg.meta.get(key)
+            if acc is not None and (isinstance(acc, bool) or not isinstance(acc, (int, float)) or not 0.0 <= acc <= 1.0):
+                raise InvalidResult(f"{key} {acc!r} is not in [0, 1]")
 
     def _reject(self, cid: str | None, reason: str) -> None:
         self.counters["rejected"] += 1
@@ -507,7 +527,7 @@ class RoundEngine:
         with self.lock:
             records = list(self.records)
         last_eval = next((r for r in reversed(records) if "mean_acc" in r), None)
-        final = {k: last_eval[k] for k in ("mean_acc", "min_acc", "max_acc", "client_acc")} if last_eval else {}
+        final = {k: v for k, v in last_eval.items() if k.endswith("_acc")} if last_eval else {}
         return {
             "config": self.run_config.model_dump(mode="json"),
             "data": {"public_hash": self.public_hash, "public_size": self.server.context.public_size},

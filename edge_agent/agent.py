@@ -177,6 +177,8 @@ class Agent:
         params = StrategyParams(**manifest.strategy_params)
         train = load_npz_dataset(cfg.data_file, manifest.num_classes, f"{cfg.client_id}-train")
         self.test = load_npz_dataset(cfg.test_file, manifest.num_classes, "test") if cfg.test_file else None
+        self.local_test = (load_npz_dataset(cfg.local_test_file, manifest.num_classes, f"{cfg.client_id}-test")
+                           if cfg.local_test_file else None)
         public = None
         if spec.uses_public_set:
             public = load_public_set(manifest.public_hash, cfg.public_file, manifest.public_url, self.workspace / "public.npz")
@@ -237,9 +239,14 @@ class Agent:
         self.counters["tasks"] += 1
 
     def _evaluate(self, task: Message) -> Message:
-        if self.test is None or len(self.test) == 0:
-            return self.client.reply(task, acc=None)
-        return self.client.reply(task, acc=self.client.evaluate(self.test.x, self.test.y), num_test=len(self.test))
+        """Accuracy on the common test set and on this device's own test split, where provisioned:
+        numbers only, so the coordinator can show progress without seeing data or the model."""
+        report = {}
+        for key, data in (("", self.test), ("local_", self.local_test)):
+            if data is not None and len(data):
+                report[f"{key}acc"] = self.client.evaluate(data.x, data.y)
+                report[f"num_{key}test"] = len(data)
+        return self.client.reply(task, acc=report.pop("acc", None), **report)
 
     def _checkpoint(self) -> None:
         checkpoint.save_atomic(

@@ -28,6 +28,7 @@ class AgentConfig(BaseSettings):
     seed: int = Field(0, ge=0, description="model initialisation and minibatch sampling")
     data_file: Path = Field(description=".npz with x (float32) and y (int64): the private training data")
     test_file: Path | None = Field(None, description=".npz with x, y: the common test set, for evaluation")
+    local_test_file: Path | None = Field(None, description=".npz with x, y: this device's own held-out test split")
     public_file: Path | None = Field(None, description=".npz with x: the public set; else fetched once over HTTP")
     workspace: Path = Field(Path("fedal-agent"), description="checkpoints and outputs")
     threads: int = Field(1, ge=1, description="torch intra-op threads")

@@ -144,3 +144,29 @@ def test_file_dataset_through_build(tmp_path):
     fd = build_federated("mnist", 2, partition="iid", public_size=20, data_dir=tmp_path)
     assert [len(c) for c in fd.clients] == [20, 20] and fd.public_x.shape == (20, 1, 28, 28)
     assert len(fd.test) == 10
+
+
+def test_local_test_splits_come_from_each_clients_share_and_never_overlap():
+    base = build_federated("digits", 4, partition="dirichlet-client", alpha=0.3, samples_per_client=120,
+                           public_size=100, seed=5)
+    fd = build_federated("digits", 4, partition="dirichlet-client", alpha=0.3, samples_per_client=120,
+                         public_size=100, seed=5, local_test_fraction=0.25)
+    assert fd.public_hash == base.public_hash  # the option touches neither P nor the partition
+    for n in range(4):
+        train_idx, test_idx = fd.client_indices[n], fd.client_test_indices[n]
+        assert len(test_idx) == 30 and len(train_idx) == 90
+        assert not set(train_idx) & set(test_idx)
+        assert sorted(set(train_idx) | set(test_idx)) == sorted(base.client_indices[n])
+        # the local test split follows the client's own (skewed) label distribution
+        assert set(fd.client_tests[n].y) <= set(base.clients[n].y)
+        assert np.array_equal(fd.client_tests[n].y, load_dataset("digits")[0].y[test_idx])
+    again = build_federated("digits", 4, partition="dirichlet-client", alpha=0.3, samples_per_client=120,
+                            public_size=100, seed=5, local_test_fraction=0.25)
+    assert all(np.array_equal(a, b) for a, b in zip(fd.client_test_indices, again.client_test_indices))
+    # fraction 0: no local tests and exactly the training data of a run without the option
+    assert all(len(t) == 0 for t in base.client_tests)
+    assert all(np.array_equal(a.x, b.x) for a, b in zip(base.clients,
+               build_federated("digits", 4, partition="dirichlet-client", alpha=0.3, samples_per_client=120,
+                               public_size=100, seed=5, local_test_fraction=0.0).clients))
+    with pytest.raises(ValueError, match="local_test_fraction"):
+        build_federated("digits", 4, samples_per_client=10, public_size=100, local_test_fraction=1.0)

@@ -23,16 +23,20 @@ def simulate_with_models(config):
         engine.run_round(r)
     accs = [c.evaluate(data.test.x, data.test.y) for c in clients.values()]
     outputs = [c.predict(data.test.x).numpy() for c in clients.values()]
-    return accs, outputs
+    local = [c.evaluate(t.x, t.y) for c, t in zip(clients.values(), data.client_tests) if len(t)]
+    return accs, outputs, local
 
 
 @pytest.mark.parametrize("strategy", ["fedal", "fedmd"])
 def test_demo_over_mosquitto_matches_simulation(strategy, mosquitto, tmp_path):
     config = load_config(None, dict(strategy=strategy, dataset="digits", clients=3, rounds=3, tau=2, public_size=120,
-                                    seed=4, eval_every=1))
+                                    seed=4, eval_every=1, local_test_fraction=0.2))
     results = run_demo(config, tmp_path / "demo", broker=mosquitto, quiet=True, timeout_s=300)
-    accs, outputs = simulate_with_models(config)
+    accs, outputs, local = simulate_with_models(config)
     assert results["final"]["client_acc"] == accs
+    # each agent evaluated on its own held-out split; the coordinator saw only the numbers
+    assert len(local) == 3 and results["final"]["client_local_acc"] == local
+    assert all("local_mean_acc" in r for r in results["rounds"])
     for i, cid in enumerate(c["id"] for c in results["clients"]):
         remote = np.load(tmp_path / "demo" / "agents" / cid / "final" / "test_logits.npy")
         assert np.max(np.abs(remote - outputs[i])) <= 1e-6
@@ -60,6 +64,6 @@ def test_demo_over_the_embedded_broker(embedded_broker, tmp_path):
     publish_stale_finished_manifest(embedded_broker)  # agents must not mistake it for their run
     config = load_config(None, dict(strategy="fedmd-lf", dataset="digits", clients=3, rounds=2, tau=2, public_size=100, seed=1))
     results = run_demo(config, tmp_path / "demo", broker=embedded_broker, quiet=True, timeout_s=300)
-    accs, _ = simulate_with_models(config)
+    accs, _, _ = simulate_with_models(config)
     assert results["final"]["client_acc"] == accs
     assert all(r["bytes_up"] > 0 and r["bytes_down"] > 0 for r in results["rounds"])

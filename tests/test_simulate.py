@@ -135,3 +135,16 @@ def test_demo_cli_errors_exit_2(args, needle, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_local_test_fraction_reports_each_clients_own_accuracy():
+    res = simulate(load_config(None, dict(strategy="fedmd", dataset="digits", clients=3, rounds=2, tau=2,
+                                          public_size=100, local_test_fraction=0.2, eval_every=1)))
+    assert sum(res["data"]["local_test_sizes"]) > 0
+    for entry in (*res["rounds"], res["final"]):
+        local = entry["client_local_acc"]
+        assert len(local) == 3 and all(0.0 <= a <= 1.0 for a in local)
+        assert entry["local_min_acc"] <= entry["local_mean_acc"] <= entry["local_max_acc"]
+    assert load_config(None, {}).local_test_fraction == 0.0
+    with pytest.raises(Exception, match="local_test_fraction"):
+        load_config(None, dict(local_test_fraction=1.5))

@@ -25,8 +25,10 @@ RUN_OPTIONS = [
     click.option("--clients", type=int, help="Number of clients N."),
     click.option("--partition", type=click.Choice(PARTITION_NAMES), help="How private data is split."),
     click.option("--alpha", type=float, help="Dirichlet concentration."),
+    click.option("--shift-c", type=float, help="Covariate shift C of the covariate-shift partitions."),
     click.option("--samples-per-client", type=int, help="Private samples per client."),
     click.option("--public-size", type=int, help="Unlabeled public rows |P|."),
+    click.option("--local-test-fraction", type=float, help="Share of each client's data kept as its local test split."),
     click.option("--rounds", type=int, help="Rounds T."),
     click.option("--tau", type=int, help="Local steps and transfer iterations per round."),
     click.option("--seed", type=int, help="Seed driving data, models and sampling."),
@@ -35,7 +37,7 @@ RUN_OPTIONS = [
     click.option("--threads", type=int, help="torch threads per process."),
 ]
 
-RUN_FLAGS = ("strategy", "dataset", "data_dir", "clients", "partition", "alpha", "samples_per_client", "public_size",
+RUN_FLAGS = ("strategy", "dataset", "data_dir", "clients", "partition", "alpha", "shift_c", "samples_per_client", "public_size", "local_test_fraction",
              "rounds", "tau", "seed", "models", "eval_every", "threads")
 
 

@@ -1,7 +1,8 @@
 """One call from a dataset name to the federated setting: clients, public set, test set.
 
 Order (ALGORITHMS.md section 2): load -> hold the public set out of the training split ->
-partition what remains among clients -> keep the test split separate. The public split and the
+partition what remains among clients -> optionally hold a local test split out of each client's
+share (its own distribution, for personalised evaluation) -> keep the common test split separate. The public split and the
 client partition use independent random streams derived from `seed`, so the public set (and
 its hash) depends only on dataset, public_size and seed, not on the partition settings:
 runs that differ only in partition or alpha share the same P.
@@ -19,8 +20,9 @@ from fedal.data.embedded import load_digits, load_mnist1d
 from fedal.data.files import load_cifar10_dir, load_mnist_dir, load_svhn_dir
 from fedal.data.partition import PARTITIONERS, label_histogram
 from fedal.data.public import content_hash, split_public_indices
+from fedal.data.shift import FEATURE_PARTITIONERS, feature_partition
 
-__all__ = ["DATASETS", "FederatedData", "build_federated", "load_dataset"]
+__all__ = ["DATASETS", "FederatedData", "build_federated", "load_dataset", "split_local_tests"]
 
 DATASETS = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn")
 _FILE_DATASETS = ("mnist", "fashion-mnist", "cifar10", "svhn")
@@ -30,7 +32,7 @@ _FILE_DATASETS = ("mnist", "fashion-mnist", "cifar10", "svhn")
 class FederatedData:
     """Client datasets, the unlabeled public set and the common test set."""
 
-    clients: list[ArrayDataset]
+    clients: list[ArrayDataset]  # each client's training data
     public_x: np.ndarray
     public_hash: str
     test: ArrayDataset
@@ -40,6 +42,10 @@ class FederatedData:
     # Provenance: indices into the loaded training split (None if built by hand).
     public_indices: np.ndarray | None = None
     client_indices: list[np.ndarray] | None = None
+    # Each client's local test split: drawn from its own share, disjoint from its training data
+    # (empty datasets when local_test_fraction is 0).
+    client_tests: list[ArrayDataset] | None = None
+    client_test_indices: list[np.ndarray] | None = None
 
 
 def load_dataset(dataset: str, data_dir=None) -> tuple[ArrayDataset, ArrayDataset]:
@@ -69,7 +75,8 @@ def load_dataset(dataset: str, data_dir=None) -> tuple[ArrayDataset, ArrayDatase
 def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-client",
                     alpha: float = 1.0, samples_per_client: int | None = None,
                     public_size: int = 1000, seed: int = 0,
-                    data_dir: str | os.PathLike | None = None) -> FederatedData:
+                    data_dir: str | os.PathLike | None = None,
+                    local_test_fraction: float = 0.0, shift_c: float = 5.0) -> FederatedData:
     """Load `dataset` and split it into `num_clients` clients plus a public set.
 
     `alpha` is the Dirichlet concentration of the chosen partition (alpha of the FedAL paper's
@@ -77,18 +84,27 @@ def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-
     `samples_per_client=None` gives every client as many samples as fit equally; for
     "dirichlet-class" (unequal sizes by design) it uses the whole remaining pool, and a number
     first draws num_clients * samples_per_client samples uniformly from the pool.
+    `local_test_fraction` of every client's share (rounded, at least one sample left for
+    training) becomes that client's local test split, chosen uniformly at random from an
+    independent stream: at 0 the clients' data are exactly those of a run without the option.
+    FedAKD's partitions ("pow", "covariate-shift[-pca][-pow]", see `fedal.data.shift`) split
+    by features; `shift_c` is Algorithm 2's C, and they use half the pool unless
+    `samples_per_client` is given (then num_clients * samples_per_client in all).
     Same arguments -> identical arrays.
     """
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; choose one of: {', '.join(DATASETS)}")
-    if partition not in PARTITIONERS:
+    if partition not in PARTITIONERS and partition not in FEATURE_PARTITIONERS:
         raise ValueError(f"unknown partition {partition!r}; "
-                         f"choose one of: {', '.join(PARTITIONERS)}")
+                         f"choose one of: {', '.join([*PARTITIONERS, *FEATURE_PARTITIONERS])}")
     if int(num_clients) < 1:
         raise ValueError(f"num_clients must be at least 1, got {num_clients}")
+    if not 0.0 <= float(local_test_fraction) < 1.0:
+        raise ValueError(f"local_test_fraction must lie in [0, 1), got {local_test_fraction}")
     train, test = load_dataset(dataset, data_dir)
 
-    public_seq, partition_seq = np.random.SeedSequence(seed).spawn(2)
+    # spawn(3)'s first two children equal spawn(2)'s: adding the local-test stream kept old runs
+    public_seq, partition_seq, local_test_seq = np.random.SeedSequence(seed).spawn(3)
     public_idx, remaining = split_public_indices(len(train), public_size,
                                                  np.random.default_rng(public_seq))
     public_x = np.ascontiguousarray(train.x[public_idx])
@@ -100,6 +116,8 @@ def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-
                                         num_classes=train.num_classes)
     elif partition == "iid":
         local = PARTITIONERS[partition](pool_labels, num_clients, samples_per_client, rng)
+    elif partition in FEATURE_PARTITIONERS:
+        local = feature_partition(partition, train.x[remaining], num_clients, shift_c, samples_per_client, rng)
     else:  # dirichlet-class
         pool = np.arange(len(remaining))
         if samples_per_client is not None:
@@ -111,9 +129,13 @@ def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-
         local = [pool[p] for p in PARTITIONERS[partition](pool_labels[pool], num_clients,
                                                           alpha, rng)]
     client_idx = [remaining[p] for p in local]  # back to indices into the training split
+    client_idx, client_test_idx = split_local_tests(client_idx, local_test_fraction,
+                                                    np.random.default_rng(local_test_seq))
 
     clients = [train.subset(idx, name=f"{train.name}/client{n}")
                for n, idx in enumerate(client_idx)]
+    client_tests = [train.subset(idx, name=f"{train.name}/client{n}-test")
+                    for n, idx in enumerate(client_test_idx)]
     return FederatedData(
         clients=clients,
         public_x=public_x,
@@ -124,4 +146,19 @@ def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-
         partition_stats=label_histogram(train.y, client_idx, train.num_classes),
         public_indices=public_idx,
         client_indices=client_idx,
+        client_tests=client_tests,
+        client_test_indices=client_test_idx,
     )
+
+
+def split_local_tests(client_idx: list[np.ndarray], fraction: float,
+                      rng: np.random.Generator) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(train, local test) index arrays per client, disjoint, each in the order of the client's
+    share (so a fraction of 0 leaves the training data exactly as it was)."""
+    trains, tests = [], []
+    for idx in client_idx:
+        n_test = min(int(round(fraction * len(idx))), max(len(idx) - 1, 0))
+        order = rng.permutation(len(idx))
+        tests.append(idx[np.sort(order[:n_test])])
+        trains.append(idx[np.sort(order[n_test:])])
+    return trains, tests

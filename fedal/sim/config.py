@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fedal.strategies import STRATEGY_NAMES, StrategyParams, get_strategy
 
 DATASET_NAMES = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn")
-PARTITION_NAMES = ("dirichlet-client", "dirichlet-class", "iid")
+PARTITION_NAMES = ("dirichlet-client", "dirichlet-class", "iid", "pow", "covariate-shift", "covariate-shift-pow",
+                   "covariate-shift-pca", "covariate-shift-pca-pow")
 DEFAULT_MODELS = {
     "mnist1d": ["mlp", "cnn1d", "cnn1d_wide"],
     "digits": ["mlp", "lenet5", "smallcnn"],
@@ -37,8 +38,10 @@ class RunConfig(BaseModel):
     clients: int = Field(10, ge=2, le=10_000)
     partition: str = "dirichlet-client"
     alpha: float = Field(1.0, gt=0, description="Dirichlet concentration (per client or per class)")
+    shift_c: float = Field(5.0, gt=0, description="covariate-shift partitions: C = delta^T Sigma^-1 delta (paper: 2, 5, 10)")
     samples_per_client: int | None = Field(None, ge=1, description="None: an equal share of what is left")
     public_size: int = Field(1000, ge=1)
+    local_test_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="share of each client's data held out as its local test split")
     models: list[str] | None = Field(None, description="assigned round-robin; default per dataset")
     rounds: int = Field(20, ge=1)
     seed: int = Field(0, ge=0)

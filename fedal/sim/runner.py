@@ -14,6 +14,7 @@ from fedal.data import build_federated
 from fedal.models import build_model
 from fedal.sim.config import RunConfig
 from fedal.sim.engine import InProcessEngine
+from fedal.sim.fairness import standalone_fairness
 from fedal.strategies import ServerContext, get_strategy
 
 ProgressFn = Callable[[int, dict[str, Any]], None]
@@ -41,6 +42,8 @@ def build_run(config: RunConfig):
         public_size=config.public_size,
         seed=config.seed,
         data_dir=config.data_dir,
+        local_test_fraction=config.local_test_fraction,
+        shift_c=config.shift_c,
     )
     ids = client_ids(config.clients)
     clients = {}
@@ -67,14 +70,16 @@ def simulate(config: RunConfig, progress: ProgressFn | None = None) -> dict[str,
         rec = engine.run_round(r)
         entry: dict[str, Any] = {"round": r + 1, "bytes_up": rec.bytes_up, "bytes_down": rec.bytes_down}
         if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
-            entry.update(accuracy_summary([c.evaluate(data.test.x, data.test.y) for c in clients.values()]))
+            entry.update(evaluate_clients(clients, data))
         entry["rejected"] = rec.rejected
         entry["server"] = rec.server_metrics
         rounds.append(entry)
         if progress:
             progress(r + 1, entry)
 
-    final = accuracy_summary([c.evaluate(data.test.x, data.test.y) for c in clients.values()])
+    final = evaluate_clients(clients, data)
+    if get_strategy(config.strategy).fairness:  # CF needs a standalone run of the same clients
+        final.update(standalone_fairness(config, final))
     return {
         "config": config.model_dump(mode="json"),
         "data": {
@@ -82,6 +87,7 @@ def simulate(config: RunConfig, progress: ProgressFn | None = None) -> dict[str,
             "public_size": int(len(data.public_x)),
             "test_size": int(len(data.test)),
             "client_sizes": [int(len(c)) for c in data.clients],
+            "local_test_sizes": [int(len(t)) for t in data.client_tests],
             "label_histogram": np.asarray(data.partition_stats).astype(int).tolist(),
         },
         "clients": [
@@ -94,10 +100,24 @@ def simulate(config: RunConfig, progress: ProgressFn | None = None) -> dict[str,
     }
 
 
-def accuracy_summary(accs: list[float]) -> dict[str, Any]:
-    return {
-        "mean_acc": float(np.mean(accs)),
-        "min_acc": float(np.min(accs)),
-        "max_acc": float(np.max(accs)),
-        "client_acc": [float(a) for a in accs],
-    }
+def evaluate_clients(clients: dict, data) -> dict[str, Any]:
+    """Every client's accuracy on the common test set and, when it has one, on its own local
+    test split (its own distribution: the personalised view)."""
+    accs = [c.evaluate(data.test.x, data.test.y) for c in clients.values()]
+    local = [c.evaluate(t.x, t.y) if len(t) else None for c, t in zip(clients.values(), data.client_tests)]
+    return evaluation_summary(accs, local)
+
+
+def evaluation_summary(accs: list[float | None], local_accs: list[float | None] | None = None) -> dict[str, Any]:
+    """Summaries of the clients' reported accuracies; a client without a number (no test data,
+    or no answer) appears as null in the per-client lists and is left out of the statistics."""
+    out: dict[str, Any] = {}
+    for prefix, values in (("", accs), ("local_", local_accs or [])):
+        known = [float(a) for a in values if a is not None]
+        if not known:
+            continue
+        out.update({f"{prefix}mean_acc": float(np.mean(known)), f"{prefix}min_acc": float(np.min(known)),
+                    f"{prefix}max_acc": float(np.max(known)),
+                    f"client_{prefix}acc": [None if a is None else float(a) for a in values]})
+    return out
+
