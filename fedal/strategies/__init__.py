@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fedal.strategies import fedal as _fedal
 from fedal.strategies import fedavg as _fedavg
+from fedal.strategies import fedhkd as _fedhkd
 from fedal.strategies import fedmd as _fedmd
 from fedal.strategies import local as _local
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf
@@ -20,6 +21,8 @@ class StrategySpec:
     preset: dict
     homogeneous_models: bool = False
     uses_public_set: bool = False
+    # the server half keeps the aggregated model (`global_weights`), evaluated as `global_acc`
+    global_model: bool = False
 
 
 STRATEGIES: dict[str, StrategySpec] = {
@@ -29,7 +32,10 @@ STRATEGIES: dict[str, StrategySpec] = {
         StrategySpec("fedmd", _fedmd.FedMDServer, _fedmd.FedMDClient, _fedmd.FEDMD_PRESET, uses_public_set=True),
         StrategySpec("fedmd-lf", _fedmd.FedMDServer, _fedmd.FedMDClient, _fedmd.FEDMD_LF_PRESET, uses_public_set=True),
         StrategySpec("local", _local.LocalServer, _local.LocalClient, _local.PRESET),
-        StrategySpec("fedavg", _fedavg.FedAvgServer, _fedavg.FedAvgClient, _fedavg.PRESET, homogeneous_models=True),
+        StrategySpec("fedavg", _fedavg.FedAvgServer, _fedavg.FedAvgClient, _fedavg.PRESET, homogeneous_models=True,
+                     global_model=True),
+        StrategySpec("fedhkd", _fedhkd.FedHKDServer, _fedhkd.FedHKDClient, _fedhkd.PRESET, homogeneous_models=True,
+                     global_model=True),
     )
 }
 STRATEGY_NAMES = tuple(STRATEGIES)

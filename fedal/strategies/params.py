@@ -36,6 +36,19 @@ class StrategyParams(BaseModel):
     disc_hidden: list[int] = Field(default_factory=lambda: [32, 256], description="discriminator hidden widths")
     disc_lr: float = Field(1e-4, gt=0, description="discriminator Adam learning rate")
 
+    # FedHKD (ALGORITHMS.md section 4); FedHKD* is hkd_gamma = 0
+    hkd_preset: Literal["paper", "official"] = Field(
+        "paper", description="FedHKD: the paper's method, or what the authors' published code does"
+    )
+    hkd_lambda: float | None = Field(None, ge=0, description="FedHKD lambda: head term, softmax(G(H[j])/T) vs Q[j]")
+    hkd_gamma: float | None = Field(None, ge=0, description="FedHKD gamma: feature term, R(x) vs H[y]")
+    hkd_temperature: float = Field(0.5, gt=0, description="FedHKD T of the soft predictions")
+    hkd_sigma: float = Field(7.0, ge=0, description="FedHKD (paper): noise multiplier, std = 2 zeta sigma / N_i^j")
+    hkd_nu: float = Field(0.25, ge=0, le=1, description="FedHKD (paper): share class j only if N_i^j >= nu N_i")
+    hkd_zeta: float = Field(3.0, gt=0, description="FedHKD (paper): features clipped to [-zeta, zeta] before averaging")
+    hkd_official_noise_std: float = Field(2.0, ge=0, description="FedHKD (official): std of the one noise vector per upload")
+    hkd_official_grad_clip: float = Field(1.1, gt=0, description="FedHKD (official): max gradient norm with knowledge")
+
     def resolve(self, preset: dict) -> "StrategyParams":
         """Fill unset fields from `preset`; fields the user set win."""
         values = self.model_dump()

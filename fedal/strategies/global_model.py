@@ -1,0 +1,59 @@
+"""The aggregated model of parameter-averaging strategies, evaluated where it lives: the server.
+
+FedAvg-type server halves (StrategySpec.global_model) keep `global_weights`, the average that
+no client holds after the last round (each client holds its own locally trained copy). Both
+`fedal simulate` and the coordinator score it on the balanced common test set with this one
+function, so the two report the same `global_acc`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from fedal.models import build_model
+from fedal.strategies.base import ServerHalf
+from fedal.strategies.fedavg import load_numpy_into
+from fedal.strategies.frozen import TorchInference
+
+
+def global_accuracy(server: ServerHalf, model_name: str, num_classes: int, x: np.ndarray, y: np.ndarray,
+                    threads: int | None = None) -> float | None:
+    """Accuracy of the server half's global model on (x, y); None before it has one (or if the
+    server half keeps none). `threads` pins torch's intra-op threads for the forward pass, so a
+    process with another setting (the coordinator) computes bit-for-bit what the simulation does."""
+    weights = getattr(server, "global_weights", None)
+    if weights is None or len(y) == 0:
+        return None
+    model = build_model(model_name, tuple(np.asarray(x).shape[1:]), num_classes)
+    load_numpy_into(model, weights)
+    with torch_threads(threads):
+        pred = TorchInference().predict(model, np.ascontiguousarray(x, dtype=np.float32)).argmax(dim=1).numpy()
+    return float((pred == np.asarray(y)).mean())
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    before = torch.get_num_threads()
+    if n is not None and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def fedavg_style_metrics(summary: dict, global_acc: float | None) -> dict:
+    """The two accuracies of the FedHKD paper: `global_acc` (the aggregated model on the balanced
+    test set) and `personal_acc` (each client's own model on its own local test split, the mean
+    over clients; present when the run has local test splits)."""
+    out = {}
+    if global_acc is not None:
+        out["global_acc"] = global_acc
+    if summary.get("local_mean_acc") is not None:
+        out["personal_acc"] = summary["local_mean_acc"]
+    return out
