@@ -19,6 +19,7 @@ LAZY_COMMANDS = {
     "coordinator": ("coordinator.cli", "coordinator_cmd", "Run the coordinator (round engine + REST API)."),
     "agent": ("edge_agent.cli", "agent_cmd", "Run an edge agent."),
     "export": ("export.cli", "export_cmd", "Export a model to ONNX (parity check, int8)."),
+    "fleet": ("fleet.cli", "fleet_cmd", "Provision devices: credentials, broker ACL, TLS, config checks."),
     "hil": ("hil.cli", "hil_cmd", "Hardware-in-the-loop: fault-injecting broker proxy, emulated fleets."),
 }
 

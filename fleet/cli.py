@@ -1,0 +1,70 @@
+"""`fedal fleet`: generate a fleet's credentials (`init`) and check an agent config (`check`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.group("fleet")
+def fleet_cmd() -> None:
+    """Provision a fleet of devices: credentials, broker ACL, TLS; check agent configs."""
+
+
+@fleet_cmd.command("init")
+@click.option("--devices", type=click.IntRange(min=1), required=True, help="Number of devices N.")
+@click.option("--prefix", default="pi-", show_default=True, help="Device ids are PREFIX + number.")
+@click.option("--start", type=click.IntRange(min=0), default=1, show_default=True, help="Number of the first device.")
+@click.option("--broker", required=True, help="Broker URL the devices use: mqtt://host[:port] or mqtts://host[:port].")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Directory to write into.")
+@click.option("--run-id", default="fleet", show_default=True, help="Run id written into the agent configs.")
+@click.option("--tls", is_flag=True, help="Make a CA and the broker's server certificate (needs an mqtts:// URL).")
+@click.option("--server-name", "server_names", multiple=True,
+              help="Extra DNS name or IP for the server certificate (the URL's host is always in it); repeatable.")
+@click.option("--coordinator-user", default="coordinator", show_default=True, help="The coordinator's broker account.")
+@click.option("--model", default="cnn1d", show_default=True, help="Private model written into every agent config.")
+@click.option("--bind", help="Address the Mosquitto listener binds to (default: all interfaces).")
+@click.option("--broker-dir", default="/etc/mosquitto/fedal", show_default=True,
+              help="Where the broker's files will live; used for the paths in fedal.conf.")
+@click.option("--force", is_flag=True, help="Write into a non-empty --out (replaces every credential).")
+def init_cmd(**options) -> None:
+    """Per-device agent configs and passwords, Mosquitto password and ACL files, optional TLS."""
+    from fleet.generate import FleetError, FleetSpec, build_fleet
+
+    options["server_names"] = list(options["server_names"])
+    spec = FleetSpec(**options)
+    try:
+        summary = build_fleet(spec)
+    except FleetError as exc:
+        raise click.UsageError(str(exc)) from None
+    out = spec.out
+    click.echo(f"fleet of {len(summary['devices'])} devices for run {summary['run_id']!r} written to {out}")
+    click.echo(f"  devices:     {out / 'devices'}/<id>/agent.toml  ({summary['devices'][0]} .. {summary['devices'][-1]})")
+    click.echo(f"  coordinator: {out / 'coordinator' / 'broker.toml'} (merge into coordinator.toml)")
+    click.echo(f"  broker:      {out / 'broker'}/{{passwd,acl,fedal.conf}}" + (" + TLS certificate" if spec.tls else ""))
+    if spec.tls:
+        click.echo(f"  CA key:      {out / 'ca' / 'ca.key'} (keep offline; needed only to issue a new server certificate)")
+    elif spec.broker.startswith("mqtt://"):
+        click.echo("  warning: mqtt:// sends passwords in clear text; use --tls with an mqtts:// URL outside a trusted LAN")
+
+
+@fleet_cmd.command("check")
+@click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+def check_cmd(config: Path) -> None:
+    """Validate an agent config; print its key facts as key=value lines (exit 1 if invalid)."""
+    from edge_agent.config import load_agent_config
+    from fedal.protocol import parse_broker_url
+    from fedal.settings import SettingsError
+
+    try:
+        cfg = load_agent_config(config)
+    except SettingsError as exc:
+        raise click.ClickException(str(exc)) from None
+    addr = parse_broker_url(cfg.broker.url)
+    user = cfg.broker.username or addr.username
+    click.echo(f"client_id={cfg.client_id}")
+    click.echo(f"run_id={cfg.run_id}")
+    click.echo(f"broker={'mqtts' if addr.tls else 'mqtt'}://{f'{user}@' if user else ''}{addr.host}:{addr.port}")
+    click.echo(f"tls={'yes' if addr.tls else 'no'}")
+    click.echo(f"ca_file={cfg.broker.ca_file or ''}")

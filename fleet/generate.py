@@ -1,0 +1,169 @@
+"""`fedal fleet init`: everything a fleet of N agents needs to meet one broker securely.
+
+    OUT/devices/<id>/agent.toml    one agent config per device, its own password (0600)
+    OUT/devices/<id>/ca.crt        with TLS: the CA the agent verifies the broker with
+    OUT/coordinator/broker.toml    run id, client ids and a [broker] table for coordinator.toml
+    OUT/broker/passwd              Mosquitto password file (PBKDF2-SHA512 hashes, no plain text)
+    OUT/broker/acl                 Mosquitto ACL: each device only its own topics
+    OUT/broker/fedal.conf          Mosquitto listener snippet using the files above
+    OUT/broker/server.{crt,key}    with TLS: the broker's certificate, signed by the CA
+    OUT/ca/ca.{crt,key}            with TLS: the CA; keep ca.key offline
+    OUT/fleet.json                 what was generated (no secrets)
+
+Plain passwords exist only in the device and coordinator configs; the broker keeps hashes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import tomli_w
+
+from edge_agent.config import AgentConfig
+from fedal.protocol import BrokerAddress, BrokerSettings, parse_broker_url, topics
+from fleet import acl, passwords, tls
+
+# Where install-agent.sh puts things on a device; the generated agent configs point there.
+DEVICE_CONFIG_DIR = "/etc/fedal-agent"
+DEVICE_STATE_DIR = "/var/lib/fedal-agent"
+
+
+class FleetError(ValueError):
+    """Options that cannot make a working fleet; the message says which and why."""
+
+
+@dataclass
+class FleetSpec:
+    devices: int
+    broker: str
+    out: Path
+    prefix: str = "pi-"
+    start: int = 1
+    run_id: str = "fleet"
+    tls: bool = False
+    server_names: list[str] = field(default_factory=list)
+    coordinator_user: str = "coordinator"
+    model: str = "cnn1d"
+    bind: str | None = None
+    broker_dir: str = "/etc/mosquitto/fedal"
+    force: bool = False
+
+    def client_ids(self) -> list[str]:
+        if self.devices < 1:
+            raise FleetError("--devices must be at least 1")
+        if self.start < 0:
+            raise FleetError("--start must not be negative")
+        ids = [f"{self.prefix}{i}" for i in range(self.start, self.start + self.devices)]
+        try:
+            for cid in ids:
+                topics.check_id(cid, "client id")
+        except topics.TopicError as exc:
+            raise FleetError(f"{exc} (from --prefix {self.prefix!r})") from None
+        return ids
+
+
+def _write(path: Path, text: str | bytes, mode: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = text.encode() if isinstance(text, str) else text
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(path, mode)  # O_CREAT's mode is masked by the umask and ignored for existing files
+
+
+def _toml(header: str, data: dict) -> str:
+    return "".join(f"# {line}\n".replace("# \n", "#\n") for line in header.splitlines()) + "\n" + tomli_w.dumps(data)
+
+
+def _check(spec: FleetSpec) -> tuple[list[str], BrokerAddress]:
+    ids = spec.client_ids()
+    try:
+        addr = parse_broker_url(spec.broker)
+        topics.check_id(spec.run_id, "run id")
+        topics.check_id(spec.coordinator_user, "coordinator user")
+    except ValueError as exc:
+        raise FleetError(str(exc)) from None
+    if addr.username or addr.password:
+        raise FleetError("give --broker without user:password; the fleet makes one account per device")
+    if spec.coordinator_user in ids:
+        raise FleetError(f"coordinator user {spec.coordinator_user!r} collides with a device id")
+    if spec.tls and not addr.tls:
+        raise FleetError(f"--tls needs an mqtts:// broker URL (got {spec.broker}); the default TLS port is 8883")
+    out = spec.out
+    if out.exists() and not out.is_dir():
+        raise FleetError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not spec.force:
+        raise FleetError(f"--out {out} is not empty; refusing to overwrite existing credentials (use --force)")
+    return ids, addr
+
+
+def build_fleet(spec: FleetSpec) -> dict:
+    """Write the fleet's files under spec.out; returns the fleet.json summary."""
+    ids, addr = _check(spec)
+    out = spec.out
+    out.mkdir(parents=True, exist_ok=True)
+    os.chmod(out, 0o700)
+    secrets = {cid: passwords.new_password() for cid in [spec.coordinator_user, *ids]}
+
+    ca_pem = None
+    if spec.tls:
+        ca_pem, ca_key, ca_cert = tls.make_ca(f"FedAL fleet CA ({spec.run_id})")
+        server = tls.make_server_cert(ca_key, ca_cert, [addr.host, *spec.server_names])
+        _write(out / "ca" / "ca.crt", ca_pem.cert, 0o644)
+        _write(out / "ca" / "ca.key", ca_pem.key, 0o600)
+        _write(out / "broker" / "ca.crt", ca_pem.cert, 0o644)
+        _write(out / "broker" / "server.crt", server.cert, 0o644)
+        _write(out / "broker" / "server.key", server.key, 0o600)
+        _write(out / "coordinator" / "ca.crt", ca_pem.cert, 0o644)
+
+    for cid in ids:
+        broker = {"url": spec.broker, "username": cid, "password": secrets[cid]}
+        if ca_pem is not None:
+            broker["ca_file"] = f"{DEVICE_CONFIG_DIR}/ca.crt"
+            _write(out / "devices" / cid / "ca.crt", ca_pem.cert, 0o644)
+        config = {"client_id": cid, "run_id": spec.run_id, "model": spec.model,
+                  "data_file": f"{DEVICE_STATE_DIR}/train.npz", "workspace": DEVICE_STATE_DIR, "broker": broker}
+        AgentConfig.model_validate(config)  # what the device will load, checked here
+        header = (f"Agent config for device {cid} (written by `fedal fleet init`). Holds this device's broker password:\n"
+                  f"install it with firmware_scripts/flash.sh or install-agent.sh, which put it at {DEVICE_CONFIG_DIR}/agent.toml\n"
+                  f"readable by the agent only. The private data goes to data_file; see docs/deploy-raspberry-pi.md.")
+        _write(out / "devices" / cid / "agent.toml", _toml(header, config), 0o600)
+
+    coord_broker = {"url": spec.broker, "username": spec.coordinator_user, "password": secrets[spec.coordinator_user]}
+    if ca_pem is not None:
+        coord_broker["ca_file"] = str((out / "coordinator" / "ca.crt").resolve())
+    BrokerSettings.model_validate(coord_broker)
+    header = ("Merge into the coordinator's TOML (written by `fedal fleet init`): the run id and client ids the\n"
+              "devices were enrolled with, and the coordinator's own broker account, which may read and write the\n"
+              "whole fedal/v1/ tree. ca_file points into this directory; adjust it if you move the CA.")
+    _write(out / "coordinator" / "broker.toml",
+           _toml(header, {"run_id": spec.run_id, "client_ids": ids, "broker": coord_broker}), 0o600)
+
+    _write(out / "broker" / "passwd", passwords.password_file({u: secrets[u] for u in [spec.coordinator_user, *ids]}), 0o600)
+    _write(out / "broker" / "acl", acl.acl_file(ids, spec.coordinator_user), 0o644)
+    _write(out / "broker" / "fedal.conf", mosquitto_conf(spec, addr.port), 0o644)
+
+    summary = {"run_id": spec.run_id, "broker": spec.broker, "tls": spec.tls, "coordinator_user": spec.coordinator_user,
+               "devices": ids, "model": spec.model, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    _write(out / "fleet.json", json.dumps(summary, indent=2) + "\n", 0o644)
+    return summary
+
+
+def mosquitto_conf(spec: FleetSpec, port: int) -> str:
+    d = spec.broker_dir.rstrip("/")
+    lines = [
+        "# Mosquitto settings for the FedAL fleet (written by `fedal fleet init`).",
+        f"# Copy this directory's files to {d}/ (passwd readable by the mosquitto user only) and this",
+        "# file to /etc/mosquitto/conf.d/; then restart mosquitto.",
+        "allow_anonymous false",
+        f"password_file {d}/passwd",
+        f"acl_file {d}/acl",
+        f"listener {port}{f' {spec.bind}' if spec.bind else ''}",
+    ]
+    if spec.tls:
+        lines += [f"cafile {d}/ca.crt", f"certfile {d}/server.crt", f"keyfile {d}/server.key"]
+    return "\n".join(lines) + "\n"

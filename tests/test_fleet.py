@@ -1,0 +1,269 @@
+"""`fedal fleet`: generated credentials work against a real Mosquitto started with the generated
+password, ACL and listener files; devices are held to their own topics; TLS agents come online."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+from click.testing import CliRunner
+
+from edge_agent.config import load_agent_config
+from fedal.cli.main import cli
+from fedal.protocol import topics
+from fleet import passwords
+
+RUN = "fleet"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout_s: float = 10.0) -> bool:
+    """Like tests.helpers.wait_for_port, without importing torch into this test module."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def fleet_init(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, ["fleet", "init", *args])
+    return result.exit_code, result.output
+
+
+def start_mosquitto(out: Path, port: int) -> subprocess.Popen:
+    """Mosquitto with the generated fedal.conf (its paths point into `out`, see --broker-dir)."""
+    conf = out / "test-mosquitto.conf"
+    log = out / "mosquitto.log"
+    conf.write_text((out / "broker" / "fedal.conf").read_text() + f"persistence false\nlog_dest file {log}\n"
+                    + ("user root\n" if os.geteuid() == 0 else ""))
+    proc = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if not wait_for_port(port):
+        proc.kill()
+        pytest.fail(f"mosquitto did not start: {log.read_text() if log.exists() else ''}")
+    return proc
+
+
+def password_of(out: Path, cid: str) -> str:
+    return tomllib.loads((out / "devices" / cid / "agent.toml").read_text())["broker"]["password"]
+
+
+def coordinator_password(out: Path) -> str:
+    return tomllib.loads((out / "coordinator" / "broker.toml").read_text())["broker"]["password"]
+
+
+class Client:
+    """A raw paho client that records what it receives and how its connection attempt ended."""
+
+    def __init__(self, port: int, user: str | None, password: str | None, ca: Path | None = None, name: str = "t"):
+        self.messages: "queue.Queue[tuple[str, bytes]]" = queue.Queue()
+        self.connack: "queue.Queue[object]" = queue.Queue()
+        self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{name}-{time.monotonic_ns()}", protocol=mqtt.MQTTv311)
+        if user is not None:
+            self.c.username_pw_set(user, password)
+        if ca is not None:
+            self.c.tls_set(ca_certs=str(ca))
+        self.c.on_connect = lambda c, u, f, rc, p: self.connack.put(rc)
+        self.c.on_message = lambda c, u, m: self.messages.put((m.topic, bytes(m.payload)))
+        self.c.connect("127.0.0.1", port)
+        self.c.loop_start()
+        self.rc = self.connack.get(timeout=20)
+
+    def subscribe(self, topic: str) -> None:
+        done: "queue.Queue[object]" = queue.Queue()
+        self.c.on_subscribe = lambda c, u, mid, rcs, p: done.put(rcs)
+        self.c.subscribe(topic, qos=1)
+        done.get(timeout=10)
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        self.c.publish(topic, payload, qos=1, retain=retain).wait_for_publish(10)
+
+    def until(self, payload: bytes, timeout: float = 20) -> list[tuple[str, bytes]]:
+        """Everything received up to and including the first message with `payload`."""
+        seen = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                seen.append(self.messages.get(timeout=0.2))
+            except queue.Empty:
+                continue
+            if seen[-1][1] == payload:
+                return seen
+        raise AssertionError(f"{payload!r} never arrived; got {seen}")
+
+    def close(self) -> None:
+        self.c.loop_stop()
+        self.c.disconnect()
+
+
+def test_mosquitto_hashes_agree_both_ways(tmp_path):
+    hashed = passwords.mosquitto_hash("s3cret")
+    assert passwords.verify("s3cret", hashed) and not passwords.verify("s3cret!", hashed)
+    pw = tmp_path / "pw"
+    pw.write_text("")
+    subprocess.run(["mosquitto_passwd", "-b", str(pw), "pi-1", "hunter2"], check=True, capture_output=True)
+    user, theirs = pw.read_text().strip().split(":", 1)
+    assert user == "pi-1" and passwords.verify("hunter2", theirs) and not passwords.verify("hunter3", theirs)
+    with pytest.raises(ValueError, match="user name"):
+        passwords.password_file({"a:b": "x"})
+
+
+def test_generated_fleet_holds_each_device_to_its_own_topics(tmp_path):
+    port = free_port()
+    out = tmp_path / "fleet"
+    code, output = fleet_init("--devices", "3", "--broker", f"mqtt://127.0.0.1:{port}", "--out", str(out),
+                              "--bind", "127.0.0.1", "--broker-dir", str(out / "broker"), "--run-id", RUN)
+    assert code == 0, output
+    summary = json.loads((out / "fleet.json").read_text())
+    assert summary["devices"] == ["pi-1", "pi-2", "pi-3"]
+    passes = {cid: password_of(out, cid) for cid in summary["devices"]}
+    assert len(set(passes.values())) == 3
+    assert "pi-1" not in "".join(passes.values())
+    assert all(p not in (out / "broker" / "passwd").read_text() for p in passes.values())  # hashes only
+    for cid in summary["devices"]:  # what the device will load
+        assert (out / "devices" / cid / "agent.toml").stat().st_mode & 0o077 == 0
+        cfg = load_agent_config(out / "devices" / cid / "agent.toml")
+        assert (cfg.client_id, cfg.broker.username, cfg.run_id) == (cid, cid, RUN)
+
+    broker = start_mosquitto(out, port)
+    clients: list[Client] = []
+    try:
+        coord = Client(port, "coordinator", coordinator_password(out), name="coord")
+        clients.append(coord)
+        assert coord.rc == 0
+        coord.subscribe(f"fedal/v1/{RUN}/#")
+        pi1 = Client(port, "pi-1", passes["pi-1"], name="pi1")
+        clients.append(pi1)
+        assert pi1.rc == 0
+
+        # pi-1 on its own upload and status topics reaches the coordinator; as pi-2 it does not
+        pi1.publish(topics.result(RUN, "pi-2"), b"forged result")
+        pi1.publish(topics.status(RUN, "pi-2"), b"forged status", retain=True)
+        pi1.publish(topics.status(RUN, "pi-1"), b"pi-1 online", retain=True)
+        pi1.publish(topics.result(RUN, "pi-1"), b"pi-1 result")
+        got = coord.until(b"pi-1 result")
+        assert (topics.status(RUN, "pi-1"), b"pi-1 online") in got
+        assert not [m for m in got if m[1].startswith(b"forged")]
+        # ... nor may it write the coordinator's topics
+        pi1.publish(topics.run_manifest(RUN), b"forged manifest")
+        pi1.publish(topics.task(RUN, "pi-2"), b"forged task")
+        pi1.publish(topics.result(RUN, "pi-1"), b"marker 2")
+        assert not [m for m in coord.until(b"marker 2") if m[1].startswith(b"forged")]
+
+        # pi-1 reads the manifest and its own tasks, never pi-2's (even when it subscribes to them)
+        pi1.subscribe(topics.task(RUN, "pi-2"))
+        pi1.subscribe(f"fedal/v1/{RUN}/#")
+        coord.publish(topics.task(RUN, "pi-2"), b"task for pi-2")
+        coord.publish(topics.run_manifest(RUN), b"manifest")
+        coord.publish(topics.task(RUN, "pi-1"), b"task for pi-1")
+        got = pi1.until(b"task for pi-1")
+        assert (topics.run_manifest(RUN), b"manifest") in got
+        assert b"task for pi-2" not in [m[1] for m in got]
+
+        # credentials: pi-1's password is not pi-2's, a wrong password and no password are refused
+        assert Client(port, "pi-2", passes["pi-1"]).rc != 0
+        assert Client(port, "pi-1", "wrong").rc != 0
+        assert Client(port, None, None).rc != 0
+        assert Client(port, "pi-2", passes["pi-2"]).rc == 0
+    finally:
+        for c in clients:
+            c.close()
+        broker.terminate()
+        broker.wait(timeout=10)
+
+
+def test_agent_comes_online_over_tls_with_generated_credentials(tmp_path):
+    port = free_port()
+    out = tmp_path / "fleet"
+    code, output = fleet_init("--devices", "2", "--broker", f"mqtts://127.0.0.1:{port}", "--out", str(out), "--tls",
+                              "--server-name", "localhost", "--bind", "127.0.0.1", "--broker-dir", str(out / "broker"),
+                              "--run-id", RUN)
+    assert code == 0, output
+    broker = start_mosquitto(out, port)
+    ca = out / "coordinator" / "ca.crt"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           # the config names the device's paths (/etc/fedal-agent/ca.crt, /var/lib/fedal-agent): point them here
+           "FEDAL_AGENT_BROKER__CA_FILE": str(out / "devices" / "pi-1" / "ca.crt"),
+           "FEDAL_AGENT_WORKSPACE": str(tmp_path / "ws"), "FEDAL_AGENT_DATA_FILE": str(tmp_path / "ws" / "train.npz")}
+    watcher = Client(port, "coordinator", coordinator_password(out), ca=ca, name="watch")
+    agent = None
+    try:
+        assert watcher.rc == 0
+        assert Client(port, None, None, ca=ca).rc != 0  # TLS alone is not enough
+        watcher.subscribe(topics.status(RUN, "pi-1"))
+        log = open(tmp_path / "agent.log", "wb")
+        agent = subprocess.Popen([sys.executable, "-m", "edge_agent", "--config", str(out / "devices" / "pi-1" / "agent.toml")],
+                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + 90
+        states: list[str] = []
+        while "online" not in states and time.monotonic() < deadline and agent.poll() is None:
+            try:
+                states.append(json.loads(watcher.messages.get(timeout=0.5)[1])["state"])
+            except queue.Empty:
+                pass
+        assert "online" in states, (tmp_path / "agent.log").read_text()
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=30) == 0
+        deadline = time.monotonic() + 15
+        while states[-1] != "offline" and time.monotonic() < deadline:
+            try:
+                states.append(json.loads(watcher.messages.get(timeout=0.5)[1])["state"])
+            except queue.Empty:
+                pass
+        assert states[-1] == "offline"  # the agent said goodbye over the same TLS session
+    finally:
+        watcher.close()
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+        broker.terminate()
+        broker.wait(timeout=10)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--devices", "2", "--broker", "mqtt://h:1883", "--tls"], "needs an mqtts:// broker URL"),
+    (["--devices", "2", "--broker", "mqtt://u:p@h"], "without user:password"),
+    (["--devices", "2", "--broker", "http://h"], "must start with mqtt:// or mqtts://"),
+    (["--devices", "2", "--broker", "mqtt://h", "--prefix", "pi/"], "invalid client id"),
+    (["--devices", "2", "--broker", "mqtt://h", "--prefix", "c", "--start", "1", "--coordinator-user", "c2"], "collides"),
+    (["--devices", "0", "--broker", "mqtt://h"], "--devices"),
+])
+def test_init_refuses_options_that_cannot_work(tmp_path, args, message):
+    code, output = fleet_init(*args, "--out", str(tmp_path / "out"))
+    assert code == 2 and message in output
+    assert not (tmp_path / "out" / "fleet.json").exists()
+
+
+def test_init_refuses_to_overwrite_credentials_and_check_reports_configs(tmp_path):
+    out = tmp_path / "out"
+    assert fleet_init("--devices", "2", "--broker", "mqtt://h", "--out", str(out))[0] == 0
+    first = password_of(out, "pi-1")
+    code, output = fleet_init("--devices", "2", "--broker", "mqtt://h", "--out", str(out))
+    assert code == 2 and "not empty" in output and password_of(out, "pi-1") == first
+    assert fleet_init("--devices", "2", "--broker", "mqtt://h", "--out", str(out), "--force")[0] == 0
+    assert password_of(out, "pi-1") != first
+
+    result = CliRunner().invoke(cli, ["fleet", "check", str(out / "devices" / "pi-2" / "agent.toml")])
+    assert result.exit_code == 0
+    assert result.output.splitlines() == ["client_id=pi-2", "run_id=fleet", "broker=mqtt://pi-2@h:1883", "tls=no", "ca_file="]
+    bad = tmp_path / "bad.toml"
+    bad.write_text((out / "devices" / "pi-2" / "agent.toml").read_text().replace('client_id = "pi-2"', 'client_id = "pi 2"'))
+    result = CliRunner().invoke(cli, ["fleet", "check", str(bad)])
+    assert result.exit_code == 1 and "client_id" in result.output and "invalid" in result.output
