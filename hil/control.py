@@ -1,7 +1,8 @@
 """The emulated broker's control API (FastAPI): read the counters, change faults during a run.
 
-It runs in the proxy's event loop (uvicorn as a task), so a request and a packet never see the
-fault state half-changed. Bind it to loopback: it has no authentication.
+It runs in the proxy's event loop (uvicorn as a task) and every endpoint is `async def`, so
+FastAPI runs none of them on a worker thread: a request and a packet never see the fault state
+half-changed. Bind it to loopback: it has no authentication.
 """
 
 from __future__ import annotations
@@ -38,41 +39,41 @@ def build_app(proxy: Proxy) -> FastAPI:
     app = FastAPI(title="FedAL Edge emulated broker", description="Fault injection control for `fedal hil broker`.")
 
     @app.get("/healthz")
-    def healthz() -> dict:
+    async def healthz() -> dict:
         return {"ok": True, "connections": len(proxy.sessions), "elapsed_s": round(engine.elapsed(), 3)}
 
     @app.get("/faults")
-    def get_faults() -> dict:
+    async def get_faults() -> dict:
         return {"profile": engine.profile_name, "seed": engine.seed,
                 **engine.faults.model_dump(mode="json", exclude_none=True),
                 "partitions": [p.model_dump(mode="json") for p in engine.partitions]}
 
     @app.put("/faults")
-    def put_faults(faults: Faults) -> dict:
+    async def put_faults(faults: Faults) -> dict:
         """Replace the default and per-client rules (partitions are kept); live connections too."""
         engine.set_faults(faults)
-        return get_faults()
+        return await get_faults()
 
     @app.get("/faults/{client_id}")
-    def client_faults(client_id: str) -> dict:
+    async def client_faults(client_id: str) -> dict:
         """The faults in force for one client id, every field resolved, per direction."""
         return {d: resolve(engine.faults, client_id, d).__dict__ for d in ("up", "down")} | {
             "partitioned": engine.partitioned(client_id)}
 
     @app.post("/partition")
-    def partition(req: PartitionRequest) -> dict:
+    async def partition(req: PartitionRequest) -> dict:
         return engine.add_partition(req.client, req.duration_s, req.start_in_s).model_dump(mode="json")
 
     @app.post("/reset")
-    def reset(req: ResetRequest) -> dict:
+    async def reset(req: ResetRequest) -> dict:
         return {"reset": proxy.reset_clients(req.client)}
 
     @app.get("/stats")
-    def stats() -> dict:
+    async def stats() -> dict:
         return {**engine.snapshot(), "connections": sorted(s.client_id for s in proxy.sessions)}
 
     @app.get("/events")
-    def events(limit: int = 100, fault: str | None = None, client: str | None = None) -> list[dict]:
+    async def events(limit: int = 100, fault: str | None = None, client: str | None = None) -> list[dict]:
         if limit < 1:
             raise HTTPException(422, "limit must be >= 1")
         chosen = [e for e in engine.events if (fault is None or e["fault"] == fault) and (client is None or e["client"] == client)]

@@ -200,7 +200,11 @@ class Session:
         except Malformed as exc:
             self.engine.fault("malformed", UNIDENTIFIED, "up", peer=str(self.peer), reason=str(exc))
             return
-        except (asyncio.TimeoutError, ConnectionError):
+        except asyncio.TimeoutError:
+            self.engine.fault("malformed", UNIDENTIFIED, "up", peer=str(self.peer),
+                              reason=f"no complete CONNECT within {CONNECT_TIMEOUT_S:.0f} s")
+            return
+        except ConnectionError:
             return
         if first is None:
             return
