@@ -9,6 +9,7 @@ clients are left out of that phase and rejoin with the next one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -31,10 +32,11 @@ from coordinator.config import CoordinatorConfig
 from coordinator.events import EventHub
 from coordinator.store import RunStore
 from fedal import __version__
-from fedal.data import content_hash
+from fedal.data import content_hash, load_dataset
 from fedal.protocol import EnvelopeError, Message, Reassembler, RunManifest, encode, topics
 from fedal.sim.runner import evaluation_summary
 from fedal.strategies import InvalidResult, PhaseTasks, ServerContext, get_strategy
+from fedal.strategies.global_model import fedavg_style_metrics, global_accuracy
 
 log = logging.getLogger("coordinator.engine")
 TRAIN_PHASES = ("local_train", "train")
@@ -323,7 +325,28 @@ class RoundEngine:
             info = self.clients[cid]
             info.last_acc = acc if acc is not None else info.last_acc
             info.last_local_acc = local_acc if local_acc is not None else info.last_local_acc
-        return evaluation_summary(accs, local)
+        summary = evaluation_summary(accs, local)
+        return {**summary, **self._global_model_metrics(summary)}
+
+    @functools.cached_property
+    def global_test(self):
+        """The run's common test set, derived from its config like the public set; None if this
+        machine cannot load it (a file dataset without its files): then no global_acc."""
+        try:
+            return load_dataset(self.run_config.dataset, self.run_config.data_dir)[1]
+        except (ValueError, OSError) as exc:
+            log.warning("no global_acc: cannot load the %s test set here: %s", self.run_config.dataset, exc)
+            return None
+
+    def _global_model_metrics(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """FedAvg-type strategies: the aggregated model, which only the coordinator holds, on the
+        dataset's common test set (`global_acc`, computed as `fedal simulate` does)."""
+        if not self.spec.global_model:
+            return {}
+        test = self.global_test
+        acc = None if test is None else global_accuracy(self.server, self.run_config.models[0], self.cfg.num_classes,
+                                                        test.x, test.y, threads=self.run_config.threads)
+        return fedavg_style_metrics(summary, acc)
 
     @staticmethod
     def _reported(state: "PhaseState", cid: str, key: str) -> float | None:

@@ -16,6 +16,7 @@ from fedal.sim.config import RunConfig
 from fedal.sim.engine import InProcessEngine
 from fedal.sim.fairness import standalone_fairness
 from fedal.strategies import ServerContext, get_strategy
+from fedal.strategies.global_model import fedavg_style_metrics, global_accuracy
 
 ProgressFn = Callable[[int, dict[str, Any]], None]
 
@@ -70,14 +71,14 @@ def simulate(config: RunConfig, progress: ProgressFn | None = None) -> dict[str,
         rec = engine.run_round(r)
         entry: dict[str, Any] = {"round": r + 1, "bytes_up": rec.bytes_up, "bytes_down": rec.bytes_down}
         if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
-            entry.update(evaluate_clients(clients, data))
+            entry.update(evaluate_run(config, clients, server, data))
         entry["rejected"] = rec.rejected
         entry["server"] = rec.server_metrics
         rounds.append(entry)
         if progress:
             progress(r + 1, entry)
 
-    final = evaluate_clients(clients, data)
+    final = evaluate_run(config, clients, server, data)
     if get_strategy(config.strategy).fairness:  # CF needs a standalone run of the same clients
         final.update(standalone_fairness(config, final))
     return {
@@ -98,6 +99,16 @@ def simulate(config: RunConfig, progress: ProgressFn | None = None) -> dict[str,
         "environment": {"fedal": __version__, "torch": torch.__version__, "python": platform.python_version()},
         "timings": {"wall_seconds": round(time.perf_counter() - started, 3)},
     }
+
+
+def evaluate_run(config: RunConfig, clients: dict, server, data) -> dict[str, Any]:
+    """evaluate_clients, plus for strategies with a global model (StrategySpec.global_model)
+    that model on the common test set (`global_acc`) and `personal_acc`."""
+    summary = evaluate_clients(clients, data)
+    if get_strategy(config.strategy).global_model:
+        acc = global_accuracy(server, config.models[0], data.num_classes, data.test.x, data.test.y)
+        summary.update(fedavg_style_metrics(summary, acc))
+    return summary
 
 
 def evaluate_clients(clients: dict, data) -> dict[str, Any]:
