@@ -1,0 +1,322 @@
+#!/usr/bin/env bash
+# Installs the FedAL Edge agent on a Raspberry Pi (64-bit Raspberry Pi OS, Bookworm or later) or
+# any Debian arm64/amd64: a system user, a virtualenv under /opt (Bookworm refuses system-wide
+# pip), the config under /etc, a sandboxed systemd unit. Idempotent: a second run with the same
+# inputs changes nothing. With --root DIR (or DESTDIR) it installs into a staging root instead.
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+Usage: install-agent.sh --config agent.toml [options]
+
+  --config FILE         agent TOML; installed as /etc/fedal-agent/agent.toml, readable by the agent only
+  --ca FILE             CA certificate for mqtts://, installed where the config's broker.ca_file says
+                        (default /etc/fedal-agent/ca.crt)
+  --data FILE           a private data file for the state dir /var/lib/fedal-agent (repeatable)
+  --wheel FILE          install the agent from this wheel
+  --source DIR          install the agent from this source tree (default: the checkout holding this script)
+  --torch-index URL     take torch from this pip index, e.g. https://download.pytorch.org/whl/cpu;
+                        "pypi" takes it from PyPI (default: PyPI on aarch64, PyTorch's CPU index on x86_64)
+  --torch-version V     torch version (default: the pin in constraints/<arch>.txt)
+  --arch ARCH           skip detection: aarch64 or x86_64 (also FEDAL_ARCH)
+  --python PY           interpreter for the virtualenv (default: python3, needs >= 3.11)
+  --root DIR            install below DIR instead of / (staging, tests; also DESTDIR)
+  --pip CMD             run CMD instead of the virtualenv's pip (tests)
+  --skip-pip            do not install Python packages (the virtualenv is still created)
+  --no-start            enable the service but do not (re)start it
+  --print-constraints   print the pip constraints for this machine and exit
+  --dry-run             print what would change, change nothing
+  -h, --help            this text
+EOF
+}
+
+die() { echo "install-agent: error: $*" >&2; exit 1; }
+say() { echo "install-agent: $*"; }
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+SERVICE=fedal-agent
+SVC_USER=fedal-agent
+VENV=/opt/fedal-agent
+ETC=/etc/fedal-agent
+STATE=/var/lib/fedal-agent
+UNIT_DIR=/etc/systemd/system
+CPU_INDEX=https://download.pytorch.org/whl/cpu
+
+CONFIG="" CA="" WHEEL="" SOURCE="" TORCH_INDEX="" TORCH_INDEX_SET=0 TORCH_VERSION=""
+ARCH="${FEDAL_ARCH:-}" PY=python3 ROOT="${DESTDIR:-}" PIP_CMD="" SKIP_PIP=0 NO_START=0 PRINT=0 DRY=0
+DATA=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --config) CONFIG="${2:?--config needs a file}"; shift 2 ;;
+    --ca) CA="${2:?--ca needs a file}"; shift 2 ;;
+    --data) DATA+=("${2:?--data needs a file}"); shift 2 ;;
+    --wheel) WHEEL="${2:?--wheel needs a file}"; shift 2 ;;
+    --source) SOURCE="${2:?--source needs a directory}"; shift 2 ;;
+    --torch-index) TORCH_INDEX="${2:?--torch-index needs a URL}"; TORCH_INDEX_SET=1; shift 2 ;;
+    --torch-version) TORCH_VERSION="${2:?--torch-version needs a version}"; shift 2 ;;
+    --arch) ARCH="${2:?--arch needs a value}"; shift 2 ;;
+    --python) PY="${2:?--python needs an interpreter}"; shift 2 ;;
+    --root) ROOT="${2:?--root needs a directory}"; shift 2 ;;
+    --pip) PIP_CMD="${2:?--pip needs a command}"; shift 2 ;;
+    --skip-pip) SKIP_PIP=1; shift ;;
+    --no-start) NO_START=1; shift ;;
+    --print-constraints) PRINT=1; shift ;;
+    --dry-run) DRY=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) usage >&2; die "unknown argument: $1" ;;
+  esac
+done
+
+# -- architecture: 64-bit userland only ---------------------------------------------------
+if [ -n "$ARCH" ]; then
+  raw_arch="$ARCH"
+elif command -v dpkg >/dev/null 2>&1; then
+  raw_arch="$(dpkg --print-architecture)"  # the userland: a 32-bit Pi OS may run a 64-bit kernel
+else
+  raw_arch="$(uname -m)"
+fi
+case "$raw_arch" in
+  aarch64|arm64) ARCH=aarch64 ;;
+  x86_64|amd64) ARCH=x86_64 ;;
+  armhf|armel|armv7l|armv6l|armv8l|arm|i386|i686)
+    die "32-bit userland ($raw_arch) is not supported: torch and onnxruntime publish no 32-bit ARM or x86 wheels. Install the 64-bit Raspberry Pi OS (arm64) instead." ;;
+  *) die "unsupported architecture '$raw_arch': the agent runs on 64-bit ARM (aarch64) or x86-64" ;;
+esac
+
+CONSTRAINTS_FILE="$SCRIPT_DIR/constraints/$ARCH.txt"
+[ -f "$CONSTRAINTS_FILE" ] || die "missing $CONSTRAINTS_FILE"
+PINNED_TORCH="$(sed -n 's/^torch==\([^ ;#]*\).*/\1/p' "$CONSTRAINTS_FILE")"
+[ -n "$PINNED_TORCH" ] || die "$CONSTRAINTS_FILE pins no torch version"
+TORCH_VERSION="${TORCH_VERSION:-$PINNED_TORCH}"
+if [ "$TORCH_INDEX_SET" -eq 0 ] && [ "$ARCH" = x86_64 ]; then
+  TORCH_INDEX="$CPU_INDEX"  # PyPI's x86-64 torch pulls the CUDA libraries (GBs) an agent never uses
+fi
+[ "$TORCH_INDEX" = pypi ] && TORCH_INDEX=""
+
+effective_constraints() {
+  echo "# fedal agent constraints: arch $ARCH, torch $TORCH_VERSION from ${TORCH_INDEX:-PyPI}"
+  sed "s/^torch==.*/torch==$TORCH_VERSION/" "$CONSTRAINTS_FILE"
+}
+
+if [ "$PRINT" -eq 1 ]; then
+  effective_constraints
+  exit 0
+fi
+
+# -- inputs ------------------------------------------------------------------------------
+command -v "$PY" >/dev/null 2>&1 || die "python interpreter '$PY' not found (Raspberry Pi OS: apt-get install python3)"
+"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || die "Python >= 3.11 is needed, $PY is $("$PY" -c 'import platform; print(platform.python_version())')"
+if [ -z "${FEDAL_ARCH:-}" ] && [ "$("$PY" -c 'import struct; print(struct.calcsize("P") * 8)')" != 64 ]; then
+  die "$PY is a 32-bit interpreter: a 64-bit Python (64-bit OS) is required"
+fi
+[ -n "$CONFIG" ] || { usage >&2; die "--config is required"; }
+[ -f "$CONFIG" ] || die "config file not found: $CONFIG"
+[ -z "$CA" ] || [ -f "$CA" ] || die "CA file not found: $CA"
+for f in ${DATA[@]+"${DATA[@]}"}; do [ -f "$f" ] || die "data file not found: $f"; done
+if [ -n "$WHEEL" ]; then
+  [ -f "$WHEEL" ] || die "wheel not found: $WHEEL"
+  case "$WHEEL" in *.whl) ;; *) die "--wheel needs a .whl file: $WHEEL" ;; esac
+  WHEEL="$(cd "$(dirname "$WHEEL")" && pwd)/$(basename "$WHEEL")"
+elif [ -z "$SOURCE" ] && [ -f "$SCRIPT_DIR/../pyproject.toml" ]; then
+  SOURCE="$(cd "$SCRIPT_DIR/.." && pwd)"
+fi
+if [ -z "$WHEEL" ]; then
+  [ -n "$SOURCE" ] || die "give --wheel FILE or --source DIR (no checkout next to this script)"
+  [ -f "$SOURCE/pyproject.toml" ] || die "--source $SOURCE has no pyproject.toml"
+  SOURCE="$(cd "$SOURCE" && pwd)"
+fi
+ROOT="${ROOT%/}"
+if [ -n "$ROOT" ]; then
+  mkdir -p "$ROOT" 2>/dev/null || [ "$DRY" -eq 1 ] || die "cannot create --root $ROOT"
+  ROOT="$(cd "$ROOT" 2>/dev/null && pwd || echo "$ROOT")"
+elif [ "$(id -u)" -ne 0 ] && [ "$DRY" -eq 0 ]; then
+  die "run as root (sudo $0 ...), or stage the install into a directory with --root DIR"
+fi
+
+# The config must be TOML; where it expects the CA decides where --ca goes.
+CA_PATH="$("$PY" - "$CONFIG" <<'PYEOF'
+import sys, tomllib
+try:
+    with open(sys.argv[1], "rb") as f:
+        cfg = tomllib.load(f)
+except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+    sys.exit(f"install-agent: error: config {sys.argv[1]} is not valid TOML: {exc}")
+print(cfg.get("broker", {}).get("ca_file") or "")
+PYEOF
+)" || exit 1
+if [ -n "$CA" ] && [ -z "$CA_PATH" ]; then
+  CA_PATH="$ETC/ca.crt"
+  say "note: the config sets no broker.ca_file; installing the CA at $CA_PATH (set ca_file to use it)"
+fi
+case "$CA_PATH" in ""|/*) ;; *) die "broker.ca_file in $CONFIG must be an absolute path: $CA_PATH" ;; esac
+
+# -- helpers -------------------------------------------------------------------------------
+CHANGES=0
+changed() { CHANGES=$((CHANGES + 1)); say "$*"; }
+run() {
+  if [ "$DRY" -eq 1 ]; then echo "install-agent: would run: $*"; else "$@"; fi
+}
+
+# uid:gid of a user in the target root's /etc/passwd (empty if it does not exist there yet)
+ids_of() {
+  if [ -f "$ROOT/etc/passwd" ]; then awk -F: -v u="$1" '$1 == u { print $3 ":" $4 }' "$ROOT/etc/passwd"; fi
+}
+CAN_CHOWN=0
+[ "$(id -u)" -eq 0 ] && CAN_CHOWN=1
+
+# ensure_meta PATH MODE OWNER(root|svc): fix mode and owner if they differ
+ensure_meta() {
+  local path="$1" mode="$2" who="$3" want have
+  if [ "$(stat -c %a "$path")" != "${mode#0}" ]; then run chmod "$mode" "$path"; changed "mode $mode: $path"; fi
+  [ "$CAN_CHOWN" -eq 1 ] || return 0
+  want="0:0"
+  if [ "$who" != root ]; then
+    want="$(ids_of "$SVC_USER")"
+    [ -n "$want" ] || return 0
+    [ "$who" = svc ] || want="0:${want#*:}"  # root:<service group>
+  fi
+  have="$(stat -c %u:%g "$path")"
+  if [ "$have" != "$want" ]; then run chown "$want" "$path"; changed "owner $want: $path"; fi
+}
+
+# put_file SRC DEST MODE OWNER: install SRC as DEST unless it is already identical
+put_file() {
+  local src="$1" dest="$ROOT$2" mode="$3" who="$4"
+  if [ -f "$dest" ] && cmp -s "$src" "$dest"; then
+    ensure_meta "$dest" "$mode" "$who"
+    return 0
+  fi
+  run install -D -m "$mode" "$src" "$dest"
+  changed "installed $2"
+  [ "$DRY" -eq 1 ] || ensure_meta "$dest" "$mode" "$who"
+}
+
+put_dir() {
+  local dest="$ROOT$1" mode="$2" who="$3"
+  if [ ! -d "$dest" ]; then
+    run install -d -m "$mode" "$dest"
+    changed "created $1/"
+    [ "$DRY" -eq 1 ] && return 0
+  fi
+  ensure_meta "$dest" "$mode" "$who"
+}
+
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+
+# -- 1. system user --------------------------------------------------------------------------
+if [ -n "$(ids_of "$SVC_USER")" ]; then
+  :
+elif [ ! -f "$ROOT/etc/passwd" ]; then
+  say "skipped the system user: $ROOT/etc/passwd does not exist (staging root without a base system)"
+elif [ "$(id -u)" -ne 0 ] && [ "$DRY" -eq 0 ]; then
+  say "skipped the system user: creating $SVC_USER in $ROOT needs root"
+else
+  run useradd ${ROOT:+--prefix "$ROOT"} --system --user-group --home-dir "$STATE" --no-create-home \
+    --shell /usr/sbin/nologin --comment "FedAL Edge agent" "$SVC_USER"
+  changed "created system user $SVC_USER"
+fi
+
+# -- 2. config, CA, state dir, data ----------------------------------------------------------
+put_dir "$ETC" 0750 group
+put_file "$CONFIG" "$ETC/agent.toml" 0640 group
+if [ -n "$CA" ]; then
+  put_file "$CA" "$CA_PATH" 0644 root
+elif [ -n "$CA_PATH" ] && [ ! -f "$ROOT$CA_PATH" ]; then
+  say "warning: the config expects a CA at $CA_PATH, which does not exist: give --ca FILE"
+fi
+put_dir "$STATE" 0750 svc
+for f in ${DATA[@]+"${DATA[@]}"}; do
+  put_file "$f" "$STATE/$(basename "$f")" 0640 svc
+done
+
+# -- 3. virtualenv and the agent ----------------------------------------------------------------
+VPY="$ROOT$VENV/bin/python"
+want_ver="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+have_ver=""
+if [ -x "$VPY" ]; then have_ver="$("$VPY" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true)"; fi
+venv_args=()
+if [ "$SKIP_PIP" -eq 1 ] || [ -n "$PIP_CMD" ]; then venv_args+=(--without-pip); fi
+if [ "$have_ver" != "$want_ver" ]; then
+  if [ "${#venv_args[@]}" -eq 0 ] && ! "$PY" -c 'import ensurepip' 2>/dev/null; then
+    if [ -z "$ROOT" ] && command -v apt-get >/dev/null 2>&1; then
+      run apt-get install -y -q python3-venv
+    else
+      die "$PY cannot create virtualenvs with pip (Debian: apt-get install python3-venv)"
+    fi
+  fi
+  run "$PY" -m venv --clear ${venv_args[@]+"${venv_args[@]}"} "$ROOT$VENV"
+  changed "created virtualenv $VENV (Python $want_ver)"
+elif [ "${#venv_args[@]}" -eq 0 ] && ! "$VPY" -m pip --version >/dev/null 2>&1; then
+  run "$VPY" -m ensurepip --default-pip >/dev/null
+  changed "added pip to $VENV"
+fi
+
+effective_constraints >"$TMP/constraints.txt"
+put_file "$TMP/constraints.txt" "$VENV/fedal-constraints.txt" 0644 root
+
+if [ "$SKIP_PIP" -eq 1 ]; then
+  say "skipped pip (--skip-pip): the agent is not installed into $VENV"
+else
+  if [ -n "$WHEEL" ]; then
+    spec="${WHEEL}[agent]"
+    origin="wheel $(sha256sum "$WHEEL" | cut -d' ' -f1)"
+  else
+    spec="${SOURCE}[agent]"
+    origin="source $(cd "$SOURCE" && find . \( -name .git -o -name build -o -name runs -o -name __pycache__ -o -name '*.egg-info' \) -prune \
+      -o -type f \( -name '*.py' -o -name '*.toml' \) -print0 | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)"
+  fi
+  stamp="$ROOT$VENV/.fedal-install"
+  printf '%s\nconstraints %s\n' "$origin" "$(sha256sum <"$TMP/constraints.txt" | cut -d' ' -f1)" >"$TMP/stamp"
+  if [ -f "$stamp" ] && cmp -s "$TMP/stamp" "$stamp"; then
+    :  # this exact agent with these constraints is installed already
+  else
+    pip=("$VPY" -m pip)
+    [ -z "$PIP_CMD" ] || read -r -a pip <<<"$PIP_CMD"
+    opts=(install --disable-pip-version-check --no-input)
+    if [ -n "$TORCH_INDEX" ]; then
+      # torch alone from the CPU index; its dependencies come with the agent from PyPI below
+      run "${pip[@]}" "${opts[@]}" --no-deps --index-url "$TORCH_INDEX" "torch==$TORCH_VERSION"
+    fi
+    run "${pip[@]}" "${opts[@]}" -c "$ROOT$VENV/fedal-constraints.txt" "$spec"
+    run install -m 0644 "$TMP/stamp" "$stamp"
+    changed "installed the agent ($spec) into $VENV"
+  fi
+  if [ "$DRY" -eq 0 ] && "$VPY" -c 'import edge_agent.config, fleet.cli' 2>/dev/null; then
+    "$VPY" -m fedal.cli.main fleet check "$ROOT$ETC/agent.toml" >/dev/null || die "the installed config is invalid (see above)"
+  fi
+fi
+
+# -- 4. systemd unit -------------------------------------------------------------------------------
+unit_before="$CHANGES"
+put_file "$SCRIPT_DIR/$SERVICE.service" "$UNIT_DIR/$SERVICE.service" 0644 root
+unit_changed=$((CHANGES - unit_before))
+wants="$ROOT$UNIT_DIR/multi-user.target.wants/$SERVICE.service"
+if [ "$(readlink "$wants" 2>/dev/null || true)" != "$UNIT_DIR/$SERVICE.service" ]; then
+  run mkdir -p "$(dirname "$wants")"
+  run ln -sfn "$UNIT_DIR/$SERVICE.service" "$wants"
+  changed "enabled $SERVICE.service (multi-user.target)"
+fi
+
+if [ -z "$ROOT" ] && [ -d /run/systemd/system ]; then
+  [ "$unit_changed" -eq 0 ] || run systemctl daemon-reload
+  if [ "$NO_START" -eq 1 ]; then
+    say "not starting the agent (--no-start): systemctl start $SERVICE"
+  elif [ "$CHANGES" -gt 0 ]; then
+    run systemctl restart "$SERVICE"
+    say "agent (re)started: journalctl -u $SERVICE -f"
+  else
+    run systemctl start "$SERVICE"
+  fi
+elif [ -n "$ROOT" ]; then
+  say "staged into $ROOT: the agent starts when a system booted from it reaches multi-user.target"
+else
+  say "systemd is not running here: the agent starts at the next boot (or: systemctl start $SERVICE)"
+fi
+
+if [ "$CHANGES" -eq 0 ]; then
+  say "nothing changed: the agent was already installed as configured"
+else
+  say "$CHANGES change(s)$([ "$DRY" -eq 1 ] && echo ' would be made (dry run)')"
+fi

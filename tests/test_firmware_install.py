@@ -1,0 +1,240 @@
+"""firmware_scripts/install-agent.sh into a staging root: what it installs, that a second run
+changes nothing, the unit passes systemd-analyze, architecture and constraint selection."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "firmware_scripts"
+INSTALL = SCRIPTS / "install-agent.sh"
+
+AGENT_TOML = """client_id = "pi-1"
+run_id = "fleet"
+model = "cnn1d"
+data_file = "/var/lib/fedal-agent/train.npz"
+workspace = "/var/lib/fedal-agent"
+
+[broker]
+url = "mqtts://broker.example.org:8883"
+username = "pi-1"
+password = "pw-1"
+ca_file = "/etc/fedal-agent/ca.crt"
+"""
+
+
+def install(*args: str, arch: str | None = "aarch64", env: dict | None = None) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k not in ("FEDAL_ARCH", "DESTDIR")}
+    if arch is not None:
+        e["FEDAL_ARCH"] = arch
+    e.update(env or {})
+    return subprocess.run(["bash", str(INSTALL), *args], capture_output=True, text=True, env=e, timeout=120)
+
+
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Every path under root with its kind, mode, owner, content hash or link target, and mtime."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        st = p.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            what = ("link", os.readlink(p))
+        elif p.is_dir():
+            what = ("dir",)
+        else:
+            what = ("file", hashlib.sha256(p.read_bytes()).hexdigest())
+        out[str(p.relative_to(root))] = (*what, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns)
+    return out
+
+
+@pytest.fixture()
+def inputs(tmp_path):
+    d = tmp_path / "inputs"
+    d.mkdir()
+    (d / "agent.toml").write_text(AGENT_TOML)
+    (d / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\nnot checked here\n-----END CERTIFICATE-----\n")
+    (d / "train.npz").write_bytes(b"private data")
+    (d / "fedal_edge-0.1.0-py3-none-any.whl").write_bytes(b"a wheel")  # only hashed: pip is replaced below
+    log = d / "pip.log"
+    fake_pip = d / "fake-pip"
+    fake_pip.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    fake_pip.chmod(0o755)
+    return d
+
+
+def base_root(root: Path) -> None:
+    """The account files of a base system, so the installer can create its user in the staging root."""
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (root / "etc" / "group").write_text("root:x:0:\n")
+    for name, line in (("shadow", "root:*:19000:0:99999:7:::\n"), ("gshadow", "root:*::\n")):
+        (root / "etc" / name).write_text(line)
+        (root / "etc" / name).chmod(0o600)
+
+
+def pip_calls(inputs: Path) -> list[list[str]]:
+    log = inputs / "pip.log"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_second_install_changes_nothing(tmp_path, inputs):
+    root = tmp_path / "root"
+    base_root(root)
+    args = ["--root", str(root), "--config", str(inputs / "agent.toml"), "--ca", str(inputs / "ca.crt"),
+            "--data", str(inputs / "train.npz"), "--wheel", str(inputs / "fedal_edge-0.1.0-py3-none-any.whl"),
+            "--pip", str(inputs / "fake-pip")]
+    first = install(*args)
+    assert first.returncode == 0, first.stderr + first.stdout
+    calls = pip_calls(inputs)
+    assert calls == [["install", "--disable-pip-version-check", "--no-input", "-c", f"{root}/opt/fedal-agent/fedal-constraints.txt",
+                      f"{inputs}/fedal_edge-0.1.0-py3-none-any.whl[agent]"]]
+    before = snapshot(root)
+
+    second = install(*args)
+    assert second.returncode == 0, second.stderr
+    assert "nothing changed" in second.stdout
+    assert snapshot(root) == before  # same files, modes, owners, contents and mtimes
+    assert pip_calls(inputs) == calls  # the same agent is not reinstalled
+
+    etc = root / "etc" / "fedal-agent"
+    assert (etc / "agent.toml").read_text() == AGENT_TOML
+    assert stat.S_IMODE((etc / "agent.toml").stat().st_mode) == 0o640  # holds the broker password
+    assert stat.S_IMODE(etc.stat().st_mode) == 0o750
+    assert (etc / "ca.crt").read_bytes() == (inputs / "ca.crt").read_bytes()
+    state = root / "var" / "lib" / "fedal-agent"
+    assert (state / "train.npz").read_bytes() == b"private data" and stat.S_IMODE(state.stat().st_mode) == 0o750
+    unit = root / "etc" / "systemd" / "system" / "fedal-agent.service"
+    assert unit.read_bytes() == (SCRIPTS / "fedal-agent.service").read_bytes()
+    assert os.readlink(root / "etc/systemd/system/multi-user.target.wants/fedal-agent.service") == "/etc/systemd/system/fedal-agent.service"
+    assert (root / "opt/fedal-agent/bin/python").exists()
+    printed = install("--print-constraints").stdout
+    assert (root / "opt/fedal-agent/fedal-constraints.txt").read_text() == printed
+    if os.geteuid() == 0:  # the system user exists in the staging root and owns the state
+        user = next(line for line in (root / "etc/passwd").read_text().splitlines() if line.startswith("fedal-agent:"))
+        uid, gid, home, shell = user.split(":")[2], user.split(":")[3], user.split(":")[5], user.split(":")[6]
+        assert (home, shell) == ("/var/lib/fedal-agent", "/usr/sbin/nologin")
+        assert (state.stat().st_uid, state.stat().st_gid) == (int(uid), int(gid))
+        assert ((etc / "agent.toml").stat().st_uid, (etc / "agent.toml").stat().st_gid) == (0, int(gid))
+    else:
+        assert "skipped the system user" in first.stdout
+
+    # a changed config is installed again; the unchanged agent is not reinstalled
+    (inputs / "agent.toml").write_text(AGENT_TOML.replace("pw-1", "pw-2"))
+    third = install(*args)
+    assert third.returncode == 0 and "installed /etc/fedal-agent/agent.toml" in third.stdout
+    assert "pw-2" in (etc / "agent.toml").read_text() and pip_calls(inputs) == calls
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_installed_unit_passes_systemd_analyze_verify(tmp_path, inputs):
+    root = tmp_path / "root"
+    r = install("--root", str(root), "--config", str(inputs / "agent.toml"), "--skip-pip")
+    assert r.returncode == 0, r.stderr
+    assert "warning: the config expects a CA at /etc/fedal-agent/ca.crt" in r.stdout
+    # verify resolves ExecStart on this host: point it at the staged virtualenv's interpreter
+    unit = (root / "etc/systemd/system/fedal-agent.service").read_text()
+    assert "ExecStart=/opt/fedal-agent/bin/python -m edge_agent --config /etc/fedal-agent/agent.toml" in unit
+    check = tmp_path / "fedal-agent.service"
+    check.write_text(unit.replace("ExecStart=/opt/fedal-agent/", f"ExecStart={root}/opt/fedal-agent/"))
+    v = subprocess.run(["systemd-analyze", "verify", str(check)], capture_output=True, text=True, timeout=60)
+    assert v.returncode == 0, v.stderr
+    # systemd < 254 does not know the backoff keys yet and says so; anything else is a finding
+    problems = [line for line in v.stderr.splitlines()
+                if line.strip() and "Unknown key 'RestartSteps'" not in line and "Unknown key 'RestartMaxDelaySec'" not in line]
+    assert problems == []
+    for key in ("Restart=always", "User=fedal-agent", "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes",
+                "StateDirectory=fedal-agent", "ReadWritePaths=/var/lib/fedal-agent", "StandardOutput=journal"):
+        assert key in unit.splitlines()
+
+
+def pins(text: str) -> dict[str, Requirement]:
+    reqs = [Requirement(line) for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    return {r.name.lower(): r for r in reqs}
+
+
+def test_constraints_per_architecture():
+    arm = install("--print-constraints", arch="aarch64")
+    assert arm.returncode == 0, arm.stderr
+    arm_pins = pins(arm.stdout)
+    assert str(arm_pins["torch"].specifier) == "==2.10.0" and "from PyPI" in arm.stdout.splitlines()[0]
+    x86 = install("--print-constraints", arch="x86_64")
+    x86_pins = pins(x86.stdout)
+    assert str(x86_pins["torch"].specifier) == "==2.13.0" and "download.pytorch.org/whl/cpu" in x86.stdout.splitlines()[0]
+    assert "from PyPI" in install("--print-constraints", "--torch-index", "pypi", arch="x86_64").stdout
+    cpu = install("--print-constraints", "--torch-index", "https://download.pytorch.org/whl/cpu", "--torch-version", "2.13.0")
+    assert str(pins(cpu.stdout)["torch"].specifier) == "==2.13.0" and "whl/cpu" in cpu.stdout.splitlines()[0]
+    assert install("--print-constraints", arch="arm64").stdout == arm.stdout  # dpkg's name for it
+    assert install("--print-constraints", arch="amd64").stdout == x86.stdout
+
+    assert {k: v for k, v in arm_pins.items() if k != "torch"} == {k: v for k, v in x86_pins.items() if k != "torch"}
+    for name, req in arm_pins.items():
+        version = str(req.specifier).removeprefix("==")
+        assert str(req.specifier) == f"=={version}", f"{name} is not pinned"
+    assert SpecifierSet("!=1.21.0").contains(str(arm_pins["onnxruntime"].specifier).removeprefix("=="))
+    assert SpecifierSet(">=2,<3").contains(str(arm_pins["paho-mqtt"].specifier).removeprefix("=="))
+    # the pins sit inside what the package itself declares
+    import tomllib
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for line in declared["dependencies"] + declared["optional-dependencies"]["agent"]:
+        req = Requirement(line)
+        pinned = str(arm_pins[req.name.lower()].specifier).removeprefix("==")
+        assert req.specifier.contains(pinned), f"{req.name} {pinned} outside {req.specifier}"
+        if req.name == "torch":
+            assert req.specifier.contains("2.13.0")
+
+
+@pytest.mark.parametrize("arch", ["armv7l", "armhf", "armv6l", "i686"])
+def test_32bit_userland_is_refused_with_the_reason(arch):
+    r = install("--print-constraints", arch=arch)
+    assert r.returncode == 1
+    assert "32-bit" in r.stderr and "no 32-bit" in r.stderr and "64-bit Raspberry Pi OS" in r.stderr
+
+
+def test_unknown_architecture_is_refused():
+    r = install("--print-constraints", arch="riscv64")
+    assert r.returncode == 1 and "unsupported architecture 'riscv64'" in r.stderr
+
+
+def test_dry_run_changes_nothing(tmp_path, inputs):
+    root = tmp_path / "root"
+    root.mkdir()
+    r = install("--root", str(root), "--config", str(inputs / "agent.toml"), "--dry-run", "--torch-index",
+                "https://download.pytorch.org/whl/cpu", "--wheel", str(inputs / "fedal_edge-0.1.0-py3-none-any.whl"))
+    assert r.returncode == 0, r.stderr
+    assert list(root.iterdir()) == []
+    assert "would run:" in r.stdout and "--index-url https://download.pytorch.org/whl/cpu torch==2.10.0" in r.stdout
+    assert "would be made (dry run)" in r.stdout
+
+
+def test_bad_inputs_fail_with_clear_messages(tmp_path, inputs):
+    root = str(tmp_path / "root")
+    cfg = str(inputs / "agent.toml")
+    r = install("--root", root)
+    assert r.returncode == 1 and "--config is required" in r.stderr
+    r = install("--root", root, "--config", str(tmp_path / "missing.toml"))
+    assert r.returncode == 1 and "config file not found" in r.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text("client_id = \n")
+    r = install("--root", root, "--config", str(bad), "--skip-pip")
+    assert r.returncode == 1 and "is not valid TOML" in r.stderr
+    r = install("--root", root, "--config", cfg, "--wheel", str(tmp_path / "nope.whl"))
+    assert r.returncode == 1 and "wheel not found" in r.stderr
+    r = install("--root", root, "--config", cfg, "--wheel", cfg)
+    assert r.returncode == 1 and "needs a .whl file" in r.stderr
+    r = install("--root", root, "--config", cfg, "--bogus")
+    assert r.returncode == 1 and "unknown argument: --bogus" in r.stderr
+    old = tmp_path / "python3.9"  # an interpreter that reports an old version
+    old.write_text("#!/bin/sh\ncase \"$2\" in *version_info*) exit 1 ;; *python_version*) echo 3.9.2 ;; esac\n")
+    old.chmod(0o755)
+    r = install("--root", root, "--config", cfg, "--python", str(old))
+    assert r.returncode == 1 and "Python >= 3.11 is needed" in r.stderr and "3.9.2" in r.stderr
