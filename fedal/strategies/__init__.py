@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fedal.strategies import fedal as _fedal
 from fedal.strategies import fedavg as _fedavg
+from fedal.strategies import feddf as _feddf
 from fedal.strategies import fedhkd as _fedhkd
 from fedal.strategies import fedmd as _fedmd
 from fedal.strategies import local as _local
@@ -36,6 +37,8 @@ STRATEGIES: dict[str, StrategySpec] = {
                      global_model=True),
         StrategySpec("fedhkd", _fedhkd.FedHKDServer, _fedhkd.FedHKDClient, _fedhkd.PRESET, homogeneous_models=True,
                      global_model=True),
+        StrategySpec("feddf-al", _feddf.FedDFServer, _feddf.FedDFClient, _feddf.FEDDF_AL_PRESET, uses_public_set=True),
+        StrategySpec("feddf", _feddf.FedDFServer, _feddf.FedDFClient, _feddf.FEDDF_PRESET, uses_public_set=True),
     )
 }
 STRATEGY_NAMES = tuple(STRATEGIES)

@@ -12,6 +12,7 @@ iteration's public rows, so no message is a bare request or a bare acknowledgeme
                            + lambda_adv * <G_n / B, f_n> (a vector-Jacobian product),
                            then uploads f_n on the rows of iteration i+1 (none after the last)
 FedMD and FedMD-LF are this file with other presets (lambda_adv = 0; no LF for FedMD).
+FedDF-AL and FedDF (feddf.py) put a per-architecture parameter average before this transfer stage.
 """
 
 from __future__ import annotations
@@ -162,11 +163,17 @@ class FedALClient(ClientHalf):
         return self.reply(task, tensors, **diag)
 
     def _local_train(self, task: Message) -> float:
+        loss = self.local_steps(int(task.meta.get("steps", self.params.tau)))
+        self.snapshot_ref_glo()
+        return loss
+
+    def local_steps(self, steps: int) -> float:
+        """Stage 1: CE + lambda_lf_loc * KL(p(theta_ref_loc) || p), theta_ref_loc = round start."""
         p = self.params
         self.ref_loc = self.inference.snapshot(self.model) if p.lambda_lf_loc > 0 else None
         self.model.train()
         losses = []
-        for _ in range(int(task.meta.get("steps", p.tau))):
+        for _ in range(steps):
             x, y = self.sample_batch()
             logits = self.model(x)
             loss = F.cross_entropy(logits, y)
@@ -178,8 +185,11 @@ class FedALClient(ClientHalf):
             loss.backward()
             self.optimizer.step()
             losses.append(loss.item())
-        self.ref_glo = self.inference.snapshot(self.model) if p.lambda_lf_glo > 0 else None
         return float(np.mean(losses)) if losses else 0.0
+
+    def snapshot_ref_glo(self) -> None:
+        """theta_ref_glo: the model the transfer stage starts from."""
+        self.ref_glo = self.inference.snapshot(self.model) if self.params.lambda_lf_glo > 0 else None
 
     def _upload_logits(self, indices: np.ndarray, round_idx: int, iteration: int) -> np.ndarray:
         raw = np.asarray(indices)

@@ -1,0 +1,152 @@
+"""FedDF-AL and FedDF (fedal.txt section VI, "shareable models"; ALGORITHMS.md section 1 variants).
+
+When clients may share parameters, those whose models have the same architecture are averaged
+as in FedAvg, and knowledge crosses architectures by distillation on the public set. FedDF-AL is
+FedAL's transfer stage after that average; FedDF is the same without the adversarial term.
+Round t, tau + 2 round trips:
+
+  local_train   server -> client: steps
+                client: tau steps of FedAL's local training (CE + less-forgetting), then uploads
+                        its weights, |D_n| and an architecture tag                 (|theta| up)
+  average       server: groups = same tag and same tensor names/shapes/dtypes; the average of
+                        each group weighted by local data size (fedavg.weighted_average)
+                server -> client: its group's average (not to the only contributor of a group,
+                        whose model it already is), and the public rows of (t, 0)  (|theta| down)
+                client: loads the average, snapshots theta_ref_glo, uploads f_n on the rows
+  transfer i    exactly FedAL's (fedal.py): discriminator, fbar, G_n; KD + LF (+ adversarial)
+
+The server learns the groups only from what clients send, so it needs no list of architectures;
+checking the tensors' signature as well as the declared tag means a group never mixes shapes.
+A client that missed this round's upload still gets its group's average (from the tag of its
+last upload), as FedAvg sends the global model to every client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedal.protocol import Message
+from fedal.strategies.base import InvalidResult, PhaseTasks
+from fedal.strategies.fedal import FedALClient, FedALServer
+from fedal.strategies.fedavg import load_numpy_into, model_to_numpy, weighted_average
+
+# paper: tau = 15 for FedDF-AL and 10 for FedDF; E_d = 2, all lambdas 1 (fedal.txt VI-A)
+FEDDF_AL_PRESET = {"tau": 15, "lambda_kd": 1.0, "lambda_adv": 1.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}
+FEDDF_PRESET = {"tau": 10, "lambda_kd": 1.0, "lambda_adv": 0.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}
+
+WEIGHTS = "w/"  # weight tensors travel as "w/<state_dict key>", apart from "indices" and "logits"
+MAX_TAG = 128
+
+
+def architecture_tag(model: torch.nn.Module) -> str:
+    """What a client declares: its model class and the names, shapes and dtypes of its state."""
+    sig = [type(model).__name__, [[k, list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()]]
+    return hashlib.sha256(json.dumps(sig).encode()).hexdigest()[:16]
+
+
+def tensor_signature(tensors: dict[str, np.ndarray]) -> str:
+    """The server's own view of an upload: names, shapes and dtypes of the weights."""
+    sig = [[k, list(v.shape), str(v.dtype)] for k, v in sorted(tensors.items())]
+    return hashlib.sha256(json.dumps(sig).encode()).hexdigest()[:16]
+
+
+def group_key(result: Message) -> str:
+    return f"{result.meta['arch']}/{tensor_signature(result.tensors)}"
+
+
+class FedDFServer(FedALServer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group_of: dict[str, str] = {}  # client -> group key of its last accepted upload
+
+    def begin_round(self, round_idx: int) -> PhaseTasks:
+        meta = self.task("local_train", round_idx, 0, steps=self.params.tau).meta
+        return PhaseTasks("local_train", round_idx, 0, {cid: Message(dict(meta)) for cid in self.client_ids})
+
+    def validate(self, phase: PhaseTasks, client_id: str, result: Message) -> None:
+        super().validate(phase, client_id, result)
+        if phase.phase != "local_train":
+            return
+        if not result.tensors or any(not k.startswith(WEIGHTS) for k in result.tensors):
+            raise InvalidResult(f"a local_train result carries the model's weights only, as tensors named {WEIGHTS!r}...")
+        for key, arr in result.tensors.items():
+            if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+                raise InvalidResult(f"tensor {key!r} has dtype {arr.dtype}, expected a float or integer array")
+        tag = result.meta.get("arch")
+        if not isinstance(tag, str) or not 0 < len(tag) <= MAX_TAG:
+            raise InvalidResult(f"a local_train result declares its architecture as a string tag of 1-{MAX_TAG} characters")
+        n = result.meta.get("num_samples")
+        if isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 < n < float("inf"):
+            raise InvalidResult("a local_train result must report num_samples > 0")
+
+    def collect(self, phase: PhaseTasks, results: dict[str, Message]) -> PhaseTasks | None:
+        if phase.phase == "local_train":
+            for res in results.values():
+                self.record("local_loss", res.meta.get("loss"))
+            return self._average_phase(phase.round, results)
+        if phase.phase == "average":
+            return self._transfer_phase(phase.round, 0, results)
+        return super().collect(phase, results)
+
+    def group_averages(self, results: dict[str, Message]) -> dict[str, tuple[list[str], dict[str, np.ndarray]]]:
+        """Per group key: the contributing clients and their data-size-weighted average."""
+        cids = [c for c in self.client_ids if c in results]  # enrolment order: deterministic
+        for c in cids:
+            self.group_of[c] = group_key(results[c])
+        out = {}
+        for key in sorted({self.group_of[c] for c in cids}):
+            members = [c for c in cids if self.group_of[c] == key]
+            out[key] = (members, weighted_average([results[c].tensors for c in members],
+                                                  [float(results[c].meta["num_samples"]) for c in members]))
+        return out
+
+    def _average_phase(self, round_idx: int, results: dict[str, Message]) -> PhaseTasks:
+        averages = self.group_averages(results)
+        self.record("groups", len(averages))
+        self.record("param_participation", len(results) / len(self.client_ids))
+        idx = self.indices(round_idx, 0)
+        tasks = {}
+        for cid in self.client_ids:
+            tensors: dict[str, np.ndarray] = {"indices": idx}
+            members, avg = averages.get(self.group_of.get(cid), ([], {}))
+            if members and members != [cid]:
+                tensors.update(avg)
+            tasks[cid] = Message(self.task("average", round_idx, 0, group_size=len(members)).meta, tensors)
+        return PhaseTasks("average", round_idx, 0, tasks)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "groups": dict(self.group_of)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict({k: v for k, v in state.items() if k != "groups"})
+        self.group_of = dict(state.get("groups", {}))
+
+
+class FedDFClient(FedALClient):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.arch = architecture_tag(self.model)
+
+    def handle(self, task: Message) -> Message:
+        if task.phase == "local_train":
+            loss = self.local_steps(int(task.meta.get("steps", self.params.tau)))
+            weights = {WEIGHTS + k: v for k, v in model_to_numpy(self.model).items()}
+            return self.reply(task, weights, loss=loss, num_samples=len(self.y_train), arch=self.arch)
+        if task.phase == "average":
+            if "indices" not in task.tensors:
+                raise ValueError("an average task must carry the public rows ('indices') of iteration 0")
+            weights = {k[len(WEIGHTS):]: v for k, v in task.tensors.items() if k.startswith(WEIGHTS)}
+            if weights:
+                mine = self.model.state_dict()
+                if any(k in mine and tuple(v.shape) != tuple(mine[k].shape) for k, v in weights.items()):
+                    raise ValueError("the group average does not have this client's parameter shapes")
+                load_numpy_into(self.model, weights)
+            self.snapshot_ref_glo()  # the transfer stage starts from the group average
+            logits = self._upload_logits(task.tensors["indices"], int(task.meta["round"]), 0)
+            return self.reply(task, {"logits": logits}, averaged=bool(weights))
+        return super().handle(task)
