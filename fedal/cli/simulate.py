@@ -41,6 +41,10 @@ def simulate_cmd(config_path, out, plot, quiet, **flags) -> None:
         f"{config.strategy} on {config.dataset}: mean acc {final['mean_acc']:.4f} "
         f"(min {final['min_acc']:.4f}, max {final['max_acc']:.4f}) -> {out}"
     )
+    if "cf" in final:
+        from fedal.sim.fairness import fairness_line
+
+        click.echo(fairness_line(final))
 
 
 def write_results(results: dict, out: str | Path, plot: str | Path | None = None) -> None:

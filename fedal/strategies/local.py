@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 import torch.nn.functional as F
 
 from fedal.protocol import Message
@@ -30,14 +31,38 @@ class LocalClient(ClientHalf):
 
 
 def train_steps(client: ClientHalf, steps: int) -> float:
-    """Plain cross-entropy minibatch steps on the client's private data; returns the mean loss."""
+    """Plain cross-entropy minibatch steps on the client's private data; returns the mean loss.
+    With `local_epochs` > 0 these are that many passes over the data instead of `steps`."""
     client.model.train()
     losses = []
-    for _ in range(steps):
-        x, y = client.sample_batch()
+    for idx in local_batches(len(client.y_train), client.params, steps, client.generator):
+        x, y = client.x_train[idx], client.y_train[idx]
         loss = F.cross_entropy(client.model(x), y)
         client.optimizer.zero_grad()
         loss.backward()
         client.optimizer.step()
         losses.append(loss.item())
     return float(np.mean(losses)) if losses else 0.0
+
+
+def local_batches(n: int, params, steps: int, generator: torch.Generator):
+    """Row indices of one round's local minibatches over `n` samples.
+
+    local_epochs = 0: `steps` batches of min(batch_size, n) rows, each drawn afresh without
+    replacement (the toolkit's tau; what ClientHalf.sample_batch draws). local_epochs = E > 0:
+    E shuffled passes over all rows in batches of batch_size (the FedAKD paper's unit, so a
+    client with more data takes more steps); a last batch of a single row joins the one before,
+    since BatchNorm cannot train on one sample.
+    """
+    epochs = int(getattr(params, "local_epochs", 0) or 0)
+    b = params.batch_size
+    if epochs <= 0:
+        for _ in range(steps):
+            yield torch.randperm(n, generator=generator)[: min(b, n)]
+        return
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=generator)
+        chunks = list(perm.split(b))
+        if len(chunks) > 1 and len(chunks[-1]) == 1:
+            chunks[-2:] = [torch.cat(chunks[-2:])]
+        yield from chunks

@@ -20,6 +20,9 @@ class StrategyParams(BaseModel):
     lr: float = Field(1e-3, gt=0, description="client learning rate (paper: Adam 1e-3)")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (SGD only)")
     batch_size: int = Field(32, ge=1, description="local minibatch size")
+    local_epochs: int | None = Field(
+        None, ge=0, description="local, fedavg, fedakd: passes over the private data per local training (0: tau steps)"
+    )
     public_batch_size: int = Field(32, ge=1, description="public minibatch size B per transfer iteration")
 
     lambda_kd: float | None = Field(None, ge=0, description="weight of the KD term KL(target || p_n)")
@@ -49,13 +52,24 @@ class StrategyParams(BaseModel):
     hkd_official_noise_std: float = Field(2.0, ge=0, description="FedHKD (official): std of the one noise vector per upload")
     hkd_official_grad_clip: float = Field(1.1, gt=0, description="FedHKD (official): max gradient norm with knowledge")
 
+    # FedAKD (ALGORITHMS.md section 3)
+    akd_alpha: float = Field(1.0, ge=0, description="FedAKD alpha: global -> local distillation weight")
+    akd_beta: float = Field(1.0, ge=0, description="FedAKD beta: local -> global distillation weight")
+    akd_temperature: float = Field(1.0, gt=0, description="FedAKD T of both distillation steps")
+    akd_selection: Literal["correct", "all"] = Field(
+        "correct", description="FedAKD: local -> global on the correctly classified samples, or on all"
+    )
+    akd_confidence: float = Field(
+        0.0, ge=0, lt=1, description="FedAKD extension: also require this predicted-class probability (0: off)"
+    )
+
     def resolve(self, preset: dict) -> "StrategyParams":
         """Fill unset fields from `preset`; fields the user set win."""
         values = self.model_dump()
         for key, value in preset.items():
             if values.get(key) is None:
                 values[key] = value
-        for key in ("tau", "lambda_kd", "lambda_adv", "lambda_lf_loc", "lambda_lf_glo"):
+        for key in ("tau", "local_epochs", "lambda_kd", "lambda_adv", "lambda_lf_loc", "lambda_lf_glo"):
             if values[key] is None:
-                values[key] = {"tau": 5}.get(key, 0.0)
+                values[key] = {"tau": 5, "local_epochs": 0}.get(key, 0.0)
         return StrategyParams(**values)

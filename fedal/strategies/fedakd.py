@@ -1,0 +1,127 @@
+"""FedAKD (Yu et al., KDD 2025): asynchronous two-way distillation for collaborative fairness.
+
+Every client keeps a personal model w_k across rounds (`self.model`: what is evaluated,
+checkpointed and exported) next to a working copy of the global model. Per round, client k:
+
+1. global -> local: w_g frozen as teacher, w_k trains on its data D_k with
+   CE(w_k(x), y) + alpha * T^2 * KL(softmax(w_g(x)/T) || softmax(w_k(x)/T));
+2. selects I_k = the samples of D_k that w_k (eval mode, after step 1) classifies correctly
+   (`akd_selection = all` keeps D_k: the paper's "All-Data" ablation; `akd_confidence` > 0
+   additionally asks the predicted class's probability to reach it, an extension, off by default);
+3. local -> global: w_k frozen as teacher, a copy w_gk of w_g trains on I_k with
+   CE(w_gk(x), y) + beta * T^2 * KL(softmax(w_k(x)/T) || softmax(w_gk(x)/T)); empty I_k: w_g as is;
+4. uploads w_gk with |D_k|; the server is FedAvg's (data-size-weighted average, BatchNorm
+   buffers included).
+
+Training lasts `local_epochs` passes over the data per step (the paper: 1), or tau minibatches
+when local_epochs = 0. w_k keeps its optimizer across rounds; w_gk gets a fresh one every round,
+because it is a new copy of w_g every round (as in the authors' code). Step 3 draws its batches
+from its own generator, seeded like FedAvg's, so with beta = 0 and selection `all` a round is
+exactly a FedAvg round whatever step 1 did. Before its first round w_k is set to the initial
+global model (Algorithm 1, line 4). Teacher outputs are frozen forward passes in eval mode.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedal.protocol import Message
+from fedal.strategies.base import ClientHalf, PhaseTasks, make_optimizer
+from fedal.strategies.fedavg import FedAvgServer, load_numpy_into, model_to_numpy
+from fedal.strategies.local import local_batches
+from fedal.strategies.losses import kl_to_student
+
+PRESET = {"tau": 5, "local_epochs": 1, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
+
+
+class FedAKDServer(FedAvgServer):
+    """FedAvg's server (init from one client, |D_k|-weighted average) plus FedAKD's diagnostics."""
+
+    def collect(self, phase: PhaseTasks, results: dict[str, Message]) -> PhaseTasks | None:
+        if phase.phase == "train":
+            for res in results.values():
+                n, sel = res.meta.get("num_samples"), res.meta.get("selected")
+                if isinstance(sel, (int, float)) and not isinstance(sel, bool) and n:
+                    self.record("selected_frac", sel / n)
+                self.record("global_loss", res.meta.get("global_loss", float("nan")))
+        return super().collect(phase, results)
+
+
+class FedAKDClient(ClientHalf):
+    def __init__(self, client_id, model, train, public_x, params, seed):
+        super().__init__(client_id, model, train, public_x, params, seed)
+        self.global_model = copy.deepcopy(model)  # w_g, then w_gk; same architecture
+        self.global_generator = torch.Generator().manual_seed(int(seed))  # step 3's batches
+        self.personal_ready = False
+
+    def handle(self, task: Message) -> Message:
+        if task.phase == "init":
+            return self.reply(task, model_to_numpy(self.model))
+        if task.phase != "train":
+            raise ValueError(f"unknown phase {task.phase!r}")
+        load_numpy_into(self.global_model, task.tensors)
+        if not self.personal_ready:  # w_k^0 = w^0
+            load_numpy_into(self.model, task.tensors)
+            self.personal_ready = True
+        p = self.params
+        steps = int(task.meta.get("steps", p.tau))
+        # 1. global -> local
+        teacher = self.inference.predict(self.global_model, self.x_train)
+        loss_local = distill(self.model, self.optimizer, self.x_train, self.y_train, teacher, p.akd_alpha,
+                             p.akd_temperature, local_batches(len(self.y_train), p, steps, self.generator))
+        # 2. selection, with the personal model's outputs that also teach step 3
+        personal = self.inference.predict(self.model, self.x_train)
+        keep = select(personal, self.y_train, p.akd_selection, p.akd_confidence)
+        idx = torch.nonzero(keep).flatten()
+        # 3. local -> global on I_k
+        loss_global = float("nan")
+        if len(idx):
+            x, y, t = self.x_train[idx], self.y_train[idx], personal[idx]
+            optimizer = make_optimizer(p, self.global_model.parameters())
+            loss_global = distill(self.global_model, optimizer, x, y, t, p.akd_beta, p.akd_temperature,
+                                  local_batches(len(idx), p, steps, self.global_generator))
+        return self.reply(task, model_to_numpy(self.global_model), loss=loss_local, global_loss=loss_global,
+                          selected=int(len(idx)), num_samples=len(self.y_train))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "global_generator": self.global_generator.get_state(),
+                "personal_ready": self.personal_ready}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.global_generator.set_state(state["global_generator"])
+        self.personal_ready = bool(state["personal_ready"])
+
+
+def select(logits: torch.Tensor, y: torch.Tensor, selection: str, confidence: float = 0.0) -> torch.Tensor:
+    """Boolean mask of the samples that go into local -> global distillation."""
+    if selection == "all":
+        return torch.ones(len(y), dtype=torch.bool)
+    if selection != "correct":
+        raise ValueError(f"unknown selection {selection!r}; use correct or all")
+    keep = logits.argmax(dim=1) == y
+    if confidence > 0:
+        keep &= F.softmax(logits, dim=1).max(dim=1).values >= confidence
+    return keep
+
+
+def distill(student: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+            teacher_logits: torch.Tensor, weight: float, temperature: float, batches) -> float:
+    """Minibatch steps on CE(student(x), y) + weight * T^2 * KL(softmax(teacher/T) || softmax(student/T));
+    returns the mean loss."""
+    student.train()
+    losses = []
+    for idx in batches:
+        out = student(x[idx])
+        loss = F.cross_entropy(out, y[idx])
+        loss = loss + weight * temperature**2 * kl_to_student(teacher_logits[idx], out, temperature)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return float(np.mean(losses)) if losses else float("nan")
