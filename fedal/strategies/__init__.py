@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fedal.strategies import fedakd as _fedakd
 from fedal.strategies import fedal as _fedal
 from fedal.strategies import fedavg as _fedavg
 from fedal.strategies import feddf as _feddf
@@ -24,6 +25,8 @@ class StrategySpec:
     uses_public_set: bool = False
     # the server half keeps the aggregated model (`global_weights`), evaluated as `global_acc`
     global_model: bool = False
+    # results report collaborative fairness against a standalone (`local`) run of the same clients
+    fairness: bool = False
 
 
 STRATEGIES: dict[str, StrategySpec] = {
@@ -39,6 +42,8 @@ STRATEGIES: dict[str, StrategySpec] = {
                      global_model=True),
         StrategySpec("feddf-al", _feddf.FedDFServer, _feddf.FedDFClient, _feddf.FEDDF_AL_PRESET, uses_public_set=True),
         StrategySpec("feddf", _feddf.FedDFServer, _feddf.FedDFClient, _feddf.FEDDF_PRESET, uses_public_set=True),
+        StrategySpec("fedakd", _fedakd.FedAKDServer, _fedakd.FedAKDClient, _fedakd.PRESET, homogeneous_models=True,
+                     global_model=True, fairness=True),
     )
 }
 STRATEGY_NAMES = tuple(STRATEGIES)
