@@ -1,4 +1,5 @@
-"""The coordinator's HTTP side (FastAPI): health, run status, and the public set for agents."""
+"""The coordinator's HTTP side (FastAPI): health, runs (status, creation, control), clients,
+live events, Prometheus metrics, the dashboard, and the public set for agents."""
 
 from __future__ import annotations
 
@@ -8,22 +9,32 @@ import asyncio
 import queue
 import secrets
 
-from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi import Body, Depends, FastAPI, HTTPException, Request
+from fastapi.responses import PlainTextResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from coordinator.config import RunSpec
+from coordinator.dashboard import STATIC_DIR
 from coordinator.engine import RoundEngine
 from coordinator.events import sse_format
 from coordinator.metrics import registry_for
+from coordinator.runs import InvalidRunSpec, RunConflict, RunManager
 from fedal import __version__
 
+RUN_SUMMARY = ("run_id", "strategy", "state", "round", "rounds", "completed_rounds", "phase", "iteration",
+               "started_at", "finished_at")
 
-def create_app(engine: RoundEngine) -> FastAPI:
+
+def create_app(runs: RunManager | RoundEngine) -> FastAPI:
+    if isinstance(runs, RoundEngine):
+        runs = RunManager.of(runs)
     app = FastAPI(title="FedAL Edge coordinator", version=__version__,
-                  description="Status of federated runs driven over MQTT.")
+                  description="Federated runs driven over MQTT: status, control, live events, metrics.")
 
-    registry = registry_for(engine)
-    token = engine.cfg.api.token
+    registry = registry_for(runs)
+    api = runs.config.api
+    token = api.token
 
     def require_token(request: Request) -> None:
         header = request.headers.get("authorization", "")
@@ -34,26 +45,46 @@ def create_app(engine: RoundEngine) -> FastAPI:
             raise HTTPException(status_code=403, detail="wrong token" if token else "no token is configured: writes are off")
 
     def require_read(request: Request) -> None:
-        if engine.cfg.api.read_requires_token:
+        if api.read_requires_token:
             require_token(request)
 
     reads = [Depends(require_read)]
     writes = [Depends(require_token)]
 
     def _run(run_id: str) -> RoundEngine:
-        if run_id != engine.cfg.run_id:
+        engine = runs.get(run_id)
+        if engine is None:
             raise HTTPException(status_code=404, detail=f"no run {run_id!r}")
         return engine
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
-        return {"status": "ok", "broker_connected": engine.bus.connected.is_set(), "run_state": engine.state}
+        engines = runs.list()
+        return {"status": "ok", "broker_connected": all(e.bus.connected.is_set() for e in engines) if engines else None,
+                "runs": {e.cfg.run_id: e.state for e in engines}}
 
     @app.get("/api/v1/runs", dependencies=reads)
     def list_runs() -> list[dict[str, Any]]:
+        out = []
+        for engine in runs.list():
+            snap = engine.snapshot()
+            out.append({k: snap[k] for k in RUN_SUMMARY})
+        return out
+
+    @app.post("/api/v1/runs", status_code=201, dependencies=writes)
+    def create_run(spec: RunSpec = Body(..., examples=[{
+            "run_id": "digits-fedal", "client_ids": ["pi-1", "pi-2", "pi-3"],
+            "run": {"strategy": "fedal", "dataset": "digits", "rounds": 20, "seed": 0}}])) -> dict[str, Any]:
+        """Create a run and start it: its enrolled agents join when they see its manifest. The
+        public set is the coordinator's file `public_file`, or derived from `run.dataset`."""
+        try:
+            engine = runs.create(spec)
+        except RunConflict as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from None
+        except InvalidRunSpec as exc:
+            raise HTTPException(status_code=422, detail=str(exc)) from None
         snap = engine.snapshot()
-        keys = ("run_id", "strategy", "state", "round", "rounds", "completed_rounds", "phase", "started_at", "finished_at")
-        return [{k: snap[k] for k in keys}]
+        return {k: snap[k] for k in RUN_SUMMARY}
 
     @app.get("/api/v1/runs/{run_id}", dependencies=reads)
     def get_run(run_id: str) -> dict[str, Any]:
@@ -70,15 +101,19 @@ def create_app(engine: RoundEngine) -> FastAPI:
         return _run(run_id).rounds()
 
     @app.get("/api/v1/clients", dependencies=reads)
-    def list_clients() -> list[dict[str, Any]]:
-        return [{"id": cid, **info} for cid, info in engine.snapshot()["clients"].items()]
+    def list_clients(run_id: str | None = None) -> list[dict[str, Any]]:
+        """Every enrolled client of every run (or of `run_id`)."""
+        engines = [_run(run_id)] if run_id else runs.list()
+        return [{"id": cid, "run_id": e.cfg.run_id, **info} for e in engines for cid, info in e.snapshot()["clients"].items()]
 
     @app.get("/api/v1/clients/{client_id}", dependencies=reads)
     def get_client(client_id: str) -> dict[str, Any]:
-        clients = engine.snapshot()["clients"]
-        if client_id not in clients:
-            raise HTTPException(status_code=404, detail=f"no client {client_id!r}")
-        return {"id": client_id, "run_id": engine.cfg.run_id, **clients[client_id]}
+        """The client in the most recently created run that enrols it."""
+        for engine in reversed(runs.list()):
+            clients = engine.snapshot()["clients"]
+            if client_id in clients:
+                return {"id": client_id, "run_id": engine.cfg.run_id, **clients[client_id]}
+        raise HTTPException(status_code=404, detail=f"no client {client_id!r}")
 
     @app.post("/api/v1/runs/{run_id}/{action}", dependencies=writes)
     def control(run_id: str, action: str) -> dict[str, Any]:
@@ -94,11 +129,11 @@ def create_app(engine: RoundEngine) -> FastAPI:
     @app.get("/api/v1/events", dependencies=reads)
     async def events(request: Request) -> StreamingResponse:
         """Server-Sent Events: run, round, phase and client events as they happen."""
-        subscription = engine.events.subscribe()
+        subscription = runs.events.subscribe()
 
         async def stream():
             try:
-                yield sse_format({"id": 0, "type": "hello", **{k: engine.snapshot()[k] for k in ("run_id", "state", "round")}})
+                yield sse_format({"id": 0, "type": "hello", "runs": {e.cfg.run_id: e.state for e in runs.list()}})
                 while not await request.is_disconnected():
                     try:
                         event = await asyncio.to_thread(subscription.get, True, 1.0)
@@ -107,7 +142,7 @@ def create_app(engine: RoundEngine) -> FastAPI:
                         continue
                     yield sse_format(event)
             finally:
-                engine.events.unsubscribe(subscription)
+                runs.events.unsubscribe(subscription)
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -123,4 +158,9 @@ def create_app(engine: RoundEngine) -> FastAPI:
         return Response(run.public_bytes, media_type="application/octet-stream",
                         headers={"X-Content-Hash": run.public_hash or ""})
 
+    @app.get("/", include_in_schema=False)
+    def root() -> RedirectResponse:
+        return RedirectResponse("/dashboard/")
+
+    app.mount("/dashboard", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
     return app

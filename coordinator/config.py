@@ -36,15 +36,45 @@ class PhaseSettings(BaseModel):
     start_timeout_s: float = Field(120.0, ge=0, description="before the first round, wait this long for every client to be online")
 
 
+def _check_run_id(v: str) -> str:
+    return topics.check_id(v, "run id")
+
+
+def _check_client_ids(v: list[str] | None) -> list[str] | None:
+    if v is None:
+        return v
+    if len(v) < 2 or len(set(v)) != len(v):
+        raise ValueError("client_ids needs at least two unique ids")
+    return [topics.check_id(c, "client id") for c in v]
+
+
+class RunSpec(BaseModel):
+    """One run as `POST /api/v1/runs` takes it (and as the store keeps it to restart it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    run: RunConfig = Field(default_factory=RunConfig, description="strategy, rounds, seed and the rest of the run")
+    client_ids: list[str] = Field(description="enrolled clients, in enrolment order (the discriminator's classes)")
+    num_classes: int = Field(10, ge=2)
+    public_file: Path | None = Field(None, description="public set .npz on the coordinator; default: derived from run.dataset")
+    phases: PhaseSettings | None = Field(None, description="deadlines and quorum; default: the coordinator's")
+
+    _run_id = field_validator("run_id")(_check_run_id)
+    _clients = field_validator("client_ids")(_check_client_ids)
+
+
 class CoordinatorConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FEDAL_COORD_", env_nested_delimiter="__", extra="forbid")
 
     run_id: str = "run"
     run: RunConfig = Field(default_factory=RunConfig, description="strategy, rounds, seed and the rest of the run")
-    client_ids: list[str] = Field(description="enrolled clients, in enrolment order (the discriminator's classes)")
-    num_classes: int = Field(ge=2)
+    client_ids: list[str] | None = Field(None, description="enrolled clients, in enrolment order (the discriminator's "
+                                         "classes); none: start no run, wait for POST /api/v1/runs")
+    num_classes: int = Field(10, ge=2)
     public_file: Path | None = Field(None, description=".npz with x: the public set served to agents")
     state_dir: Path = Path("coordinator-state")
+    store_url: str | None = Field(None, description="SQLAlchemy URL of the run store; default sqlite:///<state_dir>/coordinator.db")
     results_file: Path | None = Field(None, description="results JSON; default state_dir/results.json")
     broker: CoordinatorBrokerSettings = Field(default_factory=CoordinatorBrokerSettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
@@ -52,17 +82,23 @@ class CoordinatorConfig(BaseSettings):
     device: str = Field("auto", description="auto: CUDA when available, else CPU")
     exit_on_finish: bool = False
 
-    @field_validator("run_id")
-    @classmethod
-    def _run_id(cls, v: str) -> str:
-        return topics.check_id(v, "run id")
+    _run_id = field_validator("run_id")(_check_run_id)
+    _clients = field_validator("client_ids")(_check_client_ids)
 
-    @field_validator("client_ids")
-    @classmethod
-    def _clients(cls, v: list[str]) -> list[str]:
-        if len(v) < 2 or len(set(v)) != len(v):
-            raise ValueError("client_ids needs at least two unique ids")
-        return [topics.check_id(c, "client id") for c in v]
+    def initial_run(self) -> RunSpec | None:
+        """The run this config starts by itself, if it names clients."""
+        if self.client_ids is None:
+            return None
+        return RunSpec(run_id=self.run_id, run=self.run, client_ids=self.client_ids, num_classes=self.num_classes,
+                       public_file=self.public_file, phases=self.phases)
+
+    def for_run(self, spec: RunSpec, results_file: Path | None = None) -> "CoordinatorConfig":
+        """This coordinator's settings with `spec` as its run: what one RoundEngine runs with."""
+        return self.model_copy(update={
+            "run_id": spec.run_id, "run": spec.run, "client_ids": spec.client_ids, "num_classes": spec.num_classes,
+            "public_file": spec.public_file, "phases": spec.phases or self.phases,
+            "results_file": results_file or self.results_file,
+        })
 
 
 def load_coordinator_config(path: str | Path | None = None, **overrides) -> CoordinatorConfig:

@@ -30,9 +30,9 @@ import torch
 from coordinator.bus import CoordinatorBus
 from coordinator.config import CoordinatorConfig
 from coordinator.events import EventHub
-from coordinator.store import RunStore
+from coordinator.store import RunStore, default_store_url
 from fedal import __version__
-from fedal.data import content_hash, load_dataset
+from fedal.data import content_hash, load_dataset, public_set
 from fedal.protocol import EnvelopeError, Message, Reassembler, RunManifest, encode, topics
 from fedal.sim.runner import evaluation_summary
 from fedal.strategies import InvalidResult, PhaseTasks, ServerContext, get_strategy
@@ -115,8 +115,14 @@ def pick_device(setting: str) -> str:
 
 
 class RoundEngine:
-    def __init__(self, config: CoordinatorConfig):
+    """One run. `store` and `events` are shared by all runs of a coordinator (RunManager)."""
+
+    def __init__(self, config: CoordinatorConfig, store: RunStore | None = None, events: EventHub | None = None,
+                 origin: str = "config"):
+        if config.client_ids is None:
+            raise ValueError("a run needs client_ids")
         self.cfg = config
+        self.origin = origin
         self.run_config = config.run.model_copy(update={"clients": len(config.client_ids)}).resolved()
         self.spec = get_strategy(self.run_config.strategy)
         self.client_ids = list(config.client_ids)
@@ -129,7 +135,12 @@ class RoundEngine:
                 x = np.ascontiguousarray(z["x"], dtype=np.float32)
             self.public_hash, public_size = content_hash(x), len(x)
         elif self.spec.uses_public_set:
-            raise ValueError(f"strategy {self.spec.name!r} needs a public set: set public_file")
+            # the same rows `fedal simulate` holds out for this dataset, size and seed
+            rc = self.run_config
+            x = public_set(rc.dataset, rc.public_size, rc.seed, rc.data_dir)
+            buf = io.BytesIO()
+            np.savez(buf, x=x)
+            self.public_bytes, self.public_hash, public_size = buf.getvalue(), content_hash(x), len(x)
         self.device = pick_device(config.device)
         context = ServerContext(config.num_classes, public_size, self.run_config.seed, self.device)
         self.server = self.spec.server(self.run_config.strategy_params, self.client_ids, context)
@@ -137,13 +148,13 @@ class RoundEngine:
         self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self.bus = CoordinatorBus(config.broker, config.run_id, self.inbox)
         self.reassembler = Reassembler(max_size=config.broker.max_message_bytes)
-        self.store = RunStore(config.state_dir)
+        self.store = store or RunStore(config.store_url or default_store_url(config.state_dir))
         self.lock = threading.RLock()
         self.stop_event = threading.Event()
         self.finished_event = threading.Event()
         self.resume_event = threading.Event()  # cleared while paused
         self.resume_event.set()
-        self.events = EventHub()
+        self.events = events or EventHub()
         self.clients = {cid: ClientInfo() for cid in self.client_ids}
         self.counters: Counter[str] = Counter()
         self.records: list[dict[str, Any]] = []
@@ -197,7 +208,8 @@ class RoundEngine:
                 self.started_at = self.started_at or time.time()
             self._set_state("running")
             self.bus.publish_manifest(self.manifest().to_json())
-            self._wait_for_clients(self.cfg.phases.start_timeout_s)
+            if start < self.run_config.rounds:  # a run found finished in the store just finishes
+                self._wait_for_clients(self.cfg.phases.start_timeout_s)
             for r in range(start, self.run_config.rounds):
                 with self.lock:
                     self.round = r
@@ -246,22 +258,30 @@ class RoundEngine:
         if offline:
             log.info("starting without %s (not online after %.0f s)", offline, timeout_s)
 
+    def run_spec(self) -> dict[str, Any]:
+        """What it takes to start this run again (kept by the store)."""
+        return {"run_id": self.cfg.run_id, "run": self.cfg.run.model_dump(mode="json"), "client_ids": self.client_ids,
+                "num_classes": self.cfg.num_classes, "public_file": str(self.cfg.public_file) if self.cfg.public_file else None,
+                "phases": self.cfg.phases.model_dump(mode="json")}
+
     def _resume(self) -> int:
-        progress = self.store.load_progress()
+        stored = self.store.load(self.cfg.run_id)
+        self.store.register(self.cfg.run_id, self.run_spec(), self.origin)
         start = 0
-        if progress and progress.get("config_hash") == self.config_hash:
-            self.server.load_state_dict(self.store.load_server_state())
-            self.records = progress["records"]
-            start = int(progress["completed_rounds"])
-            self.epoch = int(progress["epoch"]) + 1
-            self.instance = progress.get("instance", "")
-            self.started_at = progress.get("started_at")
-            for cid, info in progress.get("clients", {}).items():
+        if stored and stored.config_hash == self.config_hash:
+            self.server.load_state_dict(self.store.load_server_state(self.cfg.run_id))
+            self.records = stored.records[: stored.completed_rounds]
+            start = stored.completed_rounds
+            self.epoch = stored.epoch + 1
+            self.instance = stored.instance or ""
+            self.started_at = stored.started_at
+            for cid, info in stored.clients.items():
                 if cid in self.clients:
                     self.clients[cid] = ClientInfo(**{**info, "online": False})
             log.info("resuming run %s after round %d (epoch %d)", self.cfg.run_id, start, self.epoch)
-        elif progress:
-            log.warning("state in %s belongs to another config; starting afresh", self.store.dir)
+        elif stored and stored.config_hash is not None:
+            log.warning("stored run %s belongs to another config; starting afresh", self.cfg.run_id)
+            self.store.reset(self.cfg.run_id)
         if not self.instance:
             self.instance = f"{self.config_hash[:12]}-{uuid.uuid4().hex[:8]}"
         self._save(completed=start, server_state=start == 0)
@@ -269,16 +289,11 @@ class RoundEngine:
 
     def _save(self, completed: int, server_state: bool = True) -> None:
         with self.lock:
-            progress = {
-                "config_hash": self.config_hash,
-                "completed_rounds": completed,
-                "epoch": self.epoch,
-                "instance": self.instance,
-                "started_at": self.started_at,
-                "records": self.records,
-                "clients": {c: asdict(i) for c, i in self.clients.items()},
-            }
-        self.store.save(progress, self.server.state_dict() if server_state else None)
+            progress = {"config_hash": self.config_hash, "completed_rounds": completed, "epoch": self.epoch,
+                        "instance": self.instance, "started_at": self.started_at, "state": self.state}
+            records = list(self.records)
+            info = {c: asdict(i) for c, i in self.clients.items()}
+        self.store.save(self.cfg.run_id, progress, records, info, self.server.state_dict() if server_state else None)
 
     def _finish(self, state: str) -> None:
         with self.lock:
@@ -287,6 +302,7 @@ class RoundEngine:
         self._set_state(state)
         if self.bus.connected.is_set():
             self.bus.publish_manifest(self.manifest().to_json())
+        self.store.set_state(self.cfg.run_id, state, self.finished_at)
         if state == "finished":
             path = self.cfg.results_file or (self.cfg.state_dir / "results.json")
             path.parent.mkdir(parents=True, exist_ok=True)

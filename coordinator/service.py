@@ -1,4 +1,4 @@
-"""Runs the round engine in its own thread next to the uvicorn server in the main thread."""
+"""Runs the round engines (one thread per run) next to the uvicorn server in the main thread."""
 
 from __future__ import annotations
 
@@ -10,35 +10,38 @@ import uvicorn
 
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig
-from coordinator.engine import RoundEngine
+from coordinator.runs import ENDED, RunManager
 
 log = logging.getLogger("coordinator")
 
 
 def serve(config: CoordinatorConfig) -> int:
-    engine = RoundEngine(config)
+    runs = RunManager(config)
+    runs.restore()
     server = uvicorn.Server(
-        uvicorn.Config(create_app(engine), host=config.api.host, port=config.api.port, log_level="warning", lifespan="off")
+        uvicorn.Config(create_app(runs), host=config.api.host, port=config.api.port, log_level="warning", lifespan="off")
     )
-    def _run_when_api_is_up() -> None:
+
+    def _start_when_api_is_up() -> None:
         # agents fetch the public set from the API as soon as they see the manifest
         while not server.started and not server.should_exit:
             time.sleep(0.02)
         if server.started:
-            engine.run()
+            runs.start()
 
-    worker = threading.Thread(target=_run_when_api_is_up, name="round-engine", daemon=True)
-    worker.start()
+    threading.Thread(target=_start_when_api_is_up, name="run-starter", daemon=True).start()
 
     def _exit_when_done() -> None:
-        engine.finished_event.wait()
-        if config.exit_on_finish:
-            server.should_exit = True
+        while not server.should_exit:
+            if runs.all_done.wait(0.5) and runs.list():
+                server.should_exit = True
 
-    threading.Thread(target=_exit_when_done, daemon=True).start()
-    log.info("API on http://%s:%d  run %s (%s)", config.api.host, config.api.port, config.run_id, engine.run_config.strategy)
+    if config.exit_on_finish:
+        threading.Thread(target=_exit_when_done, daemon=True).start()
+    for engine in runs.list():
+        log.info("run %s (%s)", engine.cfg.run_id, engine.run_config.strategy)
+    log.info("API on http://%s:%d", config.api.host, config.api.port)
     server.run()  # returns on SIGINT/SIGTERM or when should_exit is set
-    engine.stop()
-    worker.join(timeout=30)
-    engine.bus.stop()
-    return 0 if engine.state in ("finished", "stopped") else 1
+    runs.stop()
+    runs.store.close()
+    return 0 if all(e.state in ENDED[:2] for e in runs.list()) else 1

@@ -36,7 +36,7 @@ def metric_values(text: str) -> dict[tuple[str, tuple], float]:
 
 def test_endpoints_before_the_run_starts(engine):
     client = TestClient(create_app(engine))
-    assert client.get("/healthz").json() == {"status": "ok", "broker_connected": False, "run_state": "pending"}
+    assert client.get("/healthz").json() == {"status": "ok", "broker_connected": False, "runs": {"unit": "pending"}}
     runs = client.get("/api/v1/runs").json()
     assert [r["run_id"] for r in runs] == ["unit"] and runs[0]["state"] == "pending"
     assert client.get("/api/v1/runs/unit/rounds").json() == []

@@ -3,9 +3,9 @@ the last completed round; the agents resynchronise by themselves."""
 
 from __future__ import annotations
 
-import json
 import signal
 
+from coordinator.store import RunStore, default_store_url
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment
 
@@ -20,8 +20,8 @@ def test_sigkilled_coordinator_resumes_the_run(mosquitto, tmp_path):
         dep.wait_for(lambda r: r["completed_rounds"] >= 3, what="three rounds")
         dep.coordinator.send_signal(signal.SIGKILL)
         dep.coordinator.wait()
-        saved = json.loads((dep.workdir / "coordinator" / "state" / "progress.json").read_text())
-        assert saved["completed_rounds"] >= 3
+        saved = RunStore(default_store_url(dep.workdir / "coordinator" / "state")).load("demo")
+        assert saved.completed_rounds >= 3 and len(saved.records) == saved.completed_rounds
 
         dep.start_coordinator()  # same config, same state dir
         final = dep.wait_for(lambda r: r["state"] == "finished", timeout_s=240, what="the resumed run to finish")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 import paho.mqtt.client as mqtt
 
 from coordinator.demo import RUN_ID, run_demo
+from coordinator.store import RunStore, default_store_url
 from fedal.protocol import RunManifest, parse_broker_url, topics
 from fedal.sim import InProcessEngine, build_run, load_config
 
@@ -43,8 +42,9 @@ def test_demo_over_mosquitto_matches_simulation(strategy, mosquitto, tmp_path):
     assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
     assert results["deployment"]["counters"].get("rejected", 0) == 0
     # the coordinator persisted its progress after every round
-    progress = json.loads((tmp_path / "demo" / "coordinator" / "state" / "progress.json").read_text())
-    assert progress["completed_rounds"] == 3
+    stored = RunStore(default_store_url(tmp_path / "demo" / "coordinator" / "state")).load(RUN_ID)
+    assert stored.completed_rounds == 3 and stored.state == "finished"
+    assert [r["round"] for r in stored.records] == [1, 2, 3]
 
 
 def publish_stale_finished_manifest(broker_url: str) -> None:

@@ -2,7 +2,7 @@
 
 from fedal.data.arrays import ArrayDataset
 from fedal.data.embedded import default_cache_dir, load_digits, load_mnist1d
-from fedal.data.federated import DATASETS, FederatedData, build_federated, load_dataset
+from fedal.data.federated import DATASETS, FederatedData, build_federated, load_dataset, public_set
 from fedal.data.files import load_cifar10_dir, load_idx, load_mnist_dir, load_svhn_dir
 from fedal.data.partition import (
     PARTITIONERS,
@@ -16,7 +16,7 @@ from fedal.data.public import content_hash, split_public, split_public_indices
 
 __all__ = [
     "ArrayDataset", "DATASETS", "FederatedData", "PARTITIONERS",
-    "allocate_quotas", "build_federated", "content_hash", "default_cache_dir",
+    "allocate_quotas", "build_federated", "content_hash", "default_cache_dir", "public_set",
     "dirichlet_per_class", "dirichlet_per_client", "iid", "label_histogram",
     "load_cifar10_dir", "load_dataset", "load_digits", "load_idx", "load_mnist1d",
     "load_mnist_dir", "load_svhn_dir", "split_public", "split_public_indices",

@@ -22,7 +22,7 @@ from fedal.data.partition import PARTITIONERS, label_histogram
 from fedal.data.public import content_hash, split_public_indices
 from fedal.data.shift import FEATURE_PARTITIONERS, feature_partition
 
-__all__ = ["DATASETS", "FederatedData", "build_federated", "load_dataset", "split_local_tests"]
+__all__ = ["DATASETS", "FederatedData", "build_federated", "load_dataset", "public_set", "split_local_tests"]
 
 DATASETS = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn")
 _FILE_DATASETS = ("mnist", "fashion-mnist", "cifar10", "svhn")
@@ -103,8 +103,7 @@ def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-
         raise ValueError(f"local_test_fraction must lie in [0, 1), got {local_test_fraction}")
     train, test = load_dataset(dataset, data_dir)
 
-    # spawn(3)'s first two children equal spawn(2)'s: adding the local-test stream kept old runs
-    public_seq, partition_seq, local_test_seq = np.random.SeedSequence(seed).spawn(3)
+    public_seq, partition_seq, local_test_seq = seed_streams(seed)
     public_idx, remaining = split_public_indices(len(train), public_size,
                                                  np.random.default_rng(public_seq))
     public_x = np.ascontiguousarray(train.x[public_idx])
@@ -149,6 +148,20 @@ def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-
         client_tests=client_tests,
         client_test_indices=client_test_idx,
     )
+
+
+def seed_streams(seed: int) -> list[np.random.SeedSequence]:
+    """Independent streams for the public split, the partition and the local test splits.
+    spawn(3)'s first two children equal spawn(2)'s: adding the third kept earlier runs as they were."""
+    return np.random.SeedSequence(seed).spawn(3)
+
+
+def public_set(dataset: str, public_size: int, seed: int, data_dir: str | os.PathLike | None = None) -> np.ndarray:
+    """The public set `build_federated` holds out for these settings, without partitioning:
+    what a coordinator serves when a run names only its dataset."""
+    train, _ = load_dataset(dataset, data_dir)
+    public_idx, _ = split_public_indices(len(train), public_size, np.random.default_rng(seed_streams(seed)[0]))
+    return np.ascontiguousarray(train.x[public_idx])
 
 
 def split_local_tests(client_idx: list[np.ndarray], fraction: float,

@@ -1,0 +1,128 @@
+// The coordinator dashboard: reads the REST API, refreshes on Server-Sent Events (and polls as a
+// fallback, e.g. when reads need a token, which EventSource cannot send).
+"use strict";
+
+const state = { runId: new URLSearchParams(location.search).get("run"), token: sessionStorage.getItem("fedal-token"),
+                charts: {}, pending: null };
+
+async function api(path) {
+  const headers = state.token ? { Authorization: `Bearer ${state.token}` } : {};
+  const resp = await fetch(path, { headers, cache: "no-store" });
+  if (resp.status === 401 || resp.status === 403) {
+    document.getElementById("token-form").hidden = false;
+    document.getElementById("token-error").textContent = state.token ? "wrong token" : "this coordinator needs a token";
+    throw new Error(`HTTP ${resp.status}`);
+  }
+  if (!resp.ok) throw new Error(`HTTP ${resp.status} for ${path}`);
+  return resp.json();
+}
+
+const fmt = {
+  acc: (v) => (v === null || v === undefined ? "–" : (100 * v).toFixed(1) + " %"),
+  time: (t) => (t ? new Date(t * 1000).toLocaleTimeString() : "–"),
+};
+
+function setText(id, value) { document.getElementById(id).textContent = value; }
+
+function fillTable(id, rows) {
+  const body = document.querySelector(`#${id} tbody`);
+  body.replaceChildren(...rows.map(({ cells, dataset }) => {
+    const tr = document.createElement("tr");
+    Object.assign(tr.dataset, dataset || {});
+    for (const cell of cells) {
+      const td = document.createElement("td");
+      if (typeof cell === "object" && cell !== null) { td.textContent = cell.text; td.className = cell.cls; }
+      else td.textContent = cell;
+      tr.appendChild(td);
+    }
+    return tr;
+  }));
+}
+
+function chart(id, title, series) {
+  if (state.charts[id]) return state.charts[id];
+  const el = document.getElementById(id);
+  const opts = { width: Math.max(360, el.clientWidth || 480), height: 220, title,
+                 scales: { x: { time: false } }, axes: [{ label: "round" }, {}],
+                 series: [{ label: "round" }, ...series] };
+  state.charts[id] = new uPlot(opts, [[], ...series.map(() => [])], el);
+  return state.charts[id];
+}
+
+function drawCurves(rounds) {
+  const evald = rounds.filter((r) => r.mean_acc !== undefined);
+  const x = evald.map((r) => r.round);
+  chart("acc-chart", "accuracy", [
+    { label: "mean", stroke: "#1f5fbf", width: 2 }, { label: "min", stroke: "#9a3b3b" },
+    { label: "max", stroke: "#2a7d4f" }, { label: "local mean", stroke: "#b07d12", dash: [6, 4] },
+  ]).setData([x, evald.map((r) => r.mean_acc), evald.map((r) => r.min_acc), evald.map((r) => r.max_acc),
+              evald.map((r) => r.local_mean_acc ?? null)]);
+  const withDisc = rounds.filter((r) => r.server && r.server.disc_loss !== undefined);
+  chart("disc-chart", "discriminator", [
+    { label: "loss", stroke: "#6b3fa0", width: 2 }, { label: "accuracy", stroke: "#1f8a8a" },
+  ]).setData([withDisc.map((r) => r.round), withDisc.map((r) => r.server.disc_loss),
+              withDisc.map((r) => r.server.disc_acc)]);
+}
+
+async function refresh() {
+  const runs = await api("/api/v1/runs");
+  fillTable("runs", runs.map((r) => ({ cells: [r.run_id, r.strategy, r.state, `${r.completed_rounds} / ${r.rounds}`],
+                                         dataset: { run: r.run_id } })));
+  if (!runs.length) { setText("run-id", "none yet (POST /api/v1/runs)"); return; }
+  if (!state.runId || !runs.some((r) => r.run_id === state.runId)) {
+    state.runId = (runs.find((r) => r.state === "running") || runs[runs.length - 1]).run_id;
+  }
+  const select = document.getElementById("run-select");
+  select.replaceChildren(...runs.map((r) => new Option(`${r.run_id} (${r.state})`, r.run_id, false, r.run_id === state.runId)));
+
+  const id = encodeURIComponent(state.runId);
+  const [run, rounds] = await Promise.all([api(`/api/v1/runs/${id}`), api(`/api/v1/runs/${id}/rounds`)]);
+  setText("run-id", run.run_id);
+  setText("run-state", run.state + (run.error ? ` (${run.error})` : ""));
+  setText("run-strategy", run.strategy);
+  setText("round-counter", run.round);
+  setText("rounds-total", run.rounds);
+  setText("completed-rounds", run.completed_rounds);
+  setText("run-phase", run.phase ? `${run.phase} (iteration ${run.iteration})` : "–");
+  const last = [...rounds].reverse().find((r) => r.mean_acc !== undefined) || {};
+  setText("mean-acc", fmt.acc(last.mean_acc));
+  setText("local-acc", fmt.acc(last.local_mean_acc));
+
+  const clients = Object.entries(run.clients);
+  setText("client-count", `(${clients.filter(([, c]) => c.online).length} of ${clients.length} online)`);
+  fillTable("clients", clients.map(([cid, c]) => ({
+    dataset: { client: cid },
+    cells: [cid, { text: c.online ? "online" : "offline", cls: c.online ? "online" : "offline" }, fmt.time(c.last_seen),
+            c.answered, c.late, c.rejected, fmt.acc(c.last_acc), fmt.acc(c.last_local_acc)],
+  })));
+  drawCurves(rounds);
+}
+
+function scheduleRefresh(delayMs = 250) {
+  if (state.pending) return;
+  state.pending = setTimeout(() => {
+    state.pending = null;
+    refresh().catch((err) => console.warn("refresh failed:", err.message));
+  }, delayMs);
+}
+
+function listen() {
+  const badge = document.getElementById("live");
+  const source = new EventSource("/api/v1/events");
+  source.onopen = () => { badge.textContent = "live"; badge.className = "badge on"; };
+  source.onmessage = () => scheduleRefresh();
+  source.onerror = () => { badge.textContent = "polling"; badge.className = "badge off"; };
+}
+
+document.getElementById("run-select").addEventListener("change", (e) => { state.runId = e.target.value; scheduleRefresh(0); });
+document.getElementById("token-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  state.token = document.getElementById("token").value.trim();
+  sessionStorage.setItem("fedal-token", state.token);
+  document.getElementById("token-form").hidden = true;
+  scheduleRefresh(0);
+});
+
+listen();
+scheduleRefresh(0);
+setInterval(() => scheduleRefresh(0), 2000);

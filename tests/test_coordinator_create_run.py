@@ -1,0 +1,107 @@
+"""POST /api/v1/runs: in-process validation and auth, then a coordinator started with no run of
+its own is given one over the API, runs it with real agents, and picks it up again after a
+SIGKILL and restart."""
+
+from __future__ import annotations
+
+import io
+import signal
+import time
+import tomllib
+
+import httpx
+import numpy as np
+import pytest
+import tomli_w
+from fastapi.testclient import TestClient
+
+from coordinator.app import create_app
+from coordinator.config import load_coordinator_config
+from coordinator.runs import RunManager
+from fedal.data import content_hash, public_set
+from fedal.sim import load_config, simulate
+from tests.deployment import Deployment
+
+SPEC = {"run_id": "api-run", "client_ids": ["pi-1", "pi-2"],
+        "run": {"strategy": "fedmd", "dataset": "digits", "rounds": 3, "public_size": 50, "seed": 2}}
+
+
+@pytest.fixture()
+def client(tmp_path):
+    cfg = load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": "tok"})
+    runs = RunManager(cfg)
+    yield TestClient(create_app(runs)), runs, tmp_path
+    runs.store.close()
+
+
+def test_create_run_in_process(client):
+    api, runs, tmp_path = client
+    auth = {"Authorization": "Bearer tok"}
+    assert api.get("/api/v1/runs").json() == []  # a coordinator without a run of its own
+    assert api.post("/api/v1/runs", json=SPEC).status_code == 401
+    assert api.post("/api/v1/runs", json=SPEC, headers={"Authorization": "Bearer no"}).status_code == 403
+
+    created = api.post("/api/v1/runs", json=SPEC, headers=auth)
+    assert created.status_code == 201
+    body = created.json()
+    assert body["run_id"] == "api-run" and body["strategy"] == "fedmd" and body["rounds"] == 3 and body["state"] == "pending"
+    assert [r["run_id"] for r in api.get("/api/v1/runs").json()] == ["api-run"]
+    assert {c["id"] for c in api.get("/api/v1/clients").json()} == {"pi-1", "pi-2"}
+    assert api.get("/api/v1/clients/pi-2").json()["run_id"] == "api-run"
+    # the public set is derived from the dataset: the rows `fedal simulate` holds out
+    public = api.get("/api/v1/runs/api-run/public")
+    with np.load(io.BytesIO(public.content)) as z:
+        assert content_hash(z["x"]) == content_hash(public_set("digits", 50, 2)) == public.headers["x-content-hash"]
+    # the store keeps the spec, so a restarted coordinator can start the run again
+    assert runs.store.run_ids(origin="api") == ["api-run"]
+
+    assert api.post("/api/v1/runs", json=SPEC, headers=auth).status_code == 409
+    bad = [
+        ({**SPEC, "run_id": "x y"}, "run_id"),
+        ({**SPEC, "run_id": "b", "client_ids": ["one"]}, "client_ids"),
+        ({**SPEC, "run_id": "c", "run": {"strategy": "nope"}}, "strategy"),
+        ({**SPEC, "run_id": "d", "surprise": 1}, "surprise"),
+        ({**SPEC, "run_id": "e", "public_file": "/etc/passwd"}, "state_dir"),
+    ]
+    for spec, needle in bad:
+        resp = api.post("/api/v1/runs", json=spec, headers=auth)
+        assert resp.status_code == 422 and needle in resp.text, (spec, resp.text)
+    assert api.post("/api/v1/runs", content=b"{not json", headers={**auth, "content-type": "application/json"}).status_code == 422
+    assert [r["run_id"] for r in api.get("/api/v1/runs").json()] == ["api-run"]  # nothing half-created
+
+
+def test_a_run_created_over_the_api_runs_and_survives_a_restart(mosquitto, tmp_path):
+    config = load_config(None, dict(strategy="fedmd", dataset="digits", clients=3, rounds=6, tau=1, public_size=100, seed=5))
+    dep = Deployment(config, tmp_path / "dep", mosquitto, phases={"resend_s": 2.0})
+    coord = tomllib.loads(dep.coord_path.read_text())
+    spec = {"run_id": "demo", "client_ids": coord.pop("client_ids"), "run": coord.pop("run"),
+            "num_classes": coord.pop("num_classes")}
+    coord.pop("public_file")
+    coord.pop("run_id")
+    coord["api"]["token"] = "tok"
+    dep.coord_path.write_text(tomli_w.dumps(coord))
+    auth = {"Authorization": "Bearer tok"}
+    try:
+        dep.start_coordinator()
+        for _ in range(100):
+            try:
+                if httpx.get(f"{dep.api}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        assert httpx.get(f"{dep.api}/api/v1/runs").json() == []
+        assert httpx.post(f"{dep.api}/api/v1/runs", json=spec, headers=auth).status_code == 201
+        for cid in spec["client_ids"]:
+            dep.start_agent(cid)
+        dep.wait_for(lambda r: r["completed_rounds"] >= 2, what="two rounds")
+        dep.coordinator.send_signal(signal.SIGKILL)
+        dep.coordinator.wait()
+
+        dep.start_coordinator()  # no run in its config: the API-created one comes back from the store
+        dep.wait_for(lambda r: r["state"] == "finished", timeout_s=240, what="the restored run to finish")
+        results = dep.results()
+    finally:
+        dep.close()
+    assert [r["round"] for r in results["rounds"]] == list(range(1, 7))  # every round recorded once
+    assert abs(results["final"]["mean_acc"] - simulate(config)["final"]["mean_acc"]) <= 0.01
