@@ -60,6 +60,11 @@ def broker_cmd(upstream: str, listen: str, profile: str, control: str | None, se
         raise click.ClickException(f"cannot listen: {exc}") from None
 
 
+from hil.fleet_cli import fleet_cmd  # noqa: E402 - its heavy imports happen when it runs
+
+hil_cmd.add_command(fleet_cmd)
+
+
 def main() -> int:
     hil_cmd(prog_name="python -m hil")
     return 0

@@ -1,0 +1,130 @@
+"""`fedal hil fleet`: N emulated agents against a real coordinator, optionally started here too."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import click
+
+
+@click.command("fleet")
+@click.option("--clients", type=click.IntRange(1, 100_000), required=True, help="Number of emulated agents.")
+@click.option("--broker", default="mqtt://127.0.0.1:1883", show_default=True, help="Broker URL (mqtt:// or mqtts://).")
+@click.option("--run-id", required=True, help="The run to join (the coordinator's run_id).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic logits and accuracies.")
+@click.option("--prefix", default="e", show_default=True, help="Client ids are PREFIX0000, PREFIX0001, ...")
+@click.option("--username", help="Broker user for every emulated agent (default: from the URL).")
+@click.option("--password", help="Broker password (default: from the URL).")
+@click.option("--ca-file", type=click.Path(dir_okay=False, exists=True), help="CA bundle for mqtts:// brokers.")
+@click.option("--public-file", type=click.Path(dir_okay=False), help="Provisioned public set (.npz); else fetched once.")
+@click.option("--reconnect-min", type=click.FloatRange(0.05), default=1.0, show_default=True, help="Reconnect backoff start (s).")
+@click.option("--reconnect-max", type=click.FloatRange(0.1), default=30.0, show_default=True, help="Reconnect backoff cap (s).")
+@click.option("--status-file", type=click.Path(dir_okay=False), help="Write the fleet's counters here (JSON) on exit.")
+@click.option("--timeout", type=click.FloatRange(0), default=0.0, help="Give up after S seconds (0: wait for the run to finish).")
+@click.option("--start-coordinator", is_flag=True,
+              help="Also start a real coordinator for these clients (config and synthetic public set in --workdir).")
+@click.option("--workdir", type=click.Path(file_okay=False), default="runs/fleet", show_default=True,
+              help="With --start-coordinator: where its config, state and log go.")
+@click.option("--strategy", default="fedal", show_default=True, help="With --start-coordinator: the strategy.")
+@click.option("--rounds", type=click.IntRange(1), default=3, show_default=True, help="With --start-coordinator: rounds.")
+@click.option("--tau", type=click.IntRange(1), default=None, help="With --start-coordinator: tau (default: the preset).")
+@click.option("--num-classes", type=click.IntRange(2), default=10, show_default=True, help="With --start-coordinator: K.")
+@click.option("--public-size", type=click.IntRange(1), default=1000, show_default=True, help="With --start-coordinator: |P|.")
+@click.option("--batch", type=click.IntRange(1), default=32, show_default=True, help="With --start-coordinator: public batch B.")
+@click.option("--api-port", type=click.IntRange(0, 65535), default=0, help="With --start-coordinator: REST port (0: free).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file, public_file, reconnect_min, reconnect_max,
+              status_file, timeout, start_coordinator, workdir, strategy, rounds, tau, num_classes, public_size, batch,
+              api_port, quiet) -> None:
+    """Emulated agents: N MQTT clients that follow the protocol exactly, with synthetic results (no torch)."""
+    from tqdm import tqdm
+
+    from fedal.protocol import parse_broker_url, topics
+    from hil.fleet import Fleet, client_ids
+    from hil.mosquitto import free_port, raise_open_files_limit
+
+    try:
+        parse_broker_url(broker)
+        topics.check_id(run_id, "run id")
+        ids = client_ids(clients, prefix)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if reconnect_max < reconnect_min:
+        raise click.UsageError("--reconnect-max must be at least --reconnect-min")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    raise_open_files_limit(clients + 1024)  # one socket per emulated agent
+
+    coordinator = None
+    api = None
+    if start_coordinator:
+        from hil.coordinator_setup import start_coordinator as spawn_coordinator
+        from hil.coordinator_setup import stop_process, write_coordinator_config
+
+        api_port = api_port or free_port()
+        wd = Path(workdir)
+        path = write_coordinator_config(wd, broker, run_id, ids, api_port=api_port, strategy=strategy, rounds=rounds,
+                                        seed=seed, num_classes=num_classes, public_size=public_size,
+                                        public_batch_size=batch, tau=tau)
+        coordinator = spawn_coordinator(path, wd / "coordinator.log")
+        api = f"http://127.0.0.1:{api_port}"
+        click.echo(f"coordinator: {api}/api/v1/runs/{run_id} (log {wd / 'coordinator.log'})", err=True)
+
+    fleet = Fleet(broker, run_id, ids, seed, username=username, password=password, ca_file=ca_file,
+                  public_file=public_file, reconnect_min_s=reconnect_min, reconnect_max_s=reconnect_max).start()
+    stop = {"signal": None}
+
+    def _on_signal(signum, _frame) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    bar = tqdm(total=None, desc=f"fleet {run_id}", unit="round", disable=quiet, file=sys.stderr)
+    deadline = time.monotonic() + timeout if timeout else None
+    outcome = "interrupted"
+    try:
+        while True:
+            if fleet.finished():
+                outcome = "finished"
+                break
+            if stop["signal"] is not None:
+                break
+            if fleet.error is not None:
+                outcome = "failed"
+                break
+            if coordinator is not None and coordinator.poll() is not None:
+                outcome = "coordinator exited"
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                outcome = "timed out"
+                break
+            _progress(bar, fleet)
+            time.sleep(0.5)
+    finally:
+        fleet.stop()
+        bar.close()
+        if status_file:
+            fleet.write_status(status_file)
+        if coordinator is not None:
+            stop_process(coordinator)
+    summary = fleet.summary()
+    summary.pop("per_client")
+    click.echo(json.dumps({"outcome": outcome, **summary}, indent=1))
+    if outcome != "finished":
+        raise SystemExit(1)
+
+
+def _progress(bar, fleet) -> None:
+    manifests = [a.manifest for a in fleet.agents if a.manifest is not None]
+    if manifests:
+        m = max(manifests, key=lambda m: m.round)
+        if bar.total != m.rounds:
+            bar.total = m.rounds
+        bar.n = m.round + (1 if m.state == "finished" else 0)
+    c = fleet.totals()
+    bar.set_postfix(online=f"{fleet.online()}/{len(fleet.agents)}", tasks=c.get("tasks", 0),
+                    rejected=c.get("rejected", 0), refresh=True)

@@ -1,0 +1,113 @@
+"""A private Mosquitto on a loopback port, with a generated config, that a harness can kill and restart.
+
+For benches and chaos tests: it can hold a thousand connections (no connection cap, a raised
+open-files limit), keep retained messages and persistent sessions across a restart when
+`persistence` is on, and enforce a password file and an ACL file when given.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def raise_open_files_limit(want: int = 8192) -> int:
+    """Raise this process's soft RLIMIT_NOFILE towards `want` (children inherit it); the new limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return soft
+
+
+class Mosquitto:
+    def __init__(self, workdir: Path, port: int | None = None, *, persistence: bool = False,
+                 password_file: Path | None = None, acl_file: Path | None = None, max_queued_messages: int = 100_000,
+                 max_connections: int = 4096):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+        if not Path(self.binary).exists():
+            raise FileNotFoundError("mosquitto is not installed (Debian: apt-get install mosquitto)")
+        self.log_file = self.workdir / "mosquitto.log"
+        self.conf = self.workdir / "mosquitto.conf"
+        lines = [
+            f"listener {self.port} 127.0.0.1",
+            f"max_connections {max_connections}",
+            f"max_queued_messages {max_queued_messages}",
+            f"persistence {'true' if persistence else 'false'}",
+            f"log_dest file {self.log_file}",
+            "log_type error", "log_type warning", "log_type notice", "log_type information",
+        ]
+        if persistence:
+            lines += [f"persistence_location {self.workdir}/", "autosave_interval 1"]
+        if password_file is not None:
+            lines += ["allow_anonymous false", f"password_file {password_file}"]
+        else:
+            lines.append("allow_anonymous true")
+        if acl_file is not None:
+            lines.append(f"acl_file {acl_file}")
+        if os.geteuid() == 0:
+            lines.append("user root")  # as root it would drop to a user that cannot write the workdir
+        self.conf.write_text("\n".join(lines) + "\n")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> "Mosquitto":
+        raise_open_files_limit(max(4096, 2 * 4096))
+        self.proc = subprocess.Popen([self.binary, "-c", str(self.conf)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mosquitto exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"mosquitto did not listen on port {self.port}: {self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL: no clean shutdown, no last save of the persistence file, no Wills."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        """SIGTERM: Mosquitto saves its persistence file and exits."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self, n: int = 20) -> str:
+        if not self.log_file.exists():
+            return ""
+        return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
+
+    def __enter__(self) -> "Mosquitto":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,200 @@
+"""Emulated agents (hil/emulated_agent.py, hil/fleet.py, `fedal hil fleet`).
+
+In-process: the emulated agent answers the real strategies' server halves with results their
+validation accepts, and follows the agent's protocol rules (join by instance, (epoch, seq) dedup
+from the cached bytes, chunk reassembly, refusals). Over a real broker: 100 emulated agents in one
+`python -m hil fleet` process drive a real coordinator process through Mosquitto for a FedAL run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+from fedal.protocol import Message, Reassembler, RunManifest, decode, encode, split, topics
+from fedal.strategies import ServerContext, StrategyParams, get_strategy
+from hil.coordinator_setup import stop_process, start_coordinator, wait_for_run, write_coordinator_config
+from hil.emulated_agent import EmulatedAgent, PublicSetSource
+from hil.mosquitto import free_port
+
+RUN = "unit"
+K, P, B = 10, 200, 32
+
+
+class _Public(PublicSetSource):
+    def size(self, expected_hash, url):  # no coordinator here: the size the manifest announces
+        return P
+
+
+def manifest(strategy: str, clients: list[str], params: StrategyParams, instance: str = "i-1", state: str = "running"):
+    return RunManifest(run_id=RUN, strategy=strategy, strategy_params=params.model_dump(mode="json"), num_classes=K,
+                       clients=clients, rounds=2, public_hash="h", public_size=P, public_url="http://127.0.0.1:9/x",
+                       state=state, instance=instance).to_json()
+
+
+def joined_agents(strategy: str, n: int = 3, **overrides):
+    spec = get_strategy(strategy)
+    params = StrategyParams(public_batch_size=B, **overrides).resolve(spec.preset)
+    ids = [f"c{i}" for i in range(n)]
+    server = spec.server(params, ids, ServerContext(K, P, seed=0))
+    agents = {cid: EmulatedAgent(RUN, cid, index=i, public=_Public()) for i, cid in enumerate(ids)}
+    for a in agents.values():
+        assert a.on_message(a.manifest_topic, manifest(strategy, ids, params)) == []
+        assert a.joined is not None
+    return server, agents
+
+
+def send(agent: EmulatedAgent, task: Message, key: tuple[int, int], instance: str = "i-1") -> list:
+    meta = {**task.meta, "run": RUN, "client": agent.client_id, "instance": instance, "epoch": key[0], "seq": key[1]}
+    return agent.on_message(agent.task_topic, encode(Message(meta, task.tensors)))
+
+
+def run_round(server, agents, r: int, seq: int) -> int:
+    """One round of the server half against the emulated agents; every result must validate."""
+    phase = server.begin_round(r)
+    while phase is not None:
+        seq += 1
+        results = {}
+        for cid, task in phase.tasks.items():
+            (pub,) = send(agents[cid], task, (0, seq))
+            assert pub.topic == topics.result(RUN, cid)
+            res = decode(pub.payload)
+            assert (res.meta["epoch"], res.meta["seq"], res.meta["run"], res.meta["client"]) == (0, seq, RUN, cid)
+            server.validate(phase, cid, res)  # raises InvalidResult if the coordinator would refuse it
+            results[cid] = res
+        phase = server.collect(phase, results)
+    return seq
+
+
+@pytest.mark.parametrize("strategy", ["fedal", "fedmd", "fedmd-lf", "local", "fedavg"])
+def test_results_pass_the_server_halves_validation(strategy):
+    server, agents = joined_agents(strategy, tau=2)
+    seq = run_round(server, agents, 0, 0)
+    seq = run_round(server, agents, 1, seq)
+    for a in agents.values():
+        assert a.counters["rejected"] == 0 and a.counters["errors"] == 0
+        assert a.counters["tasks"] == {"fedal": 6, "fedmd": 6, "fedmd-lf": 6, "local": 2, "fedavg": 2}[strategy] + (
+            1 if strategy == "fedavg" and a.client_id == "c0" else 0)  # FedAvg's init goes to the first client
+        applied = {"fedal": 4, "fedmd": 4, "fedmd-lf": 4, "local": 0, "fedavg": 2}[strategy]
+        assert a.status()["feedback_applied"] == applied and a.status()["feedback_twice"] == []
+
+
+def test_fedal_results_have_the_real_client_halves_shape():
+    server, agents = joined_agents("fedal", tau=2)
+    a = agents["c0"]
+    phase = server.begin_round(0)
+    (pub,) = send(a, phase.tasks["c0"], (0, 1))
+    res = decode(pub.payload)
+    assert res.tensors["logits"].shape == (B, K) and res.tensors["logits"].dtype == np.float32
+    assert set(res.meta) == {"phase", "round", "iteration", "loss", "run", "client", "epoch", "seq"}
+    results = {cid: decode(send(ag, phase.tasks[cid], (0, 1))[0].payload) for cid, ag in agents.items() if cid != "c0"}
+    transfer = server.collect(phase, {"c0": res, **results})
+    assert {"fbar", "grad", "indices"} <= set(transfer.tasks["c0"].tensors)
+    res = decode(send(a, transfer.tasks["c0"], (0, 2))[0].payload)
+    # feedback with an adversarial gradient, after a local_train with less-forgetting on
+    assert {"loss_kd", "gnorm_kd", "gnorm_lf", "gnorm_adv"} <= set(res.meta) and res.tensors["logits"].shape == (B, K)
+
+
+def test_dedup_stale_instance_and_refusals_follow_the_agent():
+    server, agents = joined_agents("fedal", tau=2)
+    a = agents["c0"]
+    task = server.begin_round(0).tasks["c0"]
+    first = send(a, task, (0, 5))
+    again = send(a, task, (0, 5))  # a QoS 1 redelivery or a coordinator re-send: the cached bytes, not recomputed
+    assert again == first and a.counters["duplicates"] == 1 and a.counters["tasks"] == 1
+    assert send(a, task, (0, 4)) == [] and a.counters["stale"] == 1  # older than the last one
+    assert send(a, task, (0, 9), instance="earlier-run") == [] and a.counters["stale"] == 2
+    assert send(a, Message({**task.meta, "seq": "x"}, task.tensors), (0, "6")) == [] and a.counters["rejected"] == 1
+    bad = Message({"phase": "transfer", "round": 0, "iteration": 1, "n_avg": 2}, {"fbar": np.zeros((B, K), np.float32)})
+    assert send(a, bad, (0, 10)) == [] and a.counters["rejected"] == 2  # feedback for logits it never uploaded
+    assert a.last_key == (0, 5)  # a refused task leaves the last key alone
+    wrong = {"run": RUN, "client": "c1", "instance": "i-1", "epoch": 0, "seq": 11}
+    assert a.on_message(a.task_topic, encode(Message(wrong))) == [] and a.counters["rejected"] == 3
+    assert a.on_message(a.task_topic, b"garbage") == [] and a.counters["rejected"] == 4
+    assert a.on_message("fedal/v1/unit/down/c9", b"") == [] and a.counters["rejected"] == 5
+
+
+def test_chunked_tasks_are_reassembled_and_big_results_chunked():
+    server, agents = joined_agents("fedavg", n=2)
+    a = agents["c0"]
+    init = server.begin_round(0)
+    res = decode(send(a, init.tasks["c0"], (0, 1))[0].payload)
+    train = server.collect(init, {"c0": res})
+    meta = {**train.tasks["c0"].meta, "run": RUN, "client": "c0", "instance": "i-1", "epoch": 0, "seq": 2}
+    parts = split(encode(Message(meta, train.tasks["c0"].tensors)), 4096)
+    assert len(parts) > 1
+    big = EmulatedAgent(RUN, "c0", public=_Public(), max_payload=4096)
+    params = StrategyParams().resolve(get_strategy("fedavg").preset)
+    big.on_message(big.manifest_topic, manifest("fedavg", ["c0", "c1"], params))
+    out = []
+    for part in parts[::-1]:  # any order
+        out += big.on_message(big.task_topic, part)
+    assert big.counters["tasks"] == 1 and big.counters["rejected"] == 0
+    assert len(out) > 1 and all(len(p.payload) <= 4096 for p in out)  # the result goes back chunked too
+    whole = Reassembler().feed  # the coordinator's side: the chunks make the validated result
+    msgs = [whole("c0", p.payload) for p in out]
+    server.validate(train, "c0", next(m for m in msgs if m is not None))
+
+
+def test_tasks_before_the_manifest_are_held_and_a_finished_run_ends_the_agent():
+    spec = get_strategy("fedal")
+    params = StrategyParams(public_batch_size=B, tau=2).resolve(spec.preset)
+    server = spec.server(params, ["c0", "c1"], ServerContext(K, P, seed=0))
+    a = EmulatedAgent(RUN, "c0", public=_Public())
+    assert send(a, server.begin_round(0).tasks["c0"], (0, 1)) == []  # overtook the retained manifest
+    out = a.on_message(a.manifest_topic, manifest("fedal", ["c0", "c1"], params))
+    assert len(out) == 1 and a.counters["tasks"] == 1
+    assert a.on_message(a.manifest_topic, manifest("fedal", ["c1", "c2"], params)) == []  # not enrolled
+    assert a.counters["rejected"] == 1
+    assert a.on_message(a.manifest_topic, b"") == [] and a.counters["rejected"] == 1  # cleared retained manifest
+    a.on_message(a.manifest_topic, manifest("fedal", ["c0", "c1"], params, state="finished"))
+    assert a.finished
+
+
+def test_fleet_of_100_drives_a_real_coordinator(mosquitto, tmp_path):
+    run_id = f"fleet-{uuid.uuid4().hex[:8]}"
+    ids = [f"e{i:04d}" for i in range(100)]
+    port = free_port()
+    rounds, tau = 2, 2
+    config = write_coordinator_config(tmp_path / "coordinator", mosquitto, run_id, ids, api_port=port, rounds=rounds,
+                                      tau=tau, phases={"quorum": 1.0, "deadline_s": 60, "train_deadline_s": 60})
+    coordinator = start_coordinator(config, tmp_path / "coordinator.log")
+    status_file = tmp_path / "fleet-status.json"
+    fleet = subprocess.Popen([sys.executable, "-m", "hil", "fleet", "--clients", "100", "--broker", mosquitto,
+                              "--run-id", run_id, "--status-file", str(status_file), "--timeout", "150", "--quiet"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    api = f"http://127.0.0.1:{port}"
+    try:
+        final = wait_for_run(api, run_id, lambda r: r["state"] in ("finished", "failed"), 180, coordinator)
+        from hil.coordinator_setup import get_json
+
+        records = get_json(f"{api}/api/v1/runs/{run_id}/rounds")
+        out, _ = fleet.communicate(timeout=60)
+    finally:
+        if fleet.poll() is None:
+            fleet.kill()
+        stop_process(coordinator)
+    assert final["state"] == "finished", final.get("error")
+    assert fleet.returncode == 0, out.decode(errors="replace")[-3000:]
+    assert [r["round"] for r in records] == [1, 2]
+    for r in records:
+        assert set(r["phases"]) == {"local_train", "transfer", "evaluate"}
+        for name, stats in r["phases"].items():
+            assert stats["participation"] == 1.0, (name, stats)
+            assert stats["compute_s"] >= 0 and stats["wall_s"] >= stats["compute_s"]
+        assert r["phases"]["transfer"]["count"] == 100 * tau
+        assert 0.0 <= r["mean_acc"] <= 1.0
+    assert final["counters"].get("rejected", 0) == 0
+    assert all(c["answered"] == rounds * (tau + 2) and c["late"] == 0 for c in final["clients"].values())
+    status = json.loads(status_file.read_text())
+    assert status["finished"] == 100 and status["error"] is None
+    assert status["counters"]["tasks"] == 100 * rounds * (tau + 2)
+    assert status["counters"].get("rejected", 0) == 0
+    assert status["feedback_applied"] == 100 * rounds * tau
+    assert status["feedback_applied_twice"] == {} and status["iterations_applied_twice"] == {}
+    assert status["public_set_fetches"] == 1  # one download for the whole fleet, checked against the hash
