@@ -76,3 +76,21 @@ def test_feddf_al_demo_over_mosquitto_chunks_weights_and_matches_simulation(mosq
     assert min(chunked["up"]) > 1 and min(chunked["down"]) > 1
     # 2 rounds x (3 uploads, 2 group averages) of about 70-85 KB: at least 8 chunks each
     assert len(chunked["up"]) >= 2 * 3 * 8 and len(chunked["down"]) >= 2 * 2 * 8
+
+
+def test_demo_and_simulate_offer_every_strategy(tmp_path):
+    from click.testing import CliRunner
+
+    from coordinator.demo import demo_cmd
+    from fedal.cli.simulate import simulate_cmd
+    from fedal.strategies import STRATEGY_NAMES
+
+    assert {"fedavg", "fedmd", "fedmd-lf", "feddf-al", "feddf"} <= set(STRATEGY_NAMES)
+    for cmd in (demo_cmd, simulate_cmd):
+        (opt,) = [p for p in cmd.params if p.name == "strategy"]
+        assert tuple(opt.type.choices) == STRATEGY_NAMES
+    # parameter averaging of one model for all clients: refused with heterogeneous models before anything starts
+    res = CliRunner().invoke(demo_cmd, ["--strategy", "fedavg", "--dataset", "mnist1d", "--workdir", str(tmp_path / "w"),
+                                       "--out", str(tmp_path / "r.json"), "--quiet"])
+    assert res.exit_code == 2 and "one model for all clients" in res.output
+    assert not (tmp_path / "w").exists()
