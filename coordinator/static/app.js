@@ -39,10 +39,10 @@ function fillTable(id, rows) {
   }));
 }
 
-function chart(id, title, series) {
+function chart(id, series) {
   if (state.charts[id]) return state.charts[id];
   const el = document.getElementById(id);
-  const opts = { width: Math.max(360, el.clientWidth || 480), height: 220, title,
+  const opts = { width: Math.max(360, el.clientWidth || 480), height: 220,
                  scales: { x: { time: false } }, axes: [{ label: "round" }, {}],
                  series: [{ label: "round" }, ...series] };
   state.charts[id] = new uPlot(opts, [[], ...series.map(() => [])], el);
@@ -52,13 +52,13 @@ function chart(id, title, series) {
 function drawCurves(rounds) {
   const evald = rounds.filter((r) => r.mean_acc !== undefined);
   const x = evald.map((r) => r.round);
-  chart("acc-chart", "accuracy", [
+  chart("acc-chart", [
     { label: "mean", stroke: "#1f5fbf", width: 2 }, { label: "min", stroke: "#9a3b3b" },
     { label: "max", stroke: "#2a7d4f" }, { label: "local mean", stroke: "#b07d12", dash: [6, 4] },
   ]).setData([x, evald.map((r) => r.mean_acc), evald.map((r) => r.min_acc), evald.map((r) => r.max_acc),
               evald.map((r) => r.local_mean_acc ?? null)]);
   const withDisc = rounds.filter((r) => r.server && r.server.disc_loss !== undefined);
-  chart("disc-chart", "discriminator", [
+  chart("disc-chart", [
     { label: "loss", stroke: "#6b3fa0", width: 2 }, { label: "accuracy", stroke: "#1f8a8a" },
   ]).setData([withDisc.map((r) => r.round), withDisc.map((r) => r.server.disc_loss),
               withDisc.map((r) => r.server.disc_acc)]);

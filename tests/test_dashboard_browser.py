@@ -1,0 +1,81 @@
+"""The dashboard in a real headless Chromium (Debian's chromium + chromium-driver, driven by
+Selenium) against a live coordinator during a real run: the round counter advances and the
+client list shows every agent."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+
+import pytest
+
+from fedal.sim import load_config
+from tests.deployment import Deployment
+
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.webdriver.chrome.options import Options  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+
+
+def chromium(user_data_dir: str):
+    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not browser or not driver:
+        pytest.fail("Debian's chromium and chromium-driver are needed (scripts/install-test-tools.sh installs them)")
+    options = Options()
+    options.binary_location = browser
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-dev-shm-usage", f"--user-data-dir={user_data_dir}", "--window-size=1280,1400"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(driver), options=options)
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_dashboard_follows_a_live_run(mosquitto, tmp_path):
+    config = load_config(None, dict(strategy="fedal", dataset="digits", clients=3, rounds=10, tau=1, public_size=100,
+                                    seed=3, local_test_fraction=0.2))
+    dep = Deployment(config, tmp_path / "dep", mosquitto)
+    profile = tempfile.mkdtemp(prefix="fedal-chromium-")  # a fresh user-data dir
+    driver = None
+    try:
+        dep.start_all()
+        dep.wait_for(lambda r: r["state"] == "running", what="the run to start")
+        driver = chromium(profile)
+        driver.set_page_load_timeout(60)
+        driver.get(f"{dep.api}/")  # redirects to the dashboard
+
+        def round_counter() -> int:
+            text = driver.find_element(By.ID, "round-counter").text.strip()
+            return int(text) if text.isdigit() else 0
+
+        first = wait_until(lambda: round_counter() or None, 120, "the round counter to show a round")
+        wait_until(lambda: round_counter() > first, 180, f"the round counter to advance past {first}")
+        rows = wait_until(lambda: [r.get_attribute("data-client")
+                                   for r in driver.find_elements(By.CSS_SELECTOR, "#clients tbody tr")] or None,
+                          60, "the client list")
+        assert sorted(rows) == ["c00", "c01", "c02"]
+        assert driver.find_element(By.ID, "run-id").text == "demo"
+        assert driver.find_element(By.ID, "run-strategy").text == "fedal"
+        wait_until(lambda: "%" in driver.find_element(By.ID, "local-acc").text, 120, "a local accuracy")
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#acc-chart canvas")) == 1
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#disc-chart canvas")) == 1
+        statuses = [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#clients tbody tr td:nth-child(2)")]
+        assert statuses == ["online"] * 3
+        shot = tmp_path / "dashboard.png"
+        assert driver.save_screenshot(str(shot))
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    finally:
+        if driver is not None:
+            driver.quit()
+        dep.close()
+        shutil.rmtree(profile, ignore_errors=True)
