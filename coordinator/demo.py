@@ -133,7 +133,7 @@ def run_demo(config: RunConfig, workdir: Path, broker: str | None = None, api_po
         for path in agent_paths:
             procs.append(spawn("edge_agent", path, path.parent / "agent.log"))
         if not quiet:
-            click.echo(f"broker {broker} | REST API {api}/api/v1/runs/{RUN_ID} | workspace {workdir}", err=True)
+            click.echo(f"broker {broker} | dashboard {api}/dashboard/ | REST API {api}/api/v1/runs/{RUN_ID} | workspace {workdir}", err=True)
         results = _follow(api, procs, config.rounds, quiet, timeout_s)
         results["data"] = {**data_info, **results.get("data", {})}
         results["clients"] = [{"id": c["id"], "model": config.models[i % len(config.models)]}
