@@ -7,6 +7,8 @@ docs/results/accuracy.md, docs/results/accuracy.json and a PNG of accuracy vs lo
 
     python bench/accuracy.py                 # full comparison (about 40 minutes on 2 cores)
     python bench/accuracy.py --steps 200 --seeds 1 --out /tmp/quick   # smoke run
+    python bench/accuracy.py --suite fedhkd  # FedHKD vs FedAvg (bench/accuracy_fedhkd.py)
+    python bench/accuracy.py --suite fedakd  # FedAKD vs FedAvg (bench/accuracy_fedakd.py)
 
 Each run's results JSON is kept in --cache, so an interrupted benchmark resumes.
 """
@@ -183,8 +185,22 @@ def plot(results: dict, seeds: list[int], path: Path) -> None:
     plt.close(fig)
 
 
+# Other algorithms' comparisons, each in its own module next to this one: --suite NAME runs it.
+SUITES = {"fedal": None, "fedhkd": "accuracy_fedhkd", "fedakd": "accuracy_fedakd"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--suite", choices=list(SUITES), default="fedal")
+    suite, argv = pre.parse_known_args(argv)
+    if SUITES[suite.suite] is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        return __import__(SUITES[suite.suite]).main(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=list(SUITES), default="fedal",
+                    help="fedal: this comparison; fedhkd: FedHKD vs FedAvg (bench/accuracy_fedhkd.py); "
+                         "fedakd: FedAKD vs FedAvg (bench/accuracy_fedakd.py)")
     ap.add_argument("--steps", type=int, default=600, help="local SGD steps per client (all strategies)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma list of {list(SETTINGS)}")
