@@ -1,0 +1,290 @@
+#!/usr/bin/env bash
+# Prepares a Raspberry Pi OS (64-bit, Bookworm or later) image file or SD card so that the device
+# installs and starts the FedAL Edge agent by itself: writes the agent config, credentials and a
+# first-boot hook into the boot (FAT) partition, as Raspberry Pi Imager does -- firstrun.sh via
+# `systemd.run=` in cmdline.txt, or cloud-init user-data/network-config on images that use
+# cloud-init. No mounting and no root needed for an image file: the partition is found with
+# sfdisk and edited with mtools. See docs/deploy-raspberry-pi.md.
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+Usage: flash.sh --image IMG_OR_DEVICE --config agent.toml [options]
+
+  --image PATH          Raspberry Pi OS image file (.img, decompressed) or SD card device (/dev/sdX)
+  --config FILE         this device's agent config (e.g. from `fedal fleet init`)
+  --ca FILE             CA certificate for mqtts:// (default: ca.crt next to the config, if the
+                        config sets broker.ca_file)
+  --hostname NAME       the device's hostname
+  --wifi-ssid SSID      Wi-Fi network to join (with --wifi-psk and --wifi-country)
+  --wifi-psk PSK        its passphrase (8-63 characters, or 64 hex digits)
+  --wifi-country CC     two-letter country code (Wi-Fi stays off without one)
+  --ssh-key FILE        public key(s) allowed to log in over SSH (passwords stay off)
+  --user NAME           login user for --ssh-key (default: pi)
+  --wheel FILE          the agent wheel to install (default: built from this checkout)
+  --data FILE           private data file for /var/lib/fedal-agent (repeatable)
+  --torch-index URL     passed to install-agent.sh on the device
+  --mode MODE           auto (default), firstrun or cloud-init
+  --boot-mount PATH     where the device mounts the boot partition (default: /boot/firmware)
+  -h, --help            this text
+EOF
+}
+
+die() { echo "flash: error: $*" >&2; exit 1; }
+say() { echo "flash: $*"; }
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$SCRIPT_DIR/.." && pwd)"
+PY="${FEDAL_PYTHON:-python3}"
+
+IMAGE="" CONFIG="" CA="" HOST="" SSID="" PSK="" COUNTRY="" SSH_KEY="" LOGIN=pi WHEEL="" TORCH_INDEX=""
+MODE=auto BOOT_MOUNT=/boot/firmware PSK_SET=0
+DATA=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --image) IMAGE="${2:?--image needs a path}"; shift 2 ;;
+    --config) CONFIG="${2:?--config needs a file}"; shift 2 ;;
+    --ca) CA="${2:?--ca needs a file}"; shift 2 ;;
+    --hostname) HOST="${2:?--hostname needs a name}"; shift 2 ;;
+    --wifi-ssid) SSID="${2:?--wifi-ssid needs a value}"; shift 2 ;;
+    --wifi-psk) PSK="${2?--wifi-psk needs a value}"; PSK_SET=1; shift 2 ;;
+    --wifi-country) COUNTRY="${2:?--wifi-country needs a code}"; shift 2 ;;
+    --ssh-key) SSH_KEY="${2:?--ssh-key needs a file}"; shift 2 ;;
+    --user) LOGIN="${2:?--user needs a name}"; shift 2 ;;
+    --wheel) WHEEL="${2:?--wheel needs a file}"; shift 2 ;;
+    --data) DATA+=("${2:?--data needs a file}"); shift 2 ;;
+    --torch-index) TORCH_INDEX="${2:?--torch-index needs a URL}"; shift 2 ;;
+    --mode) MODE="${2:?--mode needs a value}"; shift 2 ;;
+    --boot-mount) BOOT_MOUNT="${2:?--boot-mount needs a path}"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) usage >&2; die "unknown argument: $1" ;;
+  esac
+done
+
+# -- check everything before touching the image ---------------------------------------------
+[ -n "$IMAGE" ] || { usage >&2; die "--image is required"; }
+[ -n "$CONFIG" ] || { usage >&2; die "--config is required"; }
+for tool in sfdisk mcopy mdir mmd mdeltree; do
+  command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] || [ -x "/sbin/$tool" ] \
+    || die "$tool is missing (Debian/Ubuntu: apt-get install fdisk mtools)"
+done
+PATH="$PATH:/usr/sbin:/sbin"
+[ -e "$IMAGE" ] || die "image not found: $IMAGE"
+case "$IMAGE" in
+  *.xz|*.gz|*.zip|*.zst|*.7z|*.bz2) die "$IMAGE is compressed: decompress it first (e.g. xz -dk $IMAGE)" ;;
+esac
+if [ -b "$IMAGE" ]; then
+  if grep -q "^$IMAGE" /proc/mounts; then die "$IMAGE has mounted partitions: unmount them first"; fi
+elif [ ! -f "$IMAGE" ]; then
+  die "$IMAGE is neither an image file nor a block device"
+fi
+if [ ! -r "$IMAGE" ] || [ ! -w "$IMAGE" ]; then die "cannot read and write $IMAGE (an SD card needs root: sudo)"; fi
+case "$MODE" in auto|firstrun|cloud-init) ;; *) die "--mode must be auto, firstrun or cloud-init (got $MODE)" ;; esac
+case "$BOOT_MOUNT" in /*) BOOT_MOUNT="${BOOT_MOUNT%/}" ;; *) die "--boot-mount must be an absolute path" ;; esac
+
+if [ -n "$HOST" ] && ! printf '%s' "$HOST" | grep -Eq '^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$'; then
+  die "invalid --hostname '$HOST': letters, digits and '-', 1-63 characters, no '-' at either end"
+fi
+if [ -n "$SSID" ]; then
+  [ "${#SSID}" -le 32 ] || die "--wifi-ssid is longer than 32 bytes"
+  [ -n "$COUNTRY" ] || die "--wifi-ssid needs --wifi-country (Raspberry Pi OS keeps Wi-Fi off until the country is set)"
+  [ "$PSK_SET" -eq 1 ] || die "--wifi-ssid needs --wifi-psk (use --wifi-psk '' for an open network)"
+  if [ -n "$PSK" ] && ! { [ "${#PSK}" -ge 8 ] && [ "${#PSK}" -le 63 ]; } && ! printf '%s' "$PSK" | grep -Eq '^[0-9A-Fa-f]{64}$'; then
+    die "--wifi-psk must be 8-63 characters (or 64 hex digits)"
+  fi
+  case "$SSID$PSK" in *$'\n'*) die "--wifi-ssid and --wifi-psk cannot contain newlines" ;; esac
+elif [ "$PSK_SET" -eq 1 ]; then
+  die "--wifi-psk needs --wifi-ssid"
+fi
+if [ -n "$COUNTRY" ]; then
+  printf '%s' "$COUNTRY" | grep -Eq '^[A-Za-z]{2}$' || die "--wifi-country must be a two-letter code like GB or DE (got $COUNTRY)"
+  COUNTRY="$(printf '%s' "$COUNTRY" | tr '[:lower:]' '[:upper:]')"
+fi
+if [ -n "$SSH_KEY" ]; then
+  [ -f "$SSH_KEY" ] || die "ssh key file not found: $SSH_KEY"
+  if grep -q "PRIVATE KEY" "$SSH_KEY"; then die "$SSH_KEY is a private key: give the public one (.pub)"; fi
+  grep -Eq '^(ssh-|ecdsa-|sk-)' "$SSH_KEY" || die "$SSH_KEY holds no SSH public key (ssh-ed25519 ..., ssh-rsa ...)"
+  printf '%s' "$LOGIN" | grep -Eq '^[a-z_][a-z0-9_-]{0,31}$' || die "invalid --user '$LOGIN'"
+fi
+for f in ${DATA[@]+"${DATA[@]}"}; do [ -f "$f" ] || die "data file not found: $f"; done
+if [ -n "$WHEEL" ]; then
+  [ -f "$WHEEL" ] || die "wheel not found: $WHEEL"
+  case "$WHEEL" in *.whl) ;; *) die "--wheel needs a .whl file: $WHEEL" ;; esac
+fi
+
+# -- the boot partition ----------------------------------------------------------------------------
+dump="$(sfdisk --dump "$IMAGE" 2>/dev/null)" || die "$IMAGE has no partition table: not a disk image"
+sector="$(printf '%s\n' "$dump" | sed -n 's/^sector-size: *//p')"
+sector="${sector:-512}"
+# first partition with a FAT type: DOS 0x01/04/06/0b/0c/0e/ef, GPT basic data or EFI system
+part="$(printf '%s\n' "$dump" | awk -F'[:,]' '/start=/ {
+  type = ""; start = ""
+  for (i = 2; i <= NF; i++) {
+    f = $i; gsub(/ /, "", f)
+    if (f ~ /^start=/) start = substr(f, 7)
+    if (f ~ /^type=/) type = toupper(substr(f, 6))
+  }
+  if (type ~ /^(1|4|6|B|C|E|EF|EBD0A0A2-B9E5-4433-87C0-68B6B72699C7|C12A7328-F81F-11D2-BA4B-00A0C93EC93B)$/) {
+    gsub(/ /, "", $1); print $1 " " start; exit
+  }
+}')"
+[ -n "$part" ] || die "no FAT boot partition in $IMAGE (partitions: $(printf '%s\n' "$dump" | grep -c 'start=' || true), none FAT)"
+OFFSET=$(( ${part#* } * sector ))
+FAT="$IMAGE@@$OFFSET"
+export MTOOLS_SKIP_CHECK=1 MTOOLS_NO_VFAT=0 MTOOLSRC=/dev/null
+mdir -b -i "$FAT" ::/ >/dev/null 2>&1 || die "partition ${part%% *} of $IMAGE is marked FAT but holds no FAT file system"
+listing="$(mdir -b -i "$FAT" ::/ 2>/dev/null | sed 's|^::/||')"
+has() { printf '%s\n' "$listing" | sed 's|/$||' | grep -qix "$1"; }
+has cmdline.txt || die "the FAT partition of $IMAGE has no cmdline.txt: not a Raspberry Pi OS boot partition"
+has config.txt || die "the FAT partition of $IMAGE has no config.txt: not a Raspberry Pi OS boot partition"
+if [ "$MODE" = auto ]; then
+  MODE=firstrun
+  if has user-data || has meta-data || has network-config; then MODE=cloud-init; fi
+fi
+
+# -- the config: checked with the agent's own config model ----------------------------------
+[ -f "$CONFIG" ] || die "config file not found: $CONFIG"
+command -v "$PY" >/dev/null 2>&1 || die "$PY is needed to check the config (set FEDAL_PYTHON)"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+if ! facts="$("$PY" -m fedal.cli.main fleet check "$CONFIG" 2>&1)"; then
+  case "$facts" in
+    *ModuleNotFoundError*|*"needs an extra"*)
+      die "cannot check the config: $PY must import this checkout's fedal-edge and its dependencies (pip install -e '${REPO}[fleet]')" ;;
+  esac
+  die "invalid agent config: ${facts#Error: }"
+fi
+fact() { printf '%s\n' "$facts" | sed -n "s/^$1=//p"; }
+CLIENT="$(fact client_id)"
+CA_FILE="$(fact ca_file)"
+if [ -n "$CA_FILE" ] && [ -z "$CA" ]; then
+  CA="$(dirname "$CONFIG")/ca.crt"
+  [ -f "$CA" ] || die "the config expects a CA at $CA_FILE on the device, and there is no ca.crt next to it: give --ca FILE"
+fi
+[ -z "$CA" ] || grep -q "BEGIN CERTIFICATE" "$CA" 2>/dev/null || die "--ca $CA is not a PEM certificate"
+
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+put() { mcopy -o -i "$FAT" "$1" "$2" || die "writing $2 to the boot partition failed (is it full?)"; }
+
+# -- the payload: boot/fedal/ --------------------------------------------------------------------------
+if [ -z "$WHEEL" ]; then
+  say "building the agent wheel from $REPO"
+  src="$REPO"
+  if git -C "$REPO" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    src="$TMP/src"  # a clean copy: no stale build/ leftovers end up in the wheel
+    mkdir "$src"
+    (cd "$REPO" && git ls-files -z -co --exclude-standard | tar --null --ignore-failed-read -T - -cf - 2>/dev/null) | tar -xf - -C "$src"
+  fi
+  isolation=()
+  if "$PY" -c 'import setuptools' 2>/dev/null; then isolation=(--no-build-isolation); fi
+  "$PY" -m pip wheel -q --no-deps ${isolation[@]+"${isolation[@]}"} -w "$TMP/wheel" "$src" >"$TMP/wheel.log" 2>&1 \
+    || { cat "$TMP/wheel.log" >&2; die "building the agent wheel failed: pass --wheel FILE"; }
+  WHEEL="$(ls "$TMP"/wheel/*.whl)"
+fi
+
+P="$TMP/fedal"
+mkdir -p "$P/constraints" "$P/data"
+cp "$CONFIG" "$P/agent.toml"
+if [ -n "$CA" ]; then cp "$CA" "$P/ca.crt"; fi
+cp "$WHEEL" "$P/"
+for f in ${DATA[@]+"${DATA[@]}"}; do cp "$f" "$P/data/"; done
+cp "$SCRIPT_DIR/install-agent.sh" "$SCRIPT_DIR/fedal-agent.service" "$P/"
+cp "$SCRIPT_DIR"/constraints/*.txt "$P/constraints/"
+cp "$SCRIPT_DIR/boot/stage.sh" "$SCRIPT_DIR/boot/firstboot.sh" "$SCRIPT_DIR/boot/fedal-firstboot.service" "$P/"
+: >"$P/install-args"
+if [ -n "$TORCH_INDEX" ]; then printf -- '--torch-index\n%s\n' "$TORCH_INDEX" >>"$P/install-args"; fi
+
+if [ "$MODE" = firstrun ]; then
+  mkdir -p "$P/settings"
+  if [ -n "$HOST" ]; then printf '%s\n' "$HOST" >"$P/settings/hostname"; fi
+  if [ -n "$SSID" ]; then
+    printf '%s\n' "$SSID" >"$P/settings/wifi-ssid"
+    printf '%s\n' "$PSK" >"$P/settings/wifi-psk"
+    printf '%s\n' "$COUNTRY" >"$P/settings/wifi-country"
+  fi
+  if [ -n "$SSH_KEY" ]; then
+    grep -E '^(ssh-|ecdsa-|sk-)' "$SSH_KEY" >"$P/settings/authorized_keys"
+    printf '%s\n' "$LOGIN" >"$P/settings/ssh-user"
+  fi
+fi
+
+if has fedal; then mdeltree -i "$FAT" ::/fedal >/dev/null || die "cannot replace the old fedal/ on the boot partition"; fi
+mcopy -s -i "$FAT" "$P" ::/ || die "writing fedal/ to the boot partition failed (is it full?)"
+
+# -- the hook: written last, so a failure above leaves the image booting as before ---------------
+mcopy -n -i "$FAT" ::/cmdline.txt "$TMP/cmdline.orig" || die "cannot read cmdline.txt"
+cmdline="$(head -n 1 "$TMP/cmdline.orig" | tr -d '\r' | sed -e 's/ systemd\.run[^ ]*//g' \
+  -e 's/ systemd\.unit=kernel-command-line\.target//g' -e 's/ cfg80211\.ieee80211_regdom=[^ ]*//g' -e 's/ *$//')"
+if [ -n "$COUNTRY" ]; then cmdline="$cmdline cfg80211.ieee80211_regdom=$COUNTRY"; fi
+
+if [ "$MODE" = firstrun ]; then
+  if has firstrun.sh; then
+    mcopy -n -i "$FAT" ::/firstrun.sh "$TMP/firstrun.prev"
+    if ! grep -q "flash.sh" "$TMP/firstrun.prev"; then
+      put "$TMP/firstrun.prev" ::/fedal/firstrun-previous.sh
+      say "kept the card's previous firstrun.sh: it runs first (fedal/firstrun-previous.sh)"
+    fi
+  fi
+  put "$SCRIPT_DIR/boot/firstrun.sh" ::/firstrun.sh
+  cmdline="$cmdline systemd.run=$BOOT_MOUNT/firstrun.sh systemd.run_success_action=reboot systemd.unit=kernel-command-line.target"
+else
+  json() { "$PY" -c 'import json, sys; print(json.dumps(sys.argv[1]))' "$1"; }
+  if has user-data; then
+    mcopy -n -i "$FAT" ::/user-data "$TMP/user-data.orig"
+    if ! grep -q "flash.sh" "$TMP/user-data.orig"; then put "$TMP/user-data.orig" ::/fedal/user-data.orig; fi
+  fi
+  {
+    echo "#cloud-config"
+    echo "# Written by FedAL Edge firmware_scripts/flash.sh: installs the agent on first boot."
+    echo "# The image's previous user-data is kept in fedal/user-data.orig."
+    if [ -n "$HOST" ]; then printf 'hostname: %s\nmanage_etc_hosts: true\n' "$(json "$HOST")"; fi
+    if [ -n "$SSH_KEY" ]; then
+      echo "enable_ssh: true"
+      echo "ssh_pwauth: false"
+      echo "users:"
+      printf -- '- name: %s\n' "$(json "$LOGIN")"
+      echo "  groups: users,adm,dialout,audio,netdev,video,plugdev,cdrom,games,input,gpio,spi,i2c,render,sudo"
+      echo "  shell: /bin/bash"
+      echo "  lock_passwd: true"
+      echo "  sudo: ALL=(ALL) NOPASSWD:ALL"
+      echo "  ssh_authorized_keys:"
+      grep -E '^(ssh-|ecdsa-|sk-)' "$SSH_KEY" | while IFS= read -r key; do printf '    - %s\n' "$(json "$key")"; done
+    fi
+    echo "runcmd:"
+    printf -- '- [bash, %s, --start]\n' "$(json "$BOOT_MOUNT/fedal/stage.sh")"
+  } >"$TMP/user-data"
+  put "$TMP/user-data" ::/user-data
+  if ! has meta-data; then
+    printf 'instance-id: fedal-%s-%s\n' "$CLIENT" "$(date +%s)" >"$TMP/meta-data"
+    put "$TMP/meta-data" ::/meta-data
+  fi
+  if [ -n "$SSID" ]; then
+    {
+      echo "# Written by FedAL Edge firmware_scripts/flash.sh."
+      echo "network:"
+      echo "  version: 2"
+      echo "  ethernets:"
+      echo "    eth0:"
+      echo "      dhcp4: true"
+      echo "      optional: true"
+      echo "  wifis:"
+      echo "    wlan0:"
+      echo "      dhcp4: true"
+      echo "      optional: true"
+      printf '      regulatory-domain: %s\n' "$(json "$COUNTRY")"
+      echo "      access-points:"
+      printf '        %s:\n' "$(json "$SSID")"
+      if [ -n "$PSK" ]; then printf '          password: %s\n' "$(json "$PSK")"; fi
+    } >"$TMP/network-config"
+    put "$TMP/network-config" ::/network-config
+  fi
+fi
+printf '%s\n' "$cmdline" >"$TMP/cmdline.txt"
+put "$TMP/cmdline.txt" ::/cmdline.txt
+
+say "prepared $IMAGE for device $CLIENT ($MODE; boot partition at byte $OFFSET)"
+say "  agent config, $([ -n "$CA" ] && echo 'CA, ')$(basename "$WHEEL")$([ "${#DATA[@]}" -gt 0 ] && echo ", ${#DATA[@]} data file(s)") in fedal/"
+if [ -n "$HOST" ]; then say "  hostname $HOST"; fi
+if [ -n "$SSID" ]; then say "  wi-fi $SSID ($COUNTRY)"; fi
+if [ -n "$SSH_KEY" ]; then say "  ssh: key login for $LOGIN"; fi
+say "on first boot the device installs the agent ($BOOT_MOUNT/fedal is wiped afterwards); see docs/deploy-raspberry-pi.md"

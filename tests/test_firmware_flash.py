@@ -1,0 +1,328 @@
+"""firmware_scripts/flash.sh on synthetic disk images shaped like Raspberry Pi OS (DOS label, FAT32
+boot partition with cmdline.txt and config.txt, ext4 root), built with sfdisk/mkfs without loop
+mounts; then the written first-boot hook run against a staging root, as the device would."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "firmware_scripts"
+SECTOR = 512
+BOOT_START, BOOT_SECTORS, ROOT_START = 8192, 131072, 139264
+OFFSET = BOOT_START * SECTOR
+CMDLINE = ("console=serial0,115200 console=tty1 root=PARTUUID=1234abcd-02 rootfstype=ext4 fsck.repair=yes rootwait quiet "
+           "init=/usr/lib/raspberrypi-sys-mods/firstboot")
+MTOOLS = {**os.environ, "MTOOLS_SKIP_CHECK": "1", "MTOOLSRC": "/dev/null"}
+AGENT_TOML = """client_id = "pi-7"
+run_id = "lab"
+model = "cnn1d"
+data_file = "/var/lib/fedal-agent/train.npz"
+workspace = "/var/lib/fedal-agent"
+
+[broker]
+url = "mqtts://broker.example.org:8883"
+username = "pi-7"
+password = "device-secret"
+ca_file = "/etc/fedal-agent/ca.crt"
+"""
+CA = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFakeKeyForTestsOnly0000000000000000000000 test@example\n"
+
+
+def sh(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(args, check=True, capture_output=True, env=kw.pop("env", MTOOLS), **kw)
+
+
+def make_image(path: Path, boot_files: dict[str, str], fat: bool = True, part_type: str = "c") -> Path:
+    """A 72 MiB sparse disk: DOS label, FAT32 'bootfs' partition with boot_files, ext4 root."""
+    with open(path, "wb") as f:
+        f.truncate(72 * 1024 * 1024)
+    table = f"label: dos\nlabel-id: 0x1234abcd\nstart={BOOT_START}, size={BOOT_SECTORS}, type={part_type}\nstart={ROOT_START}, type=83\n"
+    sh("sfdisk", "-q", str(path), input=table.encode())
+    if fat:
+        sh("mkfs.vfat", "-F", "32", "-s", "1", "-n", "bootfs", "--offset", str(BOOT_START), str(path), str(BOOT_SECTORS // 2))
+    sh("mke2fs", "-q", "-t", "ext4", "-E", f"offset={ROOT_START * SECTOR}", str(path), "4M")
+    src = path.parent / f"{path.name}.files"
+    src.mkdir()
+    for name, text in boot_files.items():
+        (src / name).write_text(text)
+        sh("mcopy", "-i", f"{path}@@{OFFSET}", str(src / name), f"::/{name}")
+    return path
+
+
+def rpi_image(tmp_path: Path, name: str = "rpi.img", **extra: str) -> Path:
+    return make_image(tmp_path / name, {"cmdline.txt": CMDLINE + "\n", "config.txt": "arm_64bit=1\n", **extra})
+
+
+def fat_files(img: Path) -> set[str]:
+    out = sh("mdir", "-/", "-b", "-i", f"{img}@@{OFFSET}", "::/").stdout.decode()
+    return {line.removeprefix("::/") for line in out.splitlines()}
+
+
+def fat_read(img: Path, name: str, tmp_path: Path) -> bytes:
+    dest = tmp_path / "fat-read"
+    dest.unlink(missing_ok=True)
+    sh("mcopy", "-n", "-i", f"{img}@@{OFFSET}", f"::/{name}", str(dest))
+    return dest.read_bytes()
+
+
+def root_fs_hash(img: Path) -> str:
+    with open(img, "rb") as f:
+        f.seek(ROOT_START * SECTOR)
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture()
+def device(tmp_path):
+    """A device's files as `fedal fleet init` writes them: agent.toml with ca.crt next to it."""
+    d = tmp_path / "devices" / "pi-7"
+    d.mkdir(parents=True)
+    (d / "agent.toml").write_text(AGENT_TOML)
+    (d / "ca.crt").write_text(CA)
+    (tmp_path / "id.pub").write_text(KEY)
+    (tmp_path / "fedal_edge-0.1.0-py3-none-any.whl").write_bytes(b"wheel bytes")
+    (tmp_path / "train.npz").write_bytes(b"private data")
+    return d
+
+
+def flash(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "FEDAL_ARCH"}
+    return subprocess.run(["bash", str(SCRIPTS / "flash.sh"), *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_firstrun_image_gets_config_credentials_and_hook(tmp_path, device):
+    img = rpi_image(tmp_path)
+    table, root_before = sh("sfdisk", "--dump", str(img)).stdout, root_fs_hash(img)
+    args = ["--image", str(img), "--config", str(device / "agent.toml"), "--hostname", "pi-7", "--wifi-ssid", "Lab Net",
+            "--wifi-psk", "correct horse", "--wifi-country", "gb", "--ssh-key", str(tmp_path / "id.pub"),
+            "--data", str(tmp_path / "train.npz")]
+    r = flash(*args)  # no --wheel: built from this checkout
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert "firstrun" in r.stdout
+
+    cmdline = fat_read(img, "cmdline.txt", tmp_path).decode()
+    assert cmdline.count("\n") == 1 and cmdline.endswith("\n")  # still one line
+    assert cmdline.split() == CMDLINE.split() + ["cfg80211.ieee80211_regdom=GB", "systemd.run=/boot/firmware/firstrun.sh",
+                                                 "systemd.run_success_action=reboot", "systemd.unit=kernel-command-line.target"]
+    assert fat_read(img, "firstrun.sh", tmp_path) == (SCRIPTS / "boot" / "firstrun.sh").read_bytes()
+    assert fat_read(img, "config.txt", tmp_path) == b"arm_64bit=1\n"
+    assert fat_read(img, "fedal/agent.toml", tmp_path).decode() == AGENT_TOML
+    assert fat_read(img, "fedal/ca.crt", tmp_path).decode() == CA  # found next to the config
+    assert fat_read(img, "fedal/data/train.npz", tmp_path) == b"private data"
+    for name in ("install-agent.sh", "fedal-agent.service", "constraints/aarch64.txt", "constraints/x86_64.txt"):
+        assert fat_read(img, f"fedal/{name}", tmp_path) == (SCRIPTS / name).read_bytes()
+    for name in ("stage.sh", "firstboot.sh", "fedal-firstboot.service"):
+        assert fat_read(img, f"fedal/{name}", tmp_path) == (SCRIPTS / "boot" / name).read_bytes()
+    settings = {n: fat_read(img, f"fedal/settings/{n}", tmp_path).decode() for n in
+                ("hostname", "wifi-ssid", "wifi-psk", "wifi-country", "ssh-user", "authorized_keys")}
+    assert settings == {"hostname": "pi-7\n", "wifi-ssid": "Lab Net\n", "wifi-psk": "correct horse\n", "wifi-country": "GB\n",
+                        "ssh-user": "pi\n", "authorized_keys": KEY}
+    wheels = [n for n in fat_files(img) if n.startswith("fedal/") and n.endswith(".whl")]
+    assert len(wheels) == 1
+    (tmp_path / "agent.whl").write_bytes(fat_read(img, wheels[0], tmp_path))
+    with zipfile.ZipFile(tmp_path / "agent.whl") as z:
+        names = set(z.namelist())
+    assert {"edge_agent/agent.py", "fleet/cli.py", "fedal/protocol/topics.py"} <= names
+    assert sh("sfdisk", "--dump", str(img)).stdout == table and root_fs_hash(img) == root_before  # only the FAT changed
+
+    # flashing the card again replaces the payload and keeps one hook; our own firstrun.sh is not chained
+    r = flash(*args[:4], "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"))
+    assert r.returncode == 0, r.stderr
+    cmdline = fat_read(img, "cmdline.txt", tmp_path).decode()
+    assert cmdline.count("systemd.run=") == 1 and "cfg80211" not in cmdline
+    files = fat_files(img)
+    assert "fedal/firstrun-previous.sh" not in files and "fedal/settings/wifi-psk" not in files
+    assert "fedal/data/train.npz" not in files and "fedal/fedal_edge-0.1.0-py3-none-any.whl" in files
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creating users in a staging root (useradd --prefix) needs root")
+def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
+    previous = '#!/bin/bash\ntouch "$FEDAL_TARGET_ROOT/previous-firstrun-ran"\n'  # e.g. one Raspberry Pi Imager wrote
+    img = rpi_image(tmp_path, **{"firstrun.sh": previous})
+    r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--hostname", "pi-7", "--wifi-ssid", "Lab Net",
+              "--wifi-psk", "correct horse", "--wifi-country", "DE", "--ssh-key", str(tmp_path / "id.pub"),
+              "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"), "--data", str(tmp_path / "train.npz"),
+              "--torch-index", "https://download.pytorch.org/whl/cpu")
+    assert r.returncode == 0, r.stderr
+    assert "kept the card's previous firstrun.sh" in r.stdout
+
+    boot = tmp_path / "boot"  # the boot partition as the device mounts it
+    boot.mkdir()
+    sh("mcopy", "-s", "-n", "-i", f"{img}@@{OFFSET}", "::/*", str(boot))
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (root / "etc/group").write_text("root:x:0:\nsudo:x:27:\nadm:x:4:\n")
+    for name, line in (("shadow", "root:*:19000:0:99999:7:::\n"), ("gshadow", "root:*::\nsudo:*::\nadm:*::\n")):
+        (root / "etc" / name).write_text(line)
+    (root / "etc/hostname").write_text("raspberrypi\n")
+    (root / "etc/hosts").write_text("127.0.0.1\tlocalhost\n127.0.1.1\traspberrypi\n")
+    env = {**os.environ, "FEDAL_TARGET_ROOT": str(root)}
+
+    run = subprocess.run(["bash", str(boot / "firstrun.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, (boot / "fedal" / "firstrun.log").read_text()
+    assert (root / "previous-firstrun-ran").exists()
+    assert (root / "etc/hostname").read_text() == "pi-7\n"
+    assert "127.0.1.1\tpi-7" in (root / "etc/hosts").read_text().splitlines()
+    user = next(line.split(":") for line in (root / "etc/passwd").read_text().splitlines() if line.startswith("pi:"))
+    keys = root / user[5].lstrip("/") / ".ssh" / "authorized_keys"
+    assert keys.read_text() == KEY and stat.S_IMODE(keys.stat().st_mode) == 0o600
+    assert (keys.stat().st_uid, keys.stat().st_gid) == (int(user[2]), int(user[3]))
+    assert "sudo:x:27:pi" in (root / "etc/group").read_text()
+    assert (root / "etc/ssh/sshd_config.d/10-fedal-keys-only.conf").read_text() == "PasswordAuthentication no\n"
+    assert os.readlink(root / "etc/systemd/system/multi-user.target.wants/ssh.service") == "/lib/systemd/system/ssh.service"
+    conn = root / "etc/NetworkManager/system-connections/fedal-wifi.nmconnection"
+    assert stat.S_IMODE(conn.stat().st_mode) == 0o600
+    assert {"ssid=Lab Net", "psk=correct horse", "key-mgmt=wpa-psk", "type=wifi"} <= set(conn.read_text().splitlines())
+    assert (boot / "cmdline.txt").read_text().split() == CMDLINE.split() + ["cfg80211.ieee80211_regdom=DE"]
+    assert not (boot / "firstrun.sh").exists() and not (boot / "fedal" / "settings").exists()
+    assert "correct horse" not in (boot / "fedal" / "firstrun.log").read_text()
+    assert (root / "etc/systemd/system/fedal-firstboot.service").read_bytes() == (SCRIPTS / "boot/fedal-firstboot.service").read_bytes()
+    assert os.readlink(root / "etc/systemd/system/multi-user.target.wants/fedal-firstboot.service") == \
+        "/etc/systemd/system/fedal-firstboot.service"
+    defaults = (root / "etc/default/fedal-firstboot").read_text()
+    assert defaults == f"FEDAL_PAYLOAD={boot / 'fedal'}\n"
+
+    # the next boot, with network: fedal-firstboot.service runs the staged installer (pip replaced)
+    pip_log = tmp_path / "pip.log"
+    fake_pip = tmp_path / "fake-pip"
+    fake_pip.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(pip_log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    fake_pip.chmod(0o755)
+    with open(boot / "fedal" / "install-args", "a") as f:
+        f.write(f"--pip\n{fake_pip}\n")
+    env2 = {**env, "FEDAL_PAYLOAD": str(boot / "fedal"), "FEDAL_ARCH": "aarch64"}
+    run = subprocess.run([str(root / "usr/local/sbin/fedal-firstboot")], env=env2, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    calls = [json.loads(line) for line in pip_log.read_text().splitlines()]
+    assert calls[0][-3:] == ["--index-url", "https://download.pytorch.org/whl/cpu", "torch==2.10.0"]
+    assert calls[1][-1] == f"{boot}/fedal/fedal_edge-0.1.0-py3-none-any.whl[agent]"
+    assert (root / "etc/fedal-agent/agent.toml").read_text() == AGENT_TOML
+    assert (root / "etc/fedal-agent/ca.crt").read_text() == CA
+    assert (root / "var/lib/fedal-agent/train.npz").read_bytes() == b"private data"
+    assert os.readlink(root / "etc/systemd/system/multi-user.target.wants/fedal-agent.service") == "/etc/systemd/system/fedal-agent.service"
+    assert any(line.startswith("fedal-agent:") for line in (root / "etc/passwd").read_text().splitlines())
+    # done for good: the credentials left the FAT partition, the installer will not run again
+    assert not (boot / "fedal").exists()
+    assert (root / "var/lib/fedal-agent/.firstboot-done").exists()
+    assert not (root / "etc/systemd/system/multi-user.target.wants/fedal-firstboot.service").exists()
+
+
+def test_cloud_init_image_is_prepared_the_cloud_init_way(tmp_path, device):
+    original_user_data = "#cloud-config\n# Raspberry Pi OS default: no changes\n"
+    img = rpi_image(tmp_path, **{"user-data": original_user_data, "meta-data": "instance-id: rpios-image\n",
+                                 "network-config": "network:\n  version: 2\n"})
+    r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--hostname", "pi-7", "--wifi-ssid", 'Lab "5G"',
+              "--wifi-psk", "correct horse", "--wifi-country", "fr", "--ssh-key", str(tmp_path / "id.pub"), "--user", "ops",
+              "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"), "--torch-index", "https://download.pytorch.org/whl/cpu")
+    assert r.returncode == 0, r.stderr
+    assert "cloud-init" in r.stdout
+    files = fat_files(img)
+    assert "firstrun.sh" not in files and not any(f.startswith("fedal/settings") for f in files)
+
+    user_data = fat_read(img, "user-data", tmp_path).decode()
+    assert user_data.startswith("#cloud-config\n")
+    ud = yaml.safe_load(user_data)
+    assert ud["hostname"] == "pi-7" and ud["manage_etc_hosts"] is True
+    assert ud["ssh_pwauth"] is False and ud["enable_ssh"] is True
+    assert len(ud["users"]) == 1
+    u = ud["users"][0]
+    assert (u["name"], u["lock_passwd"], u["ssh_authorized_keys"]) == ("ops", True, [KEY.strip()])
+    assert "sudo" in u["groups"].split(",")
+    assert ud["runcmd"] == [["bash", "/boot/firmware/fedal/stage.sh", "--start"]]
+    net = yaml.safe_load(fat_read(img, "network-config", tmp_path))["network"]
+    wlan = net["wifis"]["wlan0"]
+    assert wlan["access-points"] == {'Lab "5G"': {"password": "correct horse"}} and wlan["regulatory-domain"] == "FR"
+    assert net["ethernets"]["eth0"]["dhcp4"] is True
+    assert fat_read(img, "meta-data", tmp_path) == b"instance-id: rpios-image\n"
+    assert fat_read(img, "fedal/user-data.orig", tmp_path).decode() == original_user_data
+    assert fat_read(img, "fedal/install-args", tmp_path) == b"--torch-index\nhttps://download.pytorch.org/whl/cpu\n"
+    assert fat_read(img, "fedal/agent.toml", tmp_path).decode() == AGENT_TOML
+    cmdline = fat_read(img, "cmdline.txt", tmp_path).decode().split()
+    assert cmdline == CMDLINE.split() + ["cfg80211.ieee80211_regdom=FR"]  # no systemd.run hook
+
+    # the same card forced into firstrun mode
+    r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--mode", "firstrun",
+              "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"))
+    assert r.returncode == 0, r.stderr
+    assert "systemd.run=/boot/firmware/firstrun.sh" in fat_read(img, "cmdline.txt", tmp_path).decode()
+
+
+def bad_image(kind: str, tmp_path: Path) -> Path:
+    if kind == "no table":
+        path = tmp_path / "blank.img"
+        path.write_bytes(b"\0" * (2 * 1024 * 1024))
+        return path
+    if kind == "no fat partition":
+        return make_image(tmp_path / "linux-only.img", {}, fat=False, part_type="83")
+    if kind == "fat type, no fat":
+        return make_image(tmp_path / "unformatted.img", {}, fat=False)
+    if kind == "no cmdline.txt":
+        return make_image(tmp_path / "other.img", {"config.txt": "x\n"})
+    return rpi_image(tmp_path)
+
+
+@pytest.mark.parametrize("kind, extra, message", [
+    ("missing", [], "image not found"),
+    ("no table", [], "has no partition table"),
+    ("no fat partition", [], "no FAT boot partition"),
+    ("fat type, no fat", [], "holds no FAT file system"),
+    ("no cmdline.txt", [], "no cmdline.txt: not a Raspberry Pi OS boot partition"),
+    ("ok", ["--hostname", "pi_7"], "invalid --hostname"),
+    ("ok", ["--wifi-ssid", "Lab"], "needs --wifi-country"),
+    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk", "short"], "8-63 characters"),
+    ("ok", ["--wifi-country", "Germany"], "two-letter code"),
+    ("ok", ["--ssh-key", "PRIVATE"], "is a private key"),
+    ("ok", ["--mode", "auto-magic"], "--mode must be"),
+    ("ok", ["--wheel", "missing.whl"], "wheel not found"),
+])
+def test_bad_inputs_are_refused_and_leave_the_image_alone(tmp_path, device, kind, extra, message):
+    img = tmp_path / "missing.img" if kind == "missing" else bad_image(kind, tmp_path)
+    before = file_hash(img) if img.exists() else None
+    if "PRIVATE" in extra:
+        (tmp_path / "id").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nxx\n-----END OPENSSH PRIVATE KEY-----\n")
+        extra = ["--ssh-key", str(tmp_path / "id")]
+    extra = [str(tmp_path / e) if e == "missing.whl" else e for e in extra]
+    r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--wheel",
+              str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"), *extra)
+    assert r.returncode == 1, r.stdout
+    assert message in r.stderr, r.stderr
+    assert r.stderr.startswith("flash: error:")
+    if before is not None:
+        assert file_hash(img) == before
+
+
+def test_invalid_config_and_missing_ca_are_refused(tmp_path, device):
+    img = rpi_image(tmp_path)
+    before = file_hash(img)
+    wheel = ["--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl")]
+    bad = tmp_path / "bad.toml"
+    bad.write_text(AGENT_TOML.replace('client_id = "pi-7"', 'client_id = "pi 7"'))
+    r = flash("--image", str(img), "--config", str(bad), *wheel)
+    assert r.returncode == 1 and "invalid agent config" in r.stderr and "client_id" in r.stderr
+    bad.write_text("client_id = [\n")
+    r = flash("--image", str(img), "--config", str(bad), *wheel)
+    assert r.returncode == 1 and "not valid TOML" in r.stderr
+    lonely = tmp_path / "lonely" / "agent.toml"  # expects a CA, none beside it
+    lonely.parent.mkdir()
+    shutil.copy(device / "agent.toml", lonely)
+    r = flash("--image", str(img), "--config", str(lonely), *wheel)
+    assert r.returncode == 1 and "give --ca FILE" in r.stderr
+    r = flash("--image", str(img), "--config", str(tmp_path / "nope.toml"), *wheel)
+    assert r.returncode == 1 and "config file not found" in r.stderr
+    assert file_hash(img) == before
