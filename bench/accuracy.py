@@ -9,6 +9,7 @@ docs/results/accuracy.md, docs/results/accuracy.json and a PNG of accuracy vs lo
     python bench/accuracy.py --steps 200 --seeds 1 --out /tmp/quick   # smoke run
     python bench/accuracy.py --suite fedhkd  # FedHKD vs FedAvg (bench/accuracy_fedhkd.py)
     python bench/accuracy.py --suite fedakd  # FedAKD vs FedAvg (bench/accuracy_fedakd.py)
+    python bench/accuracy.py --suite feddf   # FedDF-AL vs FedDF vs FedAL (bench/accuracy_feddf.py)
 
 Each run's results JSON is kept in --cache, so an interrupted benchmark resumes.
 """
@@ -186,7 +187,7 @@ def plot(results: dict, seeds: list[int], path: Path) -> None:
 
 
 # Other algorithms' comparisons, each in its own module next to this one: --suite NAME runs it.
-SUITES = {"fedal": None, "fedhkd": "accuracy_fedhkd", "fedakd": "accuracy_fedakd"}
+SUITES = {"fedal": None, "fedhkd": "accuracy_fedhkd", "fedakd": "accuracy_fedakd", "feddf": "accuracy_feddf"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", choices=list(SUITES), default="fedal",
                     help="fedal: this comparison; fedhkd: FedHKD vs FedAvg (bench/accuracy_fedhkd.py); "
-                         "fedakd: FedAKD vs FedAvg (bench/accuracy_fedakd.py)")
+                         "fedakd: FedAKD vs FedAvg (bench/accuracy_fedakd.py); "
+                         "feddf: FedDF-AL vs FedDF vs FedAL (bench/accuracy_feddf.py)")
     ap.add_argument("--steps", type=int, default=600, help="local SGD steps per client (all strategies)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma list of {list(SETTINGS)}")
