@@ -281,6 +281,7 @@ else
 fi
 printf '%s\n' "$cmdline" >"$TMP/cmdline.txt"
 put "$TMP/cmdline.txt" ::/cmdline.txt
+sync
 
 say "prepared $IMAGE for device $CLIENT ($MODE; boot partition at byte $OFFSET)"
 say "  agent config, $([ -n "$CA" ] && echo 'CA, ')$(basename "$WHEEL")$([ "${#DATA[@]}" -gt 0 ] && echo ", ${#DATA[@]} data file(s)") in fedal/"

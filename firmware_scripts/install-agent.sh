@@ -241,6 +241,7 @@ if [ "$SKIP_PIP" -eq 1 ] || [ -n "$PIP_CMD" ]; then venv_args+=(--without-pip); 
 if [ "$have_ver" != "$want_ver" ]; then
   if [ "${#venv_args[@]}" -eq 0 ] && ! "$PY" -c 'import ensurepip' 2>/dev/null; then
     if [ -z "$ROOT" ] && command -v apt-get >/dev/null 2>&1; then
+      run apt-get update -q
       run apt-get install -y -q python3-venv
     else
       die "$PY cannot create virtualenvs with pip (Debian: apt-get install python3-venv)"
@@ -274,7 +275,7 @@ else
   else
     pip=("$VPY" -m pip)
     [ -z "$PIP_CMD" ] || read -r -a pip <<<"$PIP_CMD"
-    opts=(install --disable-pip-version-check --no-input)
+    opts=(install --disable-pip-version-check --no-input --no-cache-dir)  # no second copy of torch on the SD card
     if [ -n "$TORCH_INDEX" ]; then
       # torch alone from the CPU index; its dependencies come with the agent from PyPI below
       run "${pip[@]}" "${opts[@]}" --no-deps --index-url "$TORCH_INDEX" "torch==$TORCH_VERSION"

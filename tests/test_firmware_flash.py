@@ -193,6 +193,7 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     assert (boot / "cmdline.txt").read_text().split() == CMDLINE.split() + ["cfg80211.ieee80211_regdom=DE"]
     assert not (boot / "firstrun.sh").exists() and not (boot / "fedal" / "settings").exists()
     assert "correct horse" not in (boot / "fedal" / "firstrun.log").read_text()
+    assert (root / "var/log/fedal-firstrun.log").read_text() == (boot / "fedal" / "firstrun.log").read_text()
     assert (root / "etc/systemd/system/fedal-firstboot.service").read_bytes() == (SCRIPTS / "boot/fedal-firstboot.service").read_bytes()
     assert os.readlink(root / "etc/systemd/system/multi-user.target.wants/fedal-firstboot.service") == \
         "/etc/systemd/system/fedal-firstboot.service"

@@ -98,4 +98,5 @@ rm -rf "$S"
 rm -f "$BOOT/firstrun.sh"
 sed -i -e 's/ systemd\.run[^ ]*//g' -e 's/ systemd\.unit=kernel-command-line\.target//g' "$BOOT/cmdline.txt"
 log "finished; rebooting"
+if install -d "$R/var/log"; then cp "$BOOT/fedal/firstrun.log" "$R/var/log/fedal-firstrun.log"; fi  # fedal/ goes after the install
 exit 0
