@@ -335,9 +335,11 @@ def test_malformed_bytes_are_counted_and_the_proxy_keeps_serving(make_broker, pe
 
 def test_cli_runs_the_emulated_broker_as_a_process(mosquitto, peers, tmp_path):
     listen, control = free_port(), free_port()
+    profile = tmp_path / "lossy.toml"
+    profile.write_text('description = "test"\n[default]\njitter_ms = 20\ndrop = 0.05\ndrop_mode = "lost"\nduplicate = 0.05\n')
     log = open(tmp_path / "hil.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "hil", "broker", "--upstream", mosquitto, "--listen",
-                             f"127.0.0.1:{listen}", "--profile", "chaos", "--control", f"127.0.0.1:{control}",
+                             f"127.0.0.1:{listen}", "--profile", str(profile), "--control", f"127.0.0.1:{control}",
                              "--seed", "3"], stdout=log, stderr=subprocess.STDOUT)
     try:
         assert wait_for_port(control, timeout_s=60), (tmp_path / "hil.log").read_text()
@@ -349,7 +351,7 @@ def test_cli_runs_the_emulated_broker_as_a_process(mosquitto, peers, tmp_path):
             i.wait_for_publish(10)
         api = f"http://127.0.0.1:{control}"
         faults = httpx.get(f"{api}/faults").json()
-        assert faults["profile"] == "chaos" and faults["seed"] == 3 and faults["default"]["drop"] == 0.05
+        assert faults["profile"] == "lossy" and faults["seed"] == 3 and faults["default"]["drop"] == 0.05
 
         def consistent():
             st = httpx.get(f"{api}/stats").json()["clients"]
