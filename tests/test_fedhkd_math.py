@@ -39,15 +39,16 @@ def same_state(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
 
 
-def test_zero_lambda_and_gamma_is_fedavg_exactly():
-    hkd_server, hkd_clients = run_rounds("fedhkd", hkd_lambda=0.0, hkd_gamma=0.0, hkd_nu=0.0)
-    avg_server, avg_clients = run_rounds("fedavg")
+@pytest.mark.parametrize("work", [{}, {"local_epochs": 1}], ids=["tau-steps", "one-epoch"])
+def test_zero_lambda_and_gamma_is_fedavg_exactly(work):
+    hkd_server, hkd_clients = run_rounds("fedhkd", hkd_lambda=0.0, hkd_gamma=0.0, hkd_nu=0.0, **work)
+    avg_server, avg_clients = run_rounds("fedavg", **work)
     assert hkd_server.knowledge is not None and hkd_server.knowledge.mask.all()  # knowledge did travel
     assert same_state(hkd_server.global_weights, avg_server.global_weights)
     for cid in avg_clients:
         assert same_state(hkd_clients[cid].model.state_dict(), avg_clients[cid].model.state_dict())
     # the same run with the knowledge terms on is not FedAvg: the comparison can tell
-    on_server, _ = run_rounds("fedhkd", hkd_nu=0.0)
+    on_server, _ = run_rounds("fedhkd", hkd_nu=0.0, **work)
     assert not same_state(on_server.global_weights, avg_server.global_weights)
 
 
@@ -214,7 +215,8 @@ def test_classes_under_the_threshold_are_not_shared_and_masked():
     hb = torch.randn(6, 3)
     yb = torch.tensor([0, 1, 2, 3, 4, 0])
     base = knowledge_terms(model, hb, yb, k, params())
-    junk = Knowledge(np.where(k.mask[:, None], k.h, 1e6).astype(np.float32), np.where(k.mask[:, None], k.q, 7).astype(np.float32), k.mask)
+    keep = k.mask[:, None]
+    junk = Knowledge(np.where(keep, k.h, 1e6).astype(np.float32), np.where(keep, k.q, 7).astype(np.float32), k.mask)
     again = knowledge_terms(model, hb, yb, junk, params())
     assert torch.equal(base[0], again[0]) and torch.equal(base[1], again[1])
 

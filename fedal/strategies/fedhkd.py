@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from fedal.protocol import Message
 from fedal.strategies.base import InvalidResult, PhaseTasks
 from fedal.strategies.fedavg import FedAvgClient, FedAvgServer, load_numpy_into, model_to_numpy
+from fedal.strategies.local import local_batches
 from fedal.strategies.params import StrategyParams
 
 PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0,
@@ -91,7 +92,8 @@ def extract_knowledge(model, x: torch.Tensor, y: torch.Tensor, num_classes: int,
         noise = torch.randn(num_classes, d, generator=generator, dtype=torch.float64) * std
     else:
         share = counts >= 1
-        noise = params.hkd_official_noise_std * torch.randn(d, generator=generator, dtype=torch.float64).expand(num_classes, d)
+        one = torch.randn(d, generator=generator, dtype=torch.float64)
+        noise = (params.hkd_official_noise_std * one).expand(num_classes, d)
     h_shared = torch.where(share[:, None], h_mean + noise, torch.zeros_like(h_mean))
     q_shared = torch.where(share[:, None], q_mean, torch.zeros_like(q_mean))
     return (h_shared.float().numpy(), q_shared.float().numpy(), torch.where(share, counts, 0).numpy().astype(np.int64))
@@ -146,16 +148,19 @@ class FedHKDClient(FedAvgClient):
         return self.reply(task, tensors, num_samples=len(self.y_train), shared_classes=int((counts > 0).sum()), **stats)
 
     def train(self, steps: int, knowledge: Knowledge | None) -> dict[str, float]:
-        """tau minibatch steps on eq. 11 (plain cross-entropy while there is no knowledge, and
-        exactly FedAvg's steps when lambda = gamma = 0: zero-weight terms are not computed)."""
+        """FedAvg's local batches (tau steps, or local_epochs passes) on eq. 11: plain cross-entropy
+        while there is no knowledge, and exactly FedAvg's steps when lambda = gamma = 0 (terms
+        with weight 0 are not computed)."""
         p = self.params
         lam, gam = float(p.hkd_lambda or 0.0), float(p.hkd_gamma or 0.0)
         use = knowledge is not None and (lam > 0 or gam > 0)
         clip = p.hkd_official_grad_clip if p.hkd_preset == "official" and knowledge is not None else None
         self.model.train()
         sums = {"loss": 0.0, "ce": 0.0, "hkd_head": 0.0, "hkd_feature": 0.0}
-        for _ in range(steps):
-            x, y = self.sample_batch()
+        batches = 0
+        for idx in local_batches(len(self.y_train), p, steps, self.generator):
+            x, y = self.x_train[idx], self.y_train[idx]
+            batches += 1
             h = self.model.features(x)
             ce = F.cross_entropy(self.model.head(h), y)
             loss = ce
@@ -174,7 +179,7 @@ class FedHKDClient(FedAvgClient):
             self.optimizer.step()
             sums["loss"] += loss.item()
             sums["ce"] += ce.item()
-        stats = {k: v / max(steps, 1) for k, v in sums.items()}
+        stats = {k: v / max(batches, 1) for k, v in sums.items()}
         if not use:
             del stats["hkd_head"], stats["hkd_feature"]
         return stats
@@ -289,7 +294,8 @@ class FedHKDServer(FedAvgServer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if state.get("knowledge") is not None:
-            self.knowledge = Knowledge.from_tensors({k: torch.as_tensor(v).numpy().copy() for k, v in state["knowledge"].items()})
+            stored = state["knowledge"]
+            self.knowledge = Knowledge.from_tensors({k: torch.as_tensor(v).numpy().copy() for k, v in stored.items()})
 
 
 __all__ = ["FedHKDClient", "FedHKDServer", "Knowledge", "aggregate_knowledge", "extract_knowledge",

@@ -21,7 +21,7 @@ class StrategyParams(BaseModel):
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (SGD only)")
     batch_size: int = Field(32, ge=1, description="local minibatch size")
     local_epochs: int | None = Field(
-        None, ge=0, description="local, fedavg, fedakd: passes over the private data per local training (0: tau steps)"
+        None, ge=0, description="local, fedavg, fedakd, fedhkd: passes over the private data per local training (0: tau steps)"
     )
     public_batch_size: int = Field(32, ge=1, description="public minibatch size B per transfer iteration")
 
