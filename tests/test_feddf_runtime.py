@@ -21,19 +21,26 @@ class WireSpy:
 
     def __init__(self, broker_url: str):
         addr = parse_broker_url(broker_url)
-        self.seen: list[tuple[str, int, int]] = []  # (down | up, payload bytes, chunk count or 0)
+        self.seen: list[tuple[str, int, int]] = []  # (down | up, bytes, chunk count; 0: whole; -1: no envelope)
         self.lock = threading.Lock()
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="feddf-wire-spy")
         self.client.on_message = self._on_message
+        subscribed = threading.Event()
+        self.client.on_subscribe = lambda *_args: subscribed.set()
         self.client.connect(addr.host, addr.port)
         self.client.subscribe([(f"{ROOT}/{RUN_ID}/down/+", 1), (f"{ROOT}/{RUN_ID}/up/+", 1)])
         self.client.loop_start()
+        assert subscribed.wait(30), "the broker did not acknowledge the spy's subscription"
 
     def _on_message(self, _client, _userdata, message) -> None:
         payload = bytes(message.payload)
-        meta = decode(payload).meta
+        try:
+            meta = decode(payload).meta
+            count = int(meta["count"]) if "chunk_of" in meta else 0
+        except Exception:  # noted, never raised into paho's network thread
+            count = -1
         with self.lock:
-            self.seen.append((message.topic.split("/")[3], len(payload), int(meta.get("count", 0)) if "chunk_of" in meta else 0))
+            self.seen.append((message.topic.split("/")[3], len(payload), count))
 
     def close(self) -> None:
         self.client.loop_stop()
@@ -72,6 +79,7 @@ def test_feddf_al_demo_over_mosquitto_chunks_weights_and_matches_simulation(mosq
 
     # every packet stayed under the limit; weights went up and group averages came down in pieces
     assert max(size for _, size, _ in spy.seen) <= MAX_PAYLOAD
+    assert all(count >= 0 for _, _, count in spy.seen)  # every payload was a valid envelope
     chunked = {d: [n for direction, _, n in spy.seen if direction == d and n > 1] for d in ("up", "down")}
     assert min(chunked["up"]) > 1 and min(chunked["down"]) > 1
     # 2 rounds x (3 uploads, 2 group averages) of about 70-85 KB: at least 8 chunks each
