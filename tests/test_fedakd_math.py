@@ -14,7 +14,7 @@ from torch import nn
 from fedal.protocol import Message
 from fedal.sim.engine import InProcessEngine
 from fedal.sim.fairness import collaborative_fairness, fairness_summary
-from fedal.strategies import ServerContext, StrategyParams, get_strategy
+from fedal.strategies import InvalidResult, ServerContext, StrategyParams, get_strategy
 from fedal.strategies.fedakd import FedAKDServer, distill, select
 from fedal.strategies.local import local_batches
 from tests.helpers import toy_dataset
@@ -178,6 +178,9 @@ def test_aggregation_weights_uploads_by_local_data_size():
                "c": upload([0, 0], [1, 1], 3, 600, 0)}
     for cid, res in results.items():
         server.validate(train, cid, res)
+    for bad in (-1, 101, 2.5, None, True):  # |I_k| must be a count within |D_k|: refused, never averaged
+        with pytest.raises(InvalidResult, match="selected"):
+            server.validate(train, "a", upload([1, 2], [2, 2], 10, 100, bad))
     assert server.collect(train, results) is None
     np.testing.assert_allclose(server.global_weights["w"], [(100 * 1 + 300 * 4) / 1000, (100 * 2 + 300 * 8) / 1000])
     np.testing.assert_allclose(server.global_weights["bn.running_var"], [(200 + 1500 + 600) / 1000, (200 + 300 + 600) / 1000])

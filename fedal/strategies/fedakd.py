@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from fedal.protocol import Message
-from fedal.strategies.base import ClientHalf, PhaseTasks, make_optimizer
+from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, make_optimizer
 from fedal.strategies.fedavg import FedAvgServer, load_numpy_into, model_to_numpy
 from fedal.strategies.local import local_batches
 from fedal.strategies.losses import kl_to_student
@@ -42,12 +42,17 @@ PRESET = {"tau": 5, "local_epochs": 1, "lambda_kd": 0.0, "lambda_adv": 0.0, "lam
 class FedAKDServer(FedAvgServer):
     """FedAvg's server (init from one client, |D_k|-weighted average) plus FedAKD's diagnostics."""
 
+    def validate(self, phase: PhaseTasks, client_id: str, result: Message) -> None:
+        super().validate(phase, client_id, result)
+        if phase.phase == "train":
+            sel, n = result.meta.get("selected"), result.meta["num_samples"]
+            if isinstance(sel, bool) or not isinstance(sel, int) or not 0 <= sel <= n:
+                raise InvalidResult(f"a train result must report 0 <= selected <= num_samples ({n}), got {sel!r}")
+
     def collect(self, phase: PhaseTasks, results: dict[str, Message]) -> PhaseTasks | None:
         if phase.phase == "train":
             for res in results.values():
-                n, sel = res.meta.get("num_samples"), res.meta.get("selected")
-                if isinstance(sel, (int, float)) and not isinstance(sel, bool) and n:
-                    self.record("selected_frac", sel / n)
+                self.record("selected_frac", res.meta["selected"] / res.meta["num_samples"])
                 self.record("global_loss", res.meta.get("global_loss", float("nan")))
         return super().collect(phase, results)
 
