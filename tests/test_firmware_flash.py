@@ -41,8 +41,16 @@ CA = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFakeKeyForTestsOnly0000000000000000000000 test@example\n"
 
 
+def tool(name: str) -> str:
+    """sfdisk, mkfs.vfat and mke2fs live in /usr/sbin, which a user's PATH may lack."""
+    found = shutil.which(name) or next((f"{d}/{name}" for d in ("/usr/sbin", "/sbin") if os.access(f"{d}/{name}", os.X_OK)), None)
+    if found is None:
+        pytest.fail(f"{name} is not installed: run scripts/install-test-tools.sh")
+    return found
+
+
 def sh(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(args, check=True, capture_output=True, env=kw.pop("env", MTOOLS), **kw)
+    return subprocess.run([tool(args[0]), *args[1:]], check=True, capture_output=True, env=kw.pop("env", MTOOLS), **kw)
 
 
 def make_image(path: Path, boot_files: dict[str, str], fat: bool = True, part_type: str = "c") -> Path:
