@@ -33,6 +33,7 @@ from fedal.sim.config import RunConfig
 from fedal.sim.fairness import fairness_line, standalone_fairness
 from fedal.sim.runner import client_ids as make_client_ids
 from fedal.sim.runner import client_seed
+from fedal.strategies.global_model import global_model_line
 from fedal.strategies import get_strategy
 
 RUN_ID = "demo"
@@ -192,6 +193,8 @@ def summary_table(results: dict) -> str:
                  f"max {final.get('max_acc', float('nan')):.4f})")
     if "cf" in final:
         lines.append(fairness_line(final))
+    if global_model_line(final):  # FedAvg-type strategies: the aggregated model, evaluated by the coordinator
+        lines.append(global_model_line(final))
     return "\n".join(lines)
 
 

@@ -45,6 +45,10 @@ def simulate_cmd(config_path, out, plot, quiet, **flags) -> None:
         from fedal.sim.fairness import fairness_line
 
         click.echo(fairness_line(final))
+    from fedal.strategies.global_model import global_model_line
+
+    if global_model_line(final):  # FedAvg-type strategies: the aggregated model, personal accuracy
+        click.echo(global_model_line(final))
 
 
 def write_results(results: dict, out: str | Path, plot: str | Path | None = None) -> None:

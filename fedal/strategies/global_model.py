@@ -57,3 +57,11 @@ def fedavg_style_metrics(summary: dict, global_acc: float | None) -> dict:
     if summary.get("local_mean_acc") is not None:
         out["personal_acc"] = summary["local_mean_acc"]
     return out
+
+
+def global_model_line(final: dict) -> str | None:
+    """One line for the CLI summaries of `fedal simulate` and `fedal demo`; None without a global model."""
+    if final.get("global_acc") is None:
+        return None
+    personal = f", personal acc {final['personal_acc']:.4f}" if final.get("personal_acc") is not None else ""
+    return f"global model acc {final['global_acc']:.4f}{personal}"
