@@ -20,7 +20,7 @@ from hil.fleet import Fleet, client_ids
 from hil.mosquitto import free_port
 from hil.profiles import load_profile
 
-N, ROUNDS, TAU, EVAL_EVERY = 50, 20, 1, 5
+N, ROUNDS, TAU, EVAL_EVERY = 50, 20, 1, 10
 
 
 @pytest.mark.slow
@@ -42,7 +42,7 @@ def test_lossy_duplicating_jittery_links_lose_nothing(mosquitto, tmp_path):
                 tmp_path / "coordinator", mosquitto, run_id, ids, api_port=port, rounds=ROUNDS, tau=TAU,
                 eval_every=EVAL_EVERY,
                 # quorum 1: a phase closes only when every client answered, however many re-sends it took
-                phases={"quorum": 1.0, "deadline_s": 120, "train_deadline_s": 120, "resend_s": 0.3,
+                phases={"quorum": 1.0, "deadline_s": 120, "train_deadline_s": 120, "resend_s": 0.2,
                         "start_timeout_s": 30})
             coordinator = start_coordinator(config, tmp_path / "coordinator.log")
             final = wait_for_run(api, run_id, lambda r: r["state"] in ("finished", "failed"), 300, coordinator)

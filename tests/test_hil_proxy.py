@@ -223,3 +223,29 @@ def test_bandwidth_serialises_packets_and_jitter_never_reorders():
             due.append(link2.last_due - start)
         assert due == sorted(due) and due[1] >= 0.5  # held behind the first, as TCP would
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--profile", "nope"], "unknown profile 'nope'"),
+    (["--listen", "1884"], "--listen '1884' must be HOST:PORT"),
+    (["--upstream", "mqtts://broker:8883"], "plain MQTT"),
+    (["--upstream", "http://x"], "must start with mqtt://"),
+    (["--control", "localhost"], "--control 'localhost' must be HOST:PORT"),
+])
+def test_broker_command_usage_errors_exit_2(args, message):
+    from click.testing import CliRunner
+
+    from hil.cli import hil_cmd
+
+    result = CliRunner().invoke(hil_cmd, ["broker", *args])
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_broker_command_lists_the_profiles():
+    from click.testing import CliRunner
+
+    from hil.cli import hil_cmd
+
+    result = CliRunner().invoke(hil_cmd, ["broker", "--list-profiles"])
+    assert result.exit_code == 0
+    assert [line.split()[0] for line in result.output.splitlines()] == builtin_profiles()
