@@ -53,8 +53,9 @@ class _Conn:
         self.sock = None
         c = self.client
         addr = fleet.address
-        if fleet.username:
-            c.username_pw_set(fleet.username, fleet.password)
+        username, password = fleet.credentials.get(agent.client_id, (fleet.username, fleet.password))
+        if username:
+            c.username_pw_set(username, password)
         if addr.tls:
             c.tls_set(ca_certs=str(fleet.ca_file) if fleet.ca_file else None, cert_reqs=ssl.CERT_REQUIRED)
         will = agent.will()
@@ -144,8 +145,12 @@ class Fleet:
     def __init__(self, broker_url: str, run_id: str, ids: list[str], seed: int = 0, *, username: str | None = None,
                  password: str | None = None, ca_file: str | Path | None = None, keepalive: int = 30,
                  reconnect_min_s: float = 1.0, reconnect_max_s: float = 30.0, max_payload: int = DEFAULT_MAX_PAYLOAD,
-                 public_file: str | Path | None = None, exit_on_finish: bool = True, connects_per_tick: int = 100):
+                 public_file: str | Path | None = None, exit_on_finish: bool = True, connects_per_tick: int = 100,
+                 credentials: dict[str, tuple[str, str | None]] | None = None):
+        """credentials: per client id (username, password), e.g. from `fedal fleet init` (see
+        device_credentials); clients not in it use username/password or the URL's."""
         self.address = parse_broker_url(broker_url)
+        self.credentials = dict(credentials or {})
         self.run_id = topics.check_id(run_id, "run id")
         self.username = username or self.address.username
         self.password = password or self.address.password
@@ -342,6 +347,23 @@ class Fleet:
         deadline = time.monotonic() + 2
         while time.monotonic() < deadline and any(c.sock is not None and c.client.want_write() for c in self.conns):
             self._poll(0.05)
+
+
+def device_credentials(devices_dir: str | Path, ids: list[str]) -> dict[str, tuple[str, str | None]]:
+    """(username, password) of each device from `fedal fleet init`'s devices/<id>/agent.toml."""
+    import tomllib
+
+    out = {}
+    for cid in ids:
+        path = Path(devices_dir) / cid / "agent.toml"
+        try:
+            broker = tomllib.loads(path.read_text()).get("broker", {})
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"no credentials for {cid}: {exc}") from None
+        if not broker.get("username"):
+            raise ValueError(f"{path} has no [broker] username")
+        out[cid] = (broker["username"], broker.get("password"))
+    return out
 
 
 def _shared_parser():

@@ -21,6 +21,9 @@ import click
 @click.option("--username", help="Broker user for every emulated agent (default: from the URL).")
 @click.option("--password", help="Broker password (default: from the URL).")
 @click.option("--ca-file", type=click.Path(dir_okay=False, exists=True), help="CA bundle for mqtts:// brokers.")
+@click.option("--credentials-dir", type=click.Path(file_okay=False, exists=True),
+              help="Per-device broker accounts: the devices/ folder of `fedal fleet init` (DIR/<id>/agent.toml).")
+@click.option("--ids", help="Comma-separated client ids instead of PREFIX0000.. (e.g. the devices of `fedal fleet init`).")
 @click.option("--public-file", type=click.Path(dir_okay=False), help="Provisioned public set (.npz); else fetched once.")
 @click.option("--reconnect-min", type=click.FloatRange(0.05), default=1.0, show_default=True, help="Reconnect backoff start (s).")
 @click.option("--reconnect-max", type=click.FloatRange(0.1), default=30.0, show_default=True, help="Reconnect backoff cap (s).")
@@ -38,20 +41,26 @@ import click
 @click.option("--batch", type=click.IntRange(1), default=32, show_default=True, help="With --start-coordinator: public batch B.")
 @click.option("--api-port", type=click.IntRange(0, 65535), default=0, help="With --start-coordinator: REST port (0: free).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file, public_file, reconnect_min, reconnect_max,
-              status_file, timeout, start_coordinator, workdir, strategy, rounds, tau, num_classes, public_size, batch,
-              api_port, quiet) -> None:
+def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file, credentials_dir, ids, public_file,
+              reconnect_min, reconnect_max, status_file, timeout, start_coordinator, workdir, strategy, rounds, tau,
+              num_classes, public_size, batch, api_port, quiet) -> None:
     """Emulated agents: N MQTT clients that follow the protocol exactly, with synthetic results (no torch)."""
     from tqdm import tqdm
 
     from fedal.protocol import parse_broker_url, topics
-    from hil.fleet import Fleet, client_ids
+    from hil.fleet import Fleet, client_ids, device_credentials
     from hil.mosquitto import free_port, raise_open_files_limit
 
     try:
         parse_broker_url(broker)
         topics.check_id(run_id, "run id")
-        ids = client_ids(clients, prefix)
+        if ids:
+            ids = [topics.check_id(c.strip(), "client id") for c in ids.split(",") if c.strip()]
+            if len(ids) != clients:
+                raise ValueError(f"--ids lists {len(ids)} clients, --clients says {clients}")
+        else:
+            ids = client_ids(clients, prefix)
+        credentials = device_credentials(credentials_dir, ids) if credentials_dir else None
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if reconnect_max < reconnect_min:
@@ -63,19 +72,26 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
     api = None
     if start_coordinator:
         from hil.coordinator_setup import start_coordinator as spawn_coordinator
-        from hil.coordinator_setup import stop_process, write_coordinator_config
+        from hil.coordinator_setup import stop_process, wait_for_run, write_coordinator_config
 
         api_port = api_port or free_port()
         wd = Path(workdir)
+        extra = {}
+        account = Path(credentials_dir).parent / "coordinator" / "broker.toml" if credentials_dir else None
+        if account is not None and account.exists():  # the coordinator's own account from `fedal fleet init`
+            import tomllib
+
+            extra["broker"] = tomllib.loads(account.read_text()).get("broker", {})
         path = write_coordinator_config(wd, broker, run_id, ids, api_port=api_port, strategy=strategy, rounds=rounds,
                                         seed=seed, num_classes=num_classes, public_size=public_size,
-                                        public_batch_size=batch, tau=tau)
+                                        public_batch_size=batch, tau=tau, extra=extra)
         coordinator = spawn_coordinator(path, wd / "coordinator.log")
         api = f"http://127.0.0.1:{api_port}"
         click.echo(f"coordinator: {api}/api/v1/runs/{run_id} (log {wd / 'coordinator.log'})", err=True)
 
     fleet = Fleet(broker, run_id, ids, seed, username=username, password=password, ca_file=ca_file,
-                  public_file=public_file, reconnect_min_s=reconnect_min, reconnect_max_s=reconnect_max).start()
+                  credentials=credentials, public_file=public_file, reconnect_min_s=reconnect_min,
+                  reconnect_max_s=reconnect_max).start()
     stop = {"signal": None}
 
     def _on_signal(signum, _frame) -> None:
@@ -110,6 +126,11 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
         if status_file:
             fleet.write_status(status_file)
         if coordinator is not None:
+            if outcome == "finished":  # let it record the end (results file) before it is stopped
+                try:
+                    wait_for_run(api, run_id, lambda r: r["state"] in ("finished", "failed"), 60, coordinator)
+                except (TimeoutError, RuntimeError) as exc:
+                    click.echo(f"coordinator: {exc}", err=True)
             stop_process(coordinator)
     summary = fleet.summary()
     summary.pop("per_client")

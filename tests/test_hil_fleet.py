@@ -18,9 +18,7 @@ import pytest
 
 from fedal.protocol import Message, Reassembler, RunManifest, decode, encode, split, topics
 from fedal.strategies import ServerContext, StrategyParams, get_strategy
-from hil.coordinator_setup import stop_process, start_coordinator, wait_for_run, write_coordinator_config
 from hil.emulated_agent import EmulatedAgent, PublicSetSource
-from hil.mosquitto import free_port
 
 RUN = "unit"
 K, P, B = 10, 200, 32
@@ -156,31 +154,31 @@ def test_tasks_before_the_manifest_are_held_and_a_finished_run_ends_the_agent():
     assert a.finished
 
 
-def test_fleet_of_100_drives_a_real_coordinator(mosquitto, tmp_path):
-    run_id = f"fleet-{uuid.uuid4().hex[:8]}"
-    ids = [f"e{i:04d}" for i in range(100)]
-    port = free_port()
-    rounds, tau = 2, 2
-    config = write_coordinator_config(tmp_path / "coordinator", mosquitto, run_id, ids, api_port=port, rounds=rounds,
-                                      tau=tau, phases={"quorum": 1.0, "deadline_s": 60, "train_deadline_s": 60})
-    coordinator = start_coordinator(config, tmp_path / "coordinator.log")
-    status_file = tmp_path / "fleet-status.json"
-    fleet = subprocess.Popen([sys.executable, "-m", "hil", "fleet", "--clients", "100", "--broker", mosquitto,
-                              "--run-id", run_id, "--status-file", str(status_file), "--timeout", "150", "--quiet"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    api = f"http://127.0.0.1:{port}"
-    try:
-        final = wait_for_run(api, run_id, lambda r: r["state"] in ("finished", "failed"), 180, coordinator)
-        from hil.coordinator_setup import get_json
+def test_fleet_cli_refuses_bad_arguments():
+    from click.testing import CliRunner
 
-        records = get_json(f"{api}/api/v1/runs/{run_id}/rounds")
-        out, _ = fleet.communicate(timeout=60)
-    finally:
-        if fleet.poll() is None:
-            fleet.kill()
-        stop_process(coordinator)
-    assert final["state"] == "finished", final.get("error")
-    assert fleet.returncode == 0, out.decode(errors="replace")[-3000:]
+    from hil.cli import hil_cmd
+
+    for args in (["--clients", "2", "--run-id", "bad/id"], ["--clients", "3", "--run-id", "r", "--ids", "a,b"],
+                 ["--clients", "2", "--run-id", "r", "--broker", "http://x"]):
+        result = CliRunner().invoke(hil_cmd, ["fleet", *args])
+        assert result.exit_code == 2, (args, result.output)
+
+
+def test_fleet_of_100_drives_a_real_coordinator(mosquitto, tmp_path):
+    """`fedal hil fleet --start-coordinator`: 100 emulated agents and a real coordinator process."""
+    run_id = f"fleet-{uuid.uuid4().hex[:8]}"
+    rounds, tau = 2, 2
+    status_file = tmp_path / "fleet-status.json"
+    workdir = tmp_path / "coordinator"
+    fleet = subprocess.run([sys.executable, "-m", "hil", "fleet", "--clients", "100", "--broker", mosquitto,
+                            "--run-id", run_id, "--status-file", str(status_file), "--timeout", "170", "--quiet",
+                            "--start-coordinator", "--workdir", str(workdir), "--rounds", str(rounds), "--tau", str(tau)],
+                           capture_output=True, text=True, timeout=200)
+    assert fleet.returncode == 0, (fleet.stdout[-2000:], fleet.stderr[-3000:])
+    assert json.loads(fleet.stdout)["outcome"] == "finished"
+    results = json.loads((workdir / "state" / "results.json").read_text())
+    records = results["rounds"]
     assert [r["round"] for r in records] == [1, 2]
     for r in records:
         assert set(r["phases"]) == {"local_train", "transfer", "evaluate"}
@@ -189,8 +187,10 @@ def test_fleet_of_100_drives_a_real_coordinator(mosquitto, tmp_path):
             assert stats["compute_s"] >= 0 and stats["wall_s"] >= stats["compute_s"]
         assert r["phases"]["transfer"]["count"] == 100 * tau
         assert 0.0 <= r["mean_acc"] <= 1.0
-    assert final["counters"].get("rejected", 0) == 0
-    assert all(c["answered"] == rounds * (tau + 2) and c["late"] == 0 for c in final["clients"].values())
+    deployment = results["deployment"]
+    assert deployment["counters"].get("rejected", 0) == 0
+    assert len(deployment["clients"]) == 100
+    assert all(c["answered"] == rounds * (tau + 2) and c["late"] == 0 for c in deployment["clients"].values())
     status = json.loads(status_file.read_text())
     assert status["finished"] == 100 and status["error"] is None
     assert status["counters"]["tasks"] == 100 * rounds * (tau + 2)
