@@ -57,6 +57,7 @@ class Decision:
     drop: bool = False
     duplicate: bool = False
     reset: bool = False
+    eligible: bool = False  # a PUBLISH on a topic the drop/duplicate rates apply to
 
 
 def resolve(faults: Faults, client_id: str, direction: str) -> LinkFaults:
@@ -162,7 +163,7 @@ class FaultEngine:
         drop = u_drop < f.drop
         # QoS 2 already delivers exactly once: a copy would only exercise the peer's state machine
         duplicate = not drop and u_dup < f.duplicate and qos != 2
-        return Decision(delay_s, drop=drop, duplicate=duplicate, reset=reset)
+        return Decision(delay_s, drop=drop, duplicate=duplicate, reset=reset, eligible=True)
 
     # -- accounting --------------------------------------------------------------------------
     def client(self, client_id: str) -> ClientStats:

@@ -271,6 +271,8 @@ class Session:
             return True
         decision: Decision = engine.decide(cid, direction, packet.topic, packet.qos)
         faults = engine.link(cid, direction)
+        if decision.eligible:
+            engine.count(cid, direction, "eligible")
         details = {"type": type(packet.parsed).__name__}
         if packet.topic is not None:
             details.update(topic=packet.topic, qos=packet.qos, packet_id=packet.packet_id)

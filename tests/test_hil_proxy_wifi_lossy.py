@@ -40,8 +40,10 @@ def test_wifi_lossy_run_reaches_the_fault_free_accuracy(mosquitto, tmp_path, one
     faults = snap["faults"]
     assert faults.get("dropped", 0) >= 1, faults
     assert all(s["up"]["delayed"] > 0 and s["down"]["delayed"] > 0 for s in agents.values())
-    # a dropped message took its connection down with it; the agent reconnected each time
-    assert sum(s["connections"] for s in agents.values()) == 3 + faults["dropped"] + faults.get("reset", 0)
+    # a dropped message takes its connection down with it and the agent reconnects, except after
+    # the farewell `offline` status of an agent that is leaving (at most one per agent)
+    reconnects = sum(s["connections"] for s in agents.values()) - 3
+    assert faults["dropped"] - 3 <= reconnects <= faults["dropped"] + faults.get("reset", 0)
 
     assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
     # nobody was left out: every phase closed with all three answers, not at a deadline
