@@ -51,8 +51,9 @@ def write_coordinator_config(workdir: Path, broker_url: str, run_id: str, ids: l
     return path
 
 
-def start_coordinator(config_path: Path, log_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def start_coordinator(config_path: Path, log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m coordinator --config config_path`, its output in log_path; env adds variables."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     log = open(log_path, "ab")
     try:
         return subprocess.Popen([sys.executable, "-m", "coordinator", "--config", str(config_path)], stdout=log,

@@ -17,8 +17,8 @@ def test_sigkilled_coordinator_resumes_the_run(mosquitto, tmp_path):
         dep.start_coordinator()
         for cid in ("c00", "c01", "c02"):
             dep.start_agent(cid)
-        dep.wait_for(lambda r: r["completed_rounds"] >= 3, what="three rounds")
-        dep.coordinator.send_signal(signal.SIGKILL)
+        dep.wait_for(lambda r: r["completed_rounds"] >= 3 and r["phase"] == "transfer", what="round 4 under way")
+        dep.coordinator.send_signal(signal.SIGKILL)  # mid-round
         dep.coordinator.wait()
         saved = RunStore(default_store_url(dep.workdir / "coordinator" / "state")).load("demo")
         assert saved.completed_rounds >= 3 and len(saved.records) == saved.completed_rounds
@@ -26,6 +26,8 @@ def test_sigkilled_coordinator_resumes_the_run(mosquitto, tmp_path):
         dep.start_coordinator()  # same config, same state dir
         final = dep.wait_for(lambda r: r["state"] == "finished", timeout_s=240, what="the resumed run to finish")
         results = dep.results()
+        log = (dep.workdir / "coordinator" / "coordinator.log").read_text()  # the restarted process's
+        assert f"resuming run demo after round {saved.completed_rounds} " in log  # not from scratch, not a round late
         for cid in ("c00", "c01", "c02"):
             assert dep.agents[cid].wait(timeout=60) == 0  # no operator action needed
     finally:
