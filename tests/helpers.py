@@ -55,3 +55,14 @@ def wait_for_port(port: int, timeout_s: float = 10.0) -> bool:
         except OSError:
             time.sleep(0.05)
     return False
+
+
+def wait_until(predicate, timeout_s: float = 30, what: str = "condition", interval_s: float = 0.05):
+    """predicate()'s first truthy value, polled until timeout_s; AssertionError naming `what` after."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out waiting for {what}")

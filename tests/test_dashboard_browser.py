@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 
 import pytest
 
 from fedal.sim import load_config
 from tests.deployment import Deployment
+from tests.helpers import wait_until
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.chrome.options import Options  # noqa: E402
@@ -29,16 +29,6 @@ def chromium(user_data_dir: str):
                  "--disable-dev-shm-usage", f"--user-data-dir={user_data_dir}", "--window-size=1280,1400"):
         options.add_argument(flag)
     return webdriver.Chrome(service=Service(driver), options=options)
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_dashboard_follows_a_live_run(mosquitto, tmp_path):
