@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 import logging
 from collections import Counter
 from dataclasses import dataclass
 
 from amqtt.adapters import BufferReader, StreamReaderAdapter
 from amqtt.errors import AMQTTError, CodecError, MQTTError, NoDataError
-from amqtt.mqtt import ConnectPacket, PubackPacket, PubcompPacket, PublishPacket, PubrecPacket, packet_class
+from amqtt.mqtt import ConnectPacket, PubackPacket, PubcompPacket, PubrecPacket, packet_class
 from amqtt.mqtt.packet import CONNECT, PUBACK, PUBLISH, PUBREL, MQTTFixedHeader
 
 from hil.faults import UNIDENTIFIED, Decision, FaultEngine, LinkFaults
@@ -218,8 +219,9 @@ class Session:
             self.engine.fault("refused", self.client_id, peer=str(self.peer))
             return
         try:
-            u_reader, self.u_writer = await asyncio.open_connection(self.proxy.upstream_host, self.proxy.upstream_port)
-        except OSError as exc:
+            u_reader, self.u_writer = await asyncio.wait_for(
+                asyncio.open_connection(self.proxy.upstream_host, self.proxy.upstream_port), CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as exc:
             log.warning("upstream %s:%s unavailable for %s: %s", self.proxy.upstream_host, self.proxy.upstream_port,
                         self.client_id, exc)
             self.engine.count(self.client_id, "up", "upstream_unavailable")
@@ -391,8 +393,6 @@ class Proxy:
 
     def reset_clients(self, pattern: str, reason: str = "api") -> int:
         """Cut every live connection whose client id matches `pattern` (fnmatch); how many."""
-        import fnmatch
-
         cut = [s for s in list(self.sessions) if fnmatch.fnmatchcase(s.client_id, pattern)]
         for s in cut:
             self.engine.fault("reset", s.client_id, reason=reason)
