@@ -72,9 +72,13 @@ class Peer:
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
         self.client.on_message = self._on_message
+        self.subacks = 0
+        self.client.on_subscribe = self._on_subscribe
         self.client.connect_async(addr.host, addr.port, keepalive=30)
         self.client.loop_start()
         wait_until(lambda: self.connects >= 1, what=f"{client_id} to connect")
+        if subscribe:  # nothing published before the broker has the subscription may be missed
+            wait_until(lambda: self.subacks >= 1, what=f"{client_id} to subscribe")
 
     def _on_connect(self, client, _u, _f, reason, _p):
         if reason.is_failure:
@@ -82,6 +86,9 @@ class Peer:
         if self.subscribe:
             client.subscribe(self.subscribe, qos=1)
         self.connects += 1
+
+    def _on_subscribe(self, *_):
+        self.subacks += 1
 
     def _on_disconnect(self, *_):
         self.disconnects += 1
