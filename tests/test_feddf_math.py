@@ -57,12 +57,19 @@ def wire(msg: Message) -> Message:
     return decode(encode(msg))
 
 
-def local_train(server, clients, round_idx=0, skip=()):
-    phase = server.begin_round(round_idx)
+def answer(server, clients, phase, skip=()):
     results = {cid: wire(clients[cid].handle(wire(t))) for cid, t in phase.tasks.items() if cid not in skip}
     for cid, res in results.items():
         server.validate(phase, cid, res)
-    return phase, results
+    return results
+
+
+def local_train(server, clients, round_idx=0, skip=()):
+    """The round's local_train phase and its results (after the init phase, if the round has one)."""
+    phase = server.begin_round(round_idx)
+    if phase.phase == "init":
+        phase = server.collect(phase, answer(server, clients, phase))
+    return phase, answer(server, clients, phase, skip)
 
 
 def weights_of(model: nn.Module) -> dict[str, np.ndarray]:
@@ -146,7 +153,8 @@ def test_feddf_al_without_the_adversarial_term_is_feddf_step_for_step():
     e_df, e_al = InProcessEngine(s_df, c_df), InProcessEngine(s_al, c_al)
     for r in range(3):
         rec_df, rec_al = e_df.run_round(r), e_al.run_round(r)
-        assert rec_df.phases == rec_al.phases == 2 + 2  # local_train, average, tau transfer iterations
+        # [init in round 0], local_train, average, tau transfer iterations
+        assert rec_df.phases == rec_al.phases == (1 if r == 0 else 0) + 2 + 2
         for cid in c_df:
             for a, b in zip(c_df[cid].model.parameters(), c_al[cid].model.parameters()):
                 assert torch.equal(a, b), f"diverged at round {r} for {cid}"
@@ -158,6 +166,30 @@ def test_feddf_al_without_the_adversarial_term_is_feddf_step_for_step():
     assert rec_on.server_metrics["disc_loss"] > 0 and "disc_loss" not in rec_off.server_metrics
     assert rec_on.bytes_down > rec_off.bytes_down
     assert any(not torch.equal(a, b) for a, b in zip(c_on["c0"].model.parameters(), c_off["c0"].model.parameters()))
+
+
+def test_group_members_start_from_one_initialisation_once():
+    archs = [TinyNet, NarrowNet, TinyNet, ReluNet, NarrowNet, TinyNet]
+    server, clients = federation("feddf", archs, [20] * 6, tau=1)
+    initial = {cid: weights_of(c.model) for cid, c in clients.items()}
+    init = server.begin_round(0)
+    assert init.phase == "init" and set(init.tasks) == set(clients) and all(not t.tensors for t in init.tasks.values())
+    uploads = answer(server, clients, init)  # weights and tag, no sample count needed yet
+    assert "num_samples" not in uploads["c0"].meta
+    with pytest.raises(InvalidResult, match="architecture"):
+        server.validate(init, "c0", Message({k: v for k, v in uploads["c0"].meta.items() if k != "arch"}, uploads["c0"].tensors))
+    train = server.collect(init, uploads)
+    assert train.phase == "local_train"
+    starts = {cid: sent_average(t) for cid, t in train.tasks.items()}
+    for cid, first in (("c2", "c0"), ("c5", "c0"), ("c4", "c1")):  # later members get the first member's weights
+        assert set(starts[cid]) == set(initial[first])
+        assert all(np.array_equal(starts[cid][k], initial[first][k].astype(np.float32)) for k in starts[cid])
+    assert starts["c0"] == starts["c1"] == starts["c3"] == {}  # first members and a group of one keep theirs
+    answer(server, clients, train)
+    for cid in ("c2", "c5"):
+        for key, value in clients[cid].ref_loc.state_dict().items():  # local training started from c0's weights
+            np.testing.assert_array_equal(value.numpy(), initial["c0"][key].astype(np.float32))
+    assert server.begin_round(1).phase == "local_train"  # once the groups are known, never again
 
 
 def test_less_forgetting_references_round_start_and_group_average():

@@ -3,11 +3,14 @@
 When clients may share parameters, those whose models have the same architecture are averaged
 as in FedAvg, and knowledge crosses architectures by distillation on the public set. FedDF-AL is
 FedAL's transfer stage after that average; FedDF is the same without the adversarial term.
-Round t, tau + 2 round trips:
+Round t, tau + 2 round trips (round 0: one more, `init`):
 
-  local_train   server -> client: steps
-                client: tau steps of FedAL's local training (CE + less-forgetting), then uploads
-                        its weights, |D_n| and an architecture tag                 (|theta| up)
+  init          (until the server knows the groups) client: uploads its initial weights and tag
+                server: per group, the first enrolled member's weights become the group's start
+  local_train   server -> client: steps (after init, also the group's start for the other members)
+                client: loads that start if sent; tau steps of FedAL's local training (CE +
+                        less-forgetting), then uploads its weights, |D_n| and an architecture
+                        tag                                                        (|theta| up)
   average       server: groups = same tag and same tensor names/shapes/dtypes; the average of
                         each group weighted by local data size (fedavg.weighted_average)
                 server -> client: its group's average (not to the only contributor of a group,
@@ -17,8 +20,10 @@ Round t, tau + 2 round trips:
 
 The server learns the groups only from what clients send, so it needs no list of architectures;
 checking the tensors' signature as well as the declared tag means a group never mixes shapes.
-A client that missed this round's upload still gets its group's average (from the tag of its
-last upload), as FedAvg sends the global model to every client.
+Members of a group start from the same weights, as FedDF's clients start from the server's model
+(averaging independently initialised networks would average unrelated features). A client that
+missed this round's upload still gets its group's average (from the tag of its last upload), as
+FedAvg sends the global model to every client.
 """
 
 from __future__ import annotations
@@ -65,26 +70,37 @@ class FedDFServer(FedALServer):
         self.group_of: dict[str, str] = {}  # client -> group key of its last accepted upload
 
     def begin_round(self, round_idx: int) -> PhaseTasks:
+        if not self.group_of:  # nobody has uploaded yet: learn the groups and give each one start
+            meta = self.task("init", round_idx, 0).meta
+            return PhaseTasks("init", round_idx, 0, {cid: Message(dict(meta)) for cid in self.client_ids})
+        return self._local_train_phase(round_idx, {})
+
+    def _local_train_phase(self, round_idx: int, starts: dict[str, dict[str, np.ndarray]]) -> PhaseTasks:
         meta = self.task("local_train", round_idx, 0, steps=self.params.tau).meta
-        return PhaseTasks("local_train", round_idx, 0, {cid: Message(dict(meta)) for cid in self.client_ids})
+        return PhaseTasks("local_train", round_idx, 0,
+                          {cid: Message(dict(meta), starts.get(cid, {})) for cid in self.client_ids})
 
     def validate(self, phase: PhaseTasks, client_id: str, result: Message) -> None:
         super().validate(phase, client_id, result)
-        if phase.phase != "local_train":
+        if phase.phase not in ("init", "local_train"):
             return
         if not result.tensors or any(not k.startswith(WEIGHTS) for k in result.tensors):
-            raise InvalidResult(f"a local_train result carries the model's weights only, as tensors named {WEIGHTS!r}...")
+            raise InvalidResult(f"a {phase.phase} result carries the model's weights only, as tensors named {WEIGHTS!r}...")
         for key, arr in result.tensors.items():
             if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
                 raise InvalidResult(f"tensor {key!r} has dtype {arr.dtype}, expected a float or integer array")
         tag = result.meta.get("arch")
         if not isinstance(tag, str) or not 0 < len(tag) <= MAX_TAG:
-            raise InvalidResult(f"a local_train result declares its architecture as a string tag of 1-{MAX_TAG} characters")
+            raise InvalidResult(f"a {phase.phase} result declares its architecture as a string tag of 1-{MAX_TAG} characters")
+        if phase.phase == "init":
+            return
         n = result.meta.get("num_samples")
         if isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 < n < float("inf"):
             raise InvalidResult("a local_train result must report num_samples > 0")
 
     def collect(self, phase: PhaseTasks, results: dict[str, Message]) -> PhaseTasks | None:
+        if phase.phase == "init":
+            return self._local_train_phase(phase.round, self.group_starts(results))
         if phase.phase == "local_train":
             for res in results.values():
                 self.record("local_loss", res.meta.get("loss"))
@@ -92,6 +108,15 @@ class FedDFServer(FedALServer):
         if phase.phase == "average":
             return self._transfer_phase(phase.round, 0, results)
         return super().collect(phase, results)
+
+    def group_starts(self, results: dict[str, Message]) -> dict[str, dict[str, np.ndarray]]:
+        """Per client: the initial weights of its group's first enrolled member (none for that member)."""
+        cids = [c for c in self.client_ids if c in results]
+        first: dict[str, str] = {}
+        for c in cids:
+            self.group_of[c] = group_key(results[c])
+            first.setdefault(self.group_of[c], c)
+        return {c: dict(results[first[self.group_of[c]]].tensors) for c in cids if first[self.group_of[c]] != c}
 
     def group_averages(self, results: dict[str, Message]) -> dict[str, tuple[list[str], dict[str, np.ndarray]]]:
         """Per group key: the contributing clients and their data-size-weighted average."""
@@ -133,20 +158,31 @@ class FedDFClient(FedALClient):
         self.arch = architecture_tag(self.model)
 
     def handle(self, task: Message) -> Message:
+        if task.phase == "init":
+            return self.reply(task, self.weights(), arch=self.arch)
         if task.phase == "local_train":
+            self.load_group_weights(task)  # round 0: the group's common start
             loss = self.local_steps(int(task.meta.get("steps", self.params.tau)))
-            weights = {WEIGHTS + k: v for k, v in model_to_numpy(self.model).items()}
-            return self.reply(task, weights, loss=loss, num_samples=len(self.y_train), arch=self.arch)
+            return self.reply(task, self.weights(), loss=loss, num_samples=len(self.y_train), arch=self.arch)
         if task.phase == "average":
             if "indices" not in task.tensors:
                 raise ValueError("an average task must carry the public rows ('indices') of iteration 0")
-            weights = {k[len(WEIGHTS):]: v for k, v in task.tensors.items() if k.startswith(WEIGHTS)}
-            if weights:
-                mine = self.model.state_dict()
-                if any(k in mine and tuple(v.shape) != tuple(mine[k].shape) for k, v in weights.items()):
-                    raise ValueError("the group average does not have this client's parameter shapes")
-                load_numpy_into(self.model, weights)
+            weights = self.load_group_weights(task)
             self.snapshot_ref_glo()  # the transfer stage starts from the group average
             logits = self._upload_logits(task.tensors["indices"], int(task.meta["round"]), 0)
-            return self.reply(task, {"logits": logits}, averaged=bool(weights))
+            return self.reply(task, {"logits": logits}, averaged=weights)
         return super().handle(task)
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return {WEIGHTS + k: v for k, v in model_to_numpy(self.model).items()}
+
+    def load_group_weights(self, task: Message) -> bool:
+        """Load the `w/...` tensors of `task`, if any; True if there were some."""
+        weights = {k[len(WEIGHTS):]: v for k, v in task.tensors.items() if k.startswith(WEIGHTS)}
+        if not weights:
+            return False
+        mine = self.model.state_dict()
+        if any(k in mine and tuple(v.shape) != tuple(mine[k].shape) for k, v in weights.items()):
+            raise ValueError("the group's weights do not have this client's parameter shapes")
+        load_numpy_into(self.model, weights)
+        return True
