@@ -516,6 +516,10 @@ class RoundEngine:
             cur.pending.discard(cid)
             info.answered += 1
             info.last_seen = time.time()
+            came_online = not info.online
+            info.online = True  # a valid answer proves it, should its retained "online" status have been lost
+        if came_online:
+            self.events.publish("client", run_id=self.cfg.run_id, client=cid, online=True)
 
     def _validate_evaluation(self, phase: PhaseTasks, cid: str, msg: Message) -> None:
         for k in ("phase", "round", "iteration"):
