@@ -54,6 +54,7 @@ def test_fedakd_over_mosquitto_matches_simulation(mosquitto, tmp_path, one_torch
     assert results["deployment"]["counters"].get("rejected", 0) == 0
     # the demo reports what simulate reports, CF included (its standalone baseline trains in-process)
     simulated = simulate(config)["final"]
-    for key in ("standalone_acc", "standalone_local_acc", "cf", "cf_on", "mean_acc", "local_mean_acc", "max_acc"):
+    for key in ("standalone_acc", "standalone_local_acc", "cf", "cf_on", "mean_acc", "local_mean_acc", "max_acc",
+                "global_acc"):
         assert final[key] == simulated[key], key
     assert [r["round"] for r in results["rounds"]] == [1, 2] and all(r["bytes_up"] > 0 for r in results["rounds"])
