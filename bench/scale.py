@@ -60,10 +60,17 @@ def one_run(workdir: Path, strategy: str, n: int, rounds: int, tau: int, timeout
         if not fleet.wait_online(timeout_s=300):
             raise RuntimeError(f"only {fleet.online()} of {n} emulated agents connected")
         online_s = time.monotonic() - t0
+        # CPU is counted over the warm rounds: from the end of the first to the end of the run
+        wait_for_run(api, run_id, lambda r: r["completed_rounds"] >= 1 or r["state"] != "running", timeout_s,
+                     coordinator, every_s=0.2)
+        cpu0 = {"coordinator": cpu_seconds(coordinator.pid), "mosquitto": cpu_seconds(broker.proc.pid),
+                "fleet": time.process_time()}
         final = wait_for_run(api, run_id, lambda r: r["state"] in ("finished", "failed"), timeout_s, coordinator,
                              every_s=1.0)
         if final["state"] != "finished":
             raise RuntimeError(f"run {run_id} {final['state']}: {final.get('error')}")
+        cpu1 = {"coordinator": cpu_seconds(coordinator.pid), "mosquitto": cpu_seconds(broker.proc.pid),
+                "fleet": time.process_time()}
         records = get_json(f"{api}/api/v1/runs/{run_id}/rounds", timeout=30)
         fleet.wait_finished(60)
         summary = fleet.summary()
@@ -73,7 +80,12 @@ def one_run(workdir: Path, strategy: str, n: int, rounds: int, tau: int, timeout
         broker.stop()
     last = records[-1]["phases"]
     transfer = last["transfer"]
+    warm = records[1:]  # client-tasks and server-half compute of the rounds the CPU was counted over
+    tasks = sum(ph["count"] for r in warm for ph in r["phases"].values())
+    compute = sum(ph["compute_s"] * (tau if name == "transfer" else 1) for r in warm for name, ph in r["phases"].items())
+    cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
     return {
+        "cpu_s": {k: round(v, 2) for k, v in cpu.items()}, "client_tasks": tasks, "compute_s_total": round(compute, 2),
         "strategy": strategy, "clients": n, "tau": tau, "rounds": rounds,
         "transfer_compute_s": transfer["compute_s"], "transfer_end_to_end_s": transfer["wall_s"],
         "transfer_p50_s": transfer["p50_s"], "transfer_p95_s": transfer["p95_s"],
@@ -84,6 +96,12 @@ def one_run(workdir: Path, strategy: str, n: int, rounds: int, tau: int, timeout
         "fleet_rejected": summary["counters"].get("rejected", 0),
         "rounds_records": records,
     }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def in_process_compute(n: int, threads: int | None, repeats: int = 3) -> float:
@@ -132,7 +150,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch threads of the coordinator (0: torch's default, one per core)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--render", metavar="JSON", help="only rewrite scale.md from a saved scale.json")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.render:
+        md = render(json.loads(Path(args.render).read_text()))
+        (out / "scale.md").write_text(md)
+        print(md)
+        return 0
     sizes = [int(x) for x in args.clients.split(",")]
     raise_open_files_limit(max(sizes) * 3 + 1024)
     workdir = Path(tempfile.mkdtemp(prefix="fedal-scale-"))
@@ -158,31 +183,30 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {k: [{kk: vv for kk, vv in r.items() if kk != "rounds_records"} for r in v] for k, v in rows.items()},
         "round_records": {k: {r["clients"]: r["rounds_records"] for r in v} for k, v in rows.items()},
     }
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scale.json").write_text(json.dumps(report, indent=1) + "\n")
-    md = render(report, rows)
+    md = render(report)
     (out / "scale.md").write_text(md)
     print(md)
     return 0
 
 
-def render(report: dict, rows: dict[str, list[dict]]) -> str:
-    s = report["settings"]
-    m = report["machine"]
+def render(report: dict) -> str:
+    s, m, rows = report["settings"], report["machine"], report["runs"]
     lines = [
         "# Coordinator scale (bench/scale.py)",
         "",
-        f"One transfer iteration (B = {s['B']}, K = {s['K']}) with N emulated clients (hil/fleet.py, one MQTT",
-        "connection each, one process) against a real coordinator process through Mosquitto on loopback. Times",
-        "are the coordinator's own phase timings (round records: `compute_s`, `wall_s`), the mean over the",
-        f"{s['tau']} transfer iterations of the last of {s['rounds']} rounds; the coordinator's torch threads:",
-        f"{s['coordinator_threads']}. Machine: {m['cpus']} cores, shared",
-        f"(load average {m['load_avg_before'][0]:.1f} before, {m['load_avg_after'][0]:.1f} after: absolute numbers",
-        "are noisy; compare the growth).",
+        f"One transfer iteration (B = {s['B']}, K = {s['K']}) with N emulated clients (hil/fleet.py: one MQTT",
+        "connection each, all in the benchmark's process) against a real coordinator process through Mosquitto",
+        "on loopback. Times are the coordinator's own phase timings (round records: `compute_s` = the server",
+        "half producing the iteration's tasks, `wall_s` = from that compute starting to the iteration's last",
+        f"result accepted), the mean over the {s['tau']} transfer iterations of the last of {s['rounds']} rounds.",
+        f"Coordinator torch threads: {s['coordinator_threads']}. Machine: {m['cpus']} cores shared with other work",
+        f"(load average {m['load_avg_before'][0]:.1f} before, {m['load_avg_after'][0]:.1f} after), and the coordinator,",
+        "Mosquitto and the emulated fleet share those cores: the absolute wall times are noisy and pessimistic.",
         "",
         "| strategy | N | compute (ms) | end-to-end (ms) | end-to-end - compute (ms) | per client (ms) | "
-        "server half in-process (ms) |",
+        "FedAL server half alone, in-process (ms) |",
         "|---|---|---|---|---|---|---|",
     ]
     for strategy, rs in rows.items():
@@ -192,21 +216,61 @@ def render(report: dict, rows: dict[str, list[dict]]) -> str:
             lines.append(f"| {strategy} | {r['clients']} | {r['transfer_compute_s'] * 1000:.0f} | "
                          f"{r['transfer_end_to_end_s'] * 1000:.0f} | {rest * 1000:.0f} | "
                          f"{rest / r['clients'] * 1000:.2f} | {inproc} |")
+    lines += [
+        "",
+        "CPU time per client-task (one task out, one result in) over the warm rounds, all phases, less",
+        "sensitive to the load than wall times; the coordinator's includes its server half (for FedAL",
+        "mostly the discriminator, for FedMD almost nothing: there it is the runtime's own cost):",
+        "",
+        "| strategy | N | coordinator (ms) | Mosquitto (ms) | emulated fleet (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for strategy, rs in rows.items():
+        for r in rs:
+            per = {k: v / r["client_tasks"] * 1000 for k, v in r["cpu_s"].items()}
+            lines.append(f"| {strategy} | {r['clients']} | {per['coordinator']:.2f} | {per['mosquitto']:.2f} | "
+                         f"{per['fleet']:.2f} |")
     lines.append("")
-    fedal = rows.get("fedal") or []
-    if fedal:
-        big = fedal[-1]
+    for strategy, rs in rows.items():
+        if not rs:
+            continue
+        big = rs[-1]
         c_ok = big["transfer_compute_s"] <= COMPUTE_GOAL_S
         e_ok = big["transfer_end_to_end_s"] <= E2E_GOAL_S
         lines += [
-            f"Goals at N = {big['clients']}: compute <= {COMPUTE_GOAL_S * 1000:.0f} ms: "
+            f"- {strategy}, goals at N = {big['clients']}: compute <= {COMPUTE_GOAL_S * 1000:.0f} ms "
             f"**{'met' if c_ok else 'not met'}** ({big['transfer_compute_s'] * 1000:.0f} ms); end-to-end <= "
-            f"{E2E_GOAL_S:.0f} s: **{'met' if e_ok else 'not met'}** ({big['transfer_end_to_end_s']:.2f} s).",
-            f"Growth from N = {fedal[0]['clients']} to {big['clients']}: compute {growth(fedal, 'transfer_compute_s')}, "
-            f"end-to-end {growth(fedal, 'transfer_end_to_end_s')}.",
-            "",
+            f"{E2E_GOAL_S:.0f} s **{'met' if e_ok else 'not met'}** ({big['transfer_end_to_end_s']:.2f} s). "
+            f"From N = {rs[0]['clients']} to {big['clients']}: compute {growth(rs, 'transfer_compute_s')}, "
+            f"end-to-end {growth(rs, 'transfer_end_to_end_s')}."
         ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + READING
+
+
+READING = """
+## Reading
+
+- **FedAL's server half does not scale linearly, by construction.** Its discriminator maps each of
+  the N*B received logit rows to N client scores (hidden widths 32 and 256, then an N-wide output
+  layer), and every transfer iteration makes one training step and one per-sample gradient pass over
+  all rows: about 3 * N*B * 256*N multiply-adds in the last layer alone, i.e. O(N^2). At N = 1000
+  and B = 32 that is some 25 G multiply-adds per iteration, seconds on two shared CPU cores (the
+  in-process column: the same server half without MQTT). 100 ms at 1000 clients is out of reach on
+  this machine's CPU; the coordinator can run the server half on a GPU (`device = "cuda"`, the
+  default `auto` picks one when present), or a deployment can keep N per coordinator in the hundreds.
+  The runtime adds nothing to it: the coordinator's `compute_s` is the in-process time, inflated by
+  the machine's load at the moment of the run (the two columns were measured minutes apart).
+- **The runtime scales linearly.** End-to-end minus compute (encoding and publishing N tasks, the
+  clients' answers, receiving and validating N results) stays at a constant few milliseconds per
+  client from 100 to 1000 clients, and the CPU per client-task is flat: the coordinator well under a
+  millisecond (paho's packet handling, envelope decode/encode, validation; no hotspot stands out in
+  a profile), Mosquitto a tenth of one. FedMD, the same protocol and transfer without the
+  discriminator (the server half only averages), shows the runtime alone: at N = 1000 its
+  iteration meets both goals. (Its compute, a few milliseconds at N = 100, is too small to read a
+  growth rate from.)
+- The emulated fleet is part of the measurement: its one thread answers every client and takes
+  about as much CPU per message as the coordinator, on the same two cores.
+"""
 
 
 if __name__ == "__main__":

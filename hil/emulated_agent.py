@@ -158,6 +158,7 @@ class EmulatedAgent:
         # feedback applications: a test asserts every count is 1
         self.applied_keys: Counter[tuple[int, int]] = Counter()
         self.applied_iterations: Counter[tuple[str, int, int]] = Counter()
+        self.rng: np.random.Generator | None = None
         bias_rng = np.random.default_rng([seed, index, 0x51])
         self.bias = bias_rng.normal(0.0, 1.0, 64).astype(np.float32)  # a client "style" the discriminator can see
 
@@ -393,11 +394,11 @@ class EmulatedAgent:
         return round(2.3 * math.exp(-(r + 1) / 6) + 0.05, 4)
 
     def _rng(self, task: Message) -> np.random.Generator:
-        words = [self.seed, self.index]
-        for k in ("round", "iteration"):
-            v = task.meta.get(k)
-            words.append(v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0)
-        return np.random.default_rng(words)
+        """One stream per agent (seeding a generator per task costs more than the rest of the answer);
+        each task is computed once, so the numbers follow from the seed and the tasks received."""
+        if self.rng is None:
+            self.rng = np.random.default_rng([self.seed, self.index])
+        return self.rng
 
     def _reject(self, reason: str) -> None:
         self.counters["rejected"] += 1

@@ -51,6 +51,7 @@ class _Conn:
         self.next_attempt = 0.0
         self.backoff = fleet.reconnect_min_s
         self.sock = None
+        self.waiting_writable = False
         c = self.client
         addr = fleet.address
         username, password = fleet.credentials.get(agent.client_id, (fleet.username, fleet.password))
@@ -93,6 +94,7 @@ class _Conn:
     # -- paho callbacks (loop thread) ----------------------------------------------------------
     def _on_socket_open(self, _c, _u, sock) -> None:
         self.sock = sock
+        self.waiting_writable = False
         self.fleet.selector.register(sock, selectors.EVENT_READ, self)
 
     def _on_socket_close(self, _c, _u, sock) -> None:
@@ -102,15 +104,26 @@ class _Conn:
             pass
         self.sock = None
 
-    def _on_register_write(self, _c, _u, sock) -> None:
-        try:
-            self.fleet.selector.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, self)
-        except (KeyError, ValueError):
-            pass
+    def _on_register_write(self, _c, _u, _sock) -> None:
+        self.fleet.to_write.add(self)  # written after this batch of events (a socket is nearly always writable)
 
     def _on_unregister_write(self, _c, _u, sock) -> None:
+        if self.waiting_writable:
+            self.waiting_writable = False
+            self._select(sock, selectors.EVENT_READ)
+
+    def flush(self) -> None:
+        """Write what is queued; only if the socket cannot take it all, wait for it to be writable."""
+        if self.sock is None:
+            return
+        self.client.loop_write()
+        if self.sock is not None and self.client.want_write() and not self.waiting_writable:
+            self.waiting_writable = True
+            self._select(self.sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
+
+    def _select(self, sock, events: int) -> None:
         try:
-            self.fleet.selector.modify(sock, selectors.EVENT_READ, self)
+            self.fleet.selector.modify(sock, events, self)
         except (KeyError, ValueError):
             pass
 
@@ -168,6 +181,7 @@ class Fleet:
         self.selector = selectors.DefaultSelector()
         self.conns: list[_Conn] = []
         self.retry: set[_Conn] = set()
+        self.to_write: set[_Conn] = set()
         self.leaving: list[tuple[_Conn, Any, float]] = []
         self.stopping = False
         self._stop = threading.Event()
@@ -285,12 +299,14 @@ class Fleet:
                     conn = _Conn(self, todo.pop(0))
                     self.conns.append(conn)
                     conn.attempt(now)
+                self._flush()
             self._poll(0.02 if todo else 0.05)
             now = time.monotonic()
             if now - last_misc >= 0.25:
                 last_misc = now
                 with self.lock:
                     self._housekeeping(now)
+                    self._flush()
         if not self.stopping:
             self._goodbye()
         for conn in self.conns:
@@ -309,6 +325,13 @@ class Fleet:
                     c.loop_read()
                 if mask & selectors.EVENT_WRITE and conn.sock is not None:
                     c.loop_write()
+            self._flush()
+
+    def _flush(self) -> None:
+        while self.to_write:
+            pending, self.to_write = self.to_write, set()
+            for conn in pending:
+                conn.flush()
 
     def _housekeeping(self, now: float) -> None:
         for conn in self.conns:

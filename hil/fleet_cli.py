@@ -118,8 +118,9 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
             if deadline is not None and time.monotonic() > deadline:
                 outcome = "timed out"
                 break
-            _progress(bar, fleet)
-            time.sleep(0.5)
+            if not quiet:
+                _progress(bar, fleet)
+            time.sleep(1.0)
     finally:
         fleet.stop()
         bar.close()

@@ -22,7 +22,7 @@ from hil.fleet import Fleet, client_ids
 from hil.mosquitto import Mosquitto
 from tests.deployment import RUN_ID, Deployment, get
 
-ROUNDS, TAU = 4, 2
+ROUNDS, TAU = 3, 2
 REAL = ["c00", "c01"]
 
 

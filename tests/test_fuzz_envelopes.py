@@ -13,6 +13,8 @@ not sent: taking over a session that way is what broker ACLs prevent (tests/test
 from __future__ import annotations
 
 import json
+import os
+import random
 import threading
 from collections import Counter
 import time
@@ -22,7 +24,7 @@ import urllib.request
 import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from fedal.protocol import EnvelopeError, ManifestError, Message, Reassembler, RunManifest, encode, split, topics
@@ -420,6 +422,10 @@ def test_fuzzed_envelopes_are_all_counted_and_survived(deployment, mosquitto):
         want: dict[str, Counter] = {"coordinator": Counter(), "agent": Counter(), "manifest": Counter()}
         sent = {"n": 0, "skipped": 0}
 
+        fuzz_seed = int(os.environ.get("FEDAL_FUZZ_SEED") or random.getrandbits(32))
+        print(f"fuzz seed {fuzz_seed} (FEDAL_FUZZ_SEED={fuzz_seed} repeats this run's messages)")
+
+        @seed(fuzz_seed)
         @settings(max_examples=int(N_MESSAGES * 1.1) // BATCH, deadline=None, database=None, phases=[Phase.generate],
                   suppress_health_check=list(HealthCheck))
         @given(fuzz_batch(bases, manifest))
