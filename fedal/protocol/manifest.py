@@ -41,8 +41,8 @@ class RunManifest(BaseModel):
         try:
             data = json.loads(payload)
             manifest = cls.model_validate(data)
-        except (ValueError, ValidationError) as exc:
-            raise ManifestError(f"invalid run manifest: {exc}") from None
+        except (ValueError, ValidationError, RecursionError) as exc:  # RecursionError: absurdly nested JSON
+            raise ManifestError(f"invalid run manifest: {type(exc).__name__}: {exc}") from None
         if manifest.protocol != PROTOCOL_VERSION:
             raise ManifestError(f"run manifest has protocol {manifest.protocol}, this build speaks {PROTOCOL_VERSION}")
         return manifest
