@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 
+import torch
 import uvicorn
 
 from coordinator.app import create_app
@@ -16,6 +17,8 @@ log = logging.getLogger("coordinator")
 
 
 def serve(config: CoordinatorConfig) -> int:
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     runs = RunManager(config)
     runs.restore()
     server = uvicorn.Server(
