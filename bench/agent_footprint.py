@@ -141,6 +141,8 @@ class AgentMeasure:
     run_anon_kib: int = 0  # max sampled RssAnon (memory not backed by files) in that window
     peak_rss_kib: int | None = None  # exact lifetime peak (ru_maxrss), incl. the final ONNX export
     returncode: int | None = None
+    emulated: bool = False  # runs under qemu-user: guest_rss_kib estimates its native RSS
+    guest_rss_kib: int = 0  # max sampled RSS without qemu's share, until the run finished
     accuracies: list = field(default_factory=list)
     last_round: int | None = None
     final_acc: float | None = None
@@ -182,8 +184,37 @@ class StatusWatcher:
         self.client.disconnect()
 
 
+def guest_rss_kib(pid: int | None) -> int | None:
+    """For a process emulated by qemu-user: its RSS without qemu's own share, from smaps.
+
+    qemu-user maps the guest's memory and files into its own address space 1:1, so what is left
+    after removing qemu's translation cache (anonymous executable mappings, or the tcg-jit memfd
+    in split-wx mode), qemu's malloc heap ([heap]: translation-block metadata; the guest's brk
+    heap is an ordinary mapping) and qemu's binary is an estimate of the RSS the same program
+    would have natively on arm64.
+    """
+    if pid is None:
+        return None
+    total = 0
+    skip = False
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(None, 5)
+                if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's header line
+                    perms, name = head[1], (head[5].strip() if len(head) > 5 else "")
+                    skip = ((not name and "x" in perms) or name.startswith("/memfd:tcg-jit") or name == "[heap]"
+                            or "qemu-" in name.rsplit("/", 1)[-1])
+                elif head[0] == "Rss:" and not skip:
+                    total += int(head[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
+
+
 class Sampler(threading.Thread):
-    """Polls every agent's VmRSS and RssAnon while the run is going, keeping the maxima."""
+    """Polls every agent's VmRSS and RssAnon while the run is going, keeping the maxima; for
+    emulated agents also the estimate without qemu's share (from smaps, once a second)."""
 
     def __init__(self, agents: dict[str, AgentMeasure], period_s: float = 0.2):
         super().__init__(name="rss-sampler", daemon=True)
@@ -191,11 +222,15 @@ class Sampler(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
+        ticks = 0
         while not self.stopped.wait(self.period_s):
+            ticks += 1
             for a in self.agents.values():
                 st = proc_status_kib(a.pid, "VmRSS", "RssAnon")
                 a.run_rss_kib = max(a.run_rss_kib, st.get("VmRSS", 0))
                 a.run_anon_kib = max(a.run_anon_kib, st.get("RssAnon", 0))
+                if a.emulated and ticks % 5 == 0:
+                    a.guest_rss_kib = max(a.guest_rss_kib, guest_rss_kib(a.pid) or 0)
 
 
 def start_mosquitto(workdir: Path) -> tuple[subprocess.Popen | None, str | None]:
@@ -230,9 +265,10 @@ def run_fleet(config, workdir: Path, broker: str, setup=None, phases: dict | Non
     """One run: coordinator plus one agent process per client, each measured; (agents, results).
 
     `setup(agent_configs)`, called with {client id: its agent.toml} once the workspace is
-    prepared and before anything starts, may return {client id: (command, environment)} to
-    start some agents differently (the whole command line, config included). Phases close only
-    when every client answered (quorum 1), so each agent takes part in every round.
+    prepared and before anything starts, may return {client id: {"command": [...], "env": {...},
+    "emulated": bool}} to start some agents differently (the whole command line, config
+    included). Phases close only when every client answered (quorum 1), so each agent takes part
+    in every round.
     """
     from coordinator.demo import RUN_ID, free_port, prepare_workspace, spawn, terminate
 
@@ -250,9 +286,11 @@ def run_fleet(config, workdir: Path, broker: str, setup=None, phases: dict | Non
     envs: dict[str, dict[str, str]] = {}
     for i, path in enumerate(agent_paths):
         cid = path.parent.name
-        command, envs[cid] = custom.get(cid) or ([sys.executable, "-m", "edge_agent", "--config", str(path)],
-                                                 {**os.environ, "PYTHONUNBUFFERED": "1"})
-        agents[cid] = AgentMeasure(cid, config.models[i % len(config.models)], command)
+        how = custom.get(cid) or {"command": [sys.executable, "-m", "edge_agent", "--config", str(path)],
+                                  "env": {**os.environ, "PYTHONUNBUFFERED": "1"}}
+        envs[cid] = how["env"]
+        agents[cid] = AgentMeasure(cid, config.models[i % len(config.models)], how["command"],
+                                   emulated=how.get("emulated", False))
 
     watcher = StatusWatcher(broker, RUN_ID, agents)
     sampler = Sampler(agents)
