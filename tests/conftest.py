@@ -28,8 +28,53 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture()
+def mosquitto(mosquitto_server):
+    """The session's Mosquitto with no retained `fedal/` message left by an earlier test: a run id
+    is reused across tests ("demo"), and a retained status or manifest of another test's run would
+    otherwise reach this one (counted as a reject, or worse)."""
+    clear_retained(mosquitto_server)
+    return mosquitto_server
+
+
+def clear_retained(url: str, quiet_s: float = 0.3) -> None:
+    import threading
+    import time
+
+    import paho.mqtt.client as mqtt
+
+    from fedal.protocol import parse_broker_url
+
+    addr = parse_broker_url(url)
+    seen: set[str] = set()
+    subscribed = threading.Event()
+    last = [time.monotonic()]
+
+    def on_message(_c, _u, msg):
+        if msg.retain and msg.payload:
+            seen.add(msg.topic)
+        last[0] = time.monotonic()
+
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="fedal-test-retained-sweeper")
+    client.on_message = on_message
+    client.on_subscribe = lambda *_: subscribed.set()
+    client.connect(addr.host, addr.port)
+    client.loop_start()
+    try:
+        client.subscribe("fedal/#", qos=1)
+        assert subscribed.wait(10), "the retained-message sweeper could not subscribe"
+        last[0] = time.monotonic()
+        while time.monotonic() - last[0] < quiet_s:  # retained messages arrive right after SUBACK
+            time.sleep(0.05)
+        for topic in sorted(seen):
+            client.publish(topic, b"", qos=1, retain=True).wait_for_publish(10)
+    finally:
+        client.loop_stop()
+        client.disconnect()
+
+
 @pytest.fixture(scope="session")
-def mosquitto(tmp_path_factory):
+def mosquitto_server(tmp_path_factory):
     """A private Mosquitto on a free loopback port, with a generated config."""
     import shutil
     import socket
