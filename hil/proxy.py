@@ -6,10 +6,17 @@ opened and packets flow through two `Link`s, up (client -> broker) and down (bro
 Packets are framed and parsed with amqtt's MQTT 3.1.1 codec (`amqtt.mqtt`), so faults act per
 message: a PUBLISH can be dropped or duplicated while the rest of the stream passes untouched.
 Forwarded packets are the original bytes; only packets the proxy makes itself (a PUBACK for a
-dropped message, the DUP flag of a copy) are encoded.
+dropped message, the DUP flag of a copy) are encoded. A packet whose framing is intact but that the
+codec cannot parse is still forwarded, as raw bytes without per-message faults (counted as
+`unparsed`): judging it is the receiver's job, and a message the broker redelivers on every
+reconnect must not cost the client every connection.
 
 A link models a Wi-Fi hop on top of TCP: delays and bandwidth hold packets back, but never
-reorder them (TCP does not either), and a dead link takes the whole connection with it.
+reorder them (TCP does not either), and a dead link takes the whole connection with it. A link
+that dies with a message in flight dies when that message's turn comes: what was sent before it
+still arrives (the CONNACK, earlier messages and their acknowledgements), as on a real hop.
+Otherwise a client with a backlog of queued messages could lose every connection before its
+CONNACK and never get through it.
 """
 
 from __future__ import annotations
@@ -40,6 +47,18 @@ class Malformed(Exception):
     """Bytes that are not an MQTT packet the proxy can forward."""
 
 
+class Unparsed(Malformed):
+    """A complete packet (framing intact) that the codec cannot parse; `raw` can still be forwarded."""
+
+    def __init__(self, message: str, raw: bytes, packet_type: int):
+        super().__init__(message)
+        self.raw = raw
+        self.packet_type = packet_type
+
+
+CUT = object()  # a link's queue item: the link dies here (what was queued before it is delivered)
+
+
 @dataclass
 class Packet:
     raw: bytes
@@ -48,11 +67,11 @@ class Packet:
 
     @property
     def topic(self) -> str | None:
-        return self.parsed.topic_name if self.packet_type == PUBLISH else None
+        return self.parsed.topic_name if self.packet_type == PUBLISH and self.parsed is not None else None
 
     @property
     def qos(self) -> int | None:
-        return self.parsed.qos if self.packet_type == PUBLISH else None
+        return self.parsed.qos if self.packet_type == PUBLISH and self.parsed is not None else None
 
     @property
     def packet_id(self) -> int | None:
@@ -74,7 +93,10 @@ async def read_packet(reader: asyncio.StreamReader, max_bytes: int = MQTT_MAX_PA
         body = await reader.readexactly(header.remaining_length)
     except asyncio.IncompleteReadError:
         raise Malformed(f"stream ended inside a packet ({header!r})") from None
-    return await decode(header, body)
+    try:
+        return await decode(header, body)
+    except Malformed as exc:  # the framing held: the packet's bytes are known, only their meaning is not
+        raise Unparsed(str(exc), header.to_bytes() + body, header.packet_type) from None
 
 
 async def parse_bytes(data: bytes) -> list[Packet]:
@@ -132,12 +154,13 @@ class Link:
         self.room = asyncio.Event()
         self.room.set()
 
-    def send(self, data: bytes | None, faults: LinkFaults, delay_s: float) -> float:
-        """Queue bytes (None: close after what is queued); returns the added delay in seconds."""
+    def send(self, data, faults: LinkFaults, delay_s: float) -> float:
+        """Queue bytes (None: close after what is queued; CUT: end the session at this point, as a
+        link dying with this message in flight); returns the added delay in seconds."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         start = max(now, self.link_free)
-        size = len(data) if data else 0
+        size = len(data) if isinstance(data, bytes) else 0
         tx = size * 8 / (faults.bandwidth_kbps * 1000) if faults.bandwidth_kbps > 0 else 0.0
         self.link_free = start + tx
         due = max(start + tx + delay_s, self.last_due)  # TCP keeps the order whatever the delays
@@ -155,6 +178,12 @@ class Link:
             wait = due - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
+            if data is CUT:  # what was written before the cut has left the proxy before the link dies
+                deadline = loop.time() + 1.0
+                while self.writer.transport.get_write_buffer_size() and loop.time() < deadline:
+                    await asyncio.sleep(0.005)
+                self.session.abort()
+                return
             if data is None:  # the other side closed: flush, close this side too, end the session
                 with contextlib.suppress(OSError, asyncio.TimeoutError):
                     self.writer.close()
@@ -186,6 +215,7 @@ class Session:
         self.acked_once: dict[str, set[int]] = {"up": set(), "down": set()}
         # QoS 2 publishes dropped in "lost" mode: the proxy completes their handshake itself
         self.swallowed_qos2: dict[str, set[int]] = {"up": set(), "down": set()}
+        self.dying = False  # a cut is queued: the link dies when it comes due; no new faults until then
 
     async def run(self) -> None:
         try:
@@ -248,6 +278,11 @@ class Session:
             await link.room.wait()
             try:
                 packet = await read_packet(reader, self.proxy.max_packet_bytes)
+            except Unparsed as exc:
+                self.engine.fault("malformed", self.client_id, direction, reason=str(exc), forwarded=True)
+                if not self.forward_raw(direction, exc.raw):
+                    return
+                continue
             except Malformed as exc:
                 self.engine.fault("malformed", self.client_id, direction, reason=str(exc))
                 self.abort()
@@ -257,6 +292,26 @@ class Session:
                 return
             if not self.handle(direction, packet):
                 return
+
+    def forward_raw(self, direction: str, raw: bytes) -> bool:
+        """Relay a packet the codec cannot parse: delays and bandwidth apply, per-message faults do not."""
+        engine, cid = self.engine, self.client_id
+        engine.count(cid, direction, "packets")
+        engine.count(cid, direction, "bytes", len(raw))
+        engine.count(cid, direction, "unparsed")
+        decision = engine.decide(cid, direction, None)
+        if decision.reset and not self.dying:
+            engine.fault("reset", cid, direction, type="unparsed")
+            self.cut(direction, engine.link(cid, direction), decision.delay_s)
+            return False
+        self.links[direction].send(raw, engine.link(cid, direction), decision.delay_s)
+        return True
+
+    def cut(self, direction: str, faults: LinkFaults, delay_s: float) -> None:
+        """The link dies when a message sent now would have arrived: what is ahead of it gets through,
+        and the other direction keeps flowing until then (acknowledgements of what arrived)."""
+        self.dying = True
+        self.links[direction].send(CUT, faults, delay_s)
 
     def handle(self, direction: str, packet: Packet) -> bool:
         """Apply the faults to one packet; False once the connection is gone."""
@@ -273,6 +328,8 @@ class Session:
             return True
         decision: Decision = engine.decide(cid, direction, packet.topic, packet.qos)
         faults = engine.link(cid, direction)
+        if self.dying:  # the link is already doomed: one death per connection, no faults stacked on it
+            decision = Decision(decision.delay_s)
         if decision.eligible:
             engine.count(cid, direction, "eligible")
         details = {"type": type(packet.parsed).__name__}
@@ -282,7 +339,7 @@ class Session:
             engine.count(cid, direction, "publishes")
             engine.fault("dropped", cid, direction, mode=faults.drop_mode, **details)
             if faults.drop_mode == "reset":
-                self.abort()
+                self.cut(direction, faults, decision.delay_s)
                 return False
             if faults.drop_mode == "lost" and packet.qos == 1:  # the sender's hop succeeded; the message did not
                 self.links[other].send(PubackPacket.build(packet.packet_id).to_bytes(), engine.link(cid, other),
@@ -294,7 +351,7 @@ class Session:
             return True
         if decision.reset:
             engine.fault("reset", cid, direction, **details)
-            self.abort()
+            self.cut(direction, faults, decision.delay_s)
             return False
         if packet.topic is not None:
             engine.count(cid, direction, "publishes")

@@ -8,6 +8,11 @@ exactly what the oracle predicts, so every message was either counted as a rejec
 valid, and none was lost to an exception. Afterwards the processes are alive, and the run,
 resumed, completes. Messages that would be *accepted* as a genuine task, result or manifest are
 not sent: taking over a session that way is what broker ACLs prevent (tests/test_security_*.py).
+
+The junk is published with QoS 1 on the run's topics, so the broker also queues it for every
+*offline* persistent session subscribed to them: agents of earlier tests on the shared broker with
+the same run id. Nothing is retained, but those queues would greet a later test's agent with over
+a thousand junk manifests; the test discards those sessions when it ends.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import threading
 from collections import Counter
 import time
@@ -27,10 +33,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from fedal.protocol import EnvelopeError, ManifestError, Message, Reassembler, RunManifest, encode, split, topics
+from fedal.protocol import (EnvelopeError, ManifestError, Message, Reassembler, RunManifest, encode, parse_broker_url,
+                            split, topics)
 from fedal.protocol.chunking import _Partial
 from fedal.sim import load_config
-from hil.fleet import Fleet
+from fedal.sim.runner import client_ids
+from hil.fleet import Fleet, client_ids as fleet_ids
 from tests.deployment import RUN_ID, Deployment
 
 TOKEN = "fuzz-token"
@@ -396,6 +404,25 @@ def deployment(mosquitto, tmp_path):
                      phases={"quorum": 1.0, "deadline_s": 60.0, "train_deadline_s": 60.0, "resend_s": 60.0})
     yield dep
     dep.close()
+    discard_sessions(mosquitto, [f"fedal-agent-{RUN_ID}-{cid}" for cid in client_ids(100) + fleet_ids(100)])
+
+
+def discard_sessions(broker_url: str, mqtt_ids: list[str]) -> None:
+    """Connect once with a clean session under each MQTT client id: the broker drops the persistent
+    session of that id and every message queued for it (real agents and emulated fleets of this
+    run id, as the project names them)."""
+    addr = parse_broker_url(broker_url)
+    for mqtt_id in mqtt_ids:
+        cid = mqtt_id.encode()
+        body = b"\x00\x04MQTT\x04\x02\x00\x3c" + len(cid).to_bytes(2, "big") + cid  # MQTT 3.1.1, clean session
+        assert len(body) < 128
+        with socket.create_connection((addr.host, addr.port), timeout=10) as s:
+            s.sendall(bytes([0x10, len(body)]) + body)
+            connack = b""
+            while len(connack) < 4 and (chunk := s.recv(4 - len(connack))):
+                connack += chunk
+            assert connack == b"\x20\x02\x00\x00", (mqtt_id, connack)
+            s.sendall(b"\xe0\x00")  # DISCONNECT: a clean session ends with its connection
 
 
 def test_fuzzed_envelopes_are_all_counted_and_survived(deployment, mosquitto):
