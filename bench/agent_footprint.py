@@ -35,7 +35,7 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomli_w
@@ -137,10 +137,11 @@ class AgentMeasure:
     launcher: Measured | None = None
     online_s: float | None = None  # spawn to the retained `online` status reaching a subscriber
     rss_online_kib: int | None = None  # VmRSS then: imported, warmed up, nothing trained yet
-    run_rss_kib: int = 0  # max sampled VmRSS until the coordinator reported the run finished
+    run_rss_kib: int = 0  # max sampled VmRSS until the agent began its final artifacts
     run_anon_kib: int = 0  # max sampled RssAnon (memory not backed by files) in that window
     peak_rss_kib: int | None = None  # exact lifetime peak (ru_maxrss), incl. the final ONNX export
     returncode: int | None = None
+    final_dir: Path | None = None  # appears when the agent starts writing its final artifacts
     emulated: bool = False  # runs under qemu-user: guest_rss_kib estimates its native RSS
     guest_rss_kib: int = 0  # max sampled RSS without qemu's share, until the run finished
     accuracies: list = field(default_factory=list)
@@ -213,8 +214,9 @@ def guest_rss_kib(pid: int | None) -> int | None:
 
 
 class Sampler(threading.Thread):
-    """Polls every agent's VmRSS and RssAnon while the run is going, keeping the maxima; for
-    emulated agents also the estimate without qemu's share (from smaps, once a second)."""
+    """Polls every agent's VmRSS and RssAnon while it trains (until its final/ directory
+    appears), keeping the maxima; for emulated agents also the estimate without qemu's share
+    (from smaps, once a second)."""
 
     def __init__(self, agents: dict[str, AgentMeasure], period_s: float = 0.2):
         super().__init__(name="rss-sampler", daemon=True)
@@ -226,6 +228,8 @@ class Sampler(threading.Thread):
         while not self.stopped.wait(self.period_s):
             ticks += 1
             for a in self.agents.values():
+                if a.final_dir is not None and a.final_dir.exists():
+                    continue  # training is over; the final export is only in the lifetime peak
                 st = proc_status_kib(a.pid, "VmRSS", "RssAnon")
                 a.run_rss_kib = max(a.run_rss_kib, st.get("VmRSS", 0))
                 a.run_anon_kib = max(a.run_anon_kib, st.get("RssAnon", 0))
@@ -266,8 +270,8 @@ def run_fleet(config, workdir: Path, broker: str, setup=None, phases: dict | Non
 
     `setup(agent_configs)`, called with {client id: its agent.toml} once the workspace is
     prepared and before anything starts, may return {client id: {"command": [...], "env": {...},
-    "emulated": bool}} to start some agents differently (the whole command line, config
-    included). Phases close only when every client answered (quorum 1), so each agent takes part
+    "final_dir": Path, "emulated": bool}} to start some agents differently (the whole command
+    line, config included; final_dir: where that agent writes its final artifacts). Phases close only when every client answered (quorum 1), so each agent takes part
     in every round.
     """
     from coordinator.demo import RUN_ID, free_port, prepare_workspace, spawn, terminate
@@ -287,10 +291,11 @@ def run_fleet(config, workdir: Path, broker: str, setup=None, phases: dict | Non
     for i, path in enumerate(agent_paths):
         cid = path.parent.name
         how = custom.get(cid) or {"command": [sys.executable, "-m", "edge_agent", "--config", str(path)],
-                                  "env": {**os.environ, "PYTHONUNBUFFERED": "1"}}
+                                  "env": {**os.environ, "PYTHONUNBUFFERED": "1"},
+                                  "final_dir": Path(tomllib.loads(path.read_text())["workspace"]) / "final"}
         envs[cid] = how["env"]
         agents[cid] = AgentMeasure(cid, config.models[i % len(config.models)], how["command"],
-                                   emulated=how.get("emulated", False))
+                                   final_dir=how.get("final_dir"), emulated=how.get("emulated", False))
 
     watcher = StatusWatcher(broker, RUN_ID, agents)
     sampler = Sampler(agents)
@@ -426,11 +431,25 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not datasets:
         ap.error(f"--datasets: choose from {', '.join(ZOO)}")
 
-    from fedal.sim import load_config
-
     # agent and coordinator processes import the toolkit from this checkout too
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     workdir = Path(tempfile.mkdtemp(prefix="fedal-footprint-"))
+    try:
+        report = measure(args, datasets, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "agent_footprint.json").write_text(json.dumps(report, indent=2) + "\n")
+    md = render(report)
+    (out / "agent_footprint.md").write_text(md + _kept_reading(out / "agent_footprint.md"))
+    print(json.dumps(report, indent=2) if args.json else md)
+    return 0
+
+
+def measure(args, datasets: list[str], workdir: Path) -> dict:
+    from fedal.sim import load_config
+
     broker_proc, broker = start_mosquitto(workdir)
     broker_name = "mosquitto" if broker else "embedded amqtt"
     embedded = None
@@ -485,14 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         "goal": {"cnn1d_training_rss_mb_max": GOAL_MB, "cnn1d_training_rss_mb": cnn["training_rss_mb"],
                  "met": cnn["training_rss_mb"] is not None and cnn["training_rss_mb"] <= GOAL_MB},
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "agent_footprint.json").write_text(json.dumps(report, indent=2) + "\n")
-    md = render(report)
-    (out / "agent_footprint.md").write_text(md + _kept_reading(out / "agent_footprint.md"))
-    print(json.dumps(report, indent=2) if args.json else md)
-    shutil.rmtree(workdir, ignore_errors=True)
-    return 0
+    return report
 
 
 READING_MARK = "## Reading"
@@ -519,7 +531,7 @@ def render(r: dict) -> str:
         "",
         "- *online*: RSS when the agent's retained `online` status arrived (torch imported, optimizer warmed up);",
         "- *training*: the largest RSS (and anonymous, i.e. not file-backed, RSS) sampled every 0.2 s until the",
-        "  coordinator reported the run finished;",
+        "  agent began writing its final artifacts (every round's training, transfer and evaluation);",
         "- *lifetime peak*: the kernel's exact maximum (wait4 ru_maxrss), which also covers writing the final",
         "  model as ONNX after the run.",
         "",

@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"--chdir={PI_STATE}", python, "-m", "edge_agent", "--config", PI_CONFIG]
         env = {**CHROOT_ENV, "HOME": PI_STATE, "FEDAL_CACHE_DIR": f"{PI_STATE}/cache"}
         log(f"starting {arm_cid} in the arm64 userland: {' '.join(command[4:])}")
-        return {arm_cid: {"command": command, "env": env, "emulated": True}}
+        return {arm_cid: {"command": command, "env": env, "emulated": True, "final_dir": state / "final"}}
 
     broker_proc, broker = start_mosquitto(workdir)
     embedded = None
