@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The whole test suite, after installing what it needs (pip packages; Debian packages: mosquitto, chromium, fdisk, dosfstools, mtools, shellcheck).
+# The whole test suite, after installing what it needs (pip packages; Debian packages: mosquitto,
+# chromium + chromium-driver, fdisk, dosfstools, mtools, shellcheck, postgresql — see install-test-tools.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-test-tools.sh
 bash scripts/install.sh dev
 PYTHON="${PYTHON:-python3}"
-"$PYTHON" -m pytest -q "$@"
+# two workers (pytest-xdist), one per core; a test file's tests stay on one worker
+"$PYTHON" -m pytest -q -n "${FEDAL_TEST_WORKERS:-2}" --dist loadfile "$@"

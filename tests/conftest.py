@@ -80,7 +80,7 @@ def mosquitto_server(tmp_path_factory):
     import socket
     import subprocess
 
-    from tests.helpers import wait_for_port
+    from tests.waiting import wait_for_port
 
     binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     if not Path(binary).exists():

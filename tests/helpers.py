@@ -1,9 +1,7 @@
-"""Small builders shared by the strategy tests: tiny data and models, no dataset generation."""
+"""Small builders shared by the strategy tests: tiny data and models, no dataset generation
+(waiting for ports and conditions: tests/waiting.py)."""
 
 from __future__ import annotations
-
-import socket
-import time
 
 import numpy as np
 import torch
@@ -43,26 +41,3 @@ def toy_federation(strategy: str, n_clients: int = 3, k: int = 4, public: int = 
         clients[cid] = spec.client(cid, TinyNet(k=k), toy_dataset(k=k, seed=i), public_x, params, seed=7 + i)
     server = spec.server(params, ids, ServerContext(num_classes=k, public_size=public, seed=seed))
     return server, clients, params
-
-
-def wait_for_port(port: int, timeout_s: float = 10.0) -> bool:
-    """True once something accepts TCP connections on 127.0.0.1:port."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return True
-        except OSError:
-            time.sleep(0.05)
-    return False
-
-
-def wait_until(predicate, timeout_s: float = 30, what: str = "condition", interval_s: float = 0.05):
-    """predicate()'s first truthy value, polled until timeout_s; AssertionError naming `what` after."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out waiting for {what}")

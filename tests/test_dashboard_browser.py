@@ -11,7 +11,7 @@ import pytest
 
 from fedal.sim import load_config
 from tests.deployment import Deployment
-from tests.helpers import wait_until
+from tests.waiting import wait_until
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.chrome.options import Options  # noqa: E402

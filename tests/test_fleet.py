@@ -7,7 +7,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,25 +22,9 @@ from fedal.cli.main import cli
 from fedal.protocol import topics
 from fleet import passwords
 
+from tests.waiting import free_port, wait_for_port
+
 RUN = "fleet"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, timeout_s: float = 10.0) -> bool:
-    """Like tests.helpers.wait_for_port, without importing torch into this test module."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return True
-        except OSError:
-            time.sleep(0.05)
-    return False
 
 
 def fleet_init(*args: str) -> tuple[int, str]:

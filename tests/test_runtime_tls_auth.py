@@ -16,7 +16,7 @@ from coordinator.demo import free_port
 from fedal.protocol import topics
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment
-from tests.helpers import wait_for_port
+from tests.waiting import wait_for_port
 
 
 def openssl(*args: str, cwd) -> None:
