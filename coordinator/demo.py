@@ -182,15 +182,21 @@ def _follow(api: str, procs: list[subprocess.Popen], rounds: int, quiet: bool, t
 def summary_table(results: dict) -> str:
     dep = results.get("deployment", {}).get("clients", {})
     accs = results["final"].get("client_acc", [])
-    lines = [f"{'client':8} {'model':12} {'acc':>7} {'answered':>9} {'late':>5} {'rejected':>9} {'KB up':>9} {'KB down':>9}"]
+    local = results["final"].get("client_local_acc", [])  # each device on its own test split
+    nan = float("nan")
+    lines = [f"{'client':8} {'model':12} {'acc':>7}" + (f" {'own acc':>8}" if local else "")
+             + f" {'answered':>9} {'late':>5} {'rejected':>9} {'KB up':>9} {'KB down':>9}"]
     for i, c in enumerate(results["clients"]):
         d = dep.get(c["id"], {})
-        acc = accs[i] if i < len(accs) and accs[i] is not None else float("nan")
-        lines.append(f"{c['id']:8} {c.get('model', '?'):12} {acc:7.4f} {d.get('answered', 0):9d} {d.get('late', 0):5d} "
+        acc = accs[i] if i < len(accs) and accs[i] is not None else nan
+        own = (f" {local[i] if i < len(local) and local[i] is not None else nan:8.4f}") if local else ""
+        lines.append(f"{c['id']:8} {c.get('model', '?'):12} {acc:7.4f}{own} {d.get('answered', 0):9d} {d.get('late', 0):5d} "
                      f"{d.get('rejected', 0):9d} {d.get('bytes_up', 0) / 1024:9.1f} {d.get('bytes_down', 0) / 1024:9.1f}")
     final = results["final"]
-    lines.append(f"mean acc {final.get('mean_acc', float('nan')):.4f} (min {final.get('min_acc', float('nan')):.4f}, "
-                 f"max {final.get('max_acc', float('nan')):.4f})")
+    lines.append(f"mean acc {final.get('mean_acc', nan):.4f} (min {final.get('min_acc', nan):.4f}, "
+                 f"max {final.get('max_acc', nan):.4f})")
+    if "local_mean_acc" in final:
+        lines.append(f"mean acc on the devices' own test splits {final['local_mean_acc']:.4f}")
     if "cf" in final:
         lines.append(fairness_line(final))
     if global_model_line(final):  # FedAvg-type strategies: the aggregated model, evaluated by the coordinator
