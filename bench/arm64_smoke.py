@@ -300,11 +300,12 @@ def _userland_python(rootfs: Path) -> str | None:
 
 def _os_release(rootfs: Path) -> str | None:
     try:
-        for line in (rootfs / "etc" / "os-release").read_text().splitlines():
-            if line.startswith("PRETTY_NAME="):
-                return line.split("=", 1)[1].strip('"')
-    except OSError:
-        pass
+        lines = (rootfs / "etc" / "os-release").read_text().splitlines()
+    except OSError:  # no os-release: the report just names no distribution
+        return None
+    for line in lines:
+        if line.startswith("PRETTY_NAME="):
+            return line.split("=", 1)[1].strip('"')
     return None
 
 

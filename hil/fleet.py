@@ -13,6 +13,7 @@ clients do not all knock at once after a broker restart.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -98,10 +99,8 @@ class _Conn:
         self.fleet.selector.register(sock, selectors.EVENT_READ, self)
 
     def _on_socket_close(self, _c, _u, sock) -> None:
-        try:
+        with contextlib.suppress(KeyError, ValueError):  # already unregistered, or the socket is closed
             self.fleet.selector.unregister(sock)
-        except (KeyError, ValueError):
-            pass
         self.sock = None
 
     def _on_register_write(self, _c, _u, _sock) -> None:
@@ -122,10 +121,8 @@ class _Conn:
             self._select(self.sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
 
     def _select(self, sock, events: int) -> None:
-        try:
+        with contextlib.suppress(KeyError, ValueError):  # the socket closed meanwhile: nothing to watch
             self.fleet.selector.modify(sock, events, self)
-        except (KeyError, ValueError):
-            pass
 
     def _on_connect(self, client, _u, _flags, reason_code, _props) -> None:
         if reason_code.is_failure:

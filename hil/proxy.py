@@ -443,8 +443,8 @@ class Proxy:
         self._tasks.add(task)
         try:
             await session.run()
-        except asyncio.CancelledError:
-            pass  # closing: asyncio's stream server would report a cancelled handler as an error
+        except asyncio.CancelledError:  # closing: asyncio's stream server would report a cancelled handler as an error
+            return
         finally:
             self._tasks.discard(task)
 

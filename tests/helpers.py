@@ -41,3 +41,16 @@ def toy_federation(strategy: str, n_clients: int = 3, k: int = 4, public: int = 
         clients[cid] = spec.client(cid, TinyNet(k=k), toy_dataset(k=k, seed=i), public_x, params, seed=7 + i)
     server = spec.server(params, ids, ServerContext(num_classes=k, public_size=public, seed=seed))
     return server, clients, params
+
+
+def simulated_run(config):
+    """`fedal simulate`'s loop for `config`, keeping data, client halves and server half (to
+    compare a deployment's final outputs with, not only its accuracies)."""
+    from fedal.sim import InProcessEngine, build_run
+
+    config = config.resolved()
+    data, clients, server = build_run(config)
+    engine = InProcessEngine(server, clients)
+    for r in range(config.rounds):
+        engine.run_round(r)
+    return data, clients, server

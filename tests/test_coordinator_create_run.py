@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import signal
-import time
 import tomllib
 
 import httpx
@@ -21,6 +20,7 @@ from coordinator.runs import RunManager
 from fedal.data import content_hash, public_set
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment
+from tests.waiting import wait_for_port, wait_until
 
 SPEC = {"run_id": "api-run", "client_ids": ["pi-1", "pi-2"],
         "run": {"strategy": "fedmd", "dataset": "digits", "rounds": 3, "public_size": 50, "seed": 2}}
@@ -83,13 +83,7 @@ def test_a_run_created_over_the_api_runs_and_survives_a_restart(mosquitto, tmp_p
     auth = {"Authorization": "Bearer tok"}
     try:
         dep.start_coordinator()
-        for _ in range(100):
-            try:
-                if httpx.get(f"{dep.api}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_until(lambda: wait_for_port(dep.port, timeout_s=1), timeout_s=60, what="the coordinator's API")
         assert httpx.get(f"{dep.api}/api/v1/runs").json() == []
         assert httpx.post(f"{dep.api}/api/v1/runs", json=spec, headers=auth).status_code == 201
         for cid in spec["client_ids"]:

@@ -8,7 +8,8 @@ import json
 import numpy as np
 
 from coordinator.demo import run_demo
-from fedal.sim import InProcessEngine, build_run, load_config, simulate
+from fedal.sim import load_config, simulate
+from tests.helpers import simulated_run
 from fedal.sim.fairness import collaborative_fairness, standalone_config
 
 SMALL = dict(strategy="fedakd", dataset="digits", clients=3, partition="covariate-shift-pow", shift_c=5.0,
@@ -39,11 +40,7 @@ def test_simulate_reports_cf_against_its_own_standalone_run(one_torch_thread, tm
 def test_fedakd_over_mosquitto_matches_simulation(mosquitto, tmp_path, one_torch_thread):
     config = load_config(None, {**SMALL, "eval_every": 1})
     results = run_demo(config, tmp_path / "demo", broker=mosquitto, quiet=True, timeout_s=300)
-    sim = config.resolved()
-    data, clients, server = build_run(sim)
-    engine = InProcessEngine(server, clients)
-    for r in range(sim.rounds):
-        engine.run_round(r)
+    data, clients, server = simulated_run(config)
     accs = [c.evaluate(data.test.x, data.test.y) for c in clients.values()]
     local = [c.evaluate(t.x, t.y) for c, t in zip(clients.values(), data.client_tests)]
     final = results["final"]

@@ -11,7 +11,8 @@ import paho.mqtt.client as mqtt
 from coordinator.demo import RUN_ID, run_demo
 from fedal.protocol import decode, parse_broker_url
 from fedal.protocol.topics import ROOT
-from fedal.sim import InProcessEngine, build_run, load_config
+from fedal.sim import load_config
+from tests.helpers import simulated_run
 
 MAX_PAYLOAD = 8192
 
@@ -48,11 +49,7 @@ class WireSpy:
 
 
 def simulate_with_models(config):
-    config = config.resolved()
-    data, clients, server = build_run(config)
-    engine = InProcessEngine(server, clients)
-    for r in range(config.rounds):
-        engine.run_round(r)
+    data, clients, _ = simulated_run(config)
     return [c.evaluate(data.test.x, data.test.y) for c in clients.values()], [c.predict(data.test.x).numpy() for c in clients.values()]
 
 

@@ -201,7 +201,7 @@ def test_agent_comes_online_over_tls_with_generated_credentials(tmp_path):
             try:
                 states.append(json.loads(watcher.messages.get(timeout=0.5)[1])["state"])
             except queue.Empty:
-                pass
+                continue
         assert "online" in states, (tmp_path / "agent.log").read_text()
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=30) == 0
@@ -210,7 +210,7 @@ def test_agent_comes_online_over_tls_with_generated_credentials(tmp_path):
             try:
                 states.append(json.loads(watcher.messages.get(timeout=0.5)[1])["state"])
             except queue.Empty:
-                pass
+                continue
         assert states[-1] == "offline"  # the agent said goodbye over the same TLS session
     finally:
         watcher.close()

@@ -202,11 +202,13 @@ def test_only_mqtt_311_and_31_connects_are_accepted():
 # -- link model ------------------------------------------------------------------------------
 
 class NullWriter:
+    """A stream writer that discards what the link model hands it (only timing is under test)."""
+
     def write(self, data):
-        pass
+        return None
 
     async def drain(self):
-        pass
+        return None
 
 
 def test_bandwidth_serialises_packets_and_jitter_never_reorders():

@@ -10,16 +10,13 @@ import paho.mqtt.client as mqtt
 from coordinator.demo import RUN_ID, run_demo
 from coordinator.store import RunStore, default_store_url
 from fedal.protocol import RunManifest, parse_broker_url, topics
-from fedal.sim import InProcessEngine, build_run, load_config
+from fedal.sim import load_config
+from tests.helpers import simulated_run
 
 
 def simulate_with_models(config):
     """simulate()'s loop, keeping the client halves to compare their final outputs."""
-    config = config.resolved()
-    data, clients, server = build_run(config)
-    engine = InProcessEngine(server, clients)
-    for r in range(config.rounds):
-        engine.run_round(r)
+    data, clients, _ = simulated_run(config)
     accs = [c.evaluate(data.test.x, data.test.y) for c in clients.values()]
     outputs = [c.predict(data.test.x).numpy() for c in clients.values()]
     local = [c.evaluate(t.x, t.y) for c, t in zip(clients.values(), data.client_tests) if len(t)]
