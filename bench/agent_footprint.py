@@ -118,6 +118,10 @@ def proc_status_kib(pid: int | None, *fields: str) -> dict[str, int]:
     return out
 
 
+ONE_STEP = ("import torch, edge_agent.agent; from fedal.strategies.optim import Adam; "
+            "p = torch.zeros(1, requires_grad=True); o = Adam([p]); p.sum().backward(); o.step()")
+
+
 def baseline_rss_kib(python: str, code: str, workdir: Path) -> int:
     """Peak RSS of `python -c code`: what importing alone costs."""
     m = Measured([python, "-c", code], workdir / f"baseline-{abs(hash(code))}.json", stdout=subprocess.DEVNULL,
@@ -487,7 +491,7 @@ def measure(args, datasets: list[str], workdir: Path) -> dict:
     baselines = {
         "python": mib(baseline_rss_kib(sys.executable, "pass", workdir)),
         "import torch": mib(baseline_rss_kib(sys.executable, "import torch", workdir)),
-        "import edge_agent.agent + warm_up()": mib(baseline_rss_kib(sys.executable, "import edge_agent.agent; edge_agent.agent.warm_up()", workdir)),
+        "import edge_agent.agent + one optimizer step": mib(baseline_rss_kib(sys.executable, ONE_STEP, workdir)),
     }
     size = install_size()
     cnn = next((r for r in rows if r["model"] == "cnn1d"), {"training_rss_mb": None})

@@ -29,7 +29,7 @@ from edge_agent.inference import OnnxInference, write_final_onnx
 from edge_agent.public_set import PublicSetError, load_public_set
 from fedal.data import ArrayDataset
 from fedal.models import build_model
-from fedal.protocol import EnvelopeError, ManifestError, Message, Reassembler, RunManifest, encode, topics
+from fedal.protocol import EnvelopeError, ManifestError, Message, Reassembler, RunManifest, encode
 from fedal.strategies import StrategyParams, get_strategy
 
 log = logging.getLogger("edge_agent")
@@ -39,12 +39,6 @@ def load_npz_dataset(path: Path, num_classes: int, name: str) -> ArrayDataset:
     with np.load(path, allow_pickle=False) as z:
         x, y = z["x"], z["y"]
     return ArrayDataset(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(y, np.int64), num_classes, name)
-
-
-def warm_up() -> None:
-    """Creating the first optimizer imports torch's compiler stack (seconds on a Pi)."""
-    p = torch.zeros(1, requires_grad=True)
-    torch.optim.Adam([p]).step()
 
 
 class Agent:
@@ -73,7 +67,6 @@ class Agent:
         """Block until the run finishes or stop() is called; returns a process exit code."""
         torch.set_num_threads(self.config.threads)
         self.workspace.mkdir(parents=True, exist_ok=True)
-        warm_up()  # "online" should mean ready: pay torch's lazy imports before connecting
         self.link.start()
         self.worker.start()
         while not self.stop_event.is_set() and not self.finished.is_set():

@@ -17,6 +17,7 @@ import torch
 
 from fedal.data import ArrayDataset
 from fedal.protocol import Message
+from fedal.strategies import optim
 from fedal.strategies.frozen import TorchInference
 from fedal.strategies.params import StrategyParams
 
@@ -155,5 +156,5 @@ class ClientHalf(ABC):
 
 def make_optimizer(params: StrategyParams, parameters) -> torch.optim.Optimizer:
     if params.optimizer == "adam":
-        return torch.optim.Adam(parameters, lr=params.lr)
-    return torch.optim.SGD(parameters, lr=params.lr, momentum=params.momentum)
+        return optim.Adam(parameters, lr=params.lr)
+    return optim.SGD(parameters, lr=params.lr, momentum=params.momentum)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from fedal.protocol import Message
+from fedal.strategies import optim
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf
 from fedal.strategies.frozen import Frozen, frozen_copy
 from fedal.strategies.discriminator import Discriminator, discriminator_input, per_sample_adversarial_grad
@@ -51,7 +52,7 @@ class FedALServer(ServerHalf):
                 torch.manual_seed(context.seed)
                 self.disc = Discriminator(context.num_classes, len(self.client_ids), params.disc_hidden)
             self.disc.to(context.device)
-            self.disc_opt = torch.optim.Adam(self.disc.parameters(), lr=params.disc_lr)
+            self.disc_opt = optim.Adam(self.disc.parameters(), lr=params.disc_lr)
 
     # -- phases ---------------------------------------------------------------------------
     def begin_round(self, round_idx: int) -> PhaseTasks:
@@ -235,7 +236,9 @@ class FedALClient(ClientHalf):
                 raise ValueError(f"grad has shape {tuple(g.shape)}, expected {tuple(f.shape)}")
             adv = p.lambda_adv * g / f.shape[0]
             diag["gnorm_adv"] = adv.norm().item()
-            torch.autograd.backward([loss, f], [torch.ones_like(loss), adv])
+            # d/df (f * adv).sum() = adv: the server's gradient joins the loss's in one scalar
+            # backward (autograd.backward with explicit gradients would import sympy on a device)
+            (loss + (f * adv).sum()).backward()
         else:
             loss.backward()
         self.optimizer.step()
