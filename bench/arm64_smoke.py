@@ -56,7 +56,10 @@ def venv_report(rootfs: Path, venv: str) -> dict:
     torch_wheel = next(iter(root.glob("lib/python3*/site-packages/torch-*.dist-info/WHEEL")), None)
     tags = [] if torch_wheel is None else [ln.split(":", 1)[1].strip() for ln in torch_wheel.read_text().splitlines()
                                           if ln.startswith("Tag:")]
-    return {"path": venv, "bytes": total, "mb": round(total / 2**20, 1), "torch": dists.get("torch"),
+    bytecode = sum(p.stat().st_size for p in root.rglob("__pycache__/*.pyc"))
+    check = root / "self-check.json"
+    return {"path": venv, "bytes": total, "mb": round(total / 2**20, 1), "bytecode_mb": round(bytecode / 2**20, 1),
+            "self_check": json.loads(check.read_text()) if check.exists() else None, "torch": dists.get("torch"),
             "torch_wheel_tags": tags, "cuda_packages": cuda, "distributions": dict(sorted(dists.items(), key=lambda kv: kv[0].lower()))}
 
 
@@ -329,6 +332,15 @@ def _compat_line(c: dict) -> str:
             f"round trip: passed ({c['seconds']} s)")
 
 
+def _self_check_line(c: dict | None) -> str:
+    if not c:
+        return "- install-agent.sh's self-check: no report in the virtualenv"
+    loaded = ", ".join(c["compiler_stack_loaded_while_training"]) or "none"
+    return (f"- install-agent.sh's self-check (`python -m edge_agent --self-check`): {c['status']} in {c['seconds']} s under "
+            f"emulation; torch {c['torch']}, onnxruntime {c['onnxruntime']}, ONNX max abs diff {c['onnx_max_abs_diff']:.1e}; "
+            f"torch's compiler stack loaded while training: {loaded}")
+
+
 def render(r: dict) -> str:
     s, v, run = r["settings"], r["venv"], r["run"]
     lines = [
@@ -340,7 +352,9 @@ def render(r: dict) -> str:
         f"run) and started as `fedal-agent.service` would start it.",
         "",
         f"- virtualenv `{v['path']}`: **{v['mb']} MB**, torch **{v['torch']}** "
-        f"(wheel tag {', '.join(v['torch_wheel_tags']) or '?'}), CUDA packages: {', '.join(v['cuda_packages']) or 'none'}",
+        f"(wheel tag {', '.join(v['torch_wheel_tags']) or '?'}), CUDA packages: {', '.join(v['cuda_packages']) or 'none'}; "
+        f"{v.get('bytecode_mb', '?')} MB of it compiled bytecode",
+        _self_check_line(v.get("self_check")),
         f"- run: {s['strategy']} on MNIST-1D, {s['clients']} clients ({s['samples_per_client']} rows each, public set "
         f"{s['public_size']}), {s['rounds']} rounds, tau = {s['tau']}; client {s['arm64_client']} is the arm64 agent, "
         f"the others run natively next to it; coordinator and Mosquitto on the host's loopback",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
@@ -14,8 +15,11 @@ from fedal.settings import SettingsError
 @click.command("agent")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Agent TOML; FEDAL_AGENT_* env vars override it.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
-def agent_cmd(config_path: str | None, log_level: str) -> None:
+@click.option("--self-check", is_flag=True, help="Check that training, ONNX export and onnxruntime work here, print JSON, exit.")
+def agent_cmd(config_path: str | None, log_level: str, self_check: bool) -> None:
     """Run an edge agent: train privately, exchange logits with the coordinator over MQTT."""
+    if self_check:
+        run_self_check()
     from edge_agent.agent import Agent
     from edge_agent.config import load_agent_config
 
@@ -28,6 +32,18 @@ def agent_cmd(config_path: str | None, log_level: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent.stop())
     sys.exit(agent.run())
+
+
+def run_self_check() -> None:
+    from edge_agent.selfcheck import SelfCheckError, self_check
+
+    try:
+        report = self_check()
+    except SelfCheckError as exc:
+        click.echo(f"self-check failed: {exc}", err=True)
+        sys.exit(1)
+    click.echo(json.dumps(report, indent=2))
+    sys.exit(0)
 
 
 def main() -> int:

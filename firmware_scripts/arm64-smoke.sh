@@ -20,6 +20,7 @@ Usage: arm64-smoke.sh [options]
                        or FEDAL_ARM64_ROOTFS); built on first use, reused afterwards
   --mirror URL         Debian mirror for debootstrap (default http://deb.debian.org/debian)
   --rebuild            delete the cached userland and build it again
+  --fresh-venv         delete the agent's virtualenv in the cached userland first: measure a first install
   --build-only         build (or check) the userland and binfmt, then stop
   --torch-index URL    passed to install-agent.sh (default there on aarch64: torch 2.10.0 from PyPI)
   --rounds N           rounds of the run (default 2)
@@ -43,13 +44,14 @@ SUITE=bookworm
 PACKAGES=python3,python3-venv,python3-pip,ca-certificates,procps,time
 SRC=/opt/fedal-src
 PYTHON="${PYTHON:-python3}"
-REBUILD=0 BUILD_ONLY=0 KEEP=0 OUT="$REPO/docs/results"
+REBUILD=0 FRESH_VENV=0 BUILD_ONLY=0 KEEP=0 OUT="$REPO/docs/results"
 DRIVER_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --cache) ROOTFS="${2:?--cache needs a directory}"; shift 2 ;;
     --mirror) MIRROR="${2:?--mirror needs a URL}"; shift 2 ;;
     --rebuild) REBUILD=1; shift ;;
+    --fresh-venv) FRESH_VENV=1; shift ;;
     --build-only) BUILD_ONLY=1; shift ;;
     --torch-index|--rounds|--clients|--strategy)
       DRIVER_ARGS+=("$1" "${2:?$1 needs a value}"); shift 2 ;;
@@ -160,6 +162,11 @@ if [ -n "$HOST_CA" ] && [ -f "$HOST_CA" ]; then
   install -D -m 0644 "$HOST_CA" "$ROOTFS/usr/local/share/fedal-smoke/host-ca.pem"
   DRIVER_ARGS+=(--pip-cert /usr/local/share/fedal-smoke/host-ca.pem)
   say "pip in the userland trusts the host's CA bundle ($HOST_CA)"
+fi
+
+if [ "$FRESH_VENV" -eq 1 ] && [ -d "$ROOTFS/opt/fedal-agent" ]; then
+  say "--fresh-venv: removing the agent's virtualenv from the userland"
+  rm -rf --one-file-system "$ROOTFS/opt/fedal-agent"
 fi
 
 # The checkout, copied fresh (tracked files and new ones that are not ignored): install-agent.sh

@@ -202,6 +202,21 @@ put_dir() {
   ensure_meta "$dest" "$mode" "$who"
 }
 
+# the installed agent trains, exports ONNX and runs onnxruntime here; as root it also leaves the
+# bytecode of exactly the modules the agent imports (pip ran with --no-compile)
+self_check() {
+  if ! "$VPY" -c 'import edge_agent' 2>/dev/null; then
+    [ -n "$PIP_CMD" ] || die "the agent does not import in $VENV after pip: $("$VPY" -c 'import edge_agent' 2>&1 | tail -1)"
+    say "skipped the self-check: $VENV cannot import edge_agent (--pip $PIP_CMD)"
+    return 0
+  fi
+  say "self-check: training, ONNX export and onnxruntime in $VENV"
+  env -u PYTHONDONTWRITEBYTECODE "$VPY" -m edge_agent --self-check >"$TMP/self-check.json" \
+    || die "the agent's self-check failed on this device (see above); nothing was started"
+  install -m 0644 "$TMP/self-check.json" "$ROOT$VENV/self-check.json"
+  say "self-check passed: $(tr -d '\n ' <"$TMP/self-check.json" | cut -c1-160)"
+}
+
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 
@@ -275,12 +290,19 @@ else
   else
     pip=("$VPY" -m pip)
     [ -z "$PIP_CMD" ] || read -r -a pip <<<"$PIP_CMD"
-    opts=(install --disable-pip-version-check --no-input --no-cache-dir)  # no second copy of torch on the SD card
+    # no second copy of torch on the SD card (cache); no bytecode for the ~1500 modules nobody
+    # imports on a device (the self-check below compiles the ones the agent does)
+    opts=(install --disable-pip-version-check --no-input --no-cache-dir --no-compile)
     if [ -n "$TORCH_INDEX" ]; then
       # torch alone from the CPU index; its dependencies come with the agent from PyPI below
       run "${pip[@]}" "${opts[@]}" --no-deps --index-url "$TORCH_INDEX" "torch==$TORCH_VERSION"
     fi
     run "${pip[@]}" "${opts[@]}" -c "$ROOT$VENV/fedal-constraints.txt" "$spec"
+    if [ "$DRY" -eq 0 ]; then
+      site="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+      "$VPY" "$SCRIPT_DIR/prune-venv.py" "$site" | sed 's/^prune-venv: /install-agent: /'
+      self_check
+    fi
     run install -m 0644 "$TMP/stamp" "$stamp"
     changed "installed the agent ($spec) into $VENV"
   fi
