@@ -29,8 +29,6 @@ class SelfCheckError(RuntimeError):
 
 
 def self_check(steps: int = 20, seed: int = 0) -> dict[str, Any]:
-    from export import export_onnx
-    from export.parity import check_parity
     from fedal.models import build_model
     from fedal.strategies.optim import Adam
 
@@ -54,13 +52,15 @@ def self_check(steps: int = 20, seed: int = 0) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="fedal-self-check-") as tmp:
         try:
+            import onnxruntime
+
+            from export import check_parity, export_onnx
+
             path = export_onnx(model, x[:8], Path(tmp) / "model.onnx")
             diff = check_parity(model, path, x, atol=PARITY_ATOL)
         except Exception as exc:
             raise SelfCheckError(f"ONNX export or onnxruntime does not work here ({type(exc).__name__}: {exc}); "
                                  "the agent would fall back to torch for inference and keep model.pt only") from exc
-    import onnxruntime
-
     return {
         "status": "ok",
         "machine": platform.machine(),

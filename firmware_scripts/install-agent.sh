@@ -205,13 +205,14 @@ put_dir() {
 # the installed agent trains, exports ONNX and runs onnxruntime here; as root it also leaves the
 # bytecode of exactly the modules the agent imports (pip ran with --no-compile)
 self_check() {
-  if ! "$VPY" -c 'import edge_agent' 2>/dev/null; then
-    [ -n "$PIP_CMD" ] || die "the agent does not import in $VENV after pip: $("$VPY" -c 'import edge_agent' 2>&1 | tail -1)"
+  # -I: the virtualenv alone (not the current directory, which may be a checkout, nor PYTHON* variables)
+  if ! "$VPY" -I -c 'import edge_agent' 2>/dev/null; then
+    [ -n "$PIP_CMD" ] || die "the agent does not import in $VENV after pip: $("$VPY" -I -c 'import edge_agent' 2>&1 | tail -1)"
     say "skipped the self-check: $VENV cannot import edge_agent (--pip $PIP_CMD)"
     return 0
   fi
   say "self-check: training, ONNX export and onnxruntime in $VENV"
-  env -u PYTHONDONTWRITEBYTECODE "$VPY" -m edge_agent --self-check >"$TMP/self-check.json" \
+  "$VPY" -I -m edge_agent --self-check >"$TMP/self-check.json" \
     || die "the agent's self-check failed on this device (see above); nothing was started"
   install -m 0644 "$TMP/self-check.json" "$ROOT$VENV/self-check.json"
   say "self-check passed: $(tr -d '\n ' <"$TMP/self-check.json" | cut -c1-160)"
@@ -299,15 +300,15 @@ else
     fi
     run "${pip[@]}" "${opts[@]}" -c "$ROOT$VENV/fedal-constraints.txt" "$spec"
     if [ "$DRY" -eq 0 ]; then
-      site="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-      "$VPY" "$SCRIPT_DIR/prune-venv.py" "$site" | sed 's/^prune-venv: /install-agent: /'
+      site="$("$VPY" -I -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+      "$VPY" -I "$SCRIPT_DIR/prune-venv.py" "$site" | sed 's/^prune-venv: /install-agent: /'
       self_check
     fi
     run install -m 0644 "$TMP/stamp" "$stamp"
     changed "installed the agent ($spec) into $VENV"
   fi
-  if [ "$DRY" -eq 0 ] && "$VPY" -c 'import edge_agent.config, fleet.cli' 2>/dev/null; then
-    "$VPY" -m fedal.cli.main fleet check "$ROOT$ETC/agent.toml" >/dev/null || die "the installed config is invalid (see above)"
+  if [ "$DRY" -eq 0 ] && "$VPY" -I -c 'import edge_agent.config, fleet.cli' 2>/dev/null; then
+    "$VPY" -I -m fedal.cli.main fleet check "$ROOT$ETC/agent.toml" >/dev/null || die "the installed config is invalid (see above)"
   fi
 fi
 

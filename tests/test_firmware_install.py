@@ -96,8 +96,10 @@ def test_second_install_changes_nothing(tmp_path, inputs):
     first = install(*args)
     assert first.returncode == 0, first.stderr + first.stdout
     calls = pip_calls(inputs)
-    assert calls == [["install", "--disable-pip-version-check", "--no-input", "--no-cache-dir", "-c", f"{root}/opt/fedal-agent/fedal-constraints.txt",
+    assert calls == [["install", "--disable-pip-version-check", "--no-input", "--no-cache-dir", "--no-compile",
+                      "-c", f"{root}/opt/fedal-agent/fedal-constraints.txt",
                       f"{inputs}/fedal_edge-0.1.0-py3-none-any.whl[agent]"]]
+    assert "skipped the self-check" in first.stdout  # the fake pip installed no agent to check
     before = snapshot(root)
 
     second = install(*args)
