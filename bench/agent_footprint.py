@@ -533,7 +533,7 @@ def render(r: dict) -> str:
         f"{s['public_size']}, 1 torch thread), coordinator process and {m['broker']} on loopback. "
         f"Machine: {m['arch']}, {m['cores']} shared cores, Python {m['python']}, torch {m['torch']}.",
         "",
-        "- *online*: RSS when the agent's retained `online` status arrived (torch imported, optimizer warmed up);",
+        "- *online*: RSS when the agent's retained `online` status arrived (torch and the agent imported, connected);",
         "- *training*: the largest RSS (and anonymous, i.e. not file-backed, RSS) sampled every 0.2 s until the",
         "  agent began writing its final artifacts (every round's training, transfer and evaluation);",
         "- *lifetime peak*: the kernel's exact maximum (wait4 ru_maxrss), which also covers writing the final",
