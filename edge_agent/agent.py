@@ -5,7 +5,9 @@ the last one handled is stale and ignored; the same one again (a QoS 1 redeliver
 coordinator re-sending after a reconnect) is answered from the cached result, never
 recomputed, so feedback is applied exactly once. The checkpoint written after every phase holds
 the client half's state together with that cached result, so a restarted agent resumes where
-it was.
+it was. A coordinator that restarts resumes after its last completed round, under a new epoch:
+when a task repeats a step of the round under way, the agent first goes back to its state at
+that round's start (saved when the round's first task came), so nothing is applied twice.
 """
 
 from __future__ import annotations
@@ -56,8 +58,11 @@ class Agent:
         self.joined_instance: str | None = None
         self.last_key: tuple[int, int] | None = None
         self.last_result: bytes | None = None
+        self.round_no: int | None = None
+        self.round_steps: set[tuple[str, Any]] = set()
         self.workspace = Path(config.workspace)
         self.ckpt_path = self.workspace / "checkpoint.pt"
+        self.round_start_path = self.workspace / "round-start.pt"
         self.retry_at = 0.0
         self.join_backoff = 0.5
         self.worker = threading.Thread(target=self._work, name="fedal-worker", daemon=True)
@@ -148,6 +153,7 @@ class Agent:
         self.client = None
         self.joined_instance = None
         self.last_key = self.last_result = None
+        self.round_no, self.round_steps = None, set()
         self.deferred.clear()
 
     def _join(self, manifest: RunManifest) -> bool:
@@ -189,6 +195,8 @@ class Agent:
             self.client.load_state_dict(state["client"])
             self.last_key = tuple(state["last_key"]) if state.get("last_key") else None
             self.last_result = bytes(state["last_result"].numpy().tobytes()) if state.get("last_result") is not None else None
+            self.round_no = state.get("round")
+            self.round_steps = {tuple(s) for s in state.get("round_steps", [])}
             log.info("resumed from checkpoint at %s", self.last_key)
         self.joined_instance = manifest.instance
         log.info("joined run %s as %s with a private %s", manifest.run_id, cfg.client_id, cfg.model)
@@ -220,6 +228,7 @@ class Agent:
             self.link.publish_result(self.last_result)  # answered before: resend, never recompute
             return
         try:
+            self._replay_guard(meta.get("round"), (task.phase, meta.get("iteration")))
             result = self._evaluate(task) if task.phase == "evaluate" else self.client.handle(task)
         except Exception as exc:  # a task this client cannot apply is refused, not fatal
             self._reject(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {exc}")
@@ -230,6 +239,20 @@ class Agent:
         self._checkpoint()
         self.link.publish_result(wire)
         self.counters["tasks"] += 1
+
+    def _replay_guard(self, round_no: Any, step: tuple[str, Any]) -> None:
+        if round_no != self.round_no:  # the round's first task: remember where it started
+            checkpoint.save_atomic({"round": round_no, "client": self.client.state_dict()}, self.round_start_path)
+            self.round_no, self.round_steps = round_no, set()
+        elif step in self.round_steps:  # a resumed coordinator replays this round from its start
+            start = checkpoint.load(self.round_start_path)
+            if start is None or start.get("round") != round_no:
+                raise RuntimeError(f"round {round_no} is replayed but its start state is missing")
+            self.client.load_state_dict(start["client"])
+            self.round_steps = set()
+            self.counters["round_replays"] += 1
+            log.info("the coordinator replays round %s: back to this agent's state at its start", round_no)
+        self.round_steps.add(step)
 
     def _evaluate(self, task: Message) -> Message:
         """Accuracy on the common test set and on this device's own test split, where provisioned:
@@ -249,6 +272,8 @@ class Agent:
                 "client": self.client.state_dict(),
                 "last_key": list(self.last_key) if self.last_key else None,
                 "last_result": torch.frombuffer(bytearray(self.last_result), dtype=torch.uint8) if self.last_result else None,
+                "round": self.round_no,
+                "round_steps": sorted([list(s) for s in self.round_steps], key=repr),
             },
             self.ckpt_path,
         )

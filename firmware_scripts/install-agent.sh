@@ -85,6 +85,7 @@ esac
 
 CONSTRAINTS_FILE="$SCRIPT_DIR/constraints/$ARCH.txt"
 [ -f "$CONSTRAINTS_FILE" ] || die "missing $CONSTRAINTS_FILE"
+[ -f "$SCRIPT_DIR/prune-venv.py" ] || die "missing $SCRIPT_DIR/prune-venv.py (it ships next to install-agent.sh)"
 PINNED_TORCH="$(sed -n 's/^torch==\([^ ;#]*\).*/\1/p' "$CONSTRAINTS_FILE")"
 [ -n "$PINNED_TORCH" ] || die "$CONSTRAINTS_FILE pins no torch version"
 TORCH_VERSION="${TORCH_VERSION:-$PINNED_TORCH}"

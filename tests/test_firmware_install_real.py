@@ -1,5 +1,5 @@
-"""install-agent.sh with the real pip into a staging root on this x86-64 machine: the agent and
-its closure installed from the checkout, torch's build and test files pruned, bytecode only for
+"""install-agent.sh with the real pip into a staging root on this x86-64 machine: torch from a
+--torch-index (a local PEP 503 index), the agent and its closure installed from the checkout, torch's build and test files pruned, bytecode only for
 what the agent imports, the self-check passed; a second run changes nothing."""
 
 from __future__ import annotations
@@ -8,18 +8,14 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-AGENT_TOML = """client_id = "pi-1"
-run_id = "fleet"
-model = "cnn1d"
-data_file = "/var/lib/fedal-agent/train.npz"
-workspace = "/var/lib/fedal-agent"
+from tests.test_firmware_install import AGENT_TOML as STAGED_TOML
 
-[broker]
-url = "mqtt://127.0.0.1:1883"
-"""
+REPO = Path(__file__).resolve().parents[1]
+# the staged device's config, with a plain broker URL: no CA to install here
+AGENT_TOML = STAGED_TOML.split("[broker]")[0] + '[broker]\nurl = "mqtt://127.0.0.1:1883"\n'
 
 
 def checkout_copy(dest: Path) -> Path:
@@ -33,18 +29,32 @@ def checkout_copy(dest: Path) -> Path:
     return dest
 
 
+def torch_index(dest: Path) -> str:
+    """A PEP 503 index holding torch alone, as PyTorch's CPU wheel index would (file:// URL)."""
+    files = dest / "files"
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(files),
+                    "torch==2.13.0"], check=True, timeout=600)
+    (wheel,) = files.glob("torch-*.whl")
+    page = dest / "simple" / "torch" / "index.html"
+    page.parent.mkdir(parents=True)
+    page.write_text(f'<!DOCTYPE html><html><body><a href="{wheel.as_uri()}">{wheel.name}</a></body></html>\n')
+    return (dest / "simple").as_uri()
+
+
 def test_real_install_prunes_compiles_what_is_used_and_self_checks(tmp_path):
     source = checkout_copy(tmp_path / "src")
+    index = torch_index(tmp_path / "index")
     config = tmp_path / "agent.toml"
     config.write_text(AGENT_TOML)
     root = tmp_path / "root"
     env = {k: v for k, v in os.environ.items() if k not in ("DESTDIR", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
     env["FEDAL_ARCH"] = "x86_64"
     cmd = ["bash", str(source / "firmware_scripts/install-agent.sh"), "--root", str(root), "--config", str(config),
-           "--source", str(source), "--torch-index", "pypi", "--no-start"]
+           "--source", str(source), "--torch-index", index, "--no-start"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     assert "self-check passed" in first.stdout and "MB freed" in first.stdout
+    assert f"Looking in indexes: {index}" in first.stdout  # torch came through --torch-index
 
     venv = root / "opt/fedal-agent"
     site = next(venv.glob("lib/python3*/site-packages"))
