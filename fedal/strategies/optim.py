@@ -35,17 +35,22 @@ class _EagerMethods:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         _unwrapped(torch.optim.Optimizer.load_state_dict)(self, state_dict)
 
+    torch_class: type[torch.optim.Optimizer]
+
     def step(self, closure=None):
-        base = next(c for c in type(self).__mro__ if c.__module__.startswith("torch.optim."))
         if self.defaults.get("differentiable"):
             raise ValueError("differentiable optimizers need torch.optim's own step")
         with torch.no_grad():
-            return _unwrapped(base.step)(self, closure)
+            return _unwrapped(self.torch_class.step)(self, closure)
 
 
 class Adam(_EagerMethods, torch.optim.Adam):
-    pass
+    """torch.optim.Adam, same arguments and state; steps without torch's compiler stack."""
+
+    torch_class = torch.optim.Adam
 
 
 class SGD(_EagerMethods, torch.optim.SGD):
-    pass
+    """torch.optim.SGD, same arguments and state; steps without torch's compiler stack."""
+
+    torch_class = torch.optim.SGD
