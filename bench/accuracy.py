@@ -22,10 +22,10 @@ import os
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from tqdm import tqdm
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_runs import mean_curve, run_simulations, save_figure  # noqa: E402
 
 STRATEGIES = ("local", "fedmd", "fedmd-lf", "fedal")
 SETTINGS = {
@@ -53,20 +53,6 @@ def run_config(setting: str, strategy: str, seed: int, steps: int) -> dict:
         **SETTINGS[setting],
         "strategy_params": {"tau": tau},
     }
-
-
-def run_one(args: tuple[str, str, int, int, str]) -> tuple[str, str, int, str]:
-    setting, strategy, seed, steps, cache = args
-    path = Path(cache) / f"{setting}-{strategy}-s{seed}-{steps}.json"
-    if not path.exists():
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        from fedal.sim import RunConfig, simulate
-
-        res = simulate(RunConfig(**run_config(setting, strategy, seed, steps)))
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res))
-        os.replace(tmp, path)
-    return setting, strategy, seed, str(path)
 
 
 def steps_curve(res: dict) -> list[tuple[int, float]]:
@@ -172,18 +158,13 @@ def plot(results: dict, seeds: list[int], path: Path) -> None:
             runs = results.get((setting, strategy), {})
             if not runs:
                 continue
-            curves = [steps_curve(runs[s]) for s in sorted(runs)]
-            xs = [s for s, _ in curves[0]]
-            ys = [statistics.mean(c[i][1] for c in curves if i < len(c)) for i in range(len(xs))]
-            ax.plot(xs, ys, label=strategy)
+            ax.plot(*mean_curve([steps_curve(runs[s]) for s in sorted(runs)]), label=strategy)
         ax.set_title(setting)
         ax.set_xlabel("local SGD steps per client")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(f"mean client test accuracy ({len(seeds)} seeds)")
     axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # Other algorithms' comparisons, each in its own module next to this one: --suite NAME runs it.
@@ -196,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     pre.add_argument("--suite", choices=list(SUITES), default="fedal")
     suite, argv = pre.parse_known_args(argv)
     if SUITES[suite.suite] is not None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         return __import__(SUITES[suite.suite]).main(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", choices=list(SUITES), default="fedal",
@@ -221,16 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    jobs = [(st, s, seed, args.steps, args.cache) for st in settings for s in strategies for seed in seeds]
+    jobs = [(st, s, seed) for st in settings for s in strategies for seed in seeds]
     # Most expensive first (FedMD's many short rounds, 20-client settings) keeps both workers busy.
     jobs.sort(key=lambda j: (-SETTINGS[j[0]]["clients"], j[1] != "fedmd"))
-    results: dict = {}
     started = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        futures = [pool.submit(run_one, j) for j in jobs]
-        for fut in tqdm(as_completed(futures), total=len(futures), desc="runs", file=sys.stderr):
-            setting, strategy, seed, path = fut.result()
-            results.setdefault((setting, strategy), {})[seed] = json.loads(Path(path).read_text())
+    results = run_simulations([((st, s), seed, run_config(st, s, seed, args.steps),
+                                Path(args.cache) / f"{st}-{s}-s{seed}-{args.steps}.json") for st, s, seed in jobs],
+                              args.workers)
     text, summary = summarise(results, args.steps, seeds)
     text += f"\nWall time of this benchmark run: {time.perf_counter() - started:.0f} s with {args.workers} workers.\n"
     (out / "accuracy.md").write_text(text)

@@ -20,10 +20,10 @@ import os
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from tqdm import tqdm
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_runs import run_simulations, save_figure  # noqa: E402
 
 STRATEGIES = ("fedavg", "fedakd")
 SETTINGS = {
@@ -42,20 +42,6 @@ BASE = dict(dataset="mnist1d", clients=10, public_size=100, local_test_fraction=
 def run_config(setting: str, strategy: str, seed: int, rounds: int) -> dict:
     return {"strategy": strategy, "rounds": rounds, "seed": seed, "eval_every": max(1, rounds // 10), **BASE,
             **SETTINGS[setting], "strategy_params": {"local_epochs": 1}}
-
-
-def run_one(args: tuple[str, str, int, int, str]) -> tuple[str, str, int, str]:
-    setting, strategy, seed, rounds, cache = args
-    path = Path(cache) / f"{setting}-{strategy}-s{seed}-r{rounds}.json"
-    if not path.exists():
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        from fedal.sim import RunConfig, simulate
-
-        res = simulate(RunConfig(**run_config(setting, strategy, seed, rounds)))
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res))
-        os.replace(tmp, path)
-    return setting, strategy, seed, str(path)
 
 
 def fmt(xs: list[float], scale: float = 100.0) -> str:
@@ -201,9 +187,7 @@ def plot(table: dict, path: Path) -> None:
     axes[1][0].set_ylabel("client accuracy in the federation")
     axes[0][0].legend(fontsize=8)
     axes[1][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,15 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    jobs = [(st, s, seed, args.rounds, args.cache) for st in settings for s in STRATEGIES for seed in seeds]
+    jobs = [(st, s, seed) for st in settings for s in STRATEGIES for seed in seeds]
     jobs.sort(key=lambda j: j[1] != "fedakd")  # FedAKD (with its standalone run) is the long one
-    results: dict = {}
     started = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        futures = [pool.submit(run_one, j) for j in jobs]
-        for fut in tqdm(as_completed(futures), total=len(futures), desc="runs", file=sys.stderr):
-            setting, strategy, seed, path = fut.result()
-            results.setdefault((setting, strategy), {})[seed] = json.loads(Path(path).read_text())
+    results = run_simulations([((st, s), seed, run_config(st, s, seed, args.rounds),
+                                Path(args.cache) / f"{st}-{s}-s{seed}-r{args.rounds}.json") for st, s, seed in jobs],
+                              args.workers)
     table = collect(results, seeds)
     text = summarise(table, args.rounds, seeds)
     run_seconds = sum(res["timings"]["wall_seconds"] for runs in results.values() for res in runs.values())

@@ -22,13 +22,11 @@ import os
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accuracy import acc_at, mean_std, steps_curve  # noqa: E402  (the FedAL suite's helpers)
+from sim_runs import mean_curve, run_simulations, save_figure  # noqa: E402
 
 STRATEGIES = ("feddf-al", "feddf", "fedal", "fedmd-lf")
 TAU = {"feddf-al": 15, "feddf": 10, "fedal": 5, "fedmd-lf": 5}
@@ -41,20 +39,6 @@ def run_config(strategy: str, seed: int, steps: int) -> dict:
     rounds = max(1, steps // TAU[strategy])
     return {"strategy": strategy, "rounds": rounds, "seed": seed, "eval_every": max(1, rounds // POINTS), "threads": 1,
             **SETTING, "strategy_params": {"tau": TAU[strategy]}}
-
-
-def run_one(args: tuple[str, int, int, str]) -> tuple[str, int, str]:
-    strategy, seed, steps, cache = args
-    path = Path(cache) / f"{strategy}-s{seed}-{steps}.json"
-    if not path.exists():
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        from fedal.sim import RunConfig, simulate
-
-        res = simulate(RunConfig(**run_config(strategy, seed, steps)))
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res))
-        os.replace(tmp, path)
-    return strategy, seed, str(path)
 
 
 def summarise(results: dict, steps: int, seeds: list[int]) -> tuple[str, dict]:
@@ -123,17 +107,12 @@ def plot(results: dict, seeds: list[int], path: Path) -> None:
         runs = results.get(strategy, {})
         if not runs:
             continue
-        curves = [steps_curve(runs[s]) for s in sorted(runs)]
-        xs = [s for s, _ in curves[0]]
-        ys = [statistics.mean(c[i][1] for c in curves if i < len(c)) for i in range(len(xs))]
-        ax.plot(xs, ys, marker=".", label=strategy)
+        ax.plot(*mean_curve([steps_curve(runs[s]) for s in sorted(runs)]), marker=".", label=strategy)
     ax.set_xlabel("local SGD steps per client")
     ax.set_ylabel(f"mean client test accuracy ({len(seeds)} seeds)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,14 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    jobs = [(s, seed, args.steps, args.cache) for seed in seeds for s in strategies]
-    results: dict = {}
+    jobs = [(s, seed) for seed in seeds for s in strategies]
     started = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        futures = [pool.submit(run_one, j) for j in jobs]
-        for fut in tqdm(as_completed(futures), total=len(futures), desc="runs", file=sys.stderr):
-            strategy, seed, path = fut.result()
-            results.setdefault(strategy, {})[seed] = json.loads(Path(path).read_text())
+    results = run_simulations([(s, seed, run_config(s, seed, args.steps), Path(args.cache) / f"{s}-s{seed}-{args.steps}.json")
+                               for s, seed in jobs], args.workers)
     text, summary = summarise(results, args.steps, seeds)
     text += f"\nWall time of this benchmark run: {time.perf_counter() - started:.0f} s with {args.workers} workers.\n"
     (out / "accuracy_feddf.md").write_text(text)

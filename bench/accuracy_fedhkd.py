@@ -20,10 +20,10 @@ import os
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from tqdm import tqdm
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_runs import mean_curve, run_simulations, save_figure  # noqa: E402
 
 SETTING = dict(dataset="mnist1d", clients=10, partition="dirichlet-class", alpha=0.5, public_size=1,
                local_test_fraction=0.25, models=["mlp"])
@@ -39,20 +39,6 @@ def run_config(variant: str, seed: int, rounds: int) -> dict:
     strategy, extra = VARIANTS[variant]
     return {"strategy": strategy, "rounds": rounds, "seed": seed, "eval_every": max(1, rounds // 10), "threads": 1,
             **SETTING, "strategy_params": {"tau": TAU, "batch_size": BATCH, **extra}}
-
-
-def run_one(args: tuple[str, int, int, str]) -> tuple[str, int, str]:
-    variant, seed, rounds, cache = args
-    path = Path(cache) / f"{variant}-s{seed}-r{rounds}.json"
-    if not path.exists():
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        from fedal.sim import RunConfig, simulate
-
-        res = simulate(RunConfig(**run_config(variant, seed, rounds)))
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res))
-        os.replace(tmp, path)
-    return variant, seed, str(path)
 
 
 def mean_std(xs: list[float]) -> str:
@@ -135,18 +121,13 @@ def plot(results: dict, seeds: list[int], path: Path) -> None:
             runs = results.get(variant, {})
             if not runs:
                 continue
-            curves = [curve(runs[s], key) for s in sorted(runs)]
-            xs = [r for r, _ in curves[0]]
-            ys = [statistics.mean(c[i][1] for c in curves) for i in range(len(xs))]
-            ax.plot(xs, ys, marker=".", label=variant)
+            ax.plot(*mean_curve([curve(runs[s], key) for s in sorted(runs)]), marker=".", label=variant)
         ax.set_title(title)
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"accuracy (mean of {len(seeds)} seeds)")
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,14 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    jobs = [(v, seed, args.rounds, args.cache) for seed in seeds for v in variants]
-    results: dict = {}
+    jobs = [(v, seed) for seed in seeds for v in variants]
     started = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        futures = [pool.submit(run_one, j) for j in jobs]
-        for fut in tqdm(as_completed(futures), total=len(futures), desc="runs", file=sys.stderr):
-            variant, seed, path = fut.result()
-            results.setdefault(variant, {})[seed] = json.loads(Path(path).read_text())
+    results = run_simulations([(v, seed, run_config(v, seed, args.rounds), Path(args.cache) / f"{v}-s{seed}-r{args.rounds}.json")
+                               for v, seed in jobs], args.workers)
     text, summary = summarise(results, args.rounds, seeds)
     text += f"\nWall time of this benchmark run: {time.perf_counter() - started:.0f} s with {args.workers} workers.\n"
     (out / "accuracy_fedhkd.md").write_text(text)

@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,8 @@ ZOO = {"mnist1d": ["mlp", "cnn1d", "cnn1d_wide"], "digits": ["lenet5", "smallcnn
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # runnable from a checkout without an install, like the other benchmarks
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from loopback_broker import loopback_broker  # noqa: E402
 
 
 # -- measuring one process ---------------------------------------------------------------------
@@ -241,28 +242,6 @@ class Sampler(threading.Thread):
                     a.guest_rss_kib = max(a.guest_rss_kib, guest_rss_kib(a.pid) or 0)
 
 
-def start_mosquitto(workdir: Path) -> tuple[subprocess.Popen | None, str | None]:
-    binary = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
-    if binary is None:
-        return None, None
-    from coordinator.demo import free_port
-
-    port = free_port()
-    conf = workdir / "mosquitto.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_queued_messages 10000\n"
-                    + ("user root\n" if os.geteuid() == 0 else ""))
-    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, f"mqtt://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    return None, None
-
-
 def get_json(url: str, timeout: float = 5) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.loads(resp.read())
@@ -446,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "agent_footprint.json").write_text(json.dumps(report, indent=2) + "\n")
     md = render(report)
-    (out / "agent_footprint.md").write_text(md + _kept_reading(out / "agent_footprint.md"))
+    (out / "agent_footprint.md").write_text(md + kept_reading(out / "agent_footprint.md"))
     print(json.dumps(report, indent=2) if args.json else md)
     return 0
 
@@ -454,18 +433,9 @@ def main(argv: list[str] | None = None) -> int:
 def measure(args, datasets: list[str], workdir: Path) -> dict:
     from fedal.sim import load_config
 
-    broker_proc, broker = start_mosquitto(workdir)
-    broker_name = "mosquitto" if broker else "embedded amqtt"
-    embedded = None
-    if broker is None:
-        from coordinator.broker import EmbeddedBroker
-        from coordinator.demo import free_port
-
-        embedded = EmbeddedBroker(port=free_port()).start()
-        broker = embedded.url
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     rows: list[dict] = []
-    try:
+    with loopback_broker(workdir) as (broker, broker_name):
         for dataset in datasets:
             models = ZOO[dataset]
             config = load_config(None, dict(strategy=args.strategy, dataset=dataset, clients=len(models), models=models,
@@ -480,12 +450,6 @@ def measure(args, datasets: list[str], workdir: Path) -> dict:
                              "peak_rss_mb": mib(a.peak_rss_kib),
                              "online_s": None if a.online_s is None else round(a.online_s, 2),
                              "final_acc": a.final_acc, "last_round": a.last_round, "exit": a.returncode})
-    finally:
-        if broker_proc is not None:
-            broker_proc.terminate()
-            broker_proc.wait(timeout=10)
-        if embedded is not None:
-            embedded.stop()
     import torch
 
     baselines = {
@@ -514,7 +478,7 @@ def measure(args, datasets: list[str], workdir: Path) -> dict:
 READING_MARK = "## Reading"
 
 
-def _kept_reading(path: Path) -> str:
+def kept_reading(path: Path) -> str:
     """A hand-written reading below the generated part survives a rerun."""
     if not path.exists():
         return ""

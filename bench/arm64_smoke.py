@@ -31,7 +31,8 @@ from pathlib import Path
 import tomli_w
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_footprint import REPO, Measured, guest_rss_kib, mib, run_fleet, start_mosquitto  # noqa: E402
+from agent_footprint import REPO, Measured, guest_rss_kib, kept_reading, mib, run_fleet  # noqa: E402
+from loopback_broker import loopback_broker  # noqa: E402
 
 CHROOT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root",
               "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1"}
@@ -191,7 +192,6 @@ def main(argv: list[str] | None = None) -> int:
     if not (rootfs / args.source.lstrip("/") / "firmware_scripts" / "install-agent.sh").is_file():
         ap.error(f"no checkout at {args.source} inside {rootfs}")
 
-    from coordinator.demo import free_port
     from fedal.sim import load_config
     from fedal.sim.runner import client_ids
 
@@ -235,22 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         log(f"starting {arm_cid} in the arm64 userland: {' '.join(command[4:])}")
         return {arm_cid: {"command": command, "env": env, "emulated": True, "final_dir": state / "final"}}
 
-    broker_proc, broker = start_mosquitto(workdir)
-    embedded = None
-    if broker is None:
-        from coordinator.broker import EmbeddedBroker
-
-        log("mosquitto not found: using the embedded broker")
-        embedded = EmbeddedBroker(port=free_port()).start()
-        broker = embedded.url
-    try:
+    with loopback_broker(workdir) as (broker, broker_name):
+        log(f"broker: {broker_name} at {broker}")
         agents, results = run_fleet(config, workdir / "run", broker, setup=setup, timeout_s=args.timeout, progress=log)
-    finally:
-        if broker_proc is not None:
-            broker_proc.terminate()
-            broker_proc.wait(timeout=10)
-        if embedded is not None:
-            embedded.stop()
     wall = sum(r.get("wall_s", 0) for r in results["rounds"])
     log("torch compatibility checks in the userland (export, parity, int8, checkpoint)")
     compat = torch_compat(rootfs, python)
@@ -288,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "arm64_smoke.json").write_text(json.dumps(report, indent=2) + "\n")
     md = render(report)
-    (args.out / "arm64_smoke.md").write_text(md + _kept_reading(args.out / "arm64_smoke.md"))
+    (args.out / "arm64_smoke.md").write_text(md + kept_reading(args.out / "arm64_smoke.md"))
     print(f"venv size: {venv['mb']} MB ({args.venv}, torch {venv['torch']}, CUDA packages: {venv['cuda_packages'] or 'none'})")
     print(f"arm64 agent {arm_cid} ({arm['model']}): peak RSS {arm['peak_rss_mb']} MB under qemu-user, "
           f"online after {arm['online_s']} s, completed round {arm['last_round']} of {args.rounds}, exit {arm['exit']}")
@@ -310,17 +297,6 @@ def _os_release(rootfs: Path) -> str | None:
         if line.startswith("PRETTY_NAME="):
             return line.split("=", 1)[1].strip('"')
     return None
-
-
-READING_MARK = "## Reading"
-
-
-def _kept_reading(path: Path) -> str:
-    if not path.exists():
-        return ""
-    text = path.read_text()
-    i = text.find(READING_MARK)
-    return "" if i < 0 else "\n" + text[i:]
 
 
 def _compat_line(c: dict) -> str:

@@ -16,21 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
 
-from coordinator.demo import free_port, run_demo
+from coordinator.demo import run_demo
 from fedal.protocol import EnvelopeError, decode, parse_broker_url, topics
 from fedal.sim import InProcessEngine, build_run, load_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loopback_broker import loopback_broker  # noqa: E402
 
 
 class WireObserver:
@@ -62,24 +61,6 @@ class WireObserver:
         self.client.disconnect()
 
 
-def start_mosquitto(workdir: Path) -> tuple[subprocess.Popen | None, str | None]:
-    binary = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
-    if binary is None:
-        return None, None
-    port = free_port()
-    conf = workdir / "mosquitto.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_queued_messages 100000\n")
-    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, f"mqtt://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    return None, None
-
-
 def in_process_seconds(config) -> float:
     config = config.resolved()
     data, clients, server = build_run(config)
@@ -105,27 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(None, dict(strategy="fedal", dataset=args.dataset, clients=args.clients, rounds=args.rounds,
                                     tau=args.tau, seed=0, eval_every=args.rounds, public_batch_size=args.public_batch,
                                     samples_per_client=700 if args.dataset == "mnist1d" else None))
-    resolved = config.resolved()
     workdir = Path(tempfile.mkdtemp(prefix="fedal-overhead-"))
-    broker_proc, broker = start_mosquitto(workdir)
-    broker_name = "mosquitto" if broker else "embedded amqtt"
-    embedded = None
-    if broker is None:
-        from coordinator.broker import EmbeddedBroker
-
-        embedded = EmbeddedBroker(port=free_port()).start()
-        broker = embedded.url
-    try:
+    with loopback_broker(workdir) as (broker, broker_name):
         t_local = in_process_seconds(config)
         observer = WireObserver(broker, "demo")
         results = run_demo(config, workdir / "demo", broker=broker, quiet=False, timeout_s=3600)
         time.sleep(0.5)
         observer.close()
-    finally:
-        if broker_proc is not None:
-            broker_proc.terminate()
-        if embedded is not None:
-            embedded.stop()
     t_dist = sum(r["wall_s"] for r in results["rounds"])
     k, b, n, tau = 10, args.public_batch, args.clients, args.tau
     iterations = args.rounds * tau * n  # client-iterations
