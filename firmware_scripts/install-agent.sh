@@ -292,8 +292,8 @@ else
   else
     pip=("$VPY" -m pip)
     [ -z "$PIP_CMD" ] || read -r -a pip <<<"$PIP_CMD"
-    # no second copy of torch on the SD card (cache); no bytecode for the ~1500 modules nobody
-    # imports on a device (the self-check below compiles the ones the agent does)
+    # no second copy of torch on the SD card (cache); no bytecode for the thousands of modules a
+    # device never imports (the self-check below compiles the ~1,500 the agent does)
     opts=(install --disable-pip-version-check --no-input --no-cache-dir --no-compile)
     if [ -n "$TORCH_INDEX" ]; then
       # torch alone from the CPU index; its dependencies come with the agent from PyPI below

@@ -16,32 +16,28 @@ from typing import Any
 import torch
 
 
-def _unwrapped(method: Any) -> Any:
-    return inspect.unwrap(method)
-
-
 class _EagerMethods:
     """Mixed in before a torch.optim class: the methods its compile wrappers guard."""
 
+    torch_class: type[torch.optim.Optimizer]  # the class whose step runs underneath
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        _unwrapped(torch.optim.Optimizer.add_param_group)(self, param_group)
+        inspect.unwrap(torch.optim.Optimizer.add_param_group)(self, param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        _unwrapped(torch.optim.Optimizer.zero_grad)(self, set_to_none)
+        inspect.unwrap(torch.optim.Optimizer.zero_grad)(self, set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        return _unwrapped(torch.optim.Optimizer.state_dict)(self)
+        return inspect.unwrap(torch.optim.Optimizer.state_dict)(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _unwrapped(torch.optim.Optimizer.load_state_dict)(self, state_dict)
-
-    torch_class: type[torch.optim.Optimizer]
+        inspect.unwrap(torch.optim.Optimizer.load_state_dict)(self, state_dict)
 
     def step(self, closure=None):
         if self.defaults.get("differentiable"):
             raise ValueError("differentiable optimizers need torch.optim's own step")
         with torch.no_grad():
-            return _unwrapped(self.torch_class.step)(self, closure)
+            return inspect.unwrap(self.torch_class.step)(self, closure)
 
 
 class Adam(_EagerMethods, torch.optim.Adam):
