@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The main job: a federated FedAL run across processes on this machine -- an embedded MQTT
 # broker, the coordinator (REST API) and 10 edge agents with heterogeneous private models on
-# the embedded MNIST-1D default. Results in runs/demo/.
+# the embedded MNIST-1D default. Results in runs/demo/. Installs into the project's virtualenv
+# .venv (created once) or the active one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh all
-PYTHON="${PYTHON:-python3}"
+# shellcheck source=scripts/python-env.sh
+source scripts/python-env.sh
 "$PYTHON" -m fedal.cli.main demo --config examples/demo.toml \
   --workdir runs/demo --out runs/demo/results.json --plot runs/demo/accuracy.png "$@"

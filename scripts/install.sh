@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
-# Installs the toolkit and what it needs into the current Python environment.
-# Usage: scripts/install.sh [EXTRAS]   (default extras: all; the test command uses dev)
+# Installs the toolkit and what it needs into the project's virtualenv (.venv, created once), or
+# into the virtualenv that is active, never into a system Python (see scripts/python-env.sh).
+# Usage: scripts/install.sh [EXTRAS]   (default extras: all; the test command uses dev;
+#        "none" installs the core only)
 # torch is pinned here: an unpinned torch may pull a multi-GB CUDA build on x86-64.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-all}"
-PYTHON="${PYTHON:-python3}"
-"$PYTHON" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[${extras}]"
+# shellcheck source=scripts/python-env.sh
+source scripts/python-env.sh
+target="."
+[ "$extras" = "none" ] || target=".[${extras}]"
+"$PYTHON" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e "$target"
+venv_dir=$("$PYTHON" -c 'import sys; print(sys.prefix if sys.prefix != sys.base_prefix else "")')
+if [ -n "$venv_dir" ] && [ "${VIRTUAL_ENV:-}" != "$venv_dir" ]; then
+  echo "installed into $venv_dir; to use the fedal command: source $venv_dir/bin/activate" >&2
+fi

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# The whole test suite, after installing what it needs (pip packages; Debian packages: mosquitto,
-# chromium + chromium-driver, fdisk, dosfstools, mtools, shellcheck, postgresql — see install-test-tools.sh).
+# The whole test suite, after installing what it needs (pip packages into the project's
+# virtualenv .venv; Debian packages: mosquitto, chromium + chromium-driver, fdisk, dosfstools,
+# mtools, shellcheck, postgresql -- see install-test-tools.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-test-tools.sh
 bash scripts/install.sh dev
-PYTHON="${PYTHON:-python3}"
+# shellcheck source=scripts/python-env.sh
+source scripts/python-env.sh
+# the venv's console scripts (fedal, ...) for tests that start them by name
+PATH="$(dirname "$PYTHON"):$PATH"
+export PATH
 # two workers (pytest-xdist), one per core; a test file's tests stay on one worker
 "$PYTHON" -m pytest -q -n "${FEDAL_TEST_WORKERS:-2}" --dist loadfile "$@"

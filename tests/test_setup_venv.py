@@ -1,0 +1,97 @@
+"""The README's set-up on a machine whose only Python is externally managed (PEP 668, as on
+Debian 12, Ubuntu 23.04+ and Raspberry Pi OS): scripts/install.sh makes and uses a project
+virtualenv instead of installing into that Python, and reuses an active virtualenv."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from tests.test_firmware_install_real import checkout_copy
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def externally_managed_python(dest: Path) -> Path:
+    """A Python installation of its own whose stdlib carries the EXTERNALLY-MANAGED marker: the
+    base interpreter's binary, its stdlib linked entry by entry, pip in its site-packages."""
+    base_prefix = Path(sys.base_prefix)
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    stdlib = Path(sysconfig.get_paths(vars={"base": sys.base_prefix, "installed_base": sys.base_prefix})["stdlib"])
+    (dest / "bin").mkdir(parents=True)
+    lib = dest / "lib" / version
+    lib.mkdir(parents=True)
+    for entry in stdlib.iterdir():
+        if entry.name not in ("site-packages", "dist-packages", "EXTERNALLY-MANAGED"):
+            (lib / entry.name).symlink_to(entry)
+    site = lib / "site-packages"
+    site.mkdir()
+    base_site = Path(sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_prefix})["purelib"])
+    for entry in base_site.glob("pip*"):
+        (site / entry.name).symlink_to(entry)
+    (lib / "EXTERNALLY-MANAGED").write_text("[externally-managed]\nError=this Python is managed by the system\n")
+    exe = dest / "bin" / version
+    real = Path(os.path.realpath(base_prefix / "bin" / version))
+    exe.write_bytes(real.read_bytes())
+    exe.chmod(0o755)
+    (dest / "bin" / "python3").symlink_to(version)
+    return dest / "bin"
+
+
+def clean_env(path_first: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHON", "PYTHONPATH", "PYTHONHOME", "FEDAL_VENV")}
+    env["PATH"] = f"{path_first}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    return env
+
+
+def test_install_on_an_externally_managed_python_uses_a_project_venv(tmp_path):
+    bindir = externally_managed_python(tmp_path / "system")
+    env = clean_env(bindir)
+    # the premise: pip refuses this Python, as on Debian 12's
+    refused = subprocess.run([str(bindir / "python3"), "-m", "pip", "install", "--dry-run", "six"],
+                             capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode != 0 and "externally-managed-environment" in refused.stderr + refused.stdout
+
+    src = checkout_copy(tmp_path / "src")
+    first = subprocess.run(["bash", "scripts/install.sh", "none"], cwd=src, capture_output=True, text=True,
+                           env=env, timeout=1200)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    venv = src / ".venv"
+    assert "creating the project virtualenv" in first.stderr
+    assert f"source {venv}/bin/activate" in first.stderr
+    cfg = (venv / "pyvenv.cfg").read_text()
+    assert f"home = {bindir}" in cfg  # made from the externally managed Python, not installed into it
+    imported = subprocess.run([str(venv / "bin/python"), "-c", "import fedal, torch; print(torch.__version__)"],
+                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert imported.returncode == 0 and imported.stdout.startswith("2.13.0"), imported.stderr
+    assert (venv / "bin/fedal").exists()
+    assert not list((tmp_path / "system/lib").glob("python3*/site-packages/fedal*"))
+
+    # again: the same virtualenv, not a new one
+    second = subprocess.run(["bash", "scripts/install.sh", "none"], cwd=src, capture_output=True, text=True,
+                            env=env, timeout=1200)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "creating the project virtualenv" not in second.stderr
+
+
+def chosen_python(env: dict[str, str]) -> str:
+    out = subprocess.run(["bash", "-c", "source scripts/python-env.sh && echo \"$PYTHON\""], cwd=REPO,
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_an_active_virtualenv_or_an_explicit_python_is_used_as_it_is(tmp_path):
+    active = tmp_path / "active"
+    (active / "bin").mkdir(parents=True)
+    (active / "bin/python").symlink_to(sys.executable)
+    env = clean_env(tmp_path)
+    assert chosen_python({**env, "VIRTUAL_ENV": str(active)}) == f"{active}/bin/python"
+    assert chosen_python({**env, "VIRTUAL_ENV": str(active), "PYTHON": "/some/python"}) == "/some/python"
+    # neither: the project's virtualenv (or the one FEDAL_VENV names), made once
+    made = tmp_path / "venv"
+    assert chosen_python({**env, "FEDAL_VENV": str(made)}) == f"{made}/bin/python"
+    assert (made / "pyvenv.cfg").is_file()
