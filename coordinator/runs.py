@@ -95,6 +95,9 @@ class RunManager:
 
     def _engine(self, spec: RunSpec, origin: str) -> RoundEngine:
         results = None if origin == "config" else self.config.state_dir / "runs" / spec.run_id / "results.json"
+        note = spec.run.default_model_note()
+        if note:
+            log.info("run %s: %s", spec.run_id, note)
         return RoundEngine(self.config.for_run(spec, results), store=self.store, events=self.events, origin=origin)
 
     def _add(self, engine: RoundEngine) -> None:

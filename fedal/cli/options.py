@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from fedal.sim.config import DATASET_NAMES, PARTITION_NAMES, ConfigError, RunConfig, load_config
-from fedal.strategies import STRATEGY_NAMES
+from fedal.strategies import STRATEGIES, STRATEGY_NAMES
 
 
 def _models(_ctx, _param, value: str | None) -> list[str] | None:
@@ -32,7 +32,8 @@ RUN_OPTIONS = [
     click.option("--rounds", type=int, help="Rounds T."),
     click.option("--tau", type=int, help="Local steps and transfer iterations per round."),
     click.option("--seed", type=int, help="Seed driving data, models and sampling."),
-    click.option("--models", callback=_models, help="Comma-separated model names, assigned round-robin."),
+    click.option("--models", callback=_models, help="Comma-separated model names, assigned round-robin (default: the dataset's; "
+                 f"its first alone for {', '.join(n for n, s in STRATEGIES.items() if s.homogeneous_models)})."),
     click.option("--eval-every", type=int, help="Evaluate every k rounds."),
     click.option("--threads", type=int, help="torch threads per process."),
 ]
@@ -50,6 +51,10 @@ def run_options(func):
 def config_from_flags(config_path: str | None, flags: dict) -> RunConfig:
     """The run config from --config plus flags; usage errors exit with status 2."""
     try:
-        return load_config(config_path, {k: flags.get(k) for k in RUN_FLAGS})
+        config = load_config(config_path, {k: flags.get(k) for k in RUN_FLAGS})
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    note = config.default_model_note()
+    if note:
+        click.echo(note, err=True)
+    return config

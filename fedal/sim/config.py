@@ -23,6 +23,9 @@ DEFAULT_MODELS = {
     "cifar10": ["resnet18", "wrn16_1", "smallcnn"],
     "svhn": ["wrn10_1", "wrn16_1", "smallcnn"],
 }
+# Strategies that average parameters need one architecture for every client: without a models
+# choice they get the first of the dataset's defaults.
+DEFAULT_SINGLE_MODEL = {dataset: models[0] for dataset, models in DEFAULT_MODELS.items()}
 
 
 class ConfigError(ValueError):
@@ -42,7 +45,8 @@ class RunConfig(BaseModel):
     samples_per_client: int | None = Field(None, ge=1, description="None: an equal share of what is left")
     public_size: int = Field(1000, ge=1)
     local_test_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="share of each client's data held out as its local test split")
-    models: list[str] | None = Field(None, description="assigned round-robin; default per dataset")
+    models: list[str] | None = Field(None, description="assigned round-robin; default per dataset "
+                                       "(its first model alone for strategies that average parameters)")
     rounds: int = Field(20, ge=1)
     seed: int = Field(0, ge=0)
     eval_every: int = Field(1, ge=1, description="evaluate every k rounds (and always after the last)")
@@ -84,7 +88,19 @@ class RunConfig(BaseModel):
         return self
 
     def resolved_models(self) -> list[str]:
-        return list(self.models) if self.models else list(DEFAULT_MODELS[self.dataset])
+        if self.models:
+            return list(self.models)
+        if get_strategy(self.strategy).homogeneous_models:
+            return [DEFAULT_SINGLE_MODEL[self.dataset]]
+        return list(DEFAULT_MODELS[self.dataset])
+
+    def default_model_note(self) -> str | None:
+        """A line telling the user which model a parameter-averaging strategy got when none was
+        chosen; None when the models were given or the strategy takes mixed ones."""
+        if self.models or not get_strategy(self.strategy).homogeneous_models:
+            return None
+        return (f"{self.strategy} needs one model for all clients: using {DEFAULT_SINGLE_MODEL[self.dataset]} "
+                f"(the {self.dataset} default; --models or `models` chooses another)")
 
     def resolved(self) -> "RunConfig":
         """The same run with every default made explicit."""
@@ -143,4 +159,5 @@ def format_validation_error(exc: ValidationError) -> str:
     return "invalid config: " + "; ".join(lines)
 
 
-__all__ = ["ConfigError", "RunConfig", "load_config", "DATASET_NAMES", "PARTITION_NAMES", "STRATEGY_NAMES"]
+__all__ = ["ConfigError", "RunConfig", "load_config", "DATASET_NAMES", "DEFAULT_MODELS", "DEFAULT_SINGLE_MODEL", "PARTITION_NAMES",
+           "STRATEGY_NAMES"]
