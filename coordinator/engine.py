@@ -154,6 +154,11 @@ class RoundEngine:
         self.finished_event = threading.Event()
         self.resume_event = threading.Event()  # cleared while paused
         self.resume_event.set()
+        self.pause_points = list(config.phases.pause_at)  # each is dropped once it held the run
+        past = [p.label() for p in self.pause_points if p.round > self.run_config.rounds]
+        if past:
+            raise ValueError(f"phases.pause_at: {', '.join(past)} is past the run's {self.run_config.rounds} rounds")
+        self.held_before: dict[str, Any] | None = None  # the phase a paused run holds before
         self.events = events or EventHub()
         self.clients = {cid: ClientInfo() for cid in self.client_ids}
         self.counters: Counter[str] = Counter()
@@ -329,6 +334,9 @@ class RoundEngine:
         record["server"] = self.server.round_metrics()
         record["phases"] = stats.summary()
         record["wall_s"] = round(time.monotonic() - t0, 4)
+        for point in [p for p in self.pause_points if p.round == r + 1]:  # a phase this round never had: a typo
+            self.pause_points.remove(point)
+            log.warning("phases.pause_at: round %d had no phase matching %s; it never paused the run", r + 1, point.label())
         return record
 
     def _evaluate(self, r: int, stats: "PhaseStats") -> dict[str, Any]:
@@ -373,9 +381,20 @@ class RoundEngine:
     def _run_phase(self, phase: PhaseTasks, computed_from: float | None = None) -> PhaseState:
         """computed_from: when the server half started producing `phase` (for its timing)."""
         compute_s = 0.0 if computed_from is None else time.monotonic() - computed_from
-        while not self.resume_event.is_set():  # paused: keep handling messages, send nothing new
-            self._pump()
-            computed_from = None  # a pause is neither compute nor network time
+        point = next((p for p in self.pause_points if p.matches(phase.round, phase.phase, phase.iteration)), None)
+        if point is not None:
+            self.pause_points.remove(point)
+            log.info("pausing before round %d %s iteration %d (phases.pause_at: %s)", phase.round + 1, phase.phase,
+                     phase.iteration, point.label())
+            self.pause()
+        if not self.resume_event.is_set():
+            with self.lock:
+                self.held_before = {"round": phase.round + 1, "phase": phase.phase, "iteration": phase.iteration}
+            while not self.resume_event.is_set():  # paused: keep handling messages, send nothing new
+                self._pump()
+                computed_from = None  # a pause is neither compute nor network time
+            with self.lock:
+                self.held_before = None
         self.seq += 1
         key = (self.epoch, self.seq)
         payloads = {}
@@ -548,11 +567,13 @@ class RoundEngine:
                 "strategy": self.run_config.strategy,
                 "state": self.state,
                 "error": self.error,
-                "round": self.round + (1 if self.state == "running" else 0),
+                "round": 0 if self.state == "pending" else min(self.round + 1, self.run_config.rounds),
                 "rounds": self.run_config.rounds,
                 "completed_rounds": len(self.records),
                 "phase": cur.phase.phase if cur else None,
                 "iteration": cur.phase.iteration if cur else None,
+                "held_before": self.held_before,
+                "pause_at": [p.model_dump() for p in self.pause_points],
                 "started_at": self.started_at,
                 "finished_at": self.finished_at,
                 "counters": dict(self.counters),

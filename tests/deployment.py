@@ -14,6 +14,8 @@ import tomli_w
 
 from coordinator.demo import RUN_ID, free_port, prepare_workspace, spawn, terminate
 
+TOKEN = "deployment-token"  # the API token of a Deployment's coordinator unless the test names one
+
 
 class Deployment:
     def __init__(self, config, workdir: Path, broker: str, phases: dict | None = None, coordinator: dict | None = None,
@@ -26,6 +28,7 @@ class Deployment:
         coord = tomllib.loads(self.coord_path.read_text())
         coord["phases"] = {**coord.get("phases", {}), **(phases or {})}
         merge(coord, coordinator or {})
+        coord.setdefault("api", {}).setdefault("token", TOKEN)
         self.coord_path.write_text(tomli_w.dumps(coord))
         self.coord_config = coord
         for path in self.agent_paths:
@@ -60,6 +63,27 @@ class Deployment:
                 return last
             time.sleep(0.2)
         raise AssertionError(f"timed out waiting for {what}; last state: {json.dumps(last)[:2000] if last else None}")
+
+    def control(self, action: str) -> dict:
+        """POST pause, resume or stop to the run, with the coordinator's token."""
+        req = urllib.request.Request(f"{self.api}/api/v1/runs/{RUN_ID}/{action}", method="POST",
+                                     headers={"Authorization": f"Bearer {self.coord_config['api']['token']}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def wait_held(self, round: int, phase: str | None = None, iteration: int | None = None,
+                  timeout_s: float = 180) -> dict:
+        """The run's state once it is paused and holds before that phase (a `phases.pause_at` point):
+        the test acts at a known point of the run however fast or slow the run is."""
+        want = {"round": round, "phase": phase, "iteration": iteration}
+
+        def held(r: dict) -> bool:
+            if r["state"] in ("finished", "stopped", "failed"):
+                raise AssertionError(f"the run ended ({r['state']}) without holding before {want}")
+            at = r.get("held_before")
+            return r["state"] == "paused" and at is not None and all(v is None or at[k] == v for k, v in want.items())
+
+        return self.wait_for(held, timeout_s=timeout_s, what=f"the run to hold before {want}")
 
     def start_all(self) -> None:
         self.start_coordinator()

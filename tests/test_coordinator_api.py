@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from coordinator.app import create_app
 from coordinator.config import load_coordinator_config
 from coordinator.engine import RoundEngine
-from fedal.sim import load_config
+from fedal.sim import load_config, simulate
 from tests.deployment import Deployment, get
 
 
@@ -155,3 +155,38 @@ def test_pause_resume_and_live_events_during_a_real_run(mosquitto, tmp_path):
     assert [e["round"] for e in events if e["type"] == "round"] == list(range(1, 13))
     states = [e["state"] for e in events if e["type"] == "run"]
     assert "paused" in states and states[-1] == "finished"
+
+
+def test_pause_at_holds_the_run_before_the_named_phases(mosquitto, tmp_path):
+    """phases.pause_at: the run holds by itself before round 2's second transfer and before round 3,
+    sends nothing while held, and finishes as the run that never paused."""
+    config = load_config(None, dict(strategy="fedal", dataset="digits", clients=3, rounds=3, tau=2, public_size=100, seed=6))
+    dep = Deployment(config, tmp_path / "dep", mosquitto,
+                     phases={"pause_at": [{"round": 2, "phase": "transfer", "iteration": 1}, {"round": 3}]})
+    try:
+        dep.start_all()
+        held = dep.wait_held(2, "transfer", 1)
+        assert held["held_before"] == {"round": 2, "phase": "transfer", "iteration": 1}
+        assert held["round"] == 2 and held["completed_rounds"] == 1
+        assert held["pause_at"] == [{"round": 3, "phase": None, "iteration": None}]
+        # round 1 (local_train, 2 transfers, evaluate), then round 2's local_train and first transfer
+        assert {c: i["answered"] for c, i in held["clients"].items()} == {c: 6 for c in ("c00", "c01", "c02")}
+        time.sleep(2)
+        still = dep.run()
+        assert still["state"] == "paused" and {c: i["answered"] for c, i in still["clients"].items()} == {
+            c: 6 for c in ("c00", "c01", "c02")}
+        assert dep.control("resume")["state"] == "running"
+
+        held = dep.wait_held(3)
+        assert held["held_before"] == {"round": 3, "phase": "local_train", "iteration": 0}
+        assert held["completed_rounds"] == 2 and held["pause_at"] == []
+        dep.control("resume")
+        final = dep.finish(timeout_s=180)
+        state = dep.run()
+    finally:
+        dep.close()
+    assert state["held_before"] is None and state["round"] == 3
+    assert [r["round"] for r in final["rounds"]] == [1, 2, 3]
+    assert final["final"]["client_acc"] == simulate(config)["final"]["client_acc"]
+    log = (dep.workdir / "coordinator" / "coordinator.log").read_text()
+    assert "pausing before round 2 transfer iteration 1" in log and "pausing before round 3 local_train" in log

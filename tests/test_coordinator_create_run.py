@@ -62,6 +62,8 @@ def test_create_run_in_process(client):
         ({**SPEC, "run_id": "c", "run": {"strategy": "nope"}}, "strategy"),
         ({**SPEC, "run_id": "d", "surprise": 1}, "surprise"),
         ({**SPEC, "run_id": "e", "public_file": "/etc/passwd"}, "state_dir"),
+        ({**SPEC, "run_id": "f", "phases": {"pause_at": [{"round": 99}]}}, "round 99 is past the run's"),
+        ({**SPEC, "run_id": "g", "phases": {"pause_at": [{"round": 1, "phase": "Transfer!"}]}}, "pause_at"),
     ]
     for spec, needle in bad:
         resp = api.post("/api/v1/runs", json=spec, headers=auth)
