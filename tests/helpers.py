@@ -46,11 +46,21 @@ def toy_federation(strategy: str, n_clients: int = 3, k: int = 4, public: int = 
 def simulated_run(config):
     """`fedal simulate`'s loop for `config`, keeping data, client halves and server half (to
     compare a deployment's final outputs with, not only its accuracies)."""
-    from fedal.sim import InProcessEngine, build_run
+    from fedal.sim import build_run, simulated_engine
 
     config = config.resolved()
     data, clients, server = build_run(config)
-    engine = InProcessEngine(server, clients)
+    engine = simulated_engine(config, data, clients, server)
     for r in range(config.rounds):
         engine.run_round(r)
     return data, clients, server
+
+
+def in_process(server, clients, **kwargs):
+    """The round engine over in-process sessions of `clients`, no evaluation phase (strategy
+    math tests look at the halves themselves)."""
+    from fedal.engine.inprocess import in_process_engine
+    from fedal.strategies import STRATEGIES
+
+    kinds = next(s.phases for s in STRATEGIES.values() if type(server) is s.server)
+    return in_process_engine(server, clients, phase_kinds=kinds, **kwargs)

@@ -68,10 +68,10 @@ def test_fedal_client_trains_the_same_with_either_backend(tmp_path):
     server_o, clients_o, _ = toy_federation("fedal", tau=2)
     for cid, c in clients_o.items():
         c.inference = OnnxInference("onnx", tmp_path / cid, threads=1, example=c.train_data.x)
-    from fedal.sim import InProcessEngine
+    from tests.helpers import in_process
 
-    InProcessEngine(server_t, clients_t).run_round(0)
-    InProcessEngine(server_o, clients_o).run_round(0)
+    in_process(server_t, clients_t).run_round(0)
+    in_process(server_o, clients_o).run_round(0)
     for cid in clients_t:
         assert clients_o[cid].inference.use_onnx is True
         for a, b in zip(clients_t[cid].model.parameters(), clients_o[cid].model.parameters()):

@@ -13,12 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedal.protocol import Message
-from fedal.sim.engine import InProcessEngine
 from fedal.sim.fairness import collaborative_fairness, fairness_summary
 from fedal.strategies import InvalidResult, ServerContext, StrategyParams, get_strategy
 from fedal.strategies.fedakd import FedAKDServer, distill, select
 from fedal.strategies.local import local_batches
-from tests.helpers import toy_dataset
+from tests.helpers import toy_dataset, in_process
 
 K = 4
 
@@ -56,8 +55,8 @@ def test_beta_zero_and_selection_all_is_exactly_one_fedavg_round(local_epochs, t
     # it may reach the upload
     fedavg, avg_clients = federation("fedavg", local_epochs=local_epochs, tau=tau)
     fedakd, akd_clients = federation("fedakd", local_epochs=local_epochs, tau=tau, akd_beta=0.0, akd_selection="all")
-    InProcessEngine(fedavg, avg_clients).run_round(0)
-    InProcessEngine(fedakd, akd_clients).run_round(0)
+    in_process(fedavg, avg_clients).run_round(0)
+    in_process(fedakd, akd_clients).run_round(0)
     assert set(fedavg.global_weights) == set(fedakd.global_weights)
     assert any("running_mean" in k for k in fedakd.global_weights)  # BatchNorm buffers travel and are averaged
     for k, v in fedavg.global_weights.items():
@@ -76,8 +75,8 @@ def test_beta_zero_and_selection_all_is_exactly_one_fedavg_round(local_epochs, t
 def test_default_fedakd_is_not_fedavg(one_torch_thread):
     fedavg, avg_clients = federation("fedavg", local_epochs=1)
     fedakd, akd_clients = federation("fedakd")
-    InProcessEngine(fedavg, avg_clients).run_round(0)
-    InProcessEngine(fedakd, akd_clients).run_round(0)
+    in_process(fedavg, avg_clients).run_round(0)
+    in_process(fedakd, akd_clients).run_round(0)
     diff = max(float(np.max(np.abs(fedavg.global_weights[k] - fedakd.global_weights[k])))
                for k in fedavg.global_weights if "weight" in k)
     assert diff > 1e-4
@@ -103,7 +102,7 @@ def test_selection_keeps_exactly_the_correctly_classified():
 
 def test_client_selects_what_its_personal_model_gets_right(one_torch_thread):
     server, clients = federation("fedakd")
-    engine = InProcessEngine(server, clients)
+    engine = in_process(server, clients)
     engine.run_round(0)
     for r in (1, 2):
         w_g = {k: v.copy() for k, v in server.global_weights.items()}
@@ -117,7 +116,7 @@ def test_client_selects_what_its_personal_model_gets_right(one_torch_thread):
 def test_empty_selection_uploads_the_global_model_unchanged(one_torch_thread):
     # nothing reaches a 0.99 confidence after one tiny-step epoch: I_k is empty
     server, clients = federation("fedakd", akd_confidence=0.99, lr=1e-6)
-    InProcessEngine(server, clients).run_round(0)
+    in_process(server, clients).run_round(0)
     before = {k: v.copy() for k, v in server.global_weights.items()}
     c = clients["c1"]
     reply = c.handle(Message({"phase": "train", "round": 1, "iteration": 0}, before))
@@ -194,7 +193,7 @@ def test_aggregation_weights_uploads_by_local_data_size():
 
 def test_personal_model_persists_and_survives_a_checkpoint(one_torch_thread):
     server, clients = federation("fedakd")
-    engine = InProcessEngine(server, clients)
+    engine = in_process(server, clients)
     engine.run_round(0)
     engine.run_round(1)
     c = clients["c2"]
@@ -218,7 +217,7 @@ def test_personal_model_persists_and_survives_a_checkpoint(one_torch_thread):
 
 def test_first_round_starts_the_personal_model_from_the_global_model(one_torch_thread):
     server, clients = federation("fedakd", akd_alpha=0.0, lr=1e-12)  # step 1 leaves w_k (almost) where it starts
-    InProcessEngine(server, clients).run_round(0)
+    in_process(server, clients).run_round(0)
     init = numpy_state(clients["c0"].model)  # c0 uploaded the initial weights; c1 must start from them
     for k, v in numpy_state(clients["c1"].model).items():
         if "weight" in k or "bias" in k:

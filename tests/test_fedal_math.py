@@ -14,8 +14,7 @@ from fedal.protocol import Message
 from fedal.strategies.discriminator import Discriminator, per_sample_adversarial_grad
 from fedal.strategies.fedal import FedALServer, frozen_copy
 from fedal.strategies.losses import kl_to_student
-from fedal.sim.engine import InProcessEngine
-from tests.helpers import toy_federation
+from tests.helpers import toy_federation, in_process
 
 
 def run_to_feedback(server, clients, round_idx=0):
@@ -215,10 +214,11 @@ def test_invalid_results_are_rejected_and_counted():
 
     clients["c1"] = Broken(clients["c1"], "nan")
     clients["c2"] = Broken(clients["c2"], "shape")
-    rec = InProcessEngine(server, clients).run_round(0)
-    assert rec.rejected == 2
-    assert any("NaN" in r for r in rec.reject_reasons) and any("shape" in r for r in rec.reject_reasons)
-    assert rec.server_metrics["participation"] == pytest.approx(1 / 3)
+    engine = in_process(server, clients)
+    rec = engine.run_round(0)
+    assert rec["rejected"] == 2
+    assert any("NaN" in r for r in engine.round_rejects) and any("shape" in r for r in engine.round_rejects)
+    assert rec["server"]["participation"] == pytest.approx(1 / 3)
 
 
 def test_lf_references_are_snapshots_at_stage_start():
@@ -237,7 +237,7 @@ def test_lf_references_are_snapshots_at_stage_start():
 def test_fedmd_lf_with_zero_lf_weights_equals_fedmd_step_for_step():
     s_md, c_md, _ = toy_federation("fedmd", tau=2)
     s_lf, c_lf, _ = toy_federation("fedmd-lf", tau=2, lambda_lf_loc=0.0, lambda_lf_glo=0.0)
-    e_md, e_lf = InProcessEngine(s_md, c_md), InProcessEngine(s_lf, c_lf)
+    e_md, e_lf = in_process(s_md, c_md), in_process(s_lf, c_lf)
     for r in range(4):
         e_md.run_round(r)
         e_lf.run_round(r)
@@ -246,7 +246,7 @@ def test_fedmd_lf_with_zero_lf_weights_equals_fedmd_step_for_step():
                 assert torch.equal(a, b), f"diverged at round {r} for {cid}"
     # and the LF terms really act when switched on
     s_on, c_on, _ = toy_federation("fedmd-lf", tau=2)
-    InProcessEngine(s_on, c_on).run_round(0)
+    in_process(s_on, c_on).run_round(0)
     assert any(not torch.equal(a, b) for a, b in zip(c_md["c0"].model.parameters(), c_on["c0"].model.parameters()))
 
 
@@ -261,7 +261,7 @@ def test_feedback_without_matching_logits_is_refused():
 
 def test_client_state_roundtrip_resumes_identically():
     server, clients, _ = toy_federation("fedal", tau=2)
-    engine = InProcessEngine(server, clients)
+    engine = in_process(server, clients)
     engine.run_round(0)
     saved = {c: copy.deepcopy(clients[c].state_dict()) for c in clients}  # as if written to disk
     srv = server.state_dict()
@@ -272,7 +272,7 @@ def test_client_state_roundtrip_resumes_identically():
     for c in clients2:
         clients2[c].load_state_dict(saved[c])
     server2.load_state_dict(srv)
-    InProcessEngine(server2, clients2).run_round(1)
+    in_process(server2, clients2).run_round(1)
     for c in clients2:
         for a, b in zip(after[c], clients2[c].model.parameters()):
             assert torch.equal(a, b)

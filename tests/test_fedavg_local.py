@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from fedal.protocol import Message
-from fedal.sim.engine import InProcessEngine
 from fedal.strategies.fedavg import FedAvgServer, weighted_average
 from fedal.strategies import ServerContext, StrategyParams
-from tests.helpers import toy_federation
+from tests.helpers import toy_federation, in_process
 
 
 def test_weighted_average_on_hand_built_inputs():
@@ -24,7 +23,7 @@ def test_weighted_average_on_hand_built_inputs():
 
 def test_one_round_is_the_data_weighted_mean_of_client_updates():
     server, clients, _ = toy_federation("fedavg", n_clients=3, tau=2)
-    engine = InProcessEngine(server, clients)
+    engine = in_process(server, clients)
     engine.run_round(0)
     # every client trained from the first client's initial weights, and the server holds their weighted mean
     per_client = [{k: v.detach().numpy() for k, v in c.model.state_dict().items()} for c in clients.values()]
@@ -69,10 +68,10 @@ def test_local_only_exchanges_no_tensors_and_learns():
     server, clients, _ = toy_federation("local", n_clients=2, tau=20, lr=0.05)
     c = clients["c0"]
     before = c.evaluate(c.train_data.x, c.train_data.y)
-    rec = InProcessEngine(server, clients).run_round(0)
+    rec = in_process(server, clients).run_round(0)
     after = c.evaluate(c.train_data.x, c.train_data.y)
     assert after > before
-    assert rec.phases == 1 and rec.bytes_up < 500 and rec.bytes_down < 500
+    assert list(rec["phases"]) == ["local_train"] and rec["bytes_up"] < 500 and rec["bytes_down"] < 500
 
 
 def test_server_refuses_results_from_unknown_clients_and_stale_rounds():

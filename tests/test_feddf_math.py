@@ -12,10 +12,9 @@ from torch import nn
 
 from fedal.protocol import Message, decode, encode
 from fedal.sim.config import RunConfig
-from fedal.sim.engine import InProcessEngine
 from fedal.strategies import InvalidResult, ServerContext, StrategyParams, get_strategy
 from fedal.strategies.feddf import FEDDF_AL_PRESET, FEDDF_PRESET, WEIGHTS, architecture_tag
-from tests.helpers import TinyNet, toy_dataset
+from tests.helpers import TinyNet, toy_dataset, in_process
 
 K, D_IN, PUBLIC = 4, 6, 50
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -150,21 +149,22 @@ def test_feddf_al_without_the_adversarial_term_is_feddf_step_for_step():
     archs, sizes = [TinyNet, NarrowNet, TinyNet, NarrowNet], [20, 40, 60, 30]
     s_df, c_df = federation("feddf", archs, sizes, tau=2)
     s_al, c_al = federation("feddf-al", archs, sizes, tau=2, lambda_adv=0.0)
-    e_df, e_al = InProcessEngine(s_df, c_df), InProcessEngine(s_al, c_al)
+    e_df, e_al = in_process(s_df, c_df), in_process(s_al, c_al)
     for r in range(3):
-        rec_df, rec_al = e_df.run_round(r), e_al.run_round(r)
+        seq_df, seq_al = e_df.seq, e_al.seq
+        e_df.run_round(r), e_al.run_round(r)
         # [init in round 0], local_train, average, tau transfer iterations
-        assert rec_df.phases == rec_al.phases == (1 if r == 0 else 0) + 2 + 2
+        assert e_df.seq - seq_df == e_al.seq - seq_al == (1 if r == 0 else 0) + 2 + 2
         for cid in c_df:
             for a, b in zip(c_df[cid].model.parameters(), c_al[cid].model.parameters()):
                 assert torch.equal(a, b), f"diverged at round {r} for {cid}"
     # and the adversarial term really acts when switched on (its gradient goes down too)
     s_on, c_on = federation("feddf-al", archs, sizes, tau=2)
-    rec_on = InProcessEngine(s_on, c_on).run_round(0)
+    rec_on = in_process(s_on, c_on).run_round(0)
     s_off, c_off = federation("feddf", archs, sizes, tau=2)
-    rec_off = InProcessEngine(s_off, c_off).run_round(0)
-    assert rec_on.server_metrics["disc_loss"] > 0 and "disc_loss" not in rec_off.server_metrics
-    assert rec_on.bytes_down > rec_off.bytes_down
+    rec_off = in_process(s_off, c_off).run_round(0)
+    assert rec_on["server"]["disc_loss"] > 0 and "disc_loss" not in rec_off["server"]
+    assert rec_on["bytes_down"] > rec_off["bytes_down"]
     assert any(not torch.equal(a, b) for a, b in zip(c_on["c0"].model.parameters(), c_off["c0"].model.parameters()))
 
 
@@ -240,7 +240,7 @@ def test_average_phase_needs_logits_and_a_client_refuses_foreign_shapes():
 def test_a_client_that_missed_the_upload_gets_its_group_average_also_after_a_restart():
     archs, sizes = [TinyNet, NarrowNet, TinyNet], [20, 30, 40]
     server, clients = federation("feddf-al", archs, sizes, tau=1)
-    InProcessEngine(server, clients).run_round(0)  # the server learns every client's group
+    in_process(server, clients).run_round(0)  # the server learns every client's group
     buf = io.BytesIO()
     torch.save(server.state_dict(), buf)  # as the coordinator persists it
     buf.seek(0)

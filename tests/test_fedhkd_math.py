@@ -13,7 +13,8 @@ from torch import nn
 
 from fedal.models import SplitModel, build_model
 from fedal.protocol import Message, decode, encode
-from fedal.sim import InProcessEngine, build_run, load_config
+from fedal.sim import build_run, load_config
+from tests.helpers import in_process
 from fedal.strategies import InvalidResult, ServerContext, StrategyParams
 from fedal.strategies.fedhkd import (COUNT_KEY, H_KEY, MASK_KEY, Q_KEY, FedHKDClient, FedHKDServer, Knowledge,
                                      aggregate_knowledge, extract_knowledge, knowledge_terms, last_writer_knowledge)
@@ -29,7 +30,7 @@ def run_rounds(strategy: str, rounds: int = 3, **extra):
     config = load_config(None, dict(strategy=strategy, dataset="digits", clients=3, rounds=rounds, tau=4, seed=3,
                                     models=["mlp"], partition="dirichlet-class", alpha=0.5, **extra)).resolved()
     _, clients, server = build_run(config)
-    engine = InProcessEngine(server, clients)
+    engine = in_process(server, clients)
     for r in range(rounds):
         engine.run_round(r)
     return server, clients

@@ -51,6 +51,10 @@ class RunConfig(BaseModel):
     seed: int = Field(0, ge=0)
     eval_every: int = Field(1, ge=1, description="evaluate every k rounds (and always after the last)")
     threads: int = Field(1, ge=1, description="torch intra-op threads (1 is fastest for tiny models)")
+    # faults of the in-process transport (simulation only; a deployment has real ones)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="simulation: each client misses each phase with this probability")
+    stragglers: float = Field(0.0, ge=0.0, le=1.0, description="simulation: this fraction of clients answers after the deadline")
+    straggle_every: int = Field(2, ge=1, description="simulation: stragglers are late every k-th phase")
     strategy_params: StrategyParams = Field(default_factory=StrategyParams)
 
     @field_validator("strategy")

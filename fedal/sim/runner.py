@@ -1,19 +1,19 @@
-"""`fedal simulate`: build data, models and strategy halves from a RunConfig, run, report."""
+"""`fedal simulate`: build data, models and strategy halves from a RunConfig, then drive them
+with the one round engine over the in-process transport (simulated clock, optional faults)."""
 
 from __future__ import annotations
 
-import platform
 import time
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from fedal import __version__
 from fedal.data import build_federated
+from fedal.engine.inprocess import Faults, in_process_engine
+from fedal.engine.results import build_results, evaluation_summary, final_summary  # noqa: F401 (coordinator)
 from fedal.models import build_model
 from fedal.sim.config import RunConfig
-from fedal.sim.engine import InProcessEngine
 from fedal.sim.fairness import standalone_fairness
 from fedal.strategies import ServerContext, get_strategy
 from fedal.strategies.global_model import fedavg_style_metrics, global_accuracy
@@ -59,76 +59,54 @@ def build_run(config: RunConfig):
     return data, clients, server
 
 
+def simulated_engine(config: RunConfig, data, clients: dict, server):
+    """The round engine over in-process sessions of `clients`, evaluating as a deployment does."""
+    spec = get_strategy(config.strategy)
+    tests = {cid: (data.test, data.client_tests[i] if len(data.client_tests[i]) else None)
+             for i, cid in enumerate(clients)}
+
+    def global_metrics(summary: dict[str, Any]) -> dict[str, Any]:
+        if not spec.global_model:
+            return {}
+        acc = global_accuracy(server, config.models[0], data.num_classes, data.test.x, data.test.y)
+        return fedavg_style_metrics(summary, acc)
+
+    faults = Faults(config.dropout, config.stragglers, config.straggle_every, seed=config.seed)
+    return in_process_engine(server, clients, phase_kinds=spec.phases, rounds=config.rounds,
+                             eval_every=config.eval_every, tests=tests, faults=faults, global_metrics=global_metrics)
+
+
 def simulate(config: RunConfig, progress: ProgressFn | None = None) -> dict[str, Any]:
     config = config.resolved()
     torch.set_num_threads(config.threads)
     started = time.perf_counter()
     data, clients, server = build_run(config)
-    engine = InProcessEngine(server, clients)
+    engine = simulated_engine(config, data, clients, server)
 
     rounds = []
     for r in range(config.rounds):
-        rec = engine.run_round(r)
-        entry: dict[str, Any] = {"round": r + 1, "bytes_up": rec.bytes_up, "bytes_down": rec.bytes_down}
-        if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
-            entry.update(evaluate_run(config, clients, server, data))
-        entry["rejected"] = rec.rejected
-        entry["server"] = rec.server_metrics
+        entry = engine.run_round(r)
         rounds.append(entry)
         if progress:
             progress(r + 1, entry)
 
-    final = evaluate_run(config, clients, server, data)
+    final = final_summary(rounds)
     if get_strategy(config.strategy).fairness:  # CF needs a standalone run of the same clients
         final.update(standalone_fairness(config, final))
-    return {
-        "config": config.model_dump(mode="json"),
-        "data": {
-            "public_hash": data.public_hash,
-            "public_size": int(len(data.public_x)),
-            "test_size": int(len(data.test)),
-            "client_sizes": [int(len(c)) for c in data.clients],
-            "local_test_sizes": [int(len(t)) for t in data.client_tests],
-            "label_histogram": np.asarray(data.partition_stats).astype(int).tolist(),
-        },
-        "clients": [
-            {"id": cid, "model": config.models[i % len(config.models)]} for i, cid in enumerate(clients)
-        ],
-        "rounds": rounds,
-        "final": final,
-        "environment": {"fedal": __version__, "torch": torch.__version__, "python": platform.python_version()},
-        "timings": {"wall_seconds": round(time.perf_counter() - started, 3)},
+    data_info = {
+        "public_hash": data.public_hash,
+        "public_size": int(len(data.public_x)),
+        "test_size": int(len(data.test)),
+        "client_sizes": [int(len(c)) for c in data.clients],
+        "local_test_sizes": [int(len(t)) for t in data.client_tests],
+        "label_histogram": np.asarray(data.partition_stats).astype(int).tolist(),
     }
-
-
-def evaluate_run(config: RunConfig, clients: dict, server, data) -> dict[str, Any]:
-    """evaluate_clients, plus for strategies with a global model (StrategySpec.global_model)
-    that model on the common test set (`global_acc`) and `personal_acc`."""
-    summary = evaluate_clients(clients, data)
-    if get_strategy(config.strategy).global_model:
-        acc = global_accuracy(server, config.models[0], data.num_classes, data.test.x, data.test.y)
-        summary.update(fedavg_style_metrics(summary, acc))
-    return summary
-
-
-def evaluate_clients(clients: dict, data) -> dict[str, Any]:
-    """Every client's accuracy on the common test set and, when it has one, on its own local
-    test split (its own distribution: the personalised view)."""
-    accs = [c.evaluate(data.test.x, data.test.y) for c in clients.values()]
-    local = [c.evaluate(t.x, t.y) if len(t) else None for c, t in zip(clients.values(), data.client_tests)]
-    return evaluation_summary(accs, local)
-
-
-def evaluation_summary(accs: list[float | None], local_accs: list[float | None] | None = None) -> dict[str, Any]:
-    """Summaries of the clients' reported accuracies; a client without a number (no test data,
-    or no answer) appears as null in the per-client lists and is left out of the statistics."""
-    out: dict[str, Any] = {}
-    for prefix, values in (("", accs), ("local_", local_accs or [])):
-        known = [float(a) for a in values if a is not None]
-        if not known:
-            continue
-        out.update({f"{prefix}mean_acc": float(np.mean(known)), f"{prefix}min_acc": float(np.min(known)),
-                    f"{prefix}max_acc": float(np.max(known)),
-                    f"client_{prefix}acc": [None if a is None else float(a) for a in values]})
-    return out
-
+    clients_info = [{"id": cid, "model": config.models[i % len(config.models)]} for i, cid in enumerate(clients)]
+    faults = engine.transport
+    deployment = None
+    if config.dropout or config.stragglers:
+        deployment = {"faults": {"dropped_tasks": faults.dropped, "late_results": faults.late,
+                                 "stragglers": sorted(faults.stragglers)},
+                      "counters": dict(engine.counters)}
+    return build_results(config.model_dump(mode="json"), data_info, clients_info, rounds, final,
+                         time.perf_counter() - started, deployment=deployment)

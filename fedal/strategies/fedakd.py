@@ -37,6 +37,7 @@ from fedal.strategies.local import local_batches
 from fedal.strategies.losses import kl_to_student
 
 PRESET = {"tau": 5, "local_epochs": 1, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
+PHASES = {"init": "exchange", "train": "train"}  # FedAvg's round; the personal model stays on the device
 
 
 class FedAKDServer(FedAvgServer):

@@ -33,6 +33,8 @@ from fedal.strategies.losses import kl_grad_wrt_student, kl_to_student, mean_kl_
 from fedal.strategies.params import StrategyParams
 
 PRESET = {"tau": 5, "lambda_kd": 1.0, "lambda_adv": 1.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}
+# the phases of a round and their kind: "train" phases get the training deadline
+PHASES = {"local_train": "train", "transfer": "exchange"}
 
 
 def public_indices(seed: int, round_idx: int, iteration: int, public_size: int, batch: int) -> np.ndarray:

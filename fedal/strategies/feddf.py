@@ -46,6 +46,8 @@ FEDDF_PRESET = {"tau": 10, "lambda_kd": 1.0, "lambda_adv": 0.0, "lambda_lf_loc":
 
 WEIGHTS = "w/"  # weight tensors travel as "w/<state_dict key>", apart from "indices" and "logits"
 MAX_TAG = 128
+# the phases of a round and their kind: "train" phases get the training deadline
+PHASES = {"init": "exchange", "local_train": "train", "average": "exchange", "transfer": "exchange"}
 
 
 def architecture_tag(model: torch.nn.Module) -> str:

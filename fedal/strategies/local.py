@@ -10,6 +10,8 @@ from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf, PhaseTasks, ServerHalf
 
 PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
+# the phases of a round and their kind: "train" phases get the training deadline
+PHASES = {"local_train": "train"}
 
 
 class LocalServer(ServerHalf):

@@ -1,0 +1,142 @@
+"""The in-process transport: client sessions called directly, on a simulated clock.
+
+Every task and result still crosses the wire envelope (encode, then decode), so the bytes
+counted are those a deployment sends and a strategy cannot rely on anything that would not
+survive the wire. Time is simulated: a client answers at once unless a fault says otherwise,
+and a deadline passes without anyone waiting for it. Faults (seeded, reproducible):
+- dropout P: each client misses each phase with probability P (its task and every re-send of
+  it are lost), as a device that is offline for that phase;
+- evaluation tasks are measurement, not part of the run: they are never faulted;
+- stragglers F: that fraction of the clients (a fixed, seeded choice) answers every k-th phase
+  only after the phase's deadline; the work is done, the answer comes too late.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedal.data import ArrayDataset
+from fedal.engine.rounds import RoundEngine
+from fedal.engine.settings import PhaseSettings
+from fedal.engine.transport import Arrival, Transport
+from fedal.protocol import Message, decode
+from fedal.session import ClientSession, evaluation_reply
+from fedal.strategies import ClientHalf, ServerHalf
+
+
+@dataclass(frozen=True)
+class Faults:
+    dropout: float = 0.0
+    stragglers: float = 0.0
+    straggle_every: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not 0.0 <= self.stragglers <= 1.0:
+            raise ValueError(f"stragglers must be in [0, 1], got {self.stragglers}")
+        if self.straggle_every < 1:
+            raise ValueError(f"straggle_every must be >= 1, got {self.straggle_every}")
+
+    @property
+    def any(self) -> bool:
+        return self.dropout > 0 or self.stragglers > 0
+
+
+class InProcessTransport(Transport):
+    def __init__(self, run_id: str, sessions: Mapping[str, ClientSession], phases: PhaseSettings,
+                 phase_kinds: Mapping[str, str], faults: Faults | None = None):
+        self.run_id = run_id
+        self.sessions = dict(sessions)
+        self.settings = phases
+        self.phase_kinds = dict(phase_kinds)
+        self.faults = faults or Faults()
+        self.clock = 0.0
+        self._queue: list[tuple[float, int, Arrival]] = []
+        self._order = itertools.count()
+        rng = np.random.default_rng([self.faults.seed, 0xD40])
+        self._drop_rng = np.random.default_rng([self.faults.seed, 0xD0F])
+        ids = sorted(self.sessions)
+        n_late = int(round(self.faults.stragglers * len(ids)))
+        self.stragglers = {ids[i] for i in rng.permutation(len(ids))[:n_late]}
+        self._dropped: dict[tuple[str, int, int], bool] = {}
+        self.dropped = 0
+        self.late = 0
+
+    def start(self, should_stop) -> bool:
+        for cid in self.sessions:
+            self._arrive(0.0, Arrival("status", cid, self.run_id, json.dumps({"state": "online", "ts": 0.0}).encode()))
+        return True
+
+    def now(self) -> float:
+        return self.clock
+
+    def exhausted(self) -> bool:
+        return not self._queue
+
+    def send(self, client_id: str, payload: bytes) -> int:
+        task = decode(payload)
+        key = (client_id, int(task.meta["epoch"]), int(task.meta["seq"]))  # type: ignore[arg-type]
+        if task.phase == "evaluate":  # a measurement, not part of the run: never faulted
+            return self._deliver(client_id, task, key, len(payload), faulted=False)
+        if key not in self._dropped:  # decided once per client and phase, in sending order
+            self._dropped[key] = bool(self.faults.dropout and self._drop_rng.random() < self.faults.dropout)
+            self.dropped += self._dropped[key]
+        if self._dropped[key]:
+            return len(payload)
+        return self._deliver(client_id, task, key, len(payload), faulted=True)
+
+    def _deliver(self, client_id: str, task: Message, key: tuple[str, int, int], size: int, faulted: bool) -> int:
+        result = self.sessions[client_id].on_task(task)
+        if result is not None:
+            at = self.clock
+            if faulted and client_id in self.stragglers and key[2] % self.faults.straggle_every == 0:
+                train = self.phase_kinds.get(task.phase) == "train"
+                at += (self.settings.train_deadline_s if train else self.settings.deadline_s) + 1.0
+                self.late += 1
+            self._arrive(at, Arrival("result", client_id, self.run_id, result, wire_bytes=len(result)))
+        return size
+
+    def receive(self, timeout_s: float) -> Arrival | None:
+        if self._queue and self._queue[0][0] <= self.clock + timeout_s:
+            at, _, arrival = heapq.heappop(self._queue)
+            self.clock = max(self.clock, at)
+            return arrival
+        self.clock += timeout_s
+        return None
+
+    def _arrive(self, at: float, arrival: Arrival) -> None:
+        heapq.heappush(self._queue, (at, next(self._order), arrival))
+
+
+def in_process_engine(server: ServerHalf, clients: Mapping[str, ClientHalf], *, phase_kinds: Mapping[str, str],
+                      rounds: int = 1, eval_every: int | None = None,
+                      tests: Mapping[str, tuple[ArrayDataset | None, ArrayDataset | None]] | None = None,
+                      faults: Faults | None = None, phases: PhaseSettings | None = None,
+                      global_metrics=None, run_id: str = "sim") -> RoundEngine:
+    """A round engine over in-process client sessions, started, every client online.
+    `tests`: per client its common and local test sets, for the evaluate phase (none: no evaluation)."""
+    missing = set(server.client_ids) - set(clients)
+    if missing:
+        raise ValueError(f"no client half for {sorted(missing)}")
+    phases = phases or PhaseSettings()
+    sessions = {}
+    for cid in server.client_ids:
+        test, local_test = (tests or {}).get(cid, (None, None))
+        client = clients[cid]
+        sessions[cid] = ClientSession(run_id, cid, client, instance=run_id,
+                                      evaluate=functools.partial(evaluation_reply, client, test=test, local_test=local_test))
+    transport = InProcessTransport(run_id, sessions, phases, phase_kinds, faults)
+    engine = RoundEngine(server, transport, run_id=run_id, phases=phases, phase_kinds=phase_kinds, rounds=rounds,
+                         eval_every=eval_every, global_metrics=global_metrics, instance=run_id)
+    transport.start(lambda: False)
+    engine.wait_for_clients(phases.start_timeout_s)
+    return engine

@@ -1,0 +1,323 @@
+"""The round engine: drives a strategy's server half phase by phase over any Transport.
+
+Generic: it knows deadlines, quorum, re-sending, deduplication by (epoch, seq), validation,
+evaluation and accounting, never an algorithm and never a network. Each phase gets a sequence
+number (epoch, seq); the epoch grows with every coordinator start, so clients can tell a
+re-sent task from a stale one. A phase closes when every client answered, or at its deadline
+once the quorum answered; late clients are left out of that phase and rejoin with the next.
+`fedal simulate` runs it over the in-process transport, the coordinator over MQTT.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fedal.engine.accounting import ClientInfo, PhaseState, PhaseStats
+from fedal.engine.results import evaluation_summary
+from fedal.engine.settings import PhaseSettings
+from fedal.engine.transport import Arrival, Transport
+from fedal.protocol import Message, decode, encode
+from fedal.strategies import InvalidResult, PhaseTasks, ServerHalf
+
+log = logging.getLogger("fedal.engine")
+POLL_S = 0.05
+
+
+class Stopped(Exception):
+    """Raised inside the round loop when stop() was called; the run ends as `stopped`."""
+
+
+class StrategyError(RuntimeError):
+    """A strategy's validate() failed with something other than InvalidResult: a bug of ours,
+    not a client's bad input. It stops the run (with its traceback) instead of being counted."""
+
+
+def _no_event(kind: str, **fields: Any) -> None:
+    return None
+
+
+class RoundEngine:
+    """One run's rounds. The owner (the simulation runner or the coordinator's service) decides
+    when rounds run and what happens between them (persistence, manifests, progress)."""
+
+    def __init__(self, server: ServerHalf, transport: Transport, *, run_id: str, phases: PhaseSettings,
+                 phase_kinds: Mapping[str, str], rounds: int, eval_every: int | None = 1,
+                 global_metrics: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                 notify: Callable[..., None] = _no_event, on_reconnect: Callable[[], None] | None = None,
+                 instance: str = "", epoch: int = 0):
+        self.server = server
+        self.transport = transport
+        self.run_id = run_id
+        self.settings = phases
+        self.phase_kinds = dict(phase_kinds)
+        self.rounds = rounds
+        self.eval_every = eval_every
+        self.global_metrics = global_metrics
+        self.notify = notify
+        self.on_reconnect = on_reconnect
+        self.instance = instance
+        self.epoch = epoch
+        self.seq = 0
+        self.client_ids = list(server.client_ids)
+        self.clients = {cid: ClientInfo() for cid in self.client_ids}
+        self.counters: Counter[str] = Counter()
+        self.lock = threading.RLock()  # what the API reads (clients, counters, current) is changed under it
+        self.stop_event = threading.Event()
+        self.resume_event = threading.Event()  # cleared while paused
+        self.resume_event.set()
+        self.current: PhaseState | None = None
+        self.connects = 0
+        self.round_rejects: list[str] = []  # this round's reasons, for tests and logs
+
+    # -- control -----------------------------------------------------------------------------
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.resume_event.set()
+
+    def wait_for_clients(self, timeout_s: float) -> None:
+        """Let the fleet come online before the first task goes out (up to timeout_s)."""
+        deadline = self.transport.now() + timeout_s
+        while self.transport.now() < deadline and not all(i.online for i in self.clients.values()):
+            if self.transport.exhausted():
+                break
+            self.pump()
+        offline = sorted(c for c, i in self.clients.items() if not i.online)
+        if offline:
+            log.info("starting without %s (not online after %.0f s)", offline, timeout_s)
+
+    # -- rounds and phases -------------------------------------------------------------------
+    def run_round(self, r: int) -> dict[str, Any]:
+        t0 = time.monotonic()
+        self.round_rejects: list[str] = []
+        up0, down0 = self._bytes()
+        t = time.monotonic()
+        phase = self.server.begin_round(r)
+        stats = PhaseStats()
+        while phase is not None:
+            state = self.run_phase(phase, computed_from=t)
+            stats.add(state)
+            t = time.monotonic()
+            phase = self.server.collect(phase, state.results)
+        up1, down1 = self._bytes()
+        record: dict[str, Any] = {"round": r + 1, "bytes_up": up1 - up0, "bytes_down": down1 - down0}
+        if self.eval_every is not None and ((r + 1) % self.eval_every == 0 or r + 1 == self.rounds):
+            record.update(self._evaluate(r, stats))
+        record["rejected"] = len(self.round_rejects)
+        record["server"] = self.server.round_metrics()
+        record["phases"] = stats.summary()
+        record["wall_s"] = round(time.monotonic() - t0, 4)
+        return record
+
+    def _evaluate(self, r: int, stats: PhaseStats) -> dict[str, Any]:
+        tasks = {cid: Message({"phase": "evaluate", "round": r, "iteration": 0}) for cid in self.client_ids}
+        state = self.run_phase(PhaseTasks("evaluate", r, 0, tasks))  # after the round's byte count
+        stats.add(state)
+        accs = [self._reported(state, c, "acc") for c in self.client_ids]
+        local = [self._reported(state, c, "local_acc") for c in self.client_ids]
+        with self.lock:
+            for cid, acc, local_acc in zip(self.client_ids, accs, local):
+                info = self.clients[cid]
+                info.last_acc = acc if acc is not None else info.last_acc
+                info.last_local_acc = local_acc if local_acc is not None else info.last_local_acc
+        summary = evaluation_summary(accs, local)
+        return {**summary, **(self.global_metrics(summary) if self.global_metrics else {})}
+
+    @staticmethod
+    def _reported(state: PhaseState, cid: str, key: str) -> float | None:
+        """A client's reported accuracy (validated on arrival), None if it did not answer."""
+        value = state.results[cid].meta.get(key) if cid in state.results else None
+        return None if value is None else float(value)
+
+    def run_phase(self, phase: PhaseTasks, computed_from: float | None = None) -> PhaseState:
+        """computed_from: when the server half started producing `phase` (time.monotonic)."""
+        compute_s = 0.0 if computed_from is None else time.monotonic() - computed_from
+        while not self.resume_event.is_set():  # paused: keep handling messages, send nothing new
+            self.pump()
+            computed_from = None  # a pause is neither compute nor network time
+        self.seq += 1
+        key = (self.epoch, self.seq)
+        payloads = {}
+        for cid, task in phase.tasks.items():
+            meta = {**task.meta, "run": self.run_id, "client": cid, "instance": self.instance,
+                    "epoch": key[0], "seq": key[1]}
+            payloads[cid] = encode(Message(meta, task.tensors))
+        state = PhaseState(phase, key, payloads, set(phase.tasks), started=self.transport.now(),
+                           wall_started=time.time(), compute_s=compute_s)
+        wall_from = time.monotonic() if computed_from is None else computed_from
+        with self.lock:
+            self.current = state
+        self.notify("phase", phase=phase.phase, round=phase.round + 1, iteration=phase.iteration,
+                    clients=len(phase.tasks))
+        for cid, payload in payloads.items():
+            self._send(cid, payload)
+        train = self.phase_kinds.get(phase.phase) == "train"
+        deadline = state.started + (self.settings.train_deadline_s if train else self.settings.deadline_s)
+        need = math.ceil(self.settings.quorum * len(phase.tasks))
+        last_resend = self.transport.now()
+        while state.pending:
+            self.pump()
+            now = self.transport.now()
+            if now >= deadline and (len(state.results) >= need or self.transport.exhausted()):
+                if len(state.results) < need:
+                    self.counters["quorum_missed"] += 1
+                break
+            if now - last_resend >= self.settings.resend_s:
+                last_resend = now
+                for cid in sorted(state.pending):
+                    if self.clients[cid].online:
+                        self._send(cid, payloads[cid])
+        state.wall_s = time.monotonic() - wall_from
+        with self.lock:
+            for cid in state.pending:
+                self.clients[cid].late += 1
+        if state.pending:
+            log.info("phase %s r%d i%d closed at its deadline without %s", phase.phase, phase.round, phase.iteration,
+                     sorted(state.pending))
+        return state
+
+    def pump(self) -> None:
+        """Handle the next arrival, if one comes within the poll interval."""
+        if self.stop_event.is_set():
+            raise Stopped()
+        arrival = self.transport.receive(POLL_S)
+        if arrival is not None:
+            self.handle(arrival)
+
+    def _send(self, cid: str, payload: bytes) -> None:
+        sent = self.transport.send(cid, payload)
+        with self.lock:
+            self.clients[cid].bytes_down += sent
+
+    # -- arrivals ----------------------------------------------------------------------------
+    def handle(self, arrival: Arrival) -> None:
+        try:
+            self._dispatch(arrival)
+        except (Stopped, StrategyError):
+            raise
+        except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as exc:
+            # whatever a message holds, it never ends the run
+            self.reject(arrival.client if arrival.client in self.clients else None,
+                        f"unusable {arrival.kind} message: {type(exc).__name__}: {exc}")
+
+    def _dispatch(self, arrival: Arrival) -> None:
+        if arrival.kind == "connected":
+            self.connects += 1
+            if self.connects > 1:  # a reconnect: the owner's retained state and the open tasks again
+                if self.on_reconnect:
+                    self.on_reconnect()
+                cur = self.current
+                if cur is not None:
+                    for cid in sorted(cur.pending):
+                        self._send(cid, cur.payloads[cid])
+            return
+        if arrival.kind == "invalid":
+            self.reject(arrival.client if arrival.client in self.clients else None, arrival.reason)
+            return
+        if arrival.run != self.run_id or arrival.client not in self.clients:
+            self.reject(None, f"message from unknown client {arrival.client!r} (run {arrival.run!r})")
+            return
+        if arrival.kind == "status":
+            self._on_status(arrival.client, arrival.payload)
+        elif arrival.kind == "result":
+            self._on_result(arrival.client, arrival.payload, arrival.wire_bytes)
+
+    def _on_status(self, cid: str, payload: bytes) -> None:
+        try:
+            status = json.loads(payload)
+            state, ts = status["state"], float(status.get("ts", 0.0))
+        except (ValueError, KeyError, TypeError):
+            self.reject(cid, "malformed status message")
+            return
+        info = self.clients[cid]
+        with self.lock:
+            was_online = info.online
+            info.online = state == "online"
+            info.last_seen = time.time()
+        if info.online != was_online:
+            self.notify("client", client=cid, online=info.online)
+        cur = self.current
+        if info.online and not was_online and cur is not None and cid in cur.pending and ts >= cur.wall_started:
+            self._send(cid, cur.payloads[cid])  # connected after the task went out: send it again
+
+    def _on_result(self, cid: str, payload: bytes, wire_bytes: int) -> None:
+        info = self.clients[cid]
+        with self.lock:
+            info.bytes_up += wire_bytes
+        try:
+            msg = decode(payload)
+        except ValueError as exc:
+            self.reject(cid, f"malformed envelope: {exc}")
+            return
+        meta = msg.meta
+        if meta.get("run") != self.run_id or meta.get("client") != cid:
+            self.reject(cid, f"result claims run {meta.get('run')!r} client {meta.get('client')!r}")
+            return
+        cur = self.current
+        key = (meta.get("epoch"), meta.get("seq"))
+        if not all(type(v) is int for v in key):
+            self.reject(cid, "result without integer epoch and seq")
+            return
+        if cur is None or key != cur.key:
+            with self.lock:
+                self.counters["stale"] += 1
+            return
+        if cid in cur.results:
+            with self.lock:
+                info.duplicates += 1
+                self.counters["duplicates"] += 1
+            return
+        try:
+            if cur.phase.phase == "evaluate":
+                self._validate_evaluation(cur.phase, cid, msg)
+            else:
+                self.server.validate(cur.phase, cid, msg)
+        except InvalidResult as exc:
+            # it answered, wrongly: its re-sends are the same cached answer, so stop waiting for it
+            # (a valid answer for this phase, should one still come, is taken all the same)
+            with self.lock:
+                cur.pending.discard(cid)
+            self.reject(cid, str(exc))
+            return
+        except Exception as exc:
+            raise StrategyError(f"{type(self.server).__name__}.validate failed on {cid}'s {cur.phase.phase} result: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        with self.lock:
+            cur.results[cid] = msg
+            cur.latencies.append(self.transport.now() - cur.started)
+            cur.pending.discard(cid)
+            info.answered += 1
+            info.last_seen = time.time()
+            came_online = not info.online
+            info.online = True  # a valid answer proves it, should its retained "online" status have been lost
+        if came_online:
+            self.notify("client", client=cid, online=True)
+
+    @staticmethod
+    def _validate_evaluation(phase: PhaseTasks, cid: str, msg: Message) -> None:
+        for k in ("phase", "round", "iteration"):
+            if msg.meta.get(k) != phase.tasks[cid].meta.get(k):
+                raise InvalidResult(f"evaluation result has {k}={msg.meta.get(k)!r}")
+        for key in ("acc", "local_acc"):
+            acc = msg.meta.get(key)
+            if acc is not None and (isinstance(acc, bool) or not isinstance(acc, (int, float)) or not 0.0 <= acc <= 1.0):
+                raise InvalidResult(f"{key} {acc!r} is not in [0, 1]")
+
+    def reject(self, cid: str | None, reason: str) -> None:
+        with self.lock:
+            self.counters["rejected"] += 1
+            self.round_rejects.append(f"{cid}: {reason}" if cid else reason)
+            if cid is not None:
+                self.clients[cid].rejected += 1
+        log.warning("rejected%s: %s", f" from {cid}" if cid else "", reason)
+
+    # -- accounting --------------------------------------------------------------------------
+    def _bytes(self) -> tuple[int, int]:
+        with self.lock:
+            return (sum(i.bytes_up for i in self.clients.values()), sum(i.bytes_down for i in self.clients.values()))

@@ -1,0 +1,49 @@
+"""What the round engine needs from a way of reaching clients, and nothing more.
+
+A transport carries encoded tasks out and hands back what arrives: results, status changes,
+its own reconnects, and input it could not even attribute (a bad topic). It also owns the clock
+that deadlines are measured on, so a simulation can let deadlines pass without waiting.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+ArrivalKind = Literal["result", "status", "connected", "invalid"]
+
+
+@dataclass(frozen=True)
+class Arrival:
+    kind: ArrivalKind
+    client: str | None = None
+    run: str | None = None
+    payload: bytes = b""
+    wire_bytes: int = 0  # what crossed the link for it (chunks included)
+    reason: str = ""  # kind "invalid": why it is unusable
+
+
+class Transport(ABC):
+    @abstractmethod
+    def start(self, should_stop) -> bool:
+        """Connect (as long as it takes); False if `should_stop()` became true first."""
+
+    @abstractmethod
+    def send(self, client_id: str, payload: bytes) -> int:
+        """Send one encoded task; returns the bytes that crossed the link."""
+
+    @abstractmethod
+    def receive(self, timeout_s: float) -> Arrival | None:
+        """The next arrival within timeout_s of the transport's clock, else None."""
+
+    @abstractmethod
+    def now(self) -> float:
+        """Seconds on the clock deadlines are measured on (monotonic)."""
+
+    def exhausted(self) -> bool:
+        """True when nothing can arrive any more (only a simulation can know)."""
+        return False
+
+    def stop(self) -> None:
+        return None

@@ -1,0 +1,116 @@
+"""One client's session: (epoch, seq) ordering, the cached-result resend, the replay guard.
+
+Tasks carry (epoch, seq), a per-phase sequence number from the coordinator. A task older than
+the last one handled is stale and ignored; the same one again (a QoS 1 redelivery, or the
+coordinator re-sending) is answered from the cached result, never recomputed, so feedback is
+applied exactly once. A coordinator that restarts resumes after its last completed round under
+a new epoch: when a task repeats a step of the round under way, the session first goes back to
+its state at that round's start, so nothing is applied twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from fedal.data import ArrayDataset
+from fedal.protocol import Message, encode
+from fedal.strategies import ClientHalf
+
+log = logging.getLogger("fedal.session")
+
+
+class TaskRefused(ValueError):
+    """A task this session will not apply (wrong address, no epoch/seq, a step it cannot take)."""
+
+
+class SessionStore(Protocol):
+    """Where a session keeps what must survive a restart (the agent: files on its workspace)."""
+
+    def save_round_start(self, round_no: Any, client_state: dict[str, Any]) -> None: ...
+
+    def load_round_start(self) -> tuple[Any, dict[str, Any]] | None: ...
+
+    def after_task(self, session: "ClientSession") -> None:
+        """Called with the new result cached and before it is sent (the agent checkpoints here)."""
+
+
+def evaluation_reply(client: ClientHalf, task: Message, test: ArrayDataset | None,
+                     local_test: ArrayDataset | None) -> Message:
+    """Accuracy on the common test set and on this device's own test split, where provisioned:
+    numbers only, so the coordinator can show progress without seeing data or the model."""
+    report: dict[str, Any] = {}
+    for key, data in (("", test), ("local_", local_test)):
+        if data is not None and len(data):
+            report[f"{key}acc"] = client.evaluate(data.x, data.y)
+            report[f"num_{key}test"] = len(data)
+    return client.reply(task, acc=report.pop("acc", None), **report)
+
+
+class ClientSession:
+    def __init__(self, run_id: str, client_id: str, client: ClientHalf, instance: str,
+                 evaluate: Callable[[Message], Message], store: SessionStore | None = None):
+        self.run_id = run_id
+        self.client_id = client_id
+        self.client = client
+        self.instance = instance
+        self.evaluate = evaluate
+        self.store = store
+        self.counters: Counter[str] = Counter()
+        self.last_key: tuple[int, int] | None = None
+        self.last_result: bytes | None = None
+        self.round_no: Any = None
+        self.round_steps: set[tuple[str, Any]] = set()
+
+    def restore(self, last_key: tuple[int, int] | None, last_result: bytes | None, round_no: Any,
+                round_steps: set[tuple[str, Any]]) -> None:
+        self.last_key, self.last_result, self.round_no, self.round_steps = last_key, last_result, round_no, round_steps
+
+    def on_task(self, task: Message) -> bytes | None:
+        """The encoded result to send for `task` (new, or the cached one for a repeat), or None
+        for a task to ignore (stale, another instance). Raises TaskRefused for a bad task."""
+        meta = task.meta
+        if meta.get("run") != self.run_id or meta.get("client") != self.client_id:
+            raise TaskRefused(f"task addressed to run {meta.get('run')!r} client {meta.get('client')!r}")
+        if meta.get("instance") != self.instance:
+            self.counters["stale"] += 1  # e.g. queued by the broker for an earlier run under this id
+            return None
+        key = (meta.get("epoch"), meta.get("seq"))
+        if not (type(key[0]) is int and type(key[1]) is int):
+            raise TaskRefused("task without integer epoch and seq")
+        ikey = (int(key[0]), int(key[1]))
+        if self.last_key is not None and ikey < self.last_key:
+            self.counters["stale"] += 1
+            return None
+        if ikey == self.last_key and self.last_result is not None:
+            self.counters["duplicates"] += 1
+            return self.last_result  # answered before: resend, never recompute
+        try:
+            self._replay_guard(meta.get("round"), (task.phase, meta.get("iteration")))
+            result = self.evaluate(task) if task.phase == "evaluate" else self.client.handle(task)
+        except Exception as exc:  # a task this client cannot apply is refused, not fatal
+            raise TaskRefused(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {exc}") from exc
+        result.meta.update(run=self.run_id, client=self.client_id, epoch=ikey[0], seq=ikey[1])
+        wire = encode(result)
+        self.last_key, self.last_result = ikey, wire
+        if self.store is not None:
+            self.store.after_task(self)
+        self.counters["tasks"] += 1
+        return wire
+
+    def _replay_guard(self, round_no: Any, step: tuple[str, Any]) -> None:
+        if round_no != self.round_no:  # the round's first task: remember where it started
+            if self.store is not None:
+                self.store.save_round_start(round_no, self.client.state_dict())
+            self.round_no, self.round_steps = round_no, set()
+        elif step in self.round_steps:  # a resumed coordinator replays this round from its start
+            start = self.store.load_round_start() if self.store is not None else None
+            if start is None or start[0] != round_no:
+                raise RuntimeError(f"round {round_no} is replayed but its start state is missing")
+            self.client.load_state_dict(start[1])
+            self.round_steps = set()
+            self.counters["round_replays"] += 1
+            log.info("the coordinator replays round %s: back to this client's state at its start", round_no)
+        self.round_steps.add(step)
