@@ -18,6 +18,7 @@ a thousand junk manifests; the test discards those sessions when it ends.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import os
 import random
 import socket
@@ -35,7 +36,6 @@ from hypothesis import strategies as st
 
 from fedal.protocol import (EnvelopeError, ManifestError, Message, Reassembler, RunManifest, encode, parse_broker_url,
                             split, topics)
-from fedal.protocol.chunking import _Partial
 from fedal.sim import load_config
 from fedal.sim.runner import client_ids
 from hil.fleet import Fleet, client_ids as fleet_ids
@@ -528,4 +528,4 @@ def _settle(dep, read, target, timeout_s: float = 90.0) -> dict:
 
 def _snapshot(mirror: Reassembler) -> dict:
     """The mirror's open partial messages, copied deep enough to roll a feed back."""
-    return {k: _Partial(p.count, p.size, p.started, dict(p.parts)) for k, p in mirror._open.items()}
+    return {k: replace(p, parts=dict(p.parts)) for k, p in mirror._open.items()}

@@ -44,13 +44,17 @@ def test_limits():
     r = Reassembler(max_open=2)
     for i in range(3):
         r.feed(f"s{i}", parts[0])
-    assert r.open_messages == 2  # the oldest partial message was dropped
+    assert r.open_messages == 3  # the limit is per sender: one sender cannot push out another's messages
+    for i in range(3):
+        r.feed("s0", split(encode(big_message()), 16 * 1024)[0])
+    assert r.open_messages == 4 and r.evicted["s0"] == 2  # s0's own oldest went
     forged = encode(Message({"chunk_of": "x", "index": 0, "count": 2, "size": 10}, {"data": np.zeros(5, np.float32)}))
     with pytest.raises(EnvelopeError, match="uint8"):
         Reassembler().feed("a", forged)
-    a = encode(Message({"chunk_of": "y", "index": 0, "count": 2, "size": 10}, {"data": np.zeros(5, np.uint8)}))
-    b = encode(Message({"chunk_of": "y", "index": 1, "count": 3, "size": 10}, {"data": np.zeros(5, np.uint8)}))
+    a = encode(Message({"chunk_of": "y", "index": 0, "count": 2, "size": 2000}, {"data": np.zeros(1024, np.uint8)}))
+    b = encode(Message({"chunk_of": "y", "index": 1, "count": 3, "size": 2000}, {"data": np.zeros(976, np.uint8)}))
     r = Reassembler()
     r.feed("a", a)
     with pytest.raises(EnvelopeError, match="disagree"):
         r.feed("a", b)
+    assert r.open_messages == 0

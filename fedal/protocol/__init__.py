@@ -5,25 +5,32 @@ Shared by the strategy halves, the agent and the coordinator; no network code li
 
 from fedal.protocol import topics
 from fedal.protocol.broker_url import BrokerAddress, BrokerSettings, parse_broker_url
-from fedal.protocol.chunking import DEFAULT_MAX_PAYLOAD, Reassembler, split
+from fedal.protocol.chunking import (DEFAULT_MAX_PAYLOAD, MAX_MESSAGE_BYTES, ChunkError, Reassembler,
+                                     ReassemblyLimitError, split)
 from fedal.protocol.envelope import PROTOCOL_VERSION, EnvelopeError, decode, encode, wire_size
 from fedal.protocol.manifest import ManifestError, RunManifest
 from fedal.protocol.message import Message
+from fedal.protocol.validation import DEFAULT_MAX_ABS_VALUE, tensor_problem
 
 __all__ = [
     "BrokerAddress",
     "BrokerSettings",
+    "ChunkError",
+    "DEFAULT_MAX_ABS_VALUE",
     "DEFAULT_MAX_PAYLOAD",
     "EnvelopeError",
+    "MAX_MESSAGE_BYTES",
     "ManifestError",
     "Message",
     "PROTOCOL_VERSION",
     "Reassembler",
+    "ReassemblyLimitError",
     "RunManifest",
     "decode",
     "encode",
     "parse_broker_url",
     "split",
+    "tensor_problem",
     "topics",
     "wire_size",
 ]

@@ -22,6 +22,8 @@ _META_KEY = "fedal"
 class EnvelopeError(ValueError):
     """A payload that is not a valid envelope of this protocol version."""
 
+    kind = "envelope"  # the reject reason receivers count it under
+
 
 def encode(message: Message) -> bytes:
     meta = {**message.meta, "v": PROTOCOL_VERSION}

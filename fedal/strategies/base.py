@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fedal.data import ArrayDataset
-from fedal.protocol import Message
+from fedal.protocol import Message, tensor_problem
 from fedal.strategies import optim
 from fedal.strategies.frozen import TorchInference
 from fedal.strategies.params import StrategyParams
@@ -24,6 +24,10 @@ from fedal.strategies.params import StrategyParams
 
 class InvalidResult(ValueError):
     """A client's result that the server half refuses (wrong phase, shape, NaN, ...)."""
+
+    def __init__(self, message: str, kind: str = "result"):
+        super().__init__(message)
+        self.kind = kind  # the reject reason the coordinator counts it under
 
 
 @dataclass
@@ -68,9 +72,9 @@ class ServerHalf(ABC):
             got = result.meta.get(key)
             if got != want or type(got) is not type(want):
                 raise InvalidResult(f"result {key}={result.meta.get(key)!r}, expected {want!r}")
-        for name, arr in result.tensors.items():
-            if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr)):
-                raise InvalidResult(f"tensor {name!r} contains NaN or infinity")
+        problem = tensor_problem(result.tensors, self.params.max_abs_value)
+        if problem is not None:
+            raise InvalidResult(problem[1], kind=problem[0])
 
     def record(self, name: str, value: object) -> None:
         """Keep a diagnostic; values a client sent that are not finite numbers are ignored."""

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedal.protocol import Message
+from fedal.protocol import Message, tensor_problem
 from fedal.strategies.base import InvalidResult, PhaseTasks
 from fedal.strategies.fedavg import FedAvgClient, FedAvgServer, load_numpy_into, model_to_numpy
 from fedal.strategies.local import local_batches
@@ -258,8 +258,9 @@ class FedHKDServer(FedAvgServer):
             raise InvalidResult(f"{COUNT_KEY} must be int64[{k}] and non-negative")
         if counts.sum() > result.meta["num_samples"]:
             raise InvalidResult("class counts add up to more than num_samples")
-        if not (np.isfinite(h).all() and np.isfinite(q).all()):
-            raise InvalidResult("knowledge contains NaN or infinity")
+        problem = tensor_problem({H_KEY: h, Q_KEY: q}, self.params.max_abs_value)
+        if problem is not None:
+            raise InvalidResult(f"knowledge: {problem[1]}", kind=problem[0])
         shared = counts > 0
         if (q[shared] < 0).any() or not np.allclose(q[shared].sum(axis=1), 1.0, atol=1e-3):
             raise InvalidResult(f"rows of {Q_KEY} for shared classes must be probability vectors")

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fedal.protocol.validation import DEFAULT_MAX_ABS_VALUE
+
 
 class StrategyParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -34,6 +36,11 @@ class StrategyParams(BaseModel):
     temperature_disc: float = Field(2.0, gt=0, description="E_d: softmax temperature of the discriminator input")
     kd_target: Literal["leave_one_out", "all"] = Field(
         "leave_one_out", description="eq. 5 leave-one-out average, or Algorithm 1's average over all"
+    )
+
+    max_abs_value: float = Field(
+        DEFAULT_MAX_ABS_VALUE, gt=0, description="largest magnitude a received float tensor may hold (logits, features, "
+        "gradients, weights): results beyond it are rejected by the server half, tasks beyond it refused by the agent"
     )
 
     disc_hidden: list[int] = Field(default_factory=lambda: [32, 256], description="discriminator hidden widths")
