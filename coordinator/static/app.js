@@ -66,7 +66,7 @@ function drawCurves(rounds) {
 
 async function refresh() {
   const runs = await api("/api/v1/runs");
-  fillTable("runs", runs.map((r) => ({ cells: [r.run_id, r.strategy, r.state, `${r.completed_rounds} / ${r.rounds}`],
+  fillTable("runs", runs.map((r) => ({ cells: [r.run_id, r.strategy, r.state, `${r.round} / ${r.rounds}`],
                                          dataset: { run: r.run_id } })));
   if (!runs.length) { setText("run-id", "none yet (POST /api/v1/runs)"); return; }
   if (!state.runId || !runs.some((r) => r.run_id === state.runId)) {
