@@ -48,10 +48,27 @@ def run_options(func):
     return func
 
 
+# faults of the in-process transport: `fedal simulate` only (a deployment has real ones)
+FAULT_OPTIONS = [
+    click.option("--dropout", type=click.FloatRange(0.0, 1.0, max_open=True),
+                 help="Each client misses each phase with this probability (seeded)."),
+    click.option("--stragglers", type=click.FloatRange(0.0, 1.0),
+                 help="This fraction of clients answers after the phase deadline every k-th phase."),
+    click.option("--straggle-every", type=click.IntRange(min=1), help="k for --stragglers (default 2)."),
+]
+FAULT_FLAGS = ("dropout", "stragglers", "straggle_every")
+
+
+def fault_options(func):
+    for option in reversed(FAULT_OPTIONS):
+        func = option(func)
+    return func
+
+
 def config_from_flags(config_path: str | None, flags: dict) -> RunConfig:
     """The run config from --config plus flags; usage errors exit with status 2."""
     try:
-        config = load_config(config_path, {k: flags.get(k) for k in RUN_FLAGS})
+        config = load_config(config_path, {k: flags.get(k) for k in RUN_FLAGS + FAULT_FLAGS})
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     note = config.default_model_note()

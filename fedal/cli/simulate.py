@@ -9,11 +9,12 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from fedal.cli.options import config_from_flags, run_options
+from fedal.cli.options import config_from_flags, fault_options, run_options
 
 
 @click.command("simulate")
 @run_options
+@fault_options
 @click.option("--out", type=click.Path(dir_okay=False), default="results.json", show_default=True, help="Results JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Also write accuracy vs round as a PNG.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")

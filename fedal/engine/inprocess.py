@@ -68,6 +68,7 @@ class InProcessTransport(Transport):
         n_late = int(round(self.faults.stragglers * len(ids)))
         self.stragglers = {ids[i] for i in rng.permutation(len(ids))[:n_late]}
         self._dropped: dict[tuple[str, int, int], bool] = {}
+        self._busy_until: dict[tuple[str, int, int], float] = {}
         self.dropped = 0
         self.late = 0
 
@@ -95,12 +96,16 @@ class InProcessTransport(Transport):
         return self._deliver(client_id, task, key, len(payload), faulted=True)
 
     def _deliver(self, client_id: str, task: Message, key: tuple[str, int, int], size: int, faulted: bool) -> int:
+        if self._busy_until.get(key, -1.0) > self.clock:
+            return size  # a straggler still working on this task: the re-send waits in its inbox
         result = self.sessions[client_id].on_task(task)
         if result is not None:
             at = self.clock
-            if faulted and client_id in self.stragglers and key[2] % self.faults.straggle_every == 0:
+            if faulted and client_id in self.stragglers and key[2] % self.faults.straggle_every == 0 \
+                    and key not in self._busy_until:
                 train = self.phase_kinds.get(task.phase) == "train"
                 at += (self.settings.train_deadline_s if train else self.settings.deadline_s) + 1.0
+                self._busy_until[key] = at
                 self.late += 1
             self._arrive(at, Arrival("result", client_id, self.run_id, result, wire_bytes=len(result)))
         return size

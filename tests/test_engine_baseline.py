@@ -1,0 +1,41 @@
+"""The one round engine gives the numbers the previous in-process loop gave: results files
+written before the change (tests/data/engine_baseline, see its README) are reproduced for the
+same config and seed. The only difference is deliberate: simulated bytes now include the
+addressing fields (run, client, instance, epoch, seq) that every deployed message carries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedal.sim import load_config, simulate
+
+BASELINE = Path(__file__).parent / "data" / "engine_baseline"
+ADDRESSING_BYTES = 96  # at most, per message: {"run":"sim","client":"c00","instance":"sim","epoch":0,"seq":123}
+
+
+@pytest.mark.parametrize("path", sorted(BASELINE.glob("*.json")), ids=lambda p: p.stem)
+def test_same_results_as_before_the_engine_was_unified(path):
+    old = json.loads(path.read_text())
+    new = json.loads(json.dumps(simulate(load_config(None, old["config"]))))
+    assert subset(new["config"], old["config"]) == old["config"]  # settings added since are at their defaults
+    assert new["data"] == old["data"] and new["clients"] == old["clients"]
+    assert new["final"] == old["final"]
+    assert len(new["rounds"]) == len(old["rounds"])
+    for before, after in zip(old["rounds"], new["rounds"]):
+        for key, value in before.items():
+            if key not in ("bytes_up", "bytes_down"):
+                assert after[key] == value, (before["round"], key)
+        messages = sum(p["count"] for name, p in after["phases"].items() if name != "evaluate")
+        for key in ("bytes_up", "bytes_down"):
+            assert 0 < after[key] - value_of(before, key) <= ADDRESSING_BYTES * messages, (before["round"], key)
+
+
+def subset(new: dict, old: dict) -> dict:
+    return {k: subset(new[k], v) if isinstance(v, dict) else new[k] for k, v in old.items()}
+
+
+def value_of(record: dict, key: str) -> int:
+    return int(record[key])
