@@ -8,8 +8,9 @@
 #
 # Opt-in (minutes; the first run installs torch under emulation, longer): not in the test suite
 # unless asked for with `FEDAL_ARM64_SMOKE=1 pytest tests/test_arm64_smoke.py` (or -m arm64).
-# Needs root (debootstrap, chroot, mount), Debian's debootstrap, qemu-user-static and
-# binfmt-support, a Debian mirror and PyPI.
+# Needs root (debootstrap, chroot, mount), a Debian mirror and PyPI; Debian's debootstrap,
+# qemu-user-static and binfmt-support are installed with apt-get when missing (--prereqs-only
+# does only that).
 set -euo pipefail
 
 usage() {
@@ -22,6 +23,8 @@ Usage: arm64-smoke.sh [options]
   --rebuild            delete the cached userland and build it again
   --fresh-venv         delete the agent's virtualenv in the cached userland first: measure a first install
   --build-only         build (or check) the userland and binfmt, then stop
+  --prereqs-only       install the missing host packages (debootstrap, qemu-user-static,
+                       binfmt-support) with apt-get, then stop
   --torch-index URL    passed to install-agent.sh (default there on aarch64: torch 2.10.0 from PyPI)
   --rounds N           rounds of the run (default 2)
   --clients N          clients, one of them emulated (default 3)
@@ -44,7 +47,7 @@ SUITE=bookworm
 PACKAGES=python3,python3-venv,python3-pip,ca-certificates,procps,time
 SRC=/opt/fedal-src
 PYTHON="${PYTHON:-python3}"
-REBUILD=0 FRESH_VENV=0 BUILD_ONLY=0 KEEP=0 OUT="$REPO/docs/results"
+REBUILD=0 FRESH_VENV=0 BUILD_ONLY=0 PREREQS_ONLY=0 KEEP=0 OUT="$REPO/docs/results"
 DRIVER_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -53,6 +56,7 @@ while [ $# -gt 0 ]; do
     --rebuild) REBUILD=1; shift ;;
     --fresh-venv) FRESH_VENV=1; shift ;;
     --build-only) BUILD_ONLY=1; shift ;;
+    --prereqs-only) PREREQS_ONLY=1; shift ;;
     --torch-index|--rounds|--clients|--strategy)
       DRIVER_ARGS+=("$1" "${2:?$1 needs a value}"); shift 2 ;;
     --out) OUT="${2:?--out needs a directory}"; shift 2 ;;
@@ -64,9 +68,39 @@ done
 
 [ "$(id -u)" -eq 0 ] || die "run as root: debootstrap, chroot and bind mounts need it"
 [ "$(uname -m)" = x86_64 ] || [ "$(uname -m)" = aarch64 ] || die "host $(uname -m): this script expects an x86-64 (or arm64) host"
-for tool in debootstrap chroot mount umount flock; do
-  command -v "$tool" >/dev/null 2>&1 || die "$tool not found (Debian: apt-get install debootstrap qemu-user-static binfmt-support)"
-done
+
+# -- host prerequisites: Debian packages installed when missing, as scripts/install-test-tools.sh
+# does for the test suite's; the emulation packages only where the host is not arm64 itself.
+missing_packages() {
+  command -v debootstrap >/dev/null 2>&1 || echo debootstrap
+  if [ "$(uname -m)" != aarch64 ]; then
+    command -v update-binfmts >/dev/null 2>&1 || echo binfmt-support
+    command -v qemu-aarch64-static >/dev/null 2>&1 || echo qemu-user-static
+  fi
+}
+
+install_prereqs() {
+  local need tool
+  mapfile -t need < <(missing_packages)
+  if [ "${#need[@]}" -gt 0 ]; then
+    command -v apt-get >/dev/null 2>&1 || die "missing ${need[*]} and no apt-get to install them: install them by hand"
+    say "installing ${need[*]} with apt-get"
+    apt-get update -qq || die "apt-get update failed"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null \
+      || die "apt-get install ${need[*]} failed"
+    mapfile -t need < <(missing_packages)
+    [ "${#need[@]}" -eq 0 ] || die "still missing after apt-get install: ${need[*]}"
+  fi
+  for tool in chroot mount umount flock mountpoint; do  # Debian's essential set: not installed here
+    command -v "$tool" >/dev/null 2>&1 || die "$tool not found"
+  done
+}
+
+install_prereqs
+if [ "$PREREQS_ONLY" -eq 1 ]; then
+  say "host prerequisites present"
+  exit 0
+fi
 ROOTFS="$(mkdir -p "$(dirname "$ROOTFS")" && cd "$(dirname "$ROOTFS")" && pwd)/$(basename "$ROOTFS")"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
