@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import asyncio
+import json
 import queue
 import secrets
 
@@ -26,6 +27,85 @@ RUN_SUMMARY = ("run_id", "strategy", "state", "round", "rounds", "completed_roun
                "started_at", "finished_at")
 
 
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def auth_failure(header: str | bytes | None, token: str | None) -> tuple[int, str] | None:
+    """(status, detail) unless `header` is "Bearer <token>"; compared in constant time, as bytes
+    (a header may hold any latin-1 character, which compare_digest refuses in a str)."""
+    raw = header.encode("latin-1") if isinstance(header, str) else (header or b"")
+    if raw[:7].lower() != b"bearer ":
+        return 401, "a bearer token is required"
+    if token is None:
+        return 403, "no token is configured: writes are off"
+    if not secrets.compare_digest(raw[7:].strip(), token.encode()):
+        return 403, "wrong token"
+    return None
+
+
+class RequestGuard:
+    """Pure ASGI middleware in front of every route, so nothing reads a body it should not.
+
+    A write (any method but GET, HEAD, OPTIONS) without the right bearer token is answered
+    401/403 from its headers alone: its body is never received. A body above max_body_bytes is
+    answered 413: at once when Content-Length says so, else as soon as the bytes counted while
+    receiving pass it (a chunked body has no Content-Length). A body within the limit is
+    received here and handed on whole."""
+
+    def __init__(self, app, token: str | None, max_body_bytes: int):
+        self.app = app
+        self.token = token
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if scope["method"] not in READ_METHODS:
+            failure = auth_failure(headers.get(b"authorization"), self.token)
+            if failure is not None:
+                extra = [(b"www-authenticate", b"Bearer")] if failure[0] == 401 else []
+                await _answer(send, *failure, extra)
+                return
+        length = headers.get(b"content-length")
+        if length is None and b"transfer-encoding" not in headers:
+            await self.app(scope, receive, send)  # no body (a GET, or the SSE stream listening for a disconnect)
+            return
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            await _answer(send, 413, self._too_large())
+            return
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                await _answer(send, 413, self._too_large())
+                return
+            parts.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+        async def replay():
+            return body.pop() if body else await receive()
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self) -> str:
+        return f"request body larger than {self.max_body_bytes} bytes (api.max_body_bytes)"
+
+
+async def _answer(send, status: int, detail: str, extra_headers: list | None = None) -> None:
+    payload = json.dumps({"detail": detail}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+               (b"connection", b"close"), *(extra_headers or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
 def create_app(runs: RunManager | RoundEngine) -> FastAPI:
     if isinstance(runs, RoundEngine):
         runs = RunManager.of(runs)
@@ -37,12 +117,10 @@ def create_app(runs: RunManager | RoundEngine) -> FastAPI:
     token = api.token
 
     def require_token(request: Request) -> None:
-        header = request.headers.get("authorization", "")
-        if not header.lower().startswith("bearer "):
-            raise HTTPException(status_code=401, detail="a bearer token is required",
-                                headers={"WWW-Authenticate": "Bearer"})
-        if token is None or not secrets.compare_digest(header[7:].strip(), token):
-            raise HTTPException(status_code=403, detail="wrong token" if token else "no token is configured: writes are off")
+        failure = auth_failure(request.headers.get("authorization"), token)
+        if failure is not None:
+            raise HTTPException(status_code=failure[0], detail=failure[1],
+                                headers={"WWW-Authenticate": "Bearer"} if failure[0] == 401 else None)
 
     def require_read(request: Request) -> None:
         if api.read_requires_token:
@@ -163,4 +241,5 @@ def create_app(runs: RunManager | RoundEngine) -> FastAPI:
         return RedirectResponse("/dashboard/")
 
     app.mount("/dashboard", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
+    app.add_middleware(RequestGuard, token=token, max_body_bytes=api.max_body_bytes)
     return app

@@ -10,6 +10,7 @@ import logging
 import queue
 import ssl
 import threading
+import time
 
 import paho.mqtt.client as mqtt
 
@@ -17,6 +18,7 @@ from coordinator.config import CoordinatorBrokerSettings
 from fedal.protocol import parse_broker_url, split, topics
 
 log = logging.getLogger("coordinator.mqtt")
+CLEAR_EVERY_S = 1.0  # at most one clearing publish per topic this often: a junk flood is not echoed 1:1
 
 
 class CoordinatorBus:
@@ -26,6 +28,9 @@ class CoordinatorBus:
         self.inbox = inbox
         self.connected = threading.Event()
         self.bytes_down = 0
+        self._clears: dict[str, float] = {}  # topic -> when it was last cleared
+        self._clear_timers: dict[str, threading.Timer] = {}
+        self._clear_lock = threading.Lock()
         addr = parse_broker_url(settings.url)
         self.address = addr
         self.client = mqtt.Client(
@@ -68,6 +73,28 @@ class CoordinatorBus:
     def publish_manifest(self, payload: bytes) -> None:
         self.client.publish(topics.run_manifest(self.run_id), payload, qos=1, retain=True)
 
+    def clear_retained(self, topic: str) -> None:
+        """Publish an empty retained message on `topic`, so the broker forgets what is retained
+        there; within CLEAR_EVERY_S of the last clear it is done once at the end of that window."""
+        with self._clear_lock:
+            if topic in self._clear_timers:
+                return  # a clear is already due
+            wait = self._clears.get(topic, float("-inf")) + CLEAR_EVERY_S - time.monotonic()
+            if wait > 0:
+                timer = threading.Timer(wait, self._clear_now, (topic,))
+                timer.daemon = True
+                self._clear_timers[topic] = timer
+                timer.start()
+                return
+            self._clears[topic] = time.monotonic()
+        self.client.publish(topic, b"", qos=1, retain=True)
+
+    def _clear_now(self, topic: str) -> None:
+        with self._clear_lock:
+            self._clear_timers.pop(topic, None)
+            self._clears[topic] = time.monotonic()
+        self.client.publish(topic, b"", qos=1, retain=True)
+
     def _on_connect(self, client, _userdata, _flags, reason_code, _properties) -> None:
         if reason_code.is_failure:
             log.warning("broker refused the connection: %s", reason_code)
@@ -85,4 +112,6 @@ class CoordinatorBus:
         log.warning("disconnected from the broker (%s); reconnecting", reason_code)
 
     def _on_message(self, _client, _userdata, message) -> None:
+        if message.retain and message.payload and "/up/" in message.topic:
+            self.clear_retained(message.topic)  # results are never retained: whatever it is, the broker drops it
         self.inbox.put((message.topic, bytes(message.payload)))

@@ -7,13 +7,18 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fedal.protocol import BrokerSettings, topics
+from fedal.protocol import MAX_MESSAGE_BYTES, BrokerSettings, topics
 from fedal.settings import load_settings
 from fedal.sim.config import RunConfig
 
 
 class CoordinatorBrokerSettings(BrokerSettings):
-    max_message_bytes: int = Field(64 * 1024 * 1024, ge=4096, description="refuse reassembled results larger than this")
+    max_message_bytes: int = Field(MAX_MESSAGE_BYTES, ge=4096, description="refuse chunked results larger than this")
+    reassembly_bytes_per_client: int | None = Field(
+        None, ge=4096, description="declared sizes of one client's unfinished chunked results, together; "
+        "none: max_message_bytes (its newer message drops its older unfinished ones)")
+    reassembly_bytes_total: int | None = Field(
+        None, ge=4096, description="the same over all clients; none: 4 x max_message_bytes (beyond: refused)")
 
 
 class ApiSettings(BaseModel):
@@ -24,6 +29,7 @@ class ApiSettings(BaseModel):
     public_base_url: str | None = Field(None, description="URL agents use to reach this API; default http://host:port")
     token: str | None = Field(None, description="bearer token for write endpoints (pause, resume, stop); none: writes refused")
     read_requires_token: bool = Field(False, description="require the token for reads too (the public set stays open to agents)")
+    max_body_bytes: int = Field(1024 * 1024, ge=1024, description="larger request bodies are refused (413) before they are read")
 
 
 class PausePoint(BaseModel):

@@ -147,7 +147,9 @@ class RoundEngine:
 
         self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self.bus = CoordinatorBus(config.broker, config.run_id, self.inbox)
-        self.reassembler = Reassembler(max_size=config.broker.max_message_bytes)
+        b = config.broker
+        self.reassembler = Reassembler(max_size=b.max_message_bytes, max_sender_bytes=b.reassembly_bytes_per_client,
+                                       max_total_bytes=b.reassembly_bytes_total)
         self.store = store or RunStore(config.store_url or default_store_url(config.state_dir))
         self.lock = threading.RLock()
         self.stop_event = threading.Event()
@@ -162,6 +164,7 @@ class RoundEngine:
         self.events = events or EventHub()
         self.clients = {cid: ClientInfo() for cid in self.client_ids}
         self.counters: Counter[str] = Counter()
+        self.reject_reasons: Counter[str] = Counter()  # the rejected messages by why
         self.records: list[dict[str, Any]] = []
         self.state = "pending"
         self.error: str | None = None
@@ -447,10 +450,23 @@ class RoundEngine:
 
     # -- incoming messages -------------------------------------------------------------------
     def _handle(self, topic: str, payload: bytes) -> None:
+        rejected = self.counters["rejected"]
         try:
             self._dispatch(topic, payload)
         except Exception as exc:  # whatever a message holds, it never ends the run
-            self._reject(None, f"unusable message on {topic}: {type(exc).__name__}: {exc}")
+            self._reject(None, f"unusable message on {topic}: {type(exc).__name__}: {exc}", "error")
+        if self.counters["rejected"] > rejected and self._device_topic(topic):
+            # it may have been published retained: later subscribers must not get it (an empty
+            # retained message clears the topic; a status is the only retained message a device sends)
+            self.bus.clear_retained(topic)
+
+    def _device_topic(self, topic: str) -> bool:
+        """A result or status topic of a client of this run: what a device writes."""
+        try:
+            t = topics.parse(topic)
+        except topics.TopicError:
+            return False
+        return t.run == self.cfg.run_id and t.client in self.clients and t.kind in ("up", "status")
 
     def _dispatch(self, topic: str, payload: bytes) -> None:
         if topic == "$connected":
@@ -464,11 +480,13 @@ class RoundEngine:
         try:
             t = topics.parse(topic)
         except topics.TopicError as exc:
-            self._reject(None, f"bad topic: {exc}")
+            self._reject(None, f"bad topic: {exc}", "topic")
             return
         if t.run != self.cfg.run_id or t.client not in self.clients:
-            self._reject(None, f"message from unknown client {t.client!r} (run {t.run!r})")
+            self._reject(None, f"message from unknown client {t.client!r} (run {t.run!r})", "topic")
             return
+        if not payload and t.kind in ("status", "up"):
+            return  # a retained message cleared (by the coordinator itself, or the broker's tooling)
         if t.kind == "status":
             self._on_status(t.client, payload)
         elif t.kind == "up":
@@ -479,7 +497,7 @@ class RoundEngine:
             status = json.loads(payload)
             state, ts = status["state"], float(status.get("ts", 0.0))
         except (ValueError, KeyError, TypeError):
-            self._reject(cid, "malformed status message")
+            self._reject(cid, "malformed status message", "status")
             return
         info = self.clients[cid]
         was_online = info.online
@@ -497,19 +515,19 @@ class RoundEngine:
         try:
             msg = self.reassembler.feed(cid, payload)
         except EnvelopeError as exc:
-            self._reject(cid, f"malformed envelope: {exc}")
+            self._reject(cid, f"malformed envelope: {exc}", exc.kind)
             return
         info.bytes_up += len(payload)
         if msg is None:
             return
         meta = msg.meta
         if meta.get("run") != self.cfg.run_id or meta.get("client") != cid:
-            self._reject(cid, f"result claims run {meta.get('run')!r} client {meta.get('client')!r}")
+            self._reject(cid, f"result claims run {meta.get('run')!r} client {meta.get('client')!r}", "identity")
             return
         cur = self.current
         key = (meta.get("epoch"), meta.get("seq"))
         if not all(type(v) is int for v in key):
-            self._reject(cid, "result without integer epoch and seq")
+            self._reject(cid, "result without integer epoch and seq", "sequence")
             return
         if cur is None or key != cur.key:
             self.counters["stale"] += 1
@@ -524,10 +542,10 @@ class RoundEngine:
             else:
                 self.server.validate(cur.phase, cid, msg)
         except InvalidResult as exc:
-            self._reject(cid, str(exc))
+            self._reject(cid, str(exc), exc.kind)
             return
         except Exception as exc:  # a validator tripping over odd input is still a rejection
-            self._reject(cid, f"unusable result: {type(exc).__name__}: {exc}")
+            self._reject(cid, f"unusable result: {type(exc).__name__}: {exc}", "result")
             return
         with self.lock:
             cur.results[cid] = msg
@@ -549,8 +567,10 @@ class RoundEngine:
             if acc is not None and (isinstance(acc, bool) or not isinstance(acc, (int, float)) or not 0.0 <= acc <= 1.0):
                 raise InvalidResult(f"{key} {acc!r} is not in [0, 1]")
 
-    def _reject(self, cid: str | None, reason: str) -> None:
+    def _reject(self, cid: str | None, reason: str, kind: str = "result") -> None:
+        """kind: the short reason it is counted under (API `rejects`, /metrics `fedal_rejects_total`)."""
         self.counters["rejected"] += 1
+        self.reject_reasons[kind] += 1
         if cid is not None:
             self.clients[cid].rejected += 1
         log.warning("rejected%s: %s", f" from {cid}" if cid else "", reason)
@@ -576,11 +596,20 @@ class RoundEngine:
                 "pause_at": [p.model_dump() for p in self.pause_points],
                 "started_at": self.started_at,
                 "finished_at": self.finished_at,
-                "counters": dict(self.counters),
+                "counters": self._counters(),
+                "rejects": dict(self.reject_reasons),
                 "clients": {c: asdict(i) for c, i in self.clients.items()},
                 "config": self.run_config.model_dump(mode="json"),
                 "last_round": self.records[-1] if self.records else None,
             }
+
+    def _counters(self) -> dict[str, int]:
+        """The run-wide counters, with the unfinished chunked messages the reassembler dropped:
+        `evicted` for a sender's newer ones, `expired` after its timeout."""
+        out = dict(self.counters)
+        evicted, expired = sum(self.reassembler.evicted.values()), self.reassembler.expired
+        out.update({k: v for k, v in (("evicted", evicted), ("expired", expired)) if v})
+        return out
 
     def rounds(self) -> list[dict[str, Any]]:
         with self.lock:
@@ -601,7 +630,8 @@ class RoundEngine:
             "deployment": {
                 "run_id": self.cfg.run_id,
                 "device": self.device,
-                "counters": dict(self.counters),
+                "counters": self._counters(),
+                "rejects": dict(self.reject_reasons),
                 "clients": {c: asdict(i) for c, i in self.clients.items()},
             },
             "environment": {"fedal": __version__, "torch": torch.__version__},

@@ -34,7 +34,9 @@ class RunCollector(Collector):
                       for name, help_text in (("answered", "results accepted"), ("late", "phases closed without the client"),
                                               ("rejected", "messages rejected"), ("duplicates", "duplicate results dropped"),
                                               ("bytes_up", "payload bytes received"), ("bytes_down", "payload bytes sent"))}
-        counters = CounterMetricFamily("fedal_messages", "messages by outcome", labels=["run", "outcome"])
+        counters = CounterMetricFamily("fedal_messages", "messages by outcome (evicted, expired: unfinished chunked "
+                                       "messages dropped)", labels=["run", "outcome"])
+        rejects = CounterMetricFamily("fedal_rejects", "rejected messages by reason", labels=["run", "reason"])
         lat = GaugeMetricFamily("fedal_phase_latency_seconds", "last round: response latency quantiles by phase",
                                 labels=["run", "phase", "quantile"])
         for snap in snaps:
@@ -54,8 +56,10 @@ class RunCollector(Collector):
             for name, fam in per_client.items():
                 for cid, c in clients.items():
                     fam.add_metric([run, cid], float(c[name]))
-            for outcome in ("rejected", "stale", "duplicates"):
+            for outcome in ("rejected", "stale", "duplicates", "evicted", "expired"):
                 counters.add_metric([run, outcome], float(snap["counters"].get(outcome, 0)))
+            for reason, count in sorted((snap.get("rejects") or {}).items()):
+                rejects.add_metric([run, reason], float(count))
             for phase, stats in (last.get("phases") or {}).items():
                 for q, key in (("0.5", "p50_s"), ("0.95", "p95_s")):
                     if stats.get(key) is not None:
@@ -64,6 +68,7 @@ class RunCollector(Collector):
         yield from (g for g in gauges.values() if g.samples)
         yield from per_client.values()
         yield counters
+        yield rejects
         yield lat
 
 

@@ -31,7 +31,7 @@ from edge_agent.inference import OnnxInference, write_final_onnx
 from edge_agent.public_set import PublicSetError, load_public_set
 from fedal.data import ArrayDataset
 from fedal.models import build_model
-from fedal.protocol import EnvelopeError, ManifestError, Message, Reassembler, RunManifest, encode
+from fedal.protocol import EnvelopeError, ManifestError, Message, Reassembler, RunManifest, encode, tensor_problem
 from fedal.strategies import StrategyParams, get_strategy
 
 log = logging.getLogger("edge_agent")
@@ -48,10 +48,13 @@ class Agent:
         self.config = config
         self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self.link = MqttLink(config, self.inbox)
-        self.reassembler = Reassembler()
+        b = config.broker
+        self.reassembler = Reassembler(max_size=b.max_message_bytes, max_sender_bytes=b.max_message_bytes,
+                                       max_total_bytes=b.max_message_bytes)  # one sender: the coordinator
         self.stop_event = threading.Event()
         self.finished = threading.Event()
         self.counters: Counter[str] = Counter()
+        self.rejects: Counter[str] = Counter()  # the rejected messages by why
         self.manifest: RunManifest | None = None
         self.client = None
         self.deferred: list[bytes] = []
@@ -205,7 +208,7 @@ class Agent:
         try:
             task = self.reassembler.feed("coordinator", payload)
         except EnvelopeError as exc:
-            self._reject(f"malformed task: {exc}")
+            self._reject(f"malformed task: {exc}", exc.kind)
             return
         if task is None:
             return  # a chunk of a larger task
@@ -226,6 +229,10 @@ class Agent:
         if key == self.last_key and self.last_result is not None:
             self.counters["duplicates"] += 1
             self.link.publish_result(self.last_result)  # answered before: resend, never recompute
+            return
+        problem = tensor_problem(task.tensors, self.client.params.max_abs_value)
+        if problem is not None:  # e.g. feedback of absurd magnitude: never trained on
+            self._reject(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {problem[1]}", problem[0])
             return
         try:
             self._replay_guard(meta.get("round"), (task.phase, meta.get("iteration")))
@@ -292,11 +299,13 @@ class Agent:
         if self.config.exit_on_finish:
             self.finished.set()
 
-    def _reject(self, reason: str) -> None:
+    def _reject(self, reason: str, kind: str = "other") -> None:
         self.counters["rejected"] += 1
+        self.rejects[kind] += 1
         log.warning("rejected: %s", reason)
 
     def _write_status_file(self) -> None:
         status: dict[str, Any] = {"client_id": self.config.client_id, "counters": dict(self.counters),
+                                  "rejects": dict(self.rejects),
                                   "last_key": self.last_key, "connects": self.link.connects, "ts": time.time()}
         (self.workspace / "agent-status.json").write_text(json.dumps(status, indent=2))

@@ -9,13 +9,15 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fedal.protocol import BrokerSettings, topics
+from fedal.protocol import MAX_MESSAGE_BYTES, BrokerSettings, topics
 from fedal.settings import load_settings
 
 
 class AgentBrokerSettings(BrokerSettings):
     reconnect_min_s: float = Field(1.0, gt=0)
     reconnect_max_s: float = Field(30.0, gt=0)
+    max_message_bytes: int = Field(MAX_MESSAGE_BYTES, ge=4096, description="refuse chunked tasks larger than this; "
+                                   "also what unfinished chunked tasks may hold, together")
 
 
 class AgentConfig(BaseSettings):

@@ -62,6 +62,8 @@ class CoordinatorOracle:
             return "rejected"
         if t.run != RUN_ID or t.client not in ENROLLED:
             return "rejected"
+        if not payload and t.kind in (STATUS, UP):
+            return "ignored"  # a cleared retained message (the coordinator clears junk it rejected)
         if t.kind == "status":
             try:
                 status = json.loads(payload)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from fedal.data import ArrayDataset
-from fedal.protocol import Message, encode
+from fedal.protocol import Message, encode, tensor_problem
 from fedal.strategies import ClientHalf
 
 log = logging.getLogger("fedal.session")
@@ -87,6 +87,9 @@ class ClientSession:
         if ikey == self.last_key and self.last_result is not None:
             self.counters["duplicates"] += 1
             return self.last_result  # answered before: resend, never recompute
+        problem = tensor_problem(task.tensors, self.client.params.max_abs_value)
+        if problem is not None:  # e.g. feedback of absurd magnitude: never trained on
+            raise TaskRefused(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {problem[1]}")
         try:
             self._replay_guard(meta.get("round"), (task.phase, meta.get("iteration")))
             result = self.evaluate(task) if task.phase == "evaluate" else self.client.handle(task)
