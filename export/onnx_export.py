@@ -28,6 +28,8 @@ from pathlib import Path
 import onnx
 import torch
 
+from .layout import CHANNEL_MULTIPLE, has_1d_layers, lift_1d_to_2d, nchwc_available
+
 __all__ = ["export_onnx", "INPUT_NAME", "OUTPUT_NAME", "BATCH_AXIS_NAME"]
 
 INPUT_NAME = "input"
@@ -42,6 +44,8 @@ def export_onnx(
     example_input: torch.Tensor,
     path: str | os.PathLike[str],
     opset: int = 17,
+    conv1d_as_2d: bool = True,
+    channel_multiple: int | None = None,
 ) -> Path:
     """Write `model` as ONNX to `path` and return it as a Path, after `onnx.checker` passes.
 
@@ -49,6 +53,14 @@ def export_onnx(
     (dimension 0, named "batch"). `example_input` is a batch [B, *input_shape]; only its
     per-sample shape and dtype matter. The model is exported in eval mode (BatchNorm uses
     its running statistics); its previous train/eval mode is restored afterwards.
+
+    With `conv1d_as_2d` (the default) 1-D conv stacks are exported as unit-height 2-D ones
+    (`export.layout`): same outputs, but onnxruntime runs them with its blocked NCHWc kernels
+    instead of a per-sample im2col path that is slower than torch. Channels between two such
+    convolutions are zero-padded to a multiple of `channel_multiple`; None means
+    `CHANNEL_MULTIPLE` where this machine's onnxruntime has NCHWc kernels, else no padding
+    (export on the device that will run the file, or pass the value for that device).
+    The model passed in is not modified.
     """
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
         raise ValueError("example_input must be a batched tensor [B, *input_shape]")
@@ -70,12 +82,17 @@ def export_onnx(
     was_training = model.training
     model.eval()
     try:
+        traced = model
+        if conv1d_as_2d and has_1d_layers(model):
+            if channel_multiple is None:
+                channel_multiple = CHANNEL_MULTIPLE if nchwc_available() else 0
+            traced = lift_1d_to_2d(model, channel_multiple)
         with torch.no_grad():
             try:
-                _export_legacy(model, example, path, opset)
+                _export_legacy(traced, example, path, opset)
             except Exception as exc:  # legacy exporter removed or unable to trace the model
                 _log.warning("legacy ONNX export failed (%s); retrying with dynamo", exc)
-                _export_dynamo(model, example, path, opset)
+                _export_dynamo(traced, example, path, opset)
                 _warn_if_opset_differs(path, opset)
     finally:
         model.train(was_training)

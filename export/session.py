@@ -10,12 +10,27 @@ than running a small model on a batch.
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
+from collections import defaultdict
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
-__all__ = ["OrtModel"]
+__all__ = ["OrtModel", "node_times", "session_options"]
+
+
+def session_options(threads: int) -> ort.SessionOptions:
+    """The settings above; shared by `OrtModel` and `node_times` so profiles show what runs."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3  # errors only
+    return options
 
 
 class OrtModel:
@@ -26,13 +41,7 @@ class OrtModel:
         self.threads = int(threads) if threads else (os.cpu_count() or 1)
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = self.threads
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3  # errors only
-        self.session = ort.InferenceSession(self.path, sess_options=options,
+        self.session = ort.InferenceSession(self.path, sess_options=session_options(self.threads),
                                             providers=["CPUExecutionProvider"])
         (feed,) = self.session.get_inputs()
         self.input_name = feed.name
@@ -58,3 +67,41 @@ class OrtModel:
             n_out = self.session.get_outputs()[0].shape[-1]
             return np.zeros((0, n_out if isinstance(n_out, int) else 0), dtype=np.float32)
         return np.concatenate(outs).astype(np.float32, copy=False)
+
+
+def node_times(path: str | os.PathLike[str], x: np.ndarray, threads: int = 1, runs: int = 10) -> list[dict]:
+    """Where one `session.run` on `x` spends its time, from onnxruntime's own per-node profile.
+
+    Builds the session as `OrtModel` does, so the rows are the nodes of the *optimised* graph as
+    they execute (fused convolutions, NCHWc nodes in the "com.microsoft.nchwc" domain, layout
+    reorders). One warm-up run, then `runs` profiled ones. One dict per node, slowest first:
+    node, op, domain, mean kernel ms per run, share of the summed node time, input shapes.
+    """
+    options = session_options(threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        options.optimized_model_filepath = os.path.join(tmp, "optimised.onnx")
+        options.enable_profiling = True
+        options.profile_file_prefix = os.path.join(tmp, "ort_profile")
+        session = ort.InferenceSession(os.fspath(path), sess_options=options,
+                                       providers=["CPUExecutionProvider"])
+        feed = {session.get_inputs()[0].name: np.ascontiguousarray(x, dtype=np.float32)}
+        for _ in range(runs + 1):
+            session.run(None, feed)
+        with open(session.end_profiling()) as fh:
+            events = json.load(fh)
+        domains = {n.name: n.domain for n in onnx.load(options.optimized_model_filepath).graph.node}
+    starts = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
+    first = starts[-runs] if len(starts) >= runs else 0  # drop the warm-up run
+    total: dict[str, float] = defaultdict(float)
+    info: dict[str, dict] = {}
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= first:
+            node = e["name"][: -len("_kernel_time")]
+            total[node] += e["dur"]
+            info[node] = {"op": e["args"].get("op_name", "?"),
+                          "inputs": [list(t.values())[0] for t in e["args"].get("input_type_shape", [])]}
+    whole = sum(total.values()) or 1.0
+    rows = [{"node": node, "op": info[node]["op"], "domain": domains.get(node, ""),
+             "ms": round(us / runs / 1000, 4), "share": round(us / whole, 4),
+             "inputs": info[node]["inputs"]} for node, us in total.items()]
+    return sorted(rows, key=lambda r: -r["ms"])
