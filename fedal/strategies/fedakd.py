@@ -35,6 +35,7 @@ from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, make_op
 from fedal.strategies.fedavg import FedAvgServer, load_numpy_into, model_to_numpy
 from fedal.strategies.local import local_batches
 from fedal.strategies.losses import kl_to_student
+from fedal.strategies.training import minibatch_steps
 
 PRESET = {"tau": 5, "local_epochs": 1, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
 PHASES = {"init": "exchange", "train": "train"}  # FedAvg's round; the personal model stays on the device
@@ -120,14 +121,10 @@ def distill(student: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch
             teacher_logits: torch.Tensor, weight: float, temperature: float, batches) -> float:
     """Minibatch steps on CE(student(x), y) + weight * T^2 * KL(softmax(teacher/T) || softmax(student/T));
     returns the mean loss."""
-    student.train()
-    losses = []
-    for idx in batches:
+    def step(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         out = student(x[idx])
         loss = F.cross_entropy(out, y[idx])
-        loss = loss + weight * temperature**2 * kl_to_student(teacher_logits[idx], out, temperature)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+        return loss + weight * temperature**2 * kl_to_student(teacher_logits[idx], out, temperature), {}
+
+    losses = [s["loss"] for s in minibatch_steps(student, optimizer, batches, step)]
     return float(np.mean(losses)) if losses else float("nan")

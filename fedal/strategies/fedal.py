@@ -31,6 +31,7 @@ from fedal.strategies.frozen import Frozen, frozen_copy
 from fedal.strategies.discriminator import Discriminator, discriminator_input, per_sample_adversarial_grad
 from fedal.strategies.losses import kl_grad_wrt_student, kl_to_student, mean_kl_to_mean
 from fedal.strategies.params import StrategyParams
+from fedal.strategies.training import minibatch_steps
 
 PRESET = {"tau": 5, "lambda_kd": 1.0, "lambda_adv": 1.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}
 # the phases of a round and their kind: "train" phases get the training deadline
@@ -174,20 +175,21 @@ class FedALClient(ClientHalf):
         """Stage 1: CE + lambda_lf_loc * KL(p(theta_ref_loc) || p), theta_ref_loc = round start."""
         p = self.params
         self.ref_loc = self.inference.snapshot(self.model) if p.lambda_lf_loc > 0 else None
-        self.model.train()
-        losses = []
-        for _ in range(steps):
-            x, y = self.sample_batch()
+        n = len(self.y_train)
+
+        def step(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            x = self.x_train[idx]
             logits = self.model(x)
-            loss = F.cross_entropy(logits, y)
+            loss = F.cross_entropy(logits, self.y_train[idx])
             if self.ref_loc is not None:
                 with torch.no_grad():
                     ref = self.ref_loc(x)
                 loss = loss + p.lambda_lf_loc * kl_to_student(ref, logits, p.temperature_lf)
-            self.optimizer.zero_grad()
-            loss.backward()
-            self.optimizer.step()
-            losses.append(loss.item())
+            return loss, {}
+
+        # tau batches, each drawn afresh (ClientHalf.sample_batch's draw)
+        batches = (torch.randperm(n, generator=self.generator)[: min(p.batch_size, n)] for _ in range(steps))
+        losses = [s["loss"] for s in minibatch_steps(self.model, self.optimizer, batches, step)]
         return float(np.mean(losses)) if losses else 0.0
 
     def snapshot_ref_glo(self) -> None:

@@ -28,6 +28,7 @@ from fedal.strategies.base import InvalidResult, PhaseTasks
 from fedal.strategies.fedavg import FedAvgClient, FedAvgServer, load_numpy_into, model_to_numpy
 from fedal.strategies.local import local_batches
 from fedal.strategies.params import StrategyParams
+from fedal.strategies.training import minibatch_steps
 
 PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0,
           "hkd_lambda": 0.05, "hkd_gamma": 0.05}
@@ -155,31 +156,27 @@ class FedHKDClient(FedAvgClient):
         lam, gam = float(p.hkd_lambda or 0.0), float(p.hkd_gamma or 0.0)
         use = knowledge is not None and (lam > 0 or gam > 0)
         clip = p.hkd_official_grad_clip if p.hkd_preset == "official" and knowledge is not None else None
-        self.model.train()
-        sums = {"loss": 0.0, "ce": 0.0, "hkd_head": 0.0, "hkd_feature": 0.0}
-        batches = 0
-        for idx in local_batches(len(self.y_train), p, steps, self.generator):
+        def step(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
             x, y = self.x_train[idx], self.y_train[idx]
-            batches += 1
             h = self.model.features(x)
             ce = F.cross_entropy(self.model.head(h), y)
-            loss = ce
+            loss, terms = ce, {"ce": ce.item(), "hkd_head": 0.0, "hkd_feature": 0.0}
             if use:
                 head, feature = knowledge_terms(self.model, h, y, knowledge, p)
                 if lam > 0:
                     loss = loss + lam * head
                 if gam > 0:
                     loss = loss + gam * feature
-                sums["hkd_head"] += head.item()
-                sums["hkd_feature"] += feature.item()
-            self.optimizer.zero_grad()
-            loss.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=clip)
-            self.optimizer.step()
-            sums["loss"] += loss.item()
-            sums["ce"] += ce.item()
-        stats = {k: v / max(batches, 1) for k, v in sums.items()}
+                terms.update(hkd_head=head.item(), hkd_feature=feature.item())
+            return loss, terms
+
+        batches = local_batches(len(self.y_train), p, steps, self.generator)
+        done = minibatch_steps(self.model, self.optimizer, batches, step, clip_norm=clip)
+        sums = {"loss": 0.0, "ce": 0.0, "hkd_head": 0.0, "hkd_feature": 0.0}
+        for s in done:  # summed in the order the loop always did
+            for k in ("hkd_head", "hkd_feature", "loss", "ce"):
+                sums[k] += s[k]
+        stats = {k: v / max(len(done), 1) for k, v in sums.items()}
         if not use:
             del stats["hkd_head"], stats["hkd_feature"]
         return stats

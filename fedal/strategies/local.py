@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf, PhaseTasks, ServerHalf
+from fedal.strategies.training import minibatch_steps
 
 PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
 # the phases of a round and their kind: "train" phases get the training deadline
@@ -35,15 +36,11 @@ class LocalClient(ClientHalf):
 def train_steps(client: ClientHalf, steps: int) -> float:
     """Plain cross-entropy minibatch steps on the client's private data; returns the mean loss.
     With `local_epochs` > 0 these are that many passes over the data instead of `steps`."""
-    client.model.train()
-    losses = []
-    for idx in local_batches(len(client.y_train), client.params, steps, client.generator):
-        x, y = client.x_train[idx], client.y_train[idx]
-        loss = F.cross_entropy(client.model(x), y)
-        client.optimizer.zero_grad()
-        loss.backward()
-        client.optimizer.step()
-        losses.append(loss.item())
+    def step(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        return F.cross_entropy(client.model(client.x_train[idx]), client.y_train[idx]), {}
+
+    batches = local_batches(len(client.y_train), client.params, steps, client.generator)
+    losses = [s["loss"] for s in minibatch_steps(client.model, client.optimizer, batches, step)]
     return float(np.mean(losses)) if losses else 0.0
 
 
