@@ -492,3 +492,23 @@ def test_envelope_examples_are_what_the_code_encodes():
     header, total, n = header_and_sizes(payload)
     assert header == json.loads(blocks["envelope transfer-result"])
     assert prose_sizes("envelope transfer-result") == (total, n, total - 8 - n)
+
+
+def test_runtime_data_file_recipe_makes_files_agents_and_coordinator_accept(tmp_path, monkeypatch):
+    """docs/runtime.md's recipe, run as written, gives files the agent's and coordinator's loaders take."""
+    from edge_agent.agent import load_npz_dataset
+    from edge_agent.public_set import load_public_set
+
+    text = RUNTIME.read_text()
+    recipe = re.search(r"<!-- runtime-check: data-files -->\n```python\n(.*?)\n```", text, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(recipe, "docs/runtime.md", "exec"), {})
+    with np.load(tmp_path / "public.npz", allow_pickle=False) as z:  # as the coordinator reads its public_file
+        public = np.ascontiguousarray(z["x"], dtype=np.float32)
+    assert load_public_set(content_hash(public), tmp_path / "public.npz", None, tmp_path / "cache.npz").shape == public.shape
+    test = load_npz_dataset(tmp_path / "test.npz", 10, "test")
+    trains = [load_npz_dataset(f, 10, f.stem) for f in sorted(tmp_path.glob("train-*.npz"))]
+    assert trains and all(d.input_shape == test.input_shape == public.shape[1:] for d in trains)
+    build_model("mlp", trains[0].input_shape, 10)
+    public_strategies = sorted(s for s, spec in STRATEGIES.items() if spec.uses_public_set)
+    assert [sorted(lst) for lst in marked_lists(text, "public-set")] == [public_strategies]
