@@ -26,7 +26,7 @@ class StrategySpec:
     phases: Mapping[str, str]
     homogeneous_models: bool = False
     uses_public_set: bool = False
-    # the server half keeps the aggregated model (`global_weights`), evaluated as `global_acc`
+    # the server half keeps the aggregated model (ServerHalf.global_model()), evaluated as `global_acc`
     global_model: bool = False
     # results report collaborative fairness against a standalone (`local`) run of the same clients
     fairness: bool = False

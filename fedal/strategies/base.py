@@ -94,6 +94,11 @@ class ServerHalf(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
 
+    def global_model(self) -> dict[str, np.ndarray] | None:
+        """The aggregated model's weights for strategies that keep one on the server (their spec
+        says `global_model`); it is scored as `global_acc`. None before there is one."""
+        return None
+
     def task(self, phase: str, round_idx: int, iteration: int, **meta: Any) -> Message:
         return Message({"phase": phase, "round": round_idx, "iteration": iteration, **meta})
 

@@ -82,6 +82,9 @@ class FedAvgServer(ServerHalf):
                 self.record("local_loss", results[c].meta.get("loss", float("nan")))
         return None
 
+    def global_model(self) -> dict[str, np.ndarray] | None:
+        return self.global_weights
+
     def state_dict(self) -> dict[str, Any]:
         if self.global_weights is None:
             return {}

@@ -1,6 +1,6 @@
 """The aggregated model of parameter-averaging strategies, evaluated where it lives: the server.
 
-FedAvg-type server halves (StrategySpec.global_model) keep `global_weights`, the average that
+FedAvg-type server halves (StrategySpec.global_model) keep the average (`ServerHalf.global_model()`) that
 no client holds after the last round (each client holds its own locally trained copy). Both
 `fedal simulate` and the coordinator score it on the balanced common test set with this one
 function, so the two report the same `global_acc`.
@@ -25,7 +25,7 @@ def global_accuracy(server: ServerHalf, model_name: str, num_classes: int, x: np
     """Accuracy of the server half's global model on (x, y); None before it has one (or if the
     server half keeps none). `threads` pins torch's intra-op threads for the forward pass, so a
     process with another setting (the coordinator) computes bit-for-bit what the simulation does."""
-    weights = getattr(server, "global_weights", None)
+    weights = server.global_model()
     if weights is None or len(y) == 0:
         return None
     model = build_model(model_name, tuple(np.asarray(x).shape[1:]), num_classes)
