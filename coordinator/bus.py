@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import logging
 import queue
-import ssl
 import threading
 import time
 
-import paho.mqtt.client as mqtt
-
 from coordinator.config import CoordinatorBrokerSettings
+from fedal.mqtt_client import connect_failure, new_client
 from fedal.protocol import parse_broker_url, split, topics
 
 log = logging.getLogger("coordinator.mqtt")
@@ -33,16 +31,8 @@ class CoordinatorBus:
         self._clear_lock = threading.Lock()
         addr = parse_broker_url(settings.url)
         self.address = addr
-        self.client = mqtt.Client(
-            mqtt.CallbackAPIVersion.VERSION2, client_id=f"fedal-coordinator-{run_id}", clean_session=True, protocol=mqtt.MQTTv311
-        )
-        username = settings.username or addr.username
-        if username:
-            self.client.username_pw_set(username, settings.password or addr.password)
-        if addr.tls:
-            self.client.tls_set(ca_certs=str(settings.ca_file) if settings.ca_file else None, cert_reqs=ssl.CERT_REQUIRED)
+        self.client = new_client(settings, addr, f"fedal-coordinator-{run_id}", clean_session=True)
         self.client.reconnect_delay_set(min_delay=1, max_delay=30)
-        self.client.max_queued_messages_set(0)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
         self.client.on_connect_fail = self._on_connect_fail
@@ -104,8 +94,9 @@ class CoordinatorBus:
         self.inbox.put(("$connected", b""))
         log.info("connected to %s", self.address.redacted())
 
-    def _on_connect_fail(self, _client, _userdata) -> None:
-        log.warning("cannot connect to %s; retrying with backoff", self.address.redacted())
+    def _on_connect_fail(self, client, _userdata) -> None:
+        log.warning("cannot connect to %s: %s; retrying with backoff", self.address.redacted(),
+                    connect_failure(client.last_connect_error))
 
     def _on_disconnect(self, _client, _userdata, _flags, reason_code, _properties) -> None:
         self.connected.clear()

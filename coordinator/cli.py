@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from fedal.settings import SettingsError
+from fedal.settings import SettingsError, exposed_secrets
 
 
 @click.command("coordinator")
@@ -24,7 +24,22 @@ def coordinator_cmd(config_path: str, log_level: str) -> None:
         config = load_coordinator_config(config_path)
     except SettingsError as exc:
         raise click.UsageError(str(exc)) from None
+    warn_if_secrets_exposed(config_path)
     sys.exit(serve(config))
+
+
+SECRET_KEYS = ["api.token", "broker.password", "broker.url"]
+
+
+def warn_if_secrets_exposed(config_path: str) -> None:
+    """The config may hold the API token and the broker password; anyone else able to read it can
+    stop runs over the API or speak for the coordinator on the broker."""
+    exposed = exposed_secrets(config_path, SECRET_KEYS)
+    if exposed:
+        keys, mode = exposed
+        logging.getLogger("coordinator").warning(
+            "%s holds secrets (%s) but is open to group/others (mode %04o): run `chmod 600 %s`",
+            config_path, ", ".join(keys), mode, config_path)
 
 
 def main() -> int:

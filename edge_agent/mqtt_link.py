@@ -11,13 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import ssl
 import threading
 import time
 
-import paho.mqtt.client as mqtt
-
 from edge_agent.config import AgentConfig
+from fedal.mqtt_client import connect_failure, new_client
 from fedal.protocol import parse_broker_url, split, topics
 
 log = logging.getLogger("edge_agent.mqtt")
@@ -42,20 +40,10 @@ class MqttLink:
         b = config.broker
         addr = parse_broker_url(b.url)
         self.address = addr
-        self.client = mqtt.Client(
-            mqtt.CallbackAPIVersion.VERSION2,
-            client_id=f"fedal-agent-{run}-{cid}",
-            clean_session=False,  # the broker keeps QoS 1 tasks across short disconnects
-            protocol=mqtt.MQTTv311,
-        )
-        username = b.username or addr.username
-        if username:
-            self.client.username_pw_set(username, b.password or addr.password)
-        if addr.tls:
-            self.client.tls_set(ca_certs=str(b.ca_file) if b.ca_file else None, cert_reqs=ssl.CERT_REQUIRED)
+        # clean_session False: the broker keeps QoS 1 tasks across short disconnects
+        self.client = new_client(b, addr, f"fedal-agent-{run}-{cid}", clean_session=False)
         self.client.will_set(self.status_topic, status_payload("offline"), qos=1, retain=True)
         self.client.reconnect_delay_set(min_delay=max(1, int(b.reconnect_min_s)), max_delay=int(b.reconnect_max_s))
-        self.client.max_queued_messages_set(0)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
         self.client.on_connect_fail = self._on_connect_fail
@@ -90,8 +78,9 @@ class MqttLink:
         self.connected.set()
         log.info("connected to %s", self.address.redacted())
 
-    def _on_connect_fail(self, _client, _userdata) -> None:
-        log.warning("cannot connect to %s; retrying with backoff", self.address.redacted())
+    def _on_connect_fail(self, client, _userdata) -> None:
+        log.warning("cannot connect to %s: %s; retrying with backoff", self.address.redacted(),
+                    connect_failure(client.last_connect_error))
 
     def _on_disconnect(self, _client, _userdata, _flags, reason_code, _properties) -> None:
         self.connected.clear()

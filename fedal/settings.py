@@ -9,6 +9,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, TomlConfigSettingsSource
@@ -53,3 +54,26 @@ def load_settings(cls: type[S], path: str | Path | None = None, **overrides) -> 
         )
         raise SettingsError(f"invalid config{f' {path}' if path else ''}: {problems}") from None
     return cls.model_validate(loaded.model_dump())
+
+
+def exposed_secrets(path: str | Path, secret_keys: list[str]) -> tuple[list[str], int] | None:
+    """The dotted keys of `secret_keys` (`url` counts when it carries user:password@) set in the TOML
+    file at `path`, and its mode, when group or others have any access to it; else None."""
+    path = Path(path)
+    mode = path.stat().st_mode & 0o777
+    if not mode & 0o077:
+        return None
+    data = tomllib.loads(path.read_text())
+    found = []
+    for key in secret_keys:
+        value: object = data
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if key.endswith("url") and isinstance(value, str):
+            try:
+                value = urlsplit(value).password
+            except ValueError:
+                value = None
+        if value:
+            found.append(key)
+    return (found, mode) if found else None

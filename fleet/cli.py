@@ -27,6 +27,8 @@ def fleet_cmd() -> None:
 @click.option("--bind", help="Address the Mosquitto listener binds to (default: all interfaces).")
 @click.option("--broker-dir", default="/etc/mosquitto/fedal", show_default=True,
               help="Where the broker's files will live; used for the paths in fedal.conf.")
+@click.option("--coordinator-port", type=int,
+              help="Port of the broker listener only the coordinator may use (default: the URL's port + 1).")
 @click.option("--force", is_flag=True, help="Write into a non-empty --out (replaces every credential).")
 def init_cmd(**options) -> None:
     """Per-device agent configs and passwords, Mosquitto password and ACL files, optional TLS."""
@@ -41,8 +43,10 @@ def init_cmd(**options) -> None:
     out = spec.out
     click.echo(f"fleet of {len(summary['devices'])} devices for run {summary['run_id']!r} written to {out}")
     click.echo(f"  devices:     {out / 'devices'}/<id>/agent.toml  ({summary['devices'][0]} .. {summary['devices'][-1]})")
-    click.echo(f"  coordinator: {out / 'coordinator' / 'broker.toml'} (merge into coordinator.toml)")
-    click.echo(f"  broker:      {out / 'broker'}/{{passwd,acl,fedal.conf}}" + (" + TLS certificate" if spec.tls else ""))
+    click.echo(f"  coordinator: {out / 'coordinator' / 'broker.toml'} (merge into coordinator.toml, keep it mode 0600;"
+               f" it connects to {summary['coordinator_broker']})")
+    click.echo(f"  broker:      {out / 'broker'}/{{passwd,coordinator.passwd,acl,fedal.conf}}"
+               + (" + TLS certificate" if spec.tls else ""))
     if spec.tls:
         click.echo(f"  CA key:      {out / 'ca' / 'ca.key'} (keep offline; needed only to issue a new server certificate)")
     elif spec.broker.startswith("mqtt://"):

@@ -4,6 +4,7 @@
     OUT/devices/<id>/ca.crt        with TLS: the CA the agent verifies the broker with
     OUT/coordinator/broker.toml    run id, client ids and a [broker] table for coordinator.toml
     OUT/broker/passwd              Mosquitto password file (PBKDF2-SHA512 hashes, no plain text)
+    OUT/broker/coordinator.passwd  the coordinator's hash alone, for the coordinator's listener
     OUT/broker/acl                 Mosquitto ACL: each device only its own topics
     OUT/broker/fedal.conf          Mosquitto listener snippet using the files above
     OUT/broker/server.{crt,key}    with TLS: the broker's certificate, signed by the CA
@@ -11,12 +12,22 @@
     OUT/fleet.json                 what was generated (no secrets)
 
 Plain passwords exist only in the device and coordinator configs; the broker keeps hashes.
+Every file holding a secret (a password, a private key, a password hash) is written 0600.
+
+The broker gets two listeners. Devices connect to the URL's port, where Mosquitto replaces the
+client id a client sends by its user name (`use_username_as_clientid`): a device's account can
+hold only the session named after it, so with a stolen device's password nobody can take over
+(and disconnect) another device's or the coordinator's connection. The coordinator connects to
+its own port (default: the URL's port + 1), which only the coordinator's account may log in to;
+there it keeps its own client ids, one connection per run. Both refuse packets larger than the
+protocol's MAX_PAYLOAD (plus MQTT's own header), so no one can make the broker relay more.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,12 +35,18 @@ from pathlib import Path
 import tomli_w
 
 from edge_agent.config import AgentConfig
-from fedal.protocol import BrokerAddress, BrokerSettings, parse_broker_url, topics
+from fedal.protocol import MAX_PAYLOAD, BrokerAddress, BrokerSettings, parse_broker_url, topics
 from fleet import acl, passwords, tls
 
 # Where install-agent.sh puts things on a device; the generated agent configs point there.
 DEVICE_CONFIG_DIR = "/etc/fedal-agent"
 DEVICE_STATE_DIR = "/var/lib/fedal-agent"
+# What a PUBLISH adds to its payload: fixed header (<= 5), topic (<= 2 + 145 for the longest run and
+# client ids), packet id (2); CONNECT and SUBSCRIBE packets stay far below the payload limit.
+PACKET_HEADROOM = 1024
+# The toolkit's own client ids start so (fedal-coordinator-<run>, fedal-agent-<run>-<client>); an
+# account named so would, as a client id on the devices' listener, take over the coordinator's.
+RESERVED_PREFIX = "fedal-"
 
 
 class FleetError(ValueError):
@@ -51,6 +68,7 @@ class FleetSpec:
     bind: str | None = None
     broker_dir: str = "/etc/mosquitto/fedal"
     force: bool = False
+    coordinator_port: int | None = None  # default: the broker URL's port + 1
 
     def client_ids(self) -> list[str]:
         if self.devices < 1:
@@ -67,12 +85,19 @@ class FleetSpec:
 
 
 def _write(path: Path, text: str | bytes, mode: int) -> None:
+    """Write via a temporary file made 0600 and given `mode` before the rename: a secret never sits
+    under an older file's looser mode (--force), the umask cannot loosen it, a symlink is replaced."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = text.encode() if isinstance(text, str) else text
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(path, mode)  # O_CREAT's mode is masked by the umask and ignored for existing files
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _toml(header: str, data: dict) -> str:
@@ -91,6 +116,12 @@ def _check(spec: FleetSpec) -> tuple[list[str], BrokerAddress]:
         raise FleetError("give --broker without user:password; the fleet makes one account per device")
     if spec.coordinator_user in ids:
         raise FleetError(f"coordinator user {spec.coordinator_user!r} collides with a device id")
+    for name in [spec.coordinator_user, *ids]:
+        if name.startswith(RESERVED_PREFIX):
+            raise FleetError(f"account {name!r} starts with {RESERVED_PREFIX!r}, which the toolkit's own client ids use")
+    cport = coordinator_port(spec, addr)
+    if not 1 <= cport <= 65535 or cport == addr.port:
+        raise FleetError(f"--coordinator-port {cport} must be a port (1-65535) other than the devices' {addr.port}")
     if spec.tls and not addr.tls:
         raise FleetError(f"--tls needs an mqtts:// broker URL (got {spec.broker}); the default TLS port is 8883")
     out = spec.out
@@ -99,6 +130,16 @@ def _check(spec: FleetSpec) -> tuple[list[str], BrokerAddress]:
     if out.is_dir() and any(out.iterdir()) and not spec.force:
         raise FleetError(f"--out {out} is not empty; refusing to overwrite existing credentials (use --force)")
     return ids, addr
+
+
+def coordinator_port(spec: FleetSpec, addr: BrokerAddress) -> int:
+    return spec.coordinator_port if spec.coordinator_port is not None else addr.port + 1
+
+
+def coordinator_url(spec: FleetSpec, addr: BrokerAddress) -> str:
+    """The broker URL with the coordinator listener's port."""
+    host = f"[{addr.host}]" if ":" in addr.host else addr.host
+    return f"{'mqtts' if addr.tls else 'mqtt'}://{host}:{coordinator_port(spec, addr)}"
 
 
 def build_fleet(spec: FleetSpec) -> dict:
@@ -133,37 +174,61 @@ def build_fleet(spec: FleetSpec) -> dict:
                   f"readable by the agent only. The private data goes to data_file; see docs/deploy-raspberry-pi.md.")
         _write(out / "devices" / cid / "agent.toml", _toml(header, config), 0o600)
 
-    coord_broker = {"url": spec.broker, "username": spec.coordinator_user, "password": secrets[spec.coordinator_user]}
+    coord_broker = {"url": coordinator_url(spec, addr), "username": spec.coordinator_user,
+                    "password": secrets[spec.coordinator_user]}
     if ca_pem is not None:
         coord_broker["ca_file"] = str((out / "coordinator" / "ca.crt").resolve())
     BrokerSettings.model_validate(coord_broker)
     header = ("Merge into the coordinator's TOML (written by `fedal fleet init`): the run id and client ids the\n"
               "devices were enrolled with, and the coordinator's own broker account, which may read and write the\n"
-              "whole fedal/v1/ tree. ca_file points into this directory; adjust it if you move the CA.")
+              "whole fedal/v1/ tree, on the coordinator's listener (its own port). ca_file points into this\n"
+              "directory; adjust it if you move the CA. Holds the broker password (and, once merged, the API\n"
+              "token): keep coordinator.toml mode 0600.")
     _write(out / "coordinator" / "broker.toml",
            _toml(header, {"run_id": spec.run_id, "client_ids": ids, "broker": coord_broker}), 0o600)
 
     _write(out / "broker" / "passwd", passwords.password_file({u: secrets[u] for u in [spec.coordinator_user, *ids]}), 0o600)
+    _write(out / "broker" / "coordinator.passwd",
+           passwords.password_file({spec.coordinator_user: secrets[spec.coordinator_user]}), 0o600)
     _write(out / "broker" / "acl", acl.acl_file(ids, spec.coordinator_user), 0o644)
-    _write(out / "broker" / "fedal.conf", mosquitto_conf(spec, addr.port), 0o644)
+    _write(out / "broker" / "fedal.conf", mosquitto_conf(spec, addr.port, coordinator_port(spec, addr)), 0o644)
 
-    summary = {"run_id": spec.run_id, "broker": spec.broker, "tls": spec.tls, "coordinator_user": spec.coordinator_user,
+    summary = {"run_id": spec.run_id, "broker": spec.broker, "coordinator_broker": coordinator_url(spec, addr),
+               "tls": spec.tls, "coordinator_user": spec.coordinator_user,
                "devices": ids, "model": spec.model, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     _write(out / "fleet.json", json.dumps(summary, indent=2) + "\n", 0o644)
     return summary
 
 
-def mosquitto_conf(spec: FleetSpec, port: int) -> str:
+def mosquitto_conf(spec: FleetSpec, port: int, coord_port: int) -> str:
     d = spec.broker_dir.rstrip("/")
-    lines = [
+    bind = f" {spec.bind}" if spec.bind else ""
+    tls = [f"cafile {d}/ca.crt", f"certfile {d}/server.crt", f"keyfile {d}/server.key"] if spec.tls else []
+    return "\n".join([
         "# Mosquitto settings for the FedAL fleet (written by `fedal fleet init`).",
-        f"# Copy this directory's files to {d}/ (passwd readable by the mosquitto user only) and this",
-        "# file to /etc/mosquitto/conf.d/; then restart mosquitto.",
+        f"# Copy this directory's files to {d}/ (passwd, coordinator.passwd and server.key readable by the",
+        "# mosquitto user only) and this file to /etc/mosquitto/conf.d/; then restart mosquitto.",
+        "# Each listener has its own login and ACL settings: keep any other listener's settings below",
+        "# its own `listener` line.",
+        "per_listener_settings true",
+        f"# No packet above the protocol's largest payload ({MAX_PAYLOAD} bytes) plus MQTT headers: a larger",
+        "# one disconnects its sender before the broker reads it; a payload above the limit is dropped.",
+        f"max_packet_size {MAX_PAYLOAD + PACKET_HEADROOM}",
+        f"message_size_limit {MAX_PAYLOAD}",
+        "",
+        "# Devices. The broker takes the user name as the client id, whatever the client sends: an",
+        "# account holds only its own session, so it cannot disconnect another device or the coordinator.",
+        f"listener {port}{bind}",
         "allow_anonymous false",
         f"password_file {d}/passwd",
         f"acl_file {d}/acl",
-        f"listener {port}{f' {spec.bind}' if spec.bind else ''}",
-    ]
-    if spec.tls:
-        lines += [f"cafile {d}/ca.crt", f"certfile {d}/server.crt", f"keyfile {d}/server.key"]
-    return "\n".join(lines) + "\n"
+        "use_username_as_clientid true",
+        *tls,
+        "",
+        "# The coordinator: its account alone may log in here; it keeps its own client ids (one per run).",
+        f"listener {coord_port}{bind}",
+        "allow_anonymous false",
+        f"password_file {d}/coordinator.passwd",
+        f"acl_file {d}/acl",
+        *tls,
+    ]) + "\n"

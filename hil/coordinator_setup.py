@@ -47,6 +47,8 @@ def write_coordinator_config(workdir: Path, broker_url: str, run_id: str, ids: l
     for key, value in (extra or {}).items():
         config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
     path = workdir / "coordinator.toml"
+    path.touch(mode=0o600)
+    path.chmod(0o600)  # before anything goes in: it may hold the broker password and the API token
     path.write_text(tomli_w.dumps(config))
     return path
 

@@ -2,7 +2,8 @@
 
 For benches and chaos tests: it can hold a thousand connections (no connection cap, a raised
 open-files limit), keep retained messages and persistent sessions across a restart when
-`persistence` is on, and enforce a password file and an ACL file when given.
+`persistence` is on, and enforce a password file and an ACL file when given, or run the listeners,
+logins, ACLs and limits of a `fedal fleet init` broker config (`fleet_conf`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def raise_open_files_limit(want: int = 8192) -> int:
 class Mosquitto:
     def __init__(self, workdir: Path, port: int | None = None, *, persistence: bool = False,
                  password_file: Path | None = None, acl_file: Path | None = None, max_queued_messages: int = 100_000,
-                 max_connections: int = 4096):
+                 max_connections: int = 4096, fleet_conf: Path | None = None):
+        """fleet_conf: a generated fedal.conf (made with --bind 127.0.0.1 and --broker-dir pointing at its
+        files, its device listener on `port`) instead of one loopback listener and password/ACL files."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
@@ -45,9 +48,8 @@ class Mosquitto:
             raise FileNotFoundError("mosquitto is not installed (Debian: apt-get install mosquitto)")
         self.log_file = self.workdir / "mosquitto.log"
         self.conf = self.workdir / "mosquitto.conf"
-        lines = [
-            f"listener {self.port} 127.0.0.1",
-            f"max_connections {max_connections}",
+        lines = [] if fleet_conf is not None else [f"listener {self.port} 127.0.0.1", f"max_connections {max_connections}"]
+        lines += [
             f"max_queued_messages {max_queued_messages}",
             f"persistence {'true' if persistence else 'false'}",
             f"log_dest file {self.log_file}",
@@ -55,14 +57,16 @@ class Mosquitto:
         ]
         if persistence:
             lines += [f"persistence_location {self.workdir}/", "autosave_interval 1"]
-        if password_file is not None:
+        if os.geteuid() == 0:
+            lines.append("user root")  # as root it would drop to a user that cannot write the workdir
+        if fleet_conf is not None:
+            lines.append(Path(fleet_conf).read_text())
+        elif password_file is not None:
             lines += ["allow_anonymous false", f"password_file {password_file}"]
         else:
             lines.append("allow_anonymous true")
-        if acl_file is not None:
+        if acl_file is not None and fleet_conf is None:
             lines.append(f"acl_file {acl_file}")
-        if os.geteuid() == 0:
-            lines.append("user root")  # as root it would drop to a user that cannot write the workdir
         self.conf.write_text("\n".join(lines) + "\n")
         self.proc: subprocess.Popen | None = None
 

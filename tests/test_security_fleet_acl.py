@@ -97,6 +97,9 @@ def fleet_files(tmp_path):
 def test_other_credentials_and_anonymous_clients_cannot_touch_a_run(fleet_files, tmp_path):
     out, broker = fleet_files
     account = tomllib.loads((out / "coordinator" / "broker.toml").read_text())["broker"]
+    # this broker has the fleet's password and ACL files on one listener, not the generated
+    # fedal.conf's coordinator listener (tests/test_security_clientid.py runs that one)
+    account["url"] = broker.url
     api_port = free_port()
     api = f"http://127.0.0.1:{api_port}"
     config = write_coordinator_config(tmp_path / "coordinator", broker.url, RUN, DEVICES, api_port=api_port,

@@ -4,7 +4,7 @@ Shared by the strategy halves, the agent and the coordinator; no network code li
 """
 
 from fedal.protocol import topics
-from fedal.protocol.broker_url import BrokerAddress, BrokerSettings, parse_broker_url
+from fedal.protocol.broker_url import MAX_PAYLOAD, BrokerAddress, BrokerSettings, parse_broker_url
 from fedal.protocol.chunking import (DEFAULT_MAX_PAYLOAD, MAX_MESSAGE_BYTES, ChunkError, Reassembler,
                                      ReassemblyLimitError, split)
 from fedal.protocol.envelope import PROTOCOL_VERSION, EnvelopeError, decode, encode, wire_size
@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT_MAX_ABS_VALUE",
     "DEFAULT_MAX_PAYLOAD",
     "EnvelopeError",
+    "MAX_PAYLOAD",
     "MAX_MESSAGE_BYTES",
     "ManifestError",
     "Message",

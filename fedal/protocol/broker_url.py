@@ -10,6 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fedal.protocol.chunking import DEFAULT_MAX_PAYLOAD
 
+# The largest MQTT payload FedAL publishes (envelope, chunk, manifest or status): `max_payload`
+# may not exceed it, `split` keeps chunks within max_payload, and the broker configuration
+# `fedal fleet init` writes refuses larger packets, so a device cannot make the broker relay more.
+MAX_PAYLOAD = 1024 * 1024
+
 
 @dataclass(frozen=True)
 class BrokerAddress:
@@ -54,7 +59,8 @@ class BrokerSettings(BaseModel):
     password: str | None = None
     ca_file: Path | None = Field(None, description="CA bundle for mqtts:// brokers")
     keepalive: int = Field(30, ge=5, le=3600)
-    max_payload: int = Field(DEFAULT_MAX_PAYLOAD, ge=4096, description="larger envelopes are chunked")
+    max_payload: int = Field(DEFAULT_MAX_PAYLOAD, ge=4096, le=MAX_PAYLOAD,
+                             description="larger envelopes are chunked; at most the protocol's MAX_PAYLOAD (1 MiB)")
 
     @field_validator("url")
     @classmethod

@@ -1,0 +1,71 @@
+"""The MQTT client the agent and the coordinator both connect with (paho-mqtt 2.x).
+
+One place sets up credentials and TLS, and knows why a connection attempt failed: paho's
+on_connect_fail callback gets no exception, so on its own a broker certificate that does not
+verify (foreign CA, host name not in the certificate, wrong clock) would read only "cannot
+connect". `Client` keeps the exception of its last attempt; `connect_failure` words it for the log.
+Needs paho-mqtt (the `agent` and `coordinator` extras); the rest of `fedal` does not import it.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+
+import paho.mqtt.client as mqtt
+
+from fedal.protocol import BrokerAddress, BrokerSettings
+
+
+class Client(mqtt.Client):
+    """paho's client, remembering the exception that ended its last connection attempt."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.last_connect_error: BaseException | None = None
+
+    def reconnect(self) -> mqtt.MQTTErrorCode:
+        # paho's network thread calls this for the first connection and every retry
+        try:
+            result = super().reconnect()
+        except Exception as exc:
+            self.last_connect_error = exc
+            raise
+        self.last_connect_error = None
+        return result
+
+
+def new_client(settings: BrokerSettings, address: BrokerAddress, client_id: str, *, clean_session: bool) -> Client:
+    """A MQTT 3.1.1 client with the settings' credentials (URL ones as fallback) and verified TLS for mqtts://."""
+    client = Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean_session,
+                    protocol=mqtt.MQTTv311)
+    username = settings.username or address.username
+    if username:
+        client.username_pw_set(username, settings.password or address.password)
+    if address.tls:
+        client.tls_set(ca_certs=str(settings.ca_file) if settings.ca_file else None, cert_reqs=ssl.CERT_REQUIRED)
+    client.max_queued_messages_set(0)
+    return client
+
+
+def connect_failure(exc: BaseException | None) -> str:
+    """Why a connection attempt failed, in words an operator can act on."""
+    if exc is None:
+        return "reason unknown"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        what = exc.verify_message or exc.reason or str(exc)
+        hint = ("the broker's name is not in its certificate (fedal fleet init --server-name)"
+                if "hostname" in what.lower() or "ip address mismatch" in what.lower()
+                else "the broker's certificate is not signed by broker.ca_file's CA, or the clock is wrong")
+        return f"TLS certificate verify failed: {what} ({hint})"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS error: {exc.reason or exc} (is the port a TLS listener?)"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the broker's host name: {exc.strerror or exc}"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (nothing listens on that port)"
+    if isinstance(exc, (TimeoutError, socket.timeout)):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return f"{type(exc).__name__}: {exc}"
