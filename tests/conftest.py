@@ -37,9 +37,9 @@ def mosquitto(mosquitto_server):
     return mosquitto_server
 
 
-def clear_retained(url: str, quiet_s: float = 0.3) -> None:
+def clear_retained(url: str) -> None:
     import threading
-    import time
+    import uuid
 
     import paho.mqtt.client as mqtt
 
@@ -47,25 +47,25 @@ def clear_retained(url: str, quiet_s: float = 0.3) -> None:
 
     addr = parse_broker_url(url)
     seen: set[str] = set()
-    subscribed = threading.Event()
-    last = [time.monotonic()]
+    marker = f"fedal/_sweeper/{uuid.uuid4().hex}"  # no run's topic: nobody else hears it
+    swept = threading.Event()
 
     def on_message(_c, _u, msg):
-        if msg.retain and msg.payload:
+        if msg.topic == marker:
+            swept.set()
+        elif msg.retain and msg.payload:
             seen.add(msg.topic)
-        last[0] = time.monotonic()
 
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="fedal-test-retained-sweeper")
     client.on_message = on_message
-    client.on_subscribe = lambda *_: subscribed.set()
     client.connect(addr.host, addr.port)
     client.loop_start()
     try:
         client.subscribe("fedal/#", qos=1)
-        assert subscribed.wait(10), "the retained-message sweeper could not subscribe"
-        last[0] = time.monotonic()
-        while time.monotonic() - last[0] < quiet_s:  # retained messages arrive right after SUBACK
-            time.sleep(0.05)
+        # the broker sends a subscription's retained messages before anything published after it,
+        # so once our own marker comes back every retained message is in, however loaded the machine
+        client.publish(marker, b"1", qos=1)
+        assert swept.wait(30), "the retained-message sweeper did not get its own marker back"
         for topic in sorted(seen):
             client.publish(topic, b"", qos=1, retain=True).wait_for_publish(10)
     finally:

@@ -58,9 +58,11 @@ class Deployment:
         while time.monotonic() < deadline:
             if self.coordinator is not None and self.coordinator.poll() is not None:
                 raise AssertionError(f"coordinator exited with {self.coordinator.returncode}")
-            last = poll_run(self.api) or last
-            if last is not None and predicate(last):
-                return last
+            state = poll_run(self.api)  # None while the API is down: never judge a state seen before
+            if state is not None:
+                last = state
+                if predicate(state):
+                    return state
             time.sleep(0.2)
         raise AssertionError(f"timed out waiting for {what}; last state: {json.dumps(last)[:2000] if last else None}")
 

@@ -38,7 +38,8 @@ def test_broker_restart_mid_round_loses_nothing(broker, tmp_path):
     config = load_config(None, dict(strategy="fedal", dataset="digits", clients=2, rounds=ROUNDS, tau=TAU,
                                     public_size=100, seed=4))
     dep = Deployment(config, tmp_path / "dep", broker.url,
-                     phases={"quorum": 1.0, "deadline_s": 60.0, "train_deadline_s": 60.0, "resend_s": 2.0},
+                     phases={"quorum": 1.0, "deadline_s": 60.0, "train_deadline_s": 60.0, "resend_s": 2.0,
+                             "pause_at": [{"round": 2, "phase": "transfer", "iteration": 1}]},
                      coordinator={"client_ids": REAL + emulated},
                      agent={"broker": {"reconnect_max_s": 2.0}})
     fleet = Fleet(broker.url, RUN_ID, emulated, seed=1, reconnect_min_s=1.0, reconnect_max_s=2.0)
@@ -47,10 +48,13 @@ def test_broker_restart_mid_round_loses_nothing(broker, tmp_path):
         for cid in REAL:
             dep.start_agent(cid)
         fleet.start()
-        dep.wait_for(lambda r: r["completed_rounds"] >= 1 and r["phase"] == "transfer", timeout_s=180,
-                     what="round 2's transfer phase")
-        broker.kill()  # mid-round: tasks and results in flight are lost with the broker
-        time.sleep(1.5)
+        # mid-round by construction: the run holds before round 2's second transfer however fast it is
+        held = dep.wait_held(2, "transfer", 1, timeout_s=180)
+        assert held["completed_rounds"] == 1
+        broker.kill()  # retained manifest and statuses, sessions, queued messages: all gone
+        time.sleep(0.5)
+        assert dep.control("resume")["state"] == "running"  # the second transfer's tasks go out to no broker
+        time.sleep(1.0)
         broker.start()
         final = dep.finish(timeout_s=240)
         state = dep.run()

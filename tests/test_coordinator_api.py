@@ -123,12 +123,14 @@ def test_pause_resume_and_live_events_during_a_real_run(mosquitto, tmp_path):
     dep = Deployment(config, tmp_path / "dep", mosquitto, coordinator={"api": {"token": "tok"}})
     auth = {"Authorization": "Bearer tok"}
     events: list[dict] = []
+    subscribed = threading.Event()
 
     def listen() -> None:
         with httpx.stream("GET", f"{dep.api}/api/v1/events", timeout=120) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data: "):
                     events.append(json.loads(line[6:]))
+                    subscribed.set()  # the first event is "hello": from here on nothing is missed
                     if events[-1].get("state") == "finished":
                         return
 
@@ -137,6 +139,7 @@ def test_pause_resume_and_live_events_during_a_real_run(mosquitto, tmp_path):
         dep.wait_for(lambda r: r["state"] in ("pending", "running"), what="the API")
         listener = threading.Thread(target=listen, daemon=True)
         listener.start()
+        assert subscribed.wait(60), "the event stream did not open"
         for cid in ("c00", "c01", "c02"):
             dep.start_agent(cid)
         dep.wait_for(lambda r: r["completed_rounds"] >= 2, what="two rounds")

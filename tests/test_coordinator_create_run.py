@@ -77,7 +77,9 @@ def test_a_run_created_over_the_api_runs_and_survives_a_restart(mosquitto, tmp_p
     dep = Deployment(config, tmp_path / "dep", mosquitto, phases={"resend_s": 2.0})
     coord = tomllib.loads(dep.coord_path.read_text())
     spec = {"run_id": "demo", "client_ids": coord.pop("client_ids"), "run": coord.pop("run"),
-            "num_classes": coord.pop("num_classes")}
+            "num_classes": coord.pop("num_classes"),
+            # killed mid-run by construction: the run holds before round 3 however fast it is
+            "phases": {**coord["phases"], "pause_at": [{"round": 3}]}}
     coord.pop("public_file")
     coord.pop("run_id")
     coord["api"]["token"] = "tok"
@@ -90,11 +92,13 @@ def test_a_run_created_over_the_api_runs_and_survives_a_restart(mosquitto, tmp_p
         assert httpx.post(f"{dep.api}/api/v1/runs", json=spec, headers=auth).status_code == 201
         for cid in spec["client_ids"]:
             dep.start_agent(cid)
-        dep.wait_for(lambda r: r["completed_rounds"] >= 2, what="two rounds")
+        assert dep.wait_held(3)["completed_rounds"] == 2
         dep.coordinator.send_signal(signal.SIGKILL)
         dep.coordinator.wait()
 
         dep.start_coordinator()  # no run in its config: the API-created one comes back from the store
+        assert dep.wait_held(3)["completed_rounds"] == 2  # with its spec (pause_at too) and its two rounds
+        httpx.post(f"{dep.api}/api/v1/runs/demo/resume", headers=auth).raise_for_status()
         dep.wait_for(lambda r: r["state"] == "finished", timeout_s=240, what="the restored run to finish")
         results = dep.results()
     finally:

@@ -34,12 +34,14 @@ def chromium(user_data_dir: str):
 def test_dashboard_follows_a_live_run(mosquitto, tmp_path):
     config = load_config(None, dict(strategy="fedal", dataset="digits", clients=3, rounds=10, tau=1, public_size=100,
                                     seed=3, local_test_fraction=0.2))
-    dep = Deployment(config, tmp_path / "dep", mosquitto)
+    # the browser (slow to start on a loaded machine) looks while the run holds before round 3 with
+    # every agent online, then sees it go on: no race with how fast the run is
+    dep = Deployment(config, tmp_path / "dep", mosquitto, phases={"pause_at": [{"round": 3}]})
     profile = tempfile.mkdtemp(prefix="fedal-chromium-")  # a fresh user-data dir
     driver = None
     try:
         dep.start_all()
-        dep.wait_for(lambda r: r["state"] == "running", what="the run to start")
+        dep.wait_held(3)
         driver = chromium(profile)
         driver.set_page_load_timeout(60)
         driver.get(f"{dep.api}/")  # redirects to the dashboard
@@ -48,8 +50,7 @@ def test_dashboard_follows_a_live_run(mosquitto, tmp_path):
             text = driver.find_element(By.ID, "round-counter").text.strip()
             return int(text) if text.isdigit() else 0
 
-        first = wait_until(lambda: round_counter() or None, 120, "the round counter to show a round")
-        wait_until(lambda: round_counter() > first, 180, f"the round counter to advance past {first}")
+        wait_until(lambda: round_counter() == 3, 120, "the round counter to show round 3")
         rows = wait_until(lambda: [r.get_attribute("data-client")
                                    for r in driver.find_elements(By.CSS_SELECTOR, "#clients tbody tr")] or None,
                           60, "the client list")
@@ -64,6 +65,8 @@ def test_dashboard_follows_a_live_run(mosquitto, tmp_path):
         shot = tmp_path / "dashboard.png"
         assert driver.save_screenshot(str(shot))
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+        dep.control("resume")
+        wait_until(lambda: round_counter() > 3, 180, "the round counter to advance past 3")
     finally:
         if driver is not None:
             driver.quit()

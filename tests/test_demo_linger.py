@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
-import time
 import urllib.request
 
 from coordinator.demo import free_port, run_demo
 from fedal.sim import load_config
 from tests.deployment import get, poll_run
+from tests.waiting import wait_until
+
+LINGER_S = 10
 
 
 def test_api_lingers_after_the_run_then_goes(mosquitto, tmp_path):
@@ -17,21 +19,15 @@ def test_api_lingers_after_the_run_then_goes(mosquitto, tmp_path):
     config = load_config(None, dict(strategy="fedmd", dataset="digits", clients=2, rounds=1, public_size=60, seed=0))
     out: dict = {}
     runner = threading.Thread(target=lambda: out.update(run_demo(config, tmp_path / "demo", broker=mosquitto, api_port=port,
-                                                                   linger_s=4, quiet=True, timeout_s=180)))
+                                                                   linger_s=LINGER_S, quiet=True, timeout_s=180)))
     runner.start()
-    deadline = time.monotonic() + 180
-    seen_finished = False
-    while time.monotonic() < deadline and runner.is_alive():
-        run = poll_run(api)
-        if run is not None and run["state"] == "finished":
-            seen_finished = True
-            break
-        time.sleep(0.2)
-    assert seen_finished
-    time.sleep(1.5)
-    assert runner.is_alive()  # lingering
+    run = wait_until(lambda: (r := poll_run(api)) is not None and r["state"] == "finished" and r, timeout_s=180, interval_s=0.2,
+                     what="the demo's run to finish")
+    # lingering: the run is over and the API still answers (LINGER_S leaves room for a loaded machine)
+    assert run["completed_rounds"] == 1
     assert get(f"{api}/healthz")["status"] == "ok"
-    runner.join(timeout=60)
+    assert runner.is_alive()
+    runner.join(timeout=60 + LINGER_S)
     assert out["final"]["client_acc"]
     try:
         urllib.request.urlopen(f"{api}/healthz", timeout=2)

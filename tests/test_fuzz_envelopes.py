@@ -403,7 +403,8 @@ class Publisher:
 def deployment(mosquitto, tmp_path):
     config = load_config(None, dict(strategy="fedal", dataset="digits", clients=2, rounds=3, tau=2, public_size=100, seed=5))
     dep = Deployment(config, tmp_path / "dep", mosquitto, coordinator={"api": {"token": TOKEN}},
-                     phases={"quorum": 1.0, "deadline_s": 60.0, "train_deadline_s": 60.0, "resend_s": 60.0})
+                     phases={"quorum": 1.0, "deadline_s": 60.0, "train_deadline_s": 60.0, "resend_s": 60.0,
+                             "pause_at": [{"round": 2}]})  # the fuzz lands while the run holds, however fast it is
     yield dep
     dep.close()
     discard_sessions(mosquitto, [f"fedal-agent-{RUN_ID}-{cid}" for cid in client_ids(100) + fleet_ids(100)])
@@ -436,11 +437,9 @@ def test_fuzzed_envelopes_are_all_counted_and_survived(deployment, mosquitto):
         dep.start_coordinator()
         dep.start_agent(AGENT)
         fleet.start()
-        dep.wait_for(lambda r: r["completed_rounds"] >= 1, timeout_s=180, what="a first round")
-        assert post(f"{api}/pause", TOKEN) == 200
-        dep.wait_for(lambda r: r["state"] == "paused", what="the pause")
-        time.sleep(1.0)  # the open phase finishes; no new one starts
-        before = dep.run()["counters"]
+        held = dep.wait_held(2, timeout_s=180)  # round 1 done, no phase open, none starts
+        assert held["completed_rounds"] == 1
+        before = held["counters"]
         fleet_before = fleet.totals()
 
         pub = Publisher(mosquitto)

@@ -13,18 +13,23 @@ from tests.deployment import Deployment
 
 def test_sigkilled_coordinator_resumes_the_run(mosquitto, tmp_path):
     config = load_config(None, dict(strategy="fedal", dataset="digits", clients=3, rounds=8, tau=2, public_size=100, seed=11))
-    dep = Deployment(config, tmp_path / "dep", mosquitto, phases={"resend_s": 2.0})
+    # mid-round by construction: the run holds before round 4's second transfer, however fast it is
+    dep = Deployment(config, tmp_path / "dep", mosquitto,
+                     phases={"resend_s": 2.0, "pause_at": [{"round": 4, "phase": "transfer", "iteration": 1}]})
     try:
         dep.start_coordinator()
         for cid in ("c00", "c01", "c02"):
             dep.start_agent(cid)
-        dep.wait_for(lambda r: r["completed_rounds"] >= 3 and r["phase"] == "transfer", what="round 4 under way")
-        dep.coordinator.send_signal(signal.SIGKILL)  # mid-round
+        dep.wait_held(4, "transfer", 1)
+        dep.coordinator.send_signal(signal.SIGKILL)  # mid-round: the agents trained and transferred in round 4
         dep.coordinator.wait()
         saved = RunStore(default_store_url(dep.workdir / "coordinator" / "state")).load("demo")
-        assert saved.completed_rounds >= 3 and len(saved.records) == saved.completed_rounds
+        assert saved.completed_rounds == 3 and len(saved.records) == 3
 
         dep.start_coordinator()  # same config, same state dir
+        # replaying round 4 it reaches the same point again, and holds there again
+        assert dep.wait_held(4, "transfer", 1)["completed_rounds"] == 3
+        dep.control("resume")
         final = dep.wait_for(lambda r: r["state"] == "finished", timeout_s=240, what="the resumed run to finish")
         results = dep.results()
         log = (dep.workdir / "coordinator" / "coordinator.log").read_text()  # the restarted process's

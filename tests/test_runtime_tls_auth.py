@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import paho.mqtt.client as mqtt
@@ -16,7 +17,7 @@ from coordinator.demo import free_port
 from fedal.protocol import topics
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment
-from tests.waiting import wait_for_port
+from tests.waiting import wait_for_port, wait_until
 
 
 def openssl(*args: str, cwd) -> None:
@@ -107,10 +108,13 @@ def test_agent_shuts_down_cleanly_on_sigterm(mosquitto, tmp_path):
     host, port = mosquitto.removeprefix("mqtt://").split(":")
     watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="status-watcher")
     watcher.on_message = lambda c, u, m: seen.append(json.loads(m.payload)["state"])
+    subscribed = threading.Event()
+    watcher.on_subscribe = lambda *_: subscribed.set()
     watcher.connect(host, int(port))
     watcher.subscribe(topics.status("demo", "c00"), qos=1)
     watcher.loop_start()
     try:
+        assert subscribed.wait(30), "the broker did not acknowledge the watcher's subscription"
         agent = dep.start_agent("c00")
         deadline = time.monotonic() + 60
         while "online" not in seen and time.monotonic() < deadline:
@@ -118,8 +122,8 @@ def test_agent_shuts_down_cleanly_on_sigterm(mosquitto, tmp_path):
         assert "online" in seen
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=30) == 0
-        time.sleep(0.5)
-        assert seen[-1] == "offline"  # said goodbye itself (a killed agent's Last Will says the same)
+        # said goodbye itself (a killed agent's Last Will says the same); delivered, however late
+        wait_until(lambda: seen[-1] == "offline", timeout_s=30, what="the agent's offline status")
         status = json.loads((dep.agent_path("c00").parent / "agent-status.json").read_text())
         assert status["client_id"] == "c00"
     finally:

@@ -103,7 +103,9 @@ def test_other_credentials_and_anonymous_clients_cannot_touch_a_run(fleet_files,
     api_port = free_port()
     api = f"http://127.0.0.1:{api_port}"
     config = write_coordinator_config(tmp_path / "coordinator", broker.url, RUN, DEVICES, api_port=api_port,
-                                      rounds=ROUNDS, tau=TAU, phases={"quorum": 1.0, "resend_s": 60.0},
+                                      rounds=ROUNDS, tau=TAU,
+                                      # the intrusion lands while the run holds before round 2, however fast it is
+                                      phases={"quorum": 1.0, "resend_s": 60.0, "pause_at": [{"round": 2}]},
                                       extra={"broker": account, "api": {"token": TOKEN}})
     coordinator = start_coordinator(config, tmp_path / "coordinator.log")
     fleet = Fleet(broker.url, RUN, DEVICES, credentials=device_credentials(out / "devices", DEVICES)).start()
@@ -113,7 +115,8 @@ def test_other_credentials_and_anonymous_clients_cannot_touch_a_run(fleet_files,
     clients = [auditor]
     try:
         assert auditor.code == 0
-        wait_for_run(api, RUN, lambda r: r["completed_rounds"] >= 1, 180, coordinator)
+        held = wait_for_run(api, RUN, lambda r: r["state"] == "paused" and r["held_before"] is not None, 180, coordinator)
+        assert held["held_before"]["round"] == 2 and held["completed_rounds"] == 1
 
         # no account, or a wrong password: refused at CONNECT
         anonymous = Client(broker.port, None, None, "anonymous")
@@ -151,7 +154,7 @@ def test_other_credentials_and_anonymous_clients_cannot_touch_a_run(fleet_files,
         assert post(f"{run_url}/pause", "wrong-token") == 403
         assert post(f"{run_url}/stop") == 401
         assert post(f"{api}/api/v1/runs") == 401  # creating a run is a write too
-        assert get_json(run_url)["state"] == "running"
+        assert get_json(run_url)["state"] == "paused"  # still held: nothing above touched the run
         assert post(f"{run_url}/pause", TOKEN) == 200 and post(f"{run_url}/resume", TOKEN) == 200  # the token works
 
         final = wait_for_run(api, RUN, lambda r: r["state"] in ("finished", "failed"), 240, coordinator)
