@@ -46,13 +46,17 @@ def _parse_shape(text: str) -> tuple[int, ...]:
               help="int8 mode. Default: static (QDQ, calibrated on the train split) with --dataset, else dynamic.")
 @click.option("--check", is_flag=True, help=f"Fail unless ONNX matches torch within {PARITY_ATOL:g}.")
 @click.option("--threads", type=int, help="onnxruntime intra-op threads for the checks. Default: all cores.")
+@click.option("--channel-multiple", type=click.IntRange(min=0),
+              help="1-D models: pad channels between convolutions to this multiple (0: none). Default: 16 "
+                   "if this machine's onnxruntime has NCHWc kernels, else 0; set it for the target device.")
 def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, opset, quantize,
-               quantize_mode, check, threads) -> None:
+               quantize_mode, check, threads, channel_multiple) -> None:
     """Export a zoo model to ONNX, optionally check parity and write an int8 copy."""
     import numpy as np
     import torch
 
     from export.checkpoint import load_checkpoint
+    from export.layout import CHANNEL_MULTIPLE, has_1d_layers, nchwc_available
     from export.onnx_export import export_onnx
     from export.parity import ParityError, check_parity
     from export.quantize import accuracy_delta, quantize_int8
@@ -97,13 +101,17 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
     out = Path(out)
     gen = torch.Generator().manual_seed(0)
     random_x = torch.randn(PARITY_RANDOM_ROWS, *shape, generator=gen)
+    if has_1d_layers(model) and channel_multiple is None:
+        channel_multiple = CHANNEL_MULTIPLE if nchwc_available() else 0
     try:
-        export_onnx(model, random_x[:2], out, opset=opset)
+        export_onnx(model, random_x[:2], out, opset=opset, channel_multiple=channel_multiple)
     except Exception as exc:
         raise click.ClickException(f"ONNX export of {model_name} failed: {exc}") from None
     report: dict = {"model": model_name, "input_shape": list(shape), "num_classes": classes,
                     "checkpoint": checkpoint, "dataset": dataset, "opset": opset, "onnx": str(out),
-                    "onnx_bytes": out.stat().st_size, "parity_max_diff": None, "int8": None}
+                    "onnx_bytes": out.stat().st_size, "parity_max_diff": None, "int8": None,
+                    # 1-D conv stacks are exported as 2-D; null: the model has none
+                    "conv1d_channel_multiple": channel_multiple if has_1d_layers(model) else None}
 
     if check:
         try:

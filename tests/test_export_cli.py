@@ -50,6 +50,7 @@ def test_export_with_explicit_shape_and_dynamic_int8(tmp_path):
     report = json.loads((tmp_path / "mlp.onnx.json").read_text())
     assert report["input_shape"] == [40] and report["int8"]["mode"] == "dynamic"
     assert report["int8"]["accuracy"] is None  # no dataset, no accuracy
+    assert report["conv1d_channel_multiple"] is None  # no 1-D layers to lift
     assert (tmp_path / "mlp.int8.onnx").is_file()
 
 
@@ -75,3 +76,30 @@ def test_mismatched_checkpoint_fails_with_message(tmp_path):
     assert "does not match model" in result.stderr and "classifier.weight" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "x.onnx").exists()
+
+
+def _conv_in_channels(path):
+    import onnx
+
+    proto = onnx.load(str(path))
+    dims = {t.name: list(t.dims) for t in proto.graph.initializer}
+    return [dims[n.input[1]] for n in proto.graph.node if n.op_type == "Conv"]
+
+
+def test_1d_model_channel_multiple_for_the_target_device(tmp_path):
+    """A file for a device without NCHWc kernels: 2-D convs, but no channel padding."""
+    result = _export("--model", "cnn1d", "--input-shape", "40", "--num-classes", "10", "--out", "plain.onnx",
+                     "--channel-multiple", "0", "--check", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert _conv_in_channels(tmp_path / "plain.onnx") == [[25, 1, 1, 5], [25, 25, 1, 5], [25, 25, 1, 5]]
+    assert json.loads((tmp_path / "plain.onnx.json").read_text())["conv1d_channel_multiple"] == 0
+
+    result = _export("--model", "cnn1d", "--input-shape", "40", "--num-classes", "10", "--out", "padded.onnx",
+                     "--channel-multiple", "16", "--check", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [w[1] for w in _conv_in_channels(tmp_path / "padded.onnx")] == [1, 32, 32]
+    assert json.loads((tmp_path / "padded.onnx.json").read_text())["conv1d_channel_multiple"] == 16
+
+    result = _export("--model", "mlp", "--input-shape", "40", "--num-classes", "10", "--out", "mlp.onnx",
+                     "--channel-multiple", "-1", cwd=tmp_path)
+    assert result.returncode == 2 and "--channel-multiple" in result.stderr
