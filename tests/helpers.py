@@ -16,7 +16,15 @@ class TinyNet(nn.Module):
 
     def __init__(self, d_in: int = 6, k: int = 4):
         super().__init__()
+        self.num_classes = k
         self.net = nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, k))
+
+    def features(self, x):
+        """The hidden layer: FedHKD's feature extractor R, as every zoo model has one."""
+        return self.net[1](self.net[0](x))
+
+    def head(self, h):
+        return self.net[2](h)
 
     def forward(self, x):
         return self.net(x)
@@ -43,16 +51,19 @@ def toy_federation(strategy: str, n_clients: int = 3, k: int = 4, public: int = 
     return server, clients, params
 
 
-def simulated_run(config):
+def simulated_run(config, records: list | None = None):
     """`fedal simulate`'s loop for `config`, keeping data, client halves and server half (to
-    compare a deployment's final outputs with, not only its accuracies)."""
+    compare a deployment's final outputs with, not only its accuracies); each round's record is
+    appended to `records` when one is given."""
     from fedal.sim import build_run, simulated_engine
 
     config = config.resolved()
     data, clients, server = build_run(config)
     engine = simulated_engine(config, data, clients, server)
     for r in range(config.rounds):
-        engine.run_round(r)
+        record = engine.run_round(r)
+        if records is not None:
+            records.append(record)
     return data, clients, server
 
 
