@@ -104,7 +104,7 @@ def has_1d_layers(model: nn.Module) -> bool:
 def lift_1d_to_2d(model: nn.Module, channel_multiple: int = CHANNEL_MULTIPLE) -> nn.Module:
     """A copy of `model` with its 1-D conv stacks as unit-height 2-D ones; `model` itself if none.
 
-    Inside an `nn.Sequential`, each maximal run that starts with a Conv1d or 1-D pooling layer and
+    Inside a plain `nn.Sequential`, each maximal run that starts with a Conv1d or 1-D pooling layer and
     continues through Conv1d, BatchNorm1d, 1-D pooling and elementwise layers becomes one
     `Lifted2d` (one Unsqueeze in, one Squeeze out, so onnxruntime keeps the blocked layout through
     the run). A 1-D conv/pool layer anywhere else is lifted on its own. In a run, the channels
@@ -118,7 +118,7 @@ def lift_1d_to_2d(model: nn.Module, channel_multiple: int = CHANNEL_MULTIPLE) ->
         return model
     lifted = copy.deepcopy(model)
     for parent in list(lifted.modules()):
-        if isinstance(parent, nn.Sequential):
+        if type(parent) is nn.Sequential:  # a subclass may index its children in its own forward
             _lift_runs(parent, channel_multiple)
     for parent in list(lifted.modules()):
         if isinstance(parent, Lifted2d):
@@ -162,7 +162,7 @@ def _lift_runs(seq: nn.Sequential, channel_multiple: int) -> None:
             _pad_channels(run, channel_multiple)
         rebuilt.append(Lifted2d(run))
         i = j
-    if len(rebuilt) != len(children):
+    if any(isinstance(m, Lifted2d) for m in rebuilt):
         for name in list(seq._modules):
             del seq._modules[name]
         for k, module in enumerate(rebuilt):

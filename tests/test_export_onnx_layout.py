@@ -157,6 +157,17 @@ def test_lifting_other_1d_layers_keeps_the_outputs(tmp_path):
     assert check_parity(model, path, x, atol=1e-4) <= 1e-4
 
 
+def test_a_lone_conv1d_in_a_sequential_is_lifted(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(2, 4, 3), nn.Flatten(1), nn.Linear(4 * 6, 3))
+    lifted = lift_1d_to_2d(model)
+    assert [type(m) for m in lifted] == [Lifted2d, nn.Flatten, nn.Linear]
+    x = torch.randn(5, 2, 8)
+    path = export_onnx(model, x[:2], tmp_path / "lone.onnx")
+    assert _conv_weights(path) == [[4, 2, 1, 3]]
+    assert check_parity(model, path, x, atol=1e-4) <= 1e-4
+
+
 def test_padded_channels_stay_exact_zeros():
     torch.manual_seed(0)
     model = build_model("cnn1d", (40,), 10).eval()
