@@ -75,3 +75,15 @@ def in_process(server, clients, **kwargs):
 
     kinds = next(s.phases for s in STRATEGIES.values() if type(server) is s.server)
     return in_process_engine(server, clients, phase_kinds=kinds, **kwargs)
+
+
+TIMING_KEYS = ("timings", "wall_s", "compute_s")
+
+
+def without_timings(results):
+    """Results with every wall-clock field left out: what must repeat exactly for a seed."""
+    if isinstance(results, dict):
+        return {k: without_timings(v) for k, v in results.items() if k not in TIMING_KEYS}
+    if isinstance(results, list):
+        return [without_timings(v) for v in results]
+    return results

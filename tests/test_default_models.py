@@ -16,6 +16,7 @@ from coordinator.app import create_app
 from coordinator.config import load_coordinator_config
 from coordinator.runs import RunManager
 from fedal.sim.config import DEFAULT_MODELS, ConfigError, load_config
+from tests.helpers import without_timings
 from fedal.strategies import STRATEGIES
 
 AVERAGING = ("fedavg", "fedakd", "fedhkd")
@@ -25,15 +26,6 @@ TINY = ["--dataset", "digits", "--clients", "2", "--rounds", "1", "--tau", "1", 
 def fedal(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "fedal.cli.main", *args], capture_output=True, text=True, cwd=cwd,
                           env={**os.environ}, timeout=300)
-
-
-def without_timings(res):
-    """The results less what the wall clock decides (run time, per-round and per-phase seconds)."""
-    if isinstance(res, dict):
-        return {k: without_timings(v) for k, v in res.items() if k not in ("timings", "wall_s", "compute_s")}
-    if isinstance(res, list):
-        return [without_timings(v) for v in res]
-    return res
 
 
 def test_the_averaging_strategies_are_the_ones_declaring_identical_models():

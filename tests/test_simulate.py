@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from fedal.sim import RunConfig, load_config, simulate
+from tests.helpers import without_timings
 
 SMALL = ["--dataset", "digits", "--clients", "3", "--rounds", "2", "--tau", "2", "--public-size", "100", "--quiet"]
 
@@ -18,10 +19,6 @@ def fedal(*args, cwd=None):
     return subprocess.run(
         [sys.executable, "-m", "fedal.cli.main", *args], capture_output=True, text=True, cwd=cwd, env={**os.environ}, timeout=300
     )
-
-
-def without_timings(res: dict) -> dict:
-    return {k: v for k, v in res.items() if k != "timings"}
 
 
 def test_cli_run_writes_results_contract_and_is_deterministic(tmp_path):

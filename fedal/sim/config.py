@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedal.strategies import STRATEGY_NAMES, StrategyParams, get_strategy
+from fedal.strategies.params import COMMON_PARAMS
 
 DATASET_NAMES = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn")
 PARTITION_NAMES = ("dirichlet-client", "dirichlet-class", "iid", "pow", "covariate-shift", "covariate-shift-pow",
@@ -85,7 +86,12 @@ class RunConfig(BaseModel):
         unknown = [m for m in models if m not in MODEL_NAMES]
         if unknown:
             raise ValueError(f"unknown model(s) {unknown}; valid choices: {', '.join(MODEL_NAMES)}")
-        if get_strategy(self.strategy).homogeneous_models and len(set(models)) > 1:
+        spec = get_strategy(self.strategy)
+        foreign = self.strategy_params.foreign(spec.params, spec.preset)
+        if foreign:
+            raise ValueError(f"strategy_params {', '.join(foreign)} do not apply to strategy {self.strategy!r}; its "
+                             f"parameters: {', '.join(sorted(set(COMMON_PARAMS) | set(spec.params)))}")
+        if spec.homogeneous_models and len(set(models)) > 1:
             raise ValueError(f"strategy {self.strategy!r} averages parameters and needs one model for all clients, got {models}")
         if self.dataset not in ("mnist1d", "digits") and not self.data_dir:
             raise ValueError(f"dataset {self.dataset!r} is read from files: set data_dir")

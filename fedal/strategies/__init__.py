@@ -24,6 +24,8 @@ class StrategySpec:
     preset: dict
     # every phase of a round and its kind: "train" (the training deadline) or "exchange"
     phases: Mapping[str, str]
+    # its own parameters, besides params.COMMON_PARAMS: others set to a non-default value are refused
+    params: tuple[str, ...]
     homogeneous_models: bool = False
     uses_public_set: bool = False
     # the server half keeps the aggregated model (ServerHalf.global_model()), evaluated as `global_acc`
@@ -35,17 +37,17 @@ class StrategySpec:
 STRATEGIES: dict[str, StrategySpec] = {
     s.name: s
     for s in (
-        StrategySpec("fedal", _fedal.FedALServer, _fedal.FedALClient, _fedal.PRESET, _fedal.PHASES, uses_public_set=True),
-        StrategySpec("fedmd", _fedmd.FedMDServer, _fedmd.FedMDClient, _fedmd.FEDMD_PRESET, _fedmd.PHASES, uses_public_set=True),
-        StrategySpec("fedmd-lf", _fedmd.FedMDServer, _fedmd.FedMDClient, _fedmd.FEDMD_LF_PRESET, _fedmd.PHASES, uses_public_set=True),
-        StrategySpec("local", _local.LocalServer, _local.LocalClient, _local.PRESET, _local.PHASES),
-        StrategySpec("fedavg", _fedavg.FedAvgServer, _fedavg.FedAvgClient, _fedavg.PRESET, _fedavg.PHASES, homogeneous_models=True,
+        StrategySpec("fedal", _fedal.FedALServer, _fedal.FedALClient, _fedal.PRESET, _fedal.PHASES, _fedal.PARAMS, uses_public_set=True),
+        StrategySpec("fedmd", _fedmd.FedMDServer, _fedmd.FedMDClient, _fedmd.FEDMD_PRESET, _fedmd.PHASES, _fedmd.PARAMS, uses_public_set=True),
+        StrategySpec("fedmd-lf", _fedmd.FedMDServer, _fedmd.FedMDClient, _fedmd.FEDMD_LF_PRESET, _fedmd.PHASES, _fedmd.PARAMS, uses_public_set=True),
+        StrategySpec("local", _local.LocalServer, _local.LocalClient, _local.PRESET, _local.PHASES, _local.PARAMS),
+        StrategySpec("fedavg", _fedavg.FedAvgServer, _fedavg.FedAvgClient, _fedavg.PRESET, _fedavg.PHASES, _fedavg.PARAMS, homogeneous_models=True,
                      global_model=True),
-        StrategySpec("fedhkd", _fedhkd.FedHKDServer, _fedhkd.FedHKDClient, _fedhkd.PRESET, _fedavg.PHASES, homogeneous_models=True,
+        StrategySpec("fedhkd", _fedhkd.FedHKDServer, _fedhkd.FedHKDClient, _fedhkd.PRESET, _fedavg.PHASES, _fedhkd.PARAMS, homogeneous_models=True,
                      global_model=True),
-        StrategySpec("feddf-al", _feddf.FedDFServer, _feddf.FedDFClient, _feddf.FEDDF_AL_PRESET, _feddf.PHASES, uses_public_set=True),
-        StrategySpec("feddf", _feddf.FedDFServer, _feddf.FedDFClient, _feddf.FEDDF_PRESET, _feddf.PHASES, uses_public_set=True),
-        StrategySpec("fedakd", _fedakd.FedAKDServer, _fedakd.FedAKDClient, _fedakd.PRESET, _fedakd.PHASES, homogeneous_models=True,
+        StrategySpec("feddf-al", _feddf.FedDFServer, _feddf.FedDFClient, _feddf.FEDDF_AL_PRESET, _feddf.PHASES, _feddf.PARAMS, uses_public_set=True),
+        StrategySpec("feddf", _feddf.FedDFServer, _feddf.FedDFClient, _feddf.FEDDF_PRESET, _feddf.PHASES, _feddf.PARAMS, uses_public_set=True),
+        StrategySpec("fedakd", _fedakd.FedAKDServer, _fedakd.FedAKDClient, _fedakd.PRESET, _fedakd.PHASES, _fedakd.PARAMS, homogeneous_models=True,
                      global_model=True, fairness=True),
     )
 }

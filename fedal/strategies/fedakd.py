@@ -39,6 +39,7 @@ from fedal.strategies.training import minibatch_steps
 
 PRESET = {"tau": 5, "local_epochs": 1, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
 PHASES = {"init": "exchange", "train": "train"}  # FedAvg's round; the personal model stays on the device
+PARAMS = ("local_epochs", "akd_alpha", "akd_beta", "akd_temperature", "akd_selection", "akd_confidence")
 
 
 class FedAKDServer(FedAvgServer):

@@ -30,12 +30,14 @@ from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerC
 from fedal.strategies.frozen import Frozen, frozen_copy
 from fedal.strategies.discriminator import Discriminator, discriminator_input, per_sample_adversarial_grad
 from fedal.strategies.losses import kl_grad_wrt_student, kl_to_student, mean_kl_to_mean
-from fedal.strategies.params import StrategyParams
+from fedal.strategies.params import DISTILLATION_PARAMS, StrategyParams
 from fedal.strategies.training import minibatch_steps
 
 PRESET = {"tau": 5, "lambda_kd": 1.0, "lambda_adv": 1.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}
 # the phases of a round and their kind: "train" phases get the training deadline
 PHASES = {"local_train": "train", "transfer": "exchange"}
+# its own knobs, besides params.COMMON_PARAMS
+PARAMS = DISTILLATION_PARAMS
 
 
 def public_indices(seed: int, round_idx: int, iteration: int, public_size: int, batch: int) -> np.ndarray:

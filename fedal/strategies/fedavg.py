@@ -20,6 +20,8 @@ from fedal.strategies.local import train_steps
 PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
 # the phases of a round and their kind: "train" phases get the training deadline
 PHASES = {"init": "exchange", "train": "train"}
+# its own knobs, besides params.COMMON_PARAMS
+PARAMS = ("local_epochs",)
 
 
 def weighted_average(states: list[dict[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:

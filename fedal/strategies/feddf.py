@@ -39,6 +39,7 @@ from fedal.protocol import Message
 from fedal.strategies.base import InvalidResult, PhaseTasks
 from fedal.strategies.fedal import FedALClient, FedALServer
 from fedal.strategies.fedavg import load_numpy_into, model_to_numpy, weighted_average
+from fedal.strategies.params import DISTILLATION_PARAMS
 
 # paper: tau = 15 for FedDF-AL and 10 for FedDF; E_d = 2, all lambdas 1 (fedal.txt VI-A)
 FEDDF_AL_PRESET = {"tau": 15, "lambda_kd": 1.0, "lambda_adv": 1.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}
@@ -48,6 +49,8 @@ WEIGHTS = "w/"  # weight tensors travel as "w/<state_dict key>", apart from "ind
 MAX_TAG = 128
 # the phases of a round and their kind: "train" phases get the training deadline
 PHASES = {"init": "exchange", "local_train": "train", "average": "exchange", "transfer": "exchange"}
+# its own knobs, besides params.COMMON_PARAMS: FedAL's transfer stage
+PARAMS = DISTILLATION_PARAMS
 
 
 def architecture_tag(model: torch.nn.Module) -> str:

@@ -32,6 +32,9 @@ from fedal.strategies.training import minibatch_steps
 
 PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0,
           "hkd_lambda": 0.05, "hkd_gamma": 0.05}
+# its own knobs, besides params.COMMON_PARAMS
+PARAMS = ("local_epochs", "hkd_preset", "hkd_lambda", "hkd_gamma", "hkd_temperature", "hkd_sigma", "hkd_nu",
+          "hkd_zeta", "hkd_official_noise_std", "hkd_official_grad_clip")
 
 # Tensor names of the knowledge; state_dict keys are dotted module paths and never hold "/".
 H_KEY, Q_KEY, COUNT_KEY, MASK_KEY = "hkd/h", "hkd/q", "hkd/count", "hkd/mask"

@@ -7,7 +7,8 @@ tau as FedAL.
 """
 
 from fedal.strategies.fedal import FedALClient, FedALServer
-from fedal.strategies.fedal import PHASES as PHASES  # FedAL's round with other weights
+from fedal.strategies.fedal import PARAMS as PARAMS  # FedAL's round with other weights
+from fedal.strategies.fedal import PHASES as PHASES
 
 FEDMD_PRESET = {"tau": 1, "lambda_kd": 1.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
 FEDMD_LF_PRESET = {"tau": 5, "lambda_kd": 1.0, "lambda_adv": 0.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}

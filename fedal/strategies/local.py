@@ -13,6 +13,8 @@ from fedal.strategies.training import minibatch_steps
 PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
 # the phases of a round and their kind: "train" phases get the training deadline
 PHASES = {"local_train": "train"}
+# its own knobs, besides params.COMMON_PARAMS
+PARAMS = ("local_epochs",)
 
 
 class LocalServer(ServerHalf):

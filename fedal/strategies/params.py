@@ -14,6 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from fedal.protocol.validation import DEFAULT_MAX_ABS_VALUE
 
 
+# what every strategy uses; each strategy module names its own further knobs (`PARAMS`)
+COMMON_PARAMS = ("tau", "optimizer", "lr", "momentum", "batch_size", "max_abs_value")
+# the knowledge-transfer stage shared by FedAL, FedMD(-LF) and FedDF(-AL)
+DISTILLATION_PARAMS = ("public_batch_size", "lambda_kd", "lambda_adv", "lambda_lf_loc", "lambda_lf_glo", "temperature_kd",
+                       "temperature_lf", "temperature_disc", "kd_target", "disc_hidden", "disc_lr")
+
+
 class StrategyParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -80,3 +87,17 @@ class StrategyParams(BaseModel):
             if values[key] is None:
                 values[key] = {"tau": 5, "local_epochs": 0}.get(key, 0.0)
         return StrategyParams(**values)
+
+    def foreign(self, own: tuple[str, ...], preset: dict) -> list[str]:
+        """The knobs set here that the strategy with `own` parameters does not use: any field
+        outside COMMON_PARAMS + own whose value is neither its default nor the preset's (a saved,
+        fully resolved config therefore passes)."""
+        allowed = set(COMMON_PARAMS) | set(own)
+        resolved = StrategyParams().resolve(preset)
+        out = []
+        for name, field in type(self).model_fields.items():
+            value = getattr(self, name)
+            if name in allowed or value in (field.get_default(call_default_factory=True), getattr(resolved, name)):
+                continue
+            out.append(name)
+        return out
