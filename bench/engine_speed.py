@@ -1,0 +1,74 @@
+"""Seconds per round of `fedal simulate` for this checkout against an earlier commit, measured
+side by side in one run (alternating, each in a fresh process on one thread).
+
+    python bench/engine_speed.py --baseline 0e32d04          # FedAL, 10 clients, MNIST-1D, tau 5
+    python bench/engine_speed.py --baseline 0e32d04 --repeats 5 --rounds 10
+
+The baseline is checked out into a temporary git worktree (removed afterwards); both run the
+same config through their own `fedal simulate`. Prints each run's s/round, the medians and the
+ratio after / before. Writes JSON with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = r"""
+import json, sys, time, torch
+from fedal.sim import load_config, simulate
+torch.set_num_threads(1)
+cfg = load_config(None, json.loads(sys.argv[1]))
+simulate(load_config(None, {**json.loads(sys.argv[1]), "rounds": 1}))  # warm-up: data cache, imports
+t0 = time.perf_counter()
+simulate(cfg)
+print(json.dumps({"s_per_round": (time.perf_counter() - t0) / cfg.rounds}))
+"""
+
+
+def timed(tree: Path, config: dict) -> float:
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(config)], cwd=tree, env=env, capture_output=True,
+                         text=True, check=True, timeout=3600)
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["s_per_round"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", required=True, help="git commit to compare against")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--clients", type=int, default=10)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    config = {"strategy": "fedal", "dataset": "mnist1d", "clients": args.clients, "rounds": args.rounds, "tau": 5,
+              "seed": 0, "models": ["mlp", "cnn1d", "cnn1d_wide"], "threads": 1}
+    with tempfile.TemporaryDirectory(prefix="fedal-baseline-") as tmp:
+        base = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(base), args.baseline], cwd=REPO, check=True)
+        try:
+            runs: dict[str, list[float]] = {"before": [], "after": []}
+            for i in range(args.repeats):
+                for label, tree in (("before", base), ("after", REPO)) if i % 2 == 0 else (("after", REPO), ("before", base)):
+                    runs[label].append(timed(tree, config))
+                    print(f"{label:6s} {runs[label][-1]:.4f} s/round", flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO, check=False)
+    before, after = statistics.median(runs["before"]), statistics.median(runs["after"])
+    summary = {"config": config, "baseline": args.baseline, "runs": runs, "median_before_s": before,
+               "median_after_s": after, "ratio_after_over_before": after / before}
+    print(f"median s/round: before {before:.4f}, after {after:.4f}, after/before {after / before:.3f}")
+    if args.out:
+        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
