@@ -3,7 +3,7 @@ final accuracy as the same run without faults.
 
 The agents (real processes) connect through the proxy, the coordinator straight to Mosquitto, as
 Pis on Wi-Fi and a wired server would. The fault-free reference is `fedal simulate` of the same
-config, which a fault-free deployment matches exactly (tests/test_runtime_parity.py). The
+config, which a fault-free deployment matches exactly (tests/test_strategy_contract.py). The
 protocol is exactly-once, so lost, repeated and late messages may cost time but never change a
 number: the accuracies must agree to the last digit, well inside the 1-point acceptance bound.
 """
