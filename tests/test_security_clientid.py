@@ -178,3 +178,32 @@ def test_a_run_finishes_while_a_stolen_device_reconnects_with_the_others_client_
         assert info["answered"] == rounds * (tau + 2) and info["late"] == 0, (cid, info)
     assert fleet_drops.get("disconnects", 0) == 0 and fleet_drops.get("connect_failures", 0) == 0, fleet_drops
     assert log.count("connected to mqtt://") == 1 and "disconnected from the broker" not in log, log[-3000:]
+
+
+def test_one_coordinator_account_drives_several_runs_at_once(tmp_path):
+    """The coordinator keeps one connection per run (its own client ids) on its listener: two
+    runs' connections under the one account live side by side."""
+    files = provision(tmp_path, 2, run_id=RUN)
+    broker = start_broker(files, tmp_path / "mosquitto")
+    stop = threading.Event()
+    buses = {}
+    try:
+        for run in ("run-a", "run-b"):
+            inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+            bus = CoordinatorBus(files.coordinator_settings(), run, inbox)
+            buses[run] = (bus, inbox, record(bus.client, "on_disconnect"))
+            assert bus.start(stop, warn_every_s=10)
+        pi1 = RawClient(files.port, "pi-1", files.password("pi-1"))
+        assert pi1.accepted
+        for run in buses:
+            pi1.c.publish(topics.result(run, "pi-1"), run.encode(), qos=1).wait_for_publish(10)
+        for run, (bus, inbox, drops) in buses.items():
+            wait_for(inbox, lambda m, run=run: m == (topics.result(run, "pi-1"), run.encode()))
+        time.sleep(1)
+        assert all(drops == [] and bus.connected.is_set() for bus, _, drops in buses.values())
+        pi1.close()
+    finally:
+        stop.set()
+        for bus, _, _ in buses.values():
+            bus.stop()
+        broker.stop()
