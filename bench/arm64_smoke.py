@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.arm64_client < args.clients:
         ap.error("--arm64-client must index one of the --clients")
     rootfs, workdir = args.rootfs.resolve(), args.workdir.resolve()
+    if not (rootfs / ".fedal-arm64-rootfs").is_file():  # it installs into, and clears agent state in, that tree
+        ap.error(f"{rootfs} is not a userland arm64-smoke.sh built (no .fedal-arm64-rootfs in it)")
     if not (rootfs / workdir.relative_to("/")).is_dir():
         ap.error(f"{workdir} is not visible inside {rootfs}: bind-mount it there first")
     if not (rootfs / args.source.lstrip("/") / "firmware_scripts" / "install-agent.sh").is_file():

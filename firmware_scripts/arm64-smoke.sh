@@ -66,6 +66,13 @@ while [ $# -gt 0 ]; do
   esac
 done
 
+STAMP=.fedal-arm64-rootfs        # in a finished userland this script built
+PARTIAL_STAMP=.fedal-arm64-partial  # in one it started building
+# Only what this script built is ever deleted: --cache (or FEDAL_ARM64_ROOTFS) may name any directory.
+if [ "$REBUILD" -eq 1 ] && [ -e "$ROOTFS" ] && [ ! -f "$ROOTFS/$STAMP" ]; then
+  die "--rebuild: $ROOTFS is not a userland this script built (no $STAMP in it): refusing to delete it"
+fi
+
 [ "$(id -u)" -eq 0 ] || die "run as root: debootstrap, chroot and bind mounts need it"
 [ "$(uname -m)" = x86_64 ] || [ "$(uname -m)" = aarch64 ] || die "host $(uname -m): this script expects an x86-64 (or arm64) host"
 
@@ -134,8 +141,9 @@ enable_binfmt() {
 
 # -- the userland: debootstrap once, cached -------------------------------------------------
 build_rootfs() {
-  local stamp="$ROOTFS/.fedal-arm64-rootfs"
+  local stamp="$ROOTFS/$STAMP"
   if [ "$REBUILD" -eq 1 ] && [ -d "$ROOTFS" ]; then
+    [ -f "$stamp" ] || die "--rebuild: $ROOTFS is not a userland this script built (no $STAMP in it)"
     say "--rebuild: removing $ROOTFS"
     rm -rf --one-file-system "$ROOTFS"
   fi
@@ -145,11 +153,17 @@ build_rootfs() {
   fi
   [ ! -e "$ROOTFS" ] || die "$ROOTFS exists but is not a finished userland: remove it or pass --rebuild"
   local partial="$ROOTFS.partial"
-  rm -rf --one-file-system "$partial"
+  if [ -e "$partial" ]; then  # an earlier build that did not finish: ours only if it has our stamp
+    [ -f "$partial/$PARTIAL_STAMP" ] || die "$partial exists and is not an unfinished userland of this script: remove it"
+    rm -rf --one-file-system "$partial"
+  fi
+  mkdir -p "$partial"
+  echo "unfinished arm64 userland of arm64-smoke.sh" >"$partial/$PARTIAL_STAMP"
   say "building the arm64 $SUITE userland in $ROOTFS (debootstrap under emulation: ~15-30 min, once)"
   debootstrap --arch=arm64 --variant=minbase --include="$PACKAGES" "$SUITE" "$partial" "$MIRROR" >"$ROOTFS.debootstrap.log" 2>&1 \
     || die "debootstrap failed; see $ROOTFS.debootstrap.log"
-  echo "debian $SUITE arm64, built $(date -u +%Y-%m-%dT%H:%M:%SZ) from $MIRROR" >"$partial/.fedal-arm64-rootfs"
+  rm -f "$partial/$PARTIAL_STAMP"
+  echo "debian $SUITE arm64, built $(date -u +%Y-%m-%dT%H:%M:%SZ) from $MIRROR" >"$partial/$STAMP"
   mv "$partial" "$ROOTFS"
 }
 

@@ -137,6 +137,13 @@ listing="$(mdir -b -i "$FAT" ::/ 2>/dev/null | sed 's|^::/||')"
 has() { printf '%s\n' "$listing" | sed 's|/$||' | grep -qix "$1"; }
 has cmdline.txt || die "the FAT partition of $IMAGE has no cmdline.txt: not a Raspberry Pi OS boot partition"
 has config.txt || die "the FAT partition of $IMAGE has no config.txt: not a Raspberry Pi OS boot partition"
+# fedal/ is replaced below only if an earlier flash.sh wrote it (its first-boot installer is in it):
+# a folder of that name that someone else put on the card is never deleted.
+if has fedal; then
+  payload="$(mdir -b -i "$FAT" ::/fedal 2>/dev/null || true)"
+  printf '%s\n' "$payload" | grep -qix '::/fedal/firstboot.sh' \
+    || die "the boot partition of $IMAGE holds a fedal/ folder that flash.sh did not write (no fedal/firstboot.sh): move it away first"
+fi
 if [ "$MODE" = auto ]; then
   MODE=firstrun
   if has user-data || has meta-data || has network-config; then MODE=cloud-init; fi

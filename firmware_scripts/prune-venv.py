@@ -31,6 +31,10 @@ KEEP = {"torch/bin/torch_shm_manager"}  # torch.multiprocessing's file_system sh
 
 
 def doomed(site: Path) -> list[Path]:
+    """The paths to remove: none unless pip installed torch here (its dist-info), so a directory
+    that merely holds a torch/ folder (a source checkout, the wrong argument) loses nothing."""
+    if not any(p.is_dir() for p in site.glob("torch-*.dist-info")):
+        return []
     out = []
     for rel, _ in PRUNE:
         top = site / rel

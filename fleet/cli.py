@@ -29,7 +29,8 @@ def fleet_cmd() -> None:
               help="Where the broker's files will live; used for the paths in fedal.conf.")
 @click.option("--coordinator-port", type=int,
               help="Port of the broker listener only the coordinator may use (default: the URL's port + 1).")
-@click.option("--force", is_flag=True, help="Write into a non-empty --out (replaces every credential).")
+@click.option("--force", is_flag=True,
+              help="Replace the fleet an earlier `fleet init` wrote in --out (new credentials); other files there stay.")
 def init_cmd(**options) -> None:
     """Per-device agent configs and passwords, Mosquitto password and ACL files, optional TLS."""
     from fleet.generate import FleetError, FleetSpec, build_fleet

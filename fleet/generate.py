@@ -10,6 +10,7 @@
     OUT/broker/server.{crt,key}    with TLS: the broker's certificate, signed by the CA
     OUT/ca/ca.{crt,key}            with TLS: the CA; keep ca.key offline
     OUT/fleet.json                 what was generated (no secrets)
+    OUT/.fedal-fleet-files         the paths above that this fleet wrote: what --force may replace
 
 Plain passwords exist only in the device and coordinator configs; the broker keeps hashes.
 Every file holding a secret (a password, a private key, a password hash) is written 0600.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -84,9 +86,23 @@ class FleetSpec:
         return ids
 
 
+# While build_fleet plans a fleet, _write records {path: (content, mode)} here instead of writing.
+_PLAN: ContextVar[dict[Path, tuple[str | bytes, int]] | None] = ContextVar("fleet_plan", default=None)
+MARKER = ".fedal-fleet-files"
+# What `fedal fleet init` wrote before it kept MARKER (its fleet.json says which devices, TLS or not).
+_LEGACY_FILES = ("coordinator/broker.toml", "broker/passwd", "broker/coordinator.passwd", "broker/acl",
+                 "broker/fedal.conf", "fleet.json")
+_LEGACY_TLS_FILES = ("ca/ca.crt", "ca/ca.key", "broker/ca.crt", "broker/server.crt", "broker/server.key",
+                     "coordinator/ca.crt")
+
+
 def _write(path: Path, text: str | bytes, mode: int) -> None:
     """Write via a temporary file made 0600 and given `mode` before the rename: a secret never sits
     under an older file's looser mode (--force), the umask cannot loosen it, a symlink is replaced."""
+    plan = _PLAN.get()
+    if plan is not None:
+        plan[path] = (text, mode)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     data = text.encode() if isinstance(text, str) else text
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -143,7 +159,71 @@ def coordinator_url(spec: FleetSpec, addr: BrokerAddress) -> str:
 
 
 def build_fleet(spec: FleetSpec) -> dict:
-    """Write the fleet's files under spec.out; returns the fleet.json summary."""
+    """Write the fleet's files under spec.out; returns the fleet.json summary.
+
+    With --force over an earlier fleet only the files that fleet wrote (its MARKER list) are
+    replaced or, when this fleet has no such file (a device fewer), removed; every other file in
+    --out stays. The files are planned first and checked before any of them is written: a file in
+    the way that no fleet wrote refuses the whole run, a directory no fleet wrote is refused at once.
+    """
+    _check(spec)
+    out = spec.out
+    previous = _generated_before(out) if out.is_dir() and any(out.iterdir()) else set()
+    token = _PLAN.set({})
+    try:
+        summary = _plan_fleet(spec)
+        plan = _PLAN.get()
+    finally:
+        _PLAN.reset(token)
+    rel = {path: path.relative_to(out).as_posix() for path in plan}
+    in_the_way = sorted(r for path, r in rel.items() if (path.exists() or path.is_symlink())
+                        and (r not in previous or (path.is_dir() and not path.is_symlink())))
+    if in_the_way:
+        raise FleetError(f"--out {out}: {', '.join(in_the_way[:5])}{' ...' if len(in_the_way) > 5 else ''} "
+                         f"exist(s) and no `fedal fleet init` wrote them; nothing was written (move them away)")
+    new = set(rel.values())
+    _write(out / MARKER, _marker_text(previous | new), 0o644)  # a crash midway still knows every file it wrote
+    for path, (text, mode) in plan.items():
+        _write(path, text, mode)
+    for r in sorted(previous - new):  # this fleet's predecessor's, e.g. a device no longer in it
+        stale = out / r
+        if stale.is_symlink() or stale.is_file():
+            stale.unlink()
+            for parent in stale.parents:
+                if parent == out or not parent.is_relative_to(out) or any(parent.iterdir()):
+                    break
+                parent.rmdir()
+    _write(out / MARKER, _marker_text(new), 0o644)
+    return summary
+
+
+def _marker_text(files: set[str]) -> str:
+    return ("# Files `fedal fleet init` wrote here; `--force` replaces or removes only these.\n"
+            + "".join(f"{r}\n" for r in sorted(files)))
+
+
+def _generated_before(out: Path) -> set[str]:
+    """The relative paths an earlier `fedal fleet init` wrote into out; FleetError if none did."""
+    marker = out / MARKER
+    if marker.is_file():
+        files = {line.strip() for line in marker.read_text().splitlines() if line.strip() and not line.startswith("#")}
+        return {r for r in files if not Path(r).is_absolute() and ".." not in Path(r).parts}
+    try:  # a fleet written before MARKER existed: its fleet.json says what it wrote
+        summary = json.loads((out / "fleet.json").read_text())
+        devices, with_tls = summary["devices"], summary["tls"]
+        if not isinstance(devices, list) or not all(isinstance(d, str) and d for d in devices):
+            raise ValueError("devices")
+    except (OSError, ValueError, KeyError, TypeError):
+        raise FleetError(f"--out {out} is not empty and holds no fleet that `fedal fleet init` wrote (no {MARKER}): "
+                         f"--force replaces only a fleet's own files; choose a new or an empty directory") from None
+    files = set(_LEGACY_FILES) | {f"devices/{d}/agent.toml" for d in devices}
+    if with_tls:
+        files |= set(_LEGACY_TLS_FILES) | {f"devices/{d}/ca.crt" for d in devices}
+    return {r for r in files if ".." not in Path(r).parts}
+
+
+def _plan_fleet(spec: FleetSpec) -> dict:
+    """Every file of the fleet, through _write; returns the fleet.json summary."""
     ids, addr = _check(spec)
     out = spec.out
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,59 @@
+"""Workspaces the toolkit owns: a marker file says so, and only such a directory is cleared.
+
+`fedal demo --workdir DIR` (and `fedal hil fleet --start-coordinator --workdir DIR`) replace what
+an earlier run left there. A path typed by a user may be `.`, `~` or a thesis folder: the toolkit
+creates the directory (or adopts an empty one) and writes MARKER into it; a later run reuses and
+clears only a directory holding that marker, and only the parts it writes itself. Any other
+non-empty directory is refused before anything in it is touched.
+"""
+
+from __future__ import annotations
+
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable
+
+MARKER = ".fedal-workspace"
+
+
+class WorkspaceError(ValueError):
+    """A directory the toolkit may not use as its workspace; the message says why and what to do."""
+
+
+def is_workspace(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def claim(path: str | Path, owner: str) -> Path:
+    """Create path as a workspace of `owner` (a command name), adopt it if empty, reuse it if marked."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise WorkspaceError(f"{path} exists and is not a directory")
+    if path.is_dir():
+        if is_workspace(path):
+            return path
+        if any(path.iterdir()):
+            raise WorkspaceError(
+                f"{path} is not empty and is not a FedAL workspace (it has no {MARKER} file): refusing to "
+                f"delete or overwrite anything in it; give a new or an empty directory")
+    path.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    (path / MARKER).write_text(f"FedAL workspace created by `{owner}` at {stamp}.\n"
+                               f"The toolkit replaces its own files here on the next run; remove this file to stop that.\n")
+    return path
+
+
+def clear(path: str | Path, parts: Iterable[str]) -> None:
+    """Remove the named parts (files or trees) of a marked workspace; nothing else in it."""
+    path = Path(path)
+    if not is_workspace(path):
+        raise WorkspaceError(f"{path} is not a FedAL workspace (no {MARKER}); nothing removed")
+    for part in parts:
+        if Path(part).is_absolute() or ".." in Path(part).parts:
+            raise ValueError(f"workspace part {part!r} must be a plain relative path")
+        target = path / part
+        if target.is_symlink() or target.is_file():
+            target.unlink()  # a link goes, never what it points to
+        elif target.is_dir():
+            shutil.rmtree(target)
