@@ -1,13 +1,12 @@
-"""The agent: the MQTT link, a worker thread running the strategy's client half, checkpoints.
+"""The agent: the MQTT link, a worker thread running the client session, checkpoints.
 
-Tasks carry (epoch, seq), a per-phase sequence number from the coordinator. A task older than
-the last one handled is stale and ignored; the same one again (a QoS 1 redelivery, or the
-coordinator re-sending after a reconnect) is answered from the cached result, never
-recomputed, so feedback is applied exactly once. The checkpoint written after every phase holds
-the client half's state together with that cached result, so a restarted agent resumes where
-it was. A coordinator that restarts resumes after its last completed round, under a new epoch:
-when a task repeats a step of the round under way, the agent first goes back to its state at
-that round's start (saved when the round's first task came), so nothing is applied twice.
+What a task does to the client (ordering by (epoch, seq), the cached-result resend, the replay
+guard for a coordinator that resumes a round) is the shared client session
+(fedal/session/session.py, the same one simulation runs). The agent adds the device around it:
+the MQTT link, joining runs, the private data on disk, and durability. The checkpoint written
+after every phase holds the client half's state together with the cached result, so a
+restarted agent resumes where it was; the state at a round's start is kept in its own file for
+the replay guard.
 """
 
 from __future__ import annotations
@@ -31,7 +30,8 @@ from edge_agent.inference import OnnxInference, write_final_onnx
 from edge_agent.public_set import PublicSetError, load_public_set
 from fedal.data import ArrayDataset
 from fedal.models import build_model
-from fedal.protocol import EnvelopeError, ManifestError, Message, Reassembler, RunManifest, encode, tensor_problem
+from fedal.protocol import EnvelopeError, ManifestError, Reassembler, RunManifest
+from fedal.session import ClientSession, TaskRefused, evaluation_reply
 from fedal.strategies import StrategyParams, get_strategy
 
 log = logging.getLogger("edge_agent")
@@ -57,12 +57,9 @@ class Agent:
         self.rejects: Counter[str] = Counter()  # the rejected messages by why
         self.manifest: RunManifest | None = None
         self.client = None
+        self.session: ClientSession | None = None
         self.deferred: list[bytes] = []
         self.joined_instance: str | None = None
-        self.last_key: tuple[int, int] | None = None
-        self.last_result: bytes | None = None
-        self.round_no: int | None = None
-        self.round_steps: set[tuple[str, Any]] = set()
         self.workspace = Path(config.workspace)
         self.ckpt_path = self.workspace / "checkpoint.pt"
         self.round_start_path = self.workspace / "round-start.pt"
@@ -135,7 +132,7 @@ class Agent:
             # finished run left retained on the broker by an earlier instance does not
             if self.client is None and self._checkpoint_instance() == manifest.instance:
                 self._join(manifest)
-            if self.client is not None and self.last_key is not None:
+            if self.session is not None and self.session.last_key is not None:
                 self._finish(manifest)
             else:
                 log.info("ignoring run instance %s: finished without this agent; waiting for a new one", manifest.instance)
@@ -153,10 +150,8 @@ class Agent:
         return None if state is None else state.get("instance")
 
     def _leave(self) -> None:
-        self.client = None
+        self.client = self.session = None
         self.joined_instance = None
-        self.last_key = self.last_result = None
-        self.round_no, self.round_steps = None, set()
         self.deferred.clear()
 
     def _join(self, manifest: RunManifest) -> bool:
@@ -194,15 +189,23 @@ class Agent:
         except Exception as exc:  # unreadable (e.g. torn by a power cut before the atomic rename existed)
             log.warning("ignoring an unreadable checkpoint: %s", exc)
             state = None
+        client = self._attach(self.client, manifest.instance)
         if state is not None and (state.get("run_id"), state.get("instance")) == (cfg.run_id, manifest.instance):
-            self.client.load_state_dict(state["client"])
-            self.last_key = tuple(state["last_key"]) if state.get("last_key") else None
-            self.last_result = bytes(state["last_result"].numpy().tobytes()) if state.get("last_result") is not None else None
-            self.round_no = state.get("round")
-            self.round_steps = {tuple(s) for s in state.get("round_steps", [])}
-            log.info("resumed from checkpoint at %s", self.last_key)
-        self.joined_instance = manifest.instance
+            client.load_state_dict(state["client"])
+            self.session.restore(
+                tuple(state["last_key"]) if state.get("last_key") else None,
+                bytes(state["last_result"].numpy().tobytes()) if state.get("last_result") is not None else None,
+                state.get("round"), {tuple(s) for s in state.get("round_steps", [])})
+            log.info("resumed from checkpoint at %s", self.session.last_key)
         log.info("joined run %s as %s with a private %s", manifest.run_id, cfg.client_id, cfg.model)
+
+    def _attach(self, client, instance: str):
+        """Run `client` (a strategy's client half) in this agent's session for run `instance`."""
+        self.client, self.joined_instance = client, instance
+        self.session = ClientSession(self.config.run_id, self.config.client_id, client, instance,
+                                     evaluate=lambda task: evaluation_reply(client, task, self.test, self.local_test),
+                                     store=self, counters=self.counters)
+        return client
 
     def _on_task(self, payload: bytes) -> None:
         try:
@@ -212,75 +215,36 @@ class Agent:
             return
         if task is None:
             return  # a chunk of a larger task
-        meta = task.meta
-        if meta.get("run") != self.config.run_id or meta.get("client") != self.config.client_id:
-            self._reject(f"task addressed to run {meta.get('run')!r} client {meta.get('client')!r}")
-            return
-        if meta.get("instance") != self.joined_instance:
-            self.counters["stale"] += 1  # e.g. queued by the broker for an earlier run under this id
-            return
-        key = (meta.get("epoch"), meta.get("seq"))
-        if not all(type(v) is int for v in key):
-            self._reject("task without integer epoch and seq")
-            return
-        if self.last_key is not None and key < self.last_key:
-            self.counters["stale"] += 1
-            return
-        if key == self.last_key and self.last_result is not None:
-            self.counters["duplicates"] += 1
-            self.link.publish_result(self.last_result)  # answered before: resend, never recompute
-            return
-        problem = tensor_problem(task.tensors, self.client.params.max_abs_value)
-        if problem is not None:  # e.g. feedback of absurd magnitude: never trained on
-            self._reject(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {problem[1]}", problem[0])
-            return
         try:
-            self._replay_guard(meta.get("round"), (task.phase, meta.get("iteration")))
-            result = self._evaluate(task) if task.phase == "evaluate" else self.client.handle(task)
-        except Exception as exc:  # a task this client cannot apply is refused, not fatal
-            self._reject(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {exc}")
+            wire = self.session.on_task(task)
+        except TaskRefused as exc:  # a task this client cannot apply is refused, not fatal
+            self._reject(str(exc), exc.kind)
             return
-        result.meta.update(run=self.config.run_id, client=self.config.client_id, epoch=key[0], seq=key[1])
-        wire = encode(result)
-        self.last_key, self.last_result = key, wire
+        if wire is not None:
+            self.link.publish_result(wire)
+
+    # -- the session's store: files in the workspace -----------------------------------------
+    def save_round_start(self, round_no: Any, client_state: dict[str, Any]) -> None:
+        checkpoint.save_atomic({"round": round_no, "client": client_state}, self.round_start_path)
+
+    def load_round_start(self) -> tuple[Any, dict[str, Any]] | None:
+        start = checkpoint.load(self.round_start_path)
+        return None if start is None else (start.get("round"), start["client"])
+
+    def after_task(self, session: ClientSession) -> None:
         self._checkpoint()
-        self.link.publish_result(wire)
-        self.counters["tasks"] += 1
-
-    def _replay_guard(self, round_no: Any, step: tuple[str, Any]) -> None:
-        if round_no != self.round_no:  # the round's first task: remember where it started
-            checkpoint.save_atomic({"round": round_no, "client": self.client.state_dict()}, self.round_start_path)
-            self.round_no, self.round_steps = round_no, set()
-        elif step in self.round_steps:  # a resumed coordinator replays this round from its start
-            start = checkpoint.load(self.round_start_path)
-            if start is None or start.get("round") != round_no:
-                raise RuntimeError(f"round {round_no} is replayed but its start state is missing")
-            self.client.load_state_dict(start["client"])
-            self.round_steps = set()
-            self.counters["round_replays"] += 1
-            log.info("the coordinator replays round %s: back to this agent's state at its start", round_no)
-        self.round_steps.add(step)
-
-    def _evaluate(self, task: Message) -> Message:
-        """Accuracy on the common test set and on this device's own test split, where provisioned:
-        numbers only, so the coordinator can show progress without seeing data or the model."""
-        report = {}
-        for key, data in (("", self.test), ("local_", self.local_test)):
-            if data is not None and len(data):
-                report[f"{key}acc"] = self.client.evaluate(data.x, data.y)
-                report[f"num_{key}test"] = len(data)
-        return self.client.reply(task, acc=report.pop("acc", None), **report)
 
     def _checkpoint(self) -> None:
+        s = self.session
         checkpoint.save_atomic(
             {
                 "run_id": self.config.run_id,
                 "instance": self.manifest.instance if self.manifest else "",
                 "client": self.client.state_dict(),
-                "last_key": list(self.last_key) if self.last_key else None,
-                "last_result": torch.frombuffer(bytearray(self.last_result), dtype=torch.uint8) if self.last_result else None,
-                "round": self.round_no,
-                "round_steps": sorted([list(s) for s in self.round_steps], key=repr),
+                "last_key": list(s.last_key) if s.last_key else None,
+                "last_result": torch.frombuffer(bytearray(s.last_result), dtype=torch.uint8) if s.last_result else None,
+                "round": s.round_no,
+                "round_steps": sorted([list(step) for step in s.round_steps], key=repr),
             },
             self.ckpt_path,
         )
@@ -307,5 +271,6 @@ class Agent:
     def _write_status_file(self) -> None:
         status: dict[str, Any] = {"client_id": self.config.client_id, "counters": dict(self.counters),
                                   "rejects": dict(self.rejects),
-                                  "last_key": self.last_key, "connects": self.link.connects, "ts": time.time()}
+                                  "last_key": self.session.last_key if self.session else None,
+                                  "connects": self.link.connects, "ts": time.time()}
         (self.workspace / "agent-status.json").write_text(json.dumps(status, indent=2))

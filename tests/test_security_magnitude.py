@@ -67,7 +67,8 @@ def test_the_agent_refuses_a_task_with_absurd_feedback(tmp_path):
     cfg = AgentConfig(client_id="c0", run_id="r", model="mlp", data_file=tmp_path / "unused.npz", workspace=tmp_path / "ws")
     agent = Agent(cfg)
     (tmp_path / "ws").mkdir()
-    agent.client, agent.joined_instance = clients["c0"], "inst"
+    agent.test = agent.local_test = None
+    agent._attach(clients["c0"], "inst")
     sent: list[bytes] = []
     agent.link.publish_result = lambda wire: sent.append(wire) or len(wire)
 

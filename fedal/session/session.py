@@ -25,6 +25,10 @@ log = logging.getLogger("fedal.session")
 class TaskRefused(ValueError):
     """A task this session will not apply (wrong address, no epoch/seq, a step it cannot take)."""
 
+    def __init__(self, message: str, kind: str = "task"):
+        super().__init__(message)
+        self.kind = kind  # the reject reason it is counted under
+
 
 class SessionStore(Protocol):
     """Where a session keeps what must survive a restart (the agent: files on its workspace)."""
@@ -51,14 +55,15 @@ def evaluation_reply(client: ClientHalf, task: Message, test: ArrayDataset | Non
 
 class ClientSession:
     def __init__(self, run_id: str, client_id: str, client: ClientHalf, instance: str,
-                 evaluate: Callable[[Message], Message], store: SessionStore | None = None):
+                 evaluate: Callable[[Message], Message], store: SessionStore | None = None,
+                 counters: Counter[str] | None = None):
         self.run_id = run_id
         self.client_id = client_id
         self.client = client
         self.instance = instance
         self.evaluate = evaluate
         self.store = store
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter() if counters is None else counters  # shared with the owner's
         self.last_key: tuple[int, int] | None = None
         self.last_result: bytes | None = None
         self.round_no: Any = None
@@ -73,13 +78,13 @@ class ClientSession:
         for a task to ignore (stale, another instance). Raises TaskRefused for a bad task."""
         meta = task.meta
         if meta.get("run") != self.run_id or meta.get("client") != self.client_id:
-            raise TaskRefused(f"task addressed to run {meta.get('run')!r} client {meta.get('client')!r}")
+            raise TaskRefused(f"task addressed to run {meta.get('run')!r} client {meta.get('client')!r}", "identity")
         if meta.get("instance") != self.instance:
             self.counters["stale"] += 1  # e.g. queued by the broker for an earlier run under this id
             return None
         key = (meta.get("epoch"), meta.get("seq"))
         if not (type(key[0]) is int and type(key[1]) is int):
-            raise TaskRefused("task without integer epoch and seq")
+            raise TaskRefused("task without integer epoch and seq", "sequence")
         ikey = (int(key[0]), int(key[1]))
         if self.last_key is not None and ikey < self.last_key:
             self.counters["stale"] += 1
@@ -89,7 +94,8 @@ class ClientSession:
             return self.last_result  # answered before: resend, never recompute
         problem = tensor_problem(task.tensors, self.client.params.max_abs_value)
         if problem is not None:  # e.g. feedback of absurd magnitude: never trained on
-            raise TaskRefused(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {problem[1]}")
+            raise TaskRefused(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {problem[1]}",
+                              problem[0])
         try:
             self._replay_guard(meta.get("round"), (task.phase, meta.get("iteration")))
             result = self.evaluate(task) if task.phase == "evaluate" else self.client.handle(task)
