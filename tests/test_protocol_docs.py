@@ -77,7 +77,7 @@ def deploy(strategy: str, tmp: Path, rounds: int = 2, max_payload: int = 4096) -
     if spec.uses_public_set:
         public_file = tmp / "public.npz"
         np.savez(public_file, x=toy_arrays(P, 99)[0])
-    params = {"tau": 2, "public_batch_size": B}
+    params = {"tau": 2, **({"public_batch_size": B} if spec.uses_public_set else {})}
     cfg = CoordinatorConfig(
         run_id="doc", client_ids=CLIENTS, num_classes=K, public_file=public_file, state_dir=tmp / "state",
         run={"strategy": strategy, "rounds": rounds, "models": sorted(set(models)) if spec.homogeneous_models else None,
