@@ -89,9 +89,9 @@ class FedALServer(ServerHalf):
         if "indices" in task.tensors:
             logits = result.tensors.get("logits")
             want = (len(task.tensors["indices"]), self.context.num_classes)
-            if logits is None or logits.shape != want or not np.issubdtype(logits.dtype, np.floating):
+            if logits is None or logits.shape != want or logits.dtype != np.float32:
                 got = None if logits is None else (logits.shape, str(logits.dtype))
-                raise InvalidResult(f"logits must be a float array of shape {want}, got {got}")
+                raise InvalidResult(f"logits must be a float32 array of shape {want}, got {got}")
 
     def _transfer_phase(self, round_idx: int, iteration: int, results: dict[str, Message]) -> PhaseTasks | None:
         """Feedback on the logits of `iteration`, with the public rows of the next one."""

@@ -99,6 +99,9 @@ class FedDFServer(FedALServer):
             raise InvalidResult(f"a {phase.phase} result declares its architecture as a string tag of 1-{MAX_TAG} characters")
         if phase.phase == "init":
             return
+        declared = self.group_of.get(client_id)
+        if declared is not None and group_key(result) != declared:  # its model cannot change between rounds
+            raise InvalidResult("local_train weights do not match the architecture and tensors this client uploaded before")
         n = result.meta.get("num_samples")
         if isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 < n < float("inf"):
             raise InvalidResult("a local_train result must report num_samples > 0")
