@@ -34,7 +34,7 @@ from coordinator.store import RunStore, default_store_url
 from fedal import __version__
 from fedal.data import content_hash, load_dataset, public_set
 from fedal.protocol import EnvelopeError, Message, Reassembler, RunManifest, encode, topics
-from fedal.sim.runner import evaluation_summary
+from fedal.engine.results import evaluation_summary
 from fedal.strategies import InvalidResult, PhaseTasks, ServerContext, get_strategy
 from fedal.strategies.global_model import fedavg_style_metrics, global_accuracy
 
