@@ -11,7 +11,7 @@ import torch
 
 from fedal.data import build_federated
 from fedal.engine.inprocess import Faults, in_process_engine
-from fedal.engine.results import build_results, evaluation_summary, final_summary  # noqa: F401 (coordinator)
+from fedal.engine.results import build_results, final_summary
 from fedal.models import build_model
 from fedal.sim.config import RunConfig
 from fedal.sim.fairness import standalone_fairness
