@@ -7,7 +7,7 @@ and no web imports here.
 
 from fedal.engine.accounting import ClientInfo, PhaseState, PhaseStats
 from fedal.engine.rounds import RoundEngine, Stopped, StrategyError
-from fedal.engine.settings import PhaseSettings
+from fedal.engine.settings import PausePoint, PhaseSettings
 from fedal.engine.transport import Arrival, Transport
 
-__all__ = ["Arrival", "ClientInfo", "PhaseSettings", "PhaseState", "PhaseStats", "RoundEngine", "Stopped", "StrategyError", "Transport"]
+__all__ = ["Arrival", "ClientInfo", "PausePoint", "PhaseSettings", "PhaseState", "PhaseStats", "RoundEngine", "Stopped", "StrategyError", "Transport"]

@@ -23,7 +23,7 @@ from fedal.engine.accounting import ClientInfo, PhaseState, PhaseStats
 from fedal.engine.results import evaluation_summary
 from fedal.engine.settings import PhaseSettings
 from fedal.engine.transport import Arrival, Transport
-from fedal.protocol import Message, decode, encode
+from fedal.protocol import EnvelopeError, Message, decode, encode
 from fedal.strategies import InvalidResult, PhaseTasks, ServerHalf
 
 log = logging.getLogger("fedal.engine")
@@ -51,7 +51,7 @@ class RoundEngine:
                  phase_kinds: Mapping[str, str], rounds: int, eval_every: int | None = 1,
                  global_metrics: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
                  notify: Callable[..., None] = _no_event, on_reconnect: Callable[[], None] | None = None,
-                 instance: str = "", epoch: int = 0):
+                 on_pause: Callable[[], None] | None = None, instance: str = "", epoch: int = 0):
         self.server = server
         self.transport = transport
         self.run_id = run_id
@@ -62,12 +62,19 @@ class RoundEngine:
         self.global_metrics = global_metrics
         self.notify = notify
         self.on_reconnect = on_reconnect
+        self.on_pause = on_pause  # called when a pause point is reached (the owner pauses the run)
+        self.pause_points = list(phases.pause_at)  # each is dropped once it held the run
+        past = [p.label() for p in self.pause_points if p.round > rounds]
+        if past:
+            raise ValueError(f"phases.pause_at: {', '.join(past)} is past the run's {rounds} rounds")
+        self.held_before: dict[str, Any] | None = None  # the phase a paused run holds before
         self.instance = instance
         self.epoch = epoch
         self.seq = 0
         self.client_ids = list(server.client_ids)
         self.clients = {cid: ClientInfo() for cid in self.client_ids}
         self.counters: Counter[str] = Counter()
+        self.reject_reasons: Counter[str] = Counter()  # the rejected messages by why
         self.lock = threading.RLock()  # what the API reads (clients, counters, current) is changed under it
         self.stop_event = threading.Event()
         self.resume_event = threading.Event()  # cleared while paused
@@ -79,6 +86,13 @@ class RoundEngine:
     # -- control -----------------------------------------------------------------------------
     def stop(self) -> None:
         self.stop_event.set()
+        self.resume_event.set()
+
+    def pause(self) -> None:
+        """Hold before the next phase; open phases finish, clients keep their state."""
+        self.resume_event.clear()
+
+    def resume(self) -> None:
         self.resume_event.set()
 
     def wait_for_clients(self, timeout_s: float) -> None:
@@ -113,6 +127,9 @@ class RoundEngine:
         record["server"] = self.server.round_metrics()
         record["phases"] = stats.summary()
         record["wall_s"] = round(time.monotonic() - t0, 4)
+        for point in [p for p in self.pause_points if p.round == r + 1]:  # a phase this round never had: a typo
+            self.pause_points.remove(point)
+            log.warning("phases.pause_at: round %d had no phase matching %s; it never paused the run", r + 1, point.label())
         return record
 
     def _evaluate(self, r: int, stats: PhaseStats) -> dict[str, Any]:
@@ -138,9 +155,20 @@ class RoundEngine:
     def run_phase(self, phase: PhaseTasks, computed_from: float | None = None) -> PhaseState:
         """computed_from: when the server half started producing `phase` (time.monotonic)."""
         compute_s = 0.0 if computed_from is None else time.monotonic() - computed_from
-        while not self.resume_event.is_set():  # paused: keep handling messages, send nothing new
-            self.pump()
-            computed_from = None  # a pause is neither compute nor network time
+        point = next((p for p in self.pause_points if p.matches(phase.round, phase.phase, phase.iteration)), None)
+        if point is not None:
+            self.pause_points.remove(point)
+            log.info("pausing before round %d %s iteration %d (phases.pause_at: %s)", phase.round + 1, phase.phase,
+                     phase.iteration, point.label())
+            (self.on_pause or self.pause)()
+        if not self.resume_event.is_set():
+            with self.lock:
+                self.held_before = {"round": phase.round + 1, "phase": phase.phase, "iteration": phase.iteration}
+            while not self.resume_event.is_set():  # paused: keep handling messages, send nothing new
+                self.pump()
+                computed_from = None  # a pause is neither compute nor network time
+            with self.lock:
+                self.held_before = None
         self.seq += 1
         key = (self.epoch, self.seq)
         payloads = {}
@@ -178,8 +206,8 @@ class RoundEngine:
             for cid in state.pending:
                 self.clients[cid].late += 1
         if state.pending:
-            log.info("phase %s r%d i%d closed at its deadline without %s", phase.phase, phase.round, phase.iteration,
-                     sorted(state.pending))
+            log.info("phase %s of round %d (iteration %d) closed at its deadline without %s", phase.phase,
+                     phase.round + 1, phase.iteration, sorted(state.pending))
         return state
 
     def pump(self) -> None:
@@ -197,6 +225,7 @@ class RoundEngine:
 
     # -- arrivals ----------------------------------------------------------------------------
     def handle(self, arrival: Arrival) -> None:
+        rejected = self.counters["rejected"]
         try:
             self._dispatch(arrival)
         except (Stopped, StrategyError):
@@ -204,7 +233,9 @@ class RoundEngine:
         except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as exc:
             # whatever a message holds, it never ends the run
             self.reject(arrival.client if arrival.client in self.clients else None,
-                        f"unusable {arrival.kind} message: {type(exc).__name__}: {exc}")
+                        f"unusable {arrival.kind} message: {type(exc).__name__}: {exc}", "error")
+        if self.counters["rejected"] > rejected:
+            self.transport.refused(arrival)
 
     def _dispatch(self, arrival: Arrival) -> None:
         if arrival.kind == "connected":
@@ -218,10 +249,10 @@ class RoundEngine:
                         self._send(cid, cur.payloads[cid])
             return
         if arrival.kind == "invalid":
-            self.reject(arrival.client if arrival.client in self.clients else None, arrival.reason)
+            self.reject(arrival.client if arrival.client in self.clients else None, arrival.reason, arrival.reject_kind)
             return
         if arrival.run != self.run_id or arrival.client not in self.clients:
-            self.reject(None, f"message from unknown client {arrival.client!r} (run {arrival.run!r})")
+            self.reject(None, f"message from unknown client {arrival.client!r} (run {arrival.run!r})", "topic")
             return
         if arrival.kind == "status":
             self._on_status(arrival.client, arrival.payload)
@@ -233,7 +264,7 @@ class RoundEngine:
             status = json.loads(payload)
             state, ts = status["state"], float(status.get("ts", 0.0))
         except (ValueError, KeyError, TypeError):
-            self.reject(cid, "malformed status message")
+            self.reject(cid, "malformed status message", "status")
             return
         info = self.clients[cid]
         with self.lock:
@@ -252,17 +283,17 @@ class RoundEngine:
             info.bytes_up += wire_bytes
         try:
             msg = decode(payload)
-        except ValueError as exc:
-            self.reject(cid, f"malformed envelope: {exc}")
+        except EnvelopeError as exc:
+            self.reject(cid, f"malformed envelope: {exc}", exc.kind)
             return
         meta = msg.meta
         if meta.get("run") != self.run_id or meta.get("client") != cid:
-            self.reject(cid, f"result claims run {meta.get('run')!r} client {meta.get('client')!r}")
+            self.reject(cid, f"result claims run {meta.get('run')!r} client {meta.get('client')!r}", "identity")
             return
         cur = self.current
         key = (meta.get("epoch"), meta.get("seq"))
         if not all(type(v) is int for v in key):
-            self.reject(cid, "result without integer epoch and seq")
+            self.reject(cid, "result without integer epoch and seq", "sequence")
             return
         if cur is None or key != cur.key:
             with self.lock:
@@ -283,7 +314,7 @@ class RoundEngine:
             # (a valid answer for this phase, should one still come, is taken all the same)
             with self.lock:
                 cur.pending.discard(cid)
-            self.reject(cid, str(exc))
+            self.reject(cid, str(exc), exc.kind)
             return
         except Exception as exc:
             raise StrategyError(f"{type(self.server).__name__}.validate failed on {cid}'s {cur.phase.phase} result: "
@@ -309,9 +340,11 @@ class RoundEngine:
             if acc is not None and (isinstance(acc, bool) or not isinstance(acc, (int, float)) or not 0.0 <= acc <= 1.0):
                 raise InvalidResult(f"{key} {acc!r} is not in [0, 1]")
 
-    def reject(self, cid: str | None, reason: str) -> None:
+    def reject(self, cid: str | None, reason: str, kind: str = "result") -> None:
+        """kind: the short reason it is counted under (API `rejects`, /metrics `fedal_rejects_total`)."""
         with self.lock:
             self.counters["rejected"] += 1
+            self.reject_reasons[kind] += 1
             self.round_rejects.append(f"{cid}: {reason}" if cid else reason)
             if cid is not None:
                 self.clients[cid].rejected += 1

@@ -22,6 +22,8 @@ class Arrival:
     payload: bytes = b""
     wire_bytes: int = 0  # what crossed the link for it (chunks included)
     reason: str = ""  # kind "invalid": why it is unusable
+    reject_kind: str = "topic"  # kind "invalid": the reason it is counted under
+    topic: str = ""  # where it came from, for the transport's own use (refused())
 
 
 class Transport(ABC):
@@ -40,6 +42,10 @@ class Transport(ABC):
     @abstractmethod
     def now(self) -> float:
         """Seconds on the clock deadlines are measured on (monotonic)."""
+
+    def refused(self, arrival: Arrival) -> None:
+        """The engine rejected what `arrival` carried (MQTT: clear it should it be retained)."""
+        return None
 
     def exhausted(self) -> bool:
         """True when nothing can arrive any more (only a simulation can know)."""
