@@ -1,11 +1,13 @@
 """An emulated edge agent: the wire protocol of docs/protocol.md, exactly, without a model.
 
 It joins a run by the manifest's `instance`, holds tasks that overtake the manifest, reassembles
-chunks, deduplicates by (epoch, seq) and answers a repeated task from the cached result bytes,
-refuses what the reference agent (edge_agent/agent.py with the strategies' client halves)
-refuses, and answers every phase with a result of the shape the real client half sends. Only
-the numbers are made up: logits are seeded noise of shape [len(indices), K], accuracies follow a
-fixed curve. No torch, no training, so one process can stand in for a thousand devices.
+chunks and chunks its results. What it does with a task is the agent's own session
+(fedal.session.ClientSession: addressing, (epoch, seq) ordering, the cached-result resend, the
+replay guard of a resumed coordinator), around an emulated client half that answers every phase
+of every registered strategy with a result of the shape the real client half sends and refuses
+what the real one refuses. Only the numbers are made up: logits are seeded noise of shape
+[len(indices), K], weights drift by noise, accuracies follow a fixed curve. No training, so one
+process can stand in for a thousand devices (torch is imported for the strategy registry, never run).
 
 Transport-free: every handler returns the messages to publish, the fleet (hil/fleet.py) carries
 them over MQTT. Applied feedback is counted per (epoch, seq) and per (instance, round,
@@ -14,27 +16,51 @@ iteration), so a test can prove that no feedback was applied twice.
 
 from __future__ import annotations
 
+import copy
+import functools
+import hashlib
 import io
 import json
+import logging
 import math
 import time
 import urllib.request
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from fedal.data.public import content_hash
-from fedal.protocol import DEFAULT_MAX_PAYLOAD, EnvelopeError, ManifestError, Message, Reassembler, RunManifest
-from fedal.protocol import encode, split, topics
+from fedal.protocol import (
+    DEFAULT_MAX_PAYLOAD,
+    EnvelopeError,
+    ManifestError,
+    Message,
+    Reassembler,
+    RunManifest,
+    split,
+    topics,
+)
+from fedal.session import ClientSession, TaskRefused
+from fedal.strategies import STRATEGIES, StrategyParams, StrategySpec, get_strategy
+from fedal.strategies.fedakd import FedAKDClient
+from fedal.strategies.fedal import FedALClient
+from fedal.strategies.fedavg import FedAvgClient
+from fedal.strategies.feddf import WEIGHTS, FedDFClient
+from fedal.strategies.fedhkd import (
+    COUNT_KEY,
+    H_KEY,
+    KNOWLEDGE_KEYS,
+    MASK_KEY,
+    Q_KEY,
+    FedHKDClient,
+)
+from fedal.strategies.local import LocalClient
 
-DISTILLATION = ("fedal", "fedmd", "fedmd-lf")
-STRATEGIES = (*DISTILLATION, "local", "fedavg")
-# FedAvg's emulated model: one float layer and an integer buffer, like a BatchNorm counter
-FEDAVG_MODEL = {"fc.weight": ((64, 32), np.float32), "fc.bias": ((64,), np.float32),
-                "bn.num_batches_tracked": ((), np.int64)}
+log = logging.getLogger("hil.emulated_agent")
 
 
 @dataclass(frozen=True)
@@ -112,25 +138,415 @@ def _read_npz(payload: bytes, where: str) -> np.ndarray:
         raise JoinError(f"{where} is not an .npz with an array 'x': {exc}") from None
 
 
-@dataclass
-class Joined:
-    """What the reference agent builds at join time, reduced to what shapes the answers."""
+# -- the emulated models: only their state_dict layout matters ------------------------------------
 
-    instance: str
-    strategy: str
-    num_classes: int
-    public_size: int
-    lambda_adv: float
-    lambda_lf_glo: float
-    ref_glo: bool = False  # a less-forgetting reference exists (after the first local_train)
-    pending: dict[str, Any] | None = None  # round, iteration, rows of the last logits upload
-    weights: dict[str, np.ndarray] = field(default_factory=dict)  # FedAvg
+@dataclass(frozen=True)
+class ModelLayout:
+    """A model's state_dict as names, shapes and dtypes, and its feature width d (FedHKD's H)."""
+
+    name: str
+    tensors: tuple[tuple[str, tuple[int, ...], str], ...]
+    feature_dim: int
+
+    @functools.cached_property
+    def tag(self) -> str:
+        """The architecture tag FedDF groups by (the reference agent hashes its model the same way)."""
+        sig = [self.name, [[k, list(shape), dtype] for k, shape, dtype in self.tensors]]
+        return hashlib.sha256(json.dumps(sig).encode()).hexdigest()[:16]
+
+    def initial(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        return {k: rng.normal(0.0, 0.1, shape).astype(dtype) if np.dtype(dtype).kind == "f" else np.zeros(shape, dtype)
+                for k, shape, dtype in self.tensors}
+
+    def load(self, received: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The received weights in this model's dtypes; ValueError where load_state_dict would fail."""
+        if set(received) != {k for k, _, _ in self.tensors}:
+            raise ValueError("received weights do not match this client's model")
+        out = {}
+        for k, shape, dtype in self.tensors:
+            arr = np.asarray(received[k])
+            if shape == () and arr.shape == (1,):  # a scalar arrives as [1] (safetensors); torch loads it too
+                arr = arr.reshape(())
+            if arr.shape != shape:
+                raise ValueError(f"received {k!r} has shape {list(arr.shape)}, this client's is {list(shape)}")
+            out[k] = arr.astype(dtype)
+        return out
+
+
+def synthetic_layout(num_classes: int, variant: int = 0) -> ModelLayout:
+    """A small split model (features -> head, with an integer BatchNorm counter); variant 1 has
+    another feature width, so strategies that take mixed models see two architectures."""
+    d = (32, 48)[variant % 2]
+    return ModelLayout(f"emulated-{variant % 2}", (
+        ("features.weight", (d, 64), "float32"), ("features.bias", (d,), "float32"),
+        ("features.bn.num_batches_tracked", (), "int64"),
+        ("head.weight", (num_classes, d), "float32"), ("head.bias", (num_classes,), "float32")), d)
+
+
+@functools.lru_cache(maxsize=32)
+def zoo_layout(name: str, input_shape: tuple[int, ...], num_classes: int) -> ModelLayout:
+    """The layout of a zoo model, for runs whose coordinator loads the clients' weights into its
+    own model (FedAvg-type strategies score the global model as `global_acc`)."""
+    import torch
+
+    from fedal.models import build_model
+
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(name, input_shape, num_classes)
+    tensors = tuple((k, tuple(v.shape), str(v.detach().cpu().numpy().dtype)) for k, v in model.state_dict().items())
+    return ModelLayout(name, tensors, int(model.feature_dim))
+
+
+# -- the client halves, emulated -----------------------------------------------------------------
+
+class EmulatedClient:
+    """A client half's surface for ClientSession: `handle`, `state_dict`/`load_state_dict` (what
+    the replay guard restores), `params` (its max_abs_value check on tasks), and `evaluate`."""
+
+    PHASES: frozenset[str] = frozenset()
+
+    def __init__(self, params: StrategyParams, num_classes: int, public_size: int, layout: ModelLayout, seed: int,
+                 index: int, instance: str, on_applied: Callable[[tuple[int, int]], None]):
+        self.params = params
+        self.num_classes = num_classes
+        self.public_size = public_size
+        self.layout = layout
+        self.seed = seed
+        self.index = index
+        self.instance = instance
+        self.on_applied = on_applied
+        self.num_samples = 100 + index
+        # one stream per agent (seeding a generator per task costs more than the rest of the answer);
+        # it is client state, so a replayed round draws the same numbers again
+        self.rng = np.random.default_rng([seed, index])
+        self.bias = np.random.default_rng([seed, index, 0x51]).normal(0.0, 1.0, 64).astype(np.float32)
+        self.applied: Counter[tuple[str, int, int]] = Counter()  # undone with the state on a replay
+
+    def handle(self, task: Message) -> Message:
+        if task.phase not in self.PHASES:
+            raise ValueError(f"unknown phase {task.phase!r}")
+        return getattr(self, f"_{task.phase}")(task)
+
+    def evaluate(self, task: Message) -> Message:
+        noise = float(self.rng.normal(0, 0.02))
+        acc = min(1.0, max(0.0, 0.1 + 0.8 * (1 - math.exp(-(_round(task) + 1) / 4)) + noise))
+        return reply(task, acc=round(acc, 4), num_test=100)
+
+    def loss(self, task: Message) -> float:
+        return round(2.3 * math.exp(-(_round(task) + 1) / 6) + 0.05, 4)
+
+    def count_applied(self, task: Message) -> None:
+        self.applied[(self.instance, int(task.meta["round"]), int(task.meta["iteration"]))] += 1
+        self.on_applied((task.meta["epoch"], task.meta["seq"]))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Live references, like ClientHalf.state_dict: the store copies what it keeps."""
+        return {"rng": self.rng.bit_generator.state, "applied": self.applied}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.applied = Counter(state["applied"])
+
+
+class LocalEmulation(EmulatedClient):
+    """LocalClient: local training, a loss."""
+
+    PHASES = frozenset({"local_train"})
+
+    def _local_train(self, task: Message) -> Message:
+        return reply(task, loss=self.loss(task))
+
+
+class DistillationEmulation(EmulatedClient):
+    """FedALClient (FedAL, FedMD, FedMD-LF): logits on the public rows; feedback first, then logits."""
+
+    PHASES = frozenset({"local_train", "transfer"})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pending: dict[str, Any] | None = None  # round, iteration, logits of the last upload
+        self.ref_glo = False  # a less-forgetting reference exists (after the local training)
+
+    def _local_train(self, task: Message) -> Message:
+        diag: dict[str, Any] = {"loss": self.loss(task)}
+        self.ref_glo = self.params.lambda_lf_glo > 0
+        return self._with_logits(task, diag, 0)
+
+    def _transfer(self, task: Message) -> Message:
+        diag = self._apply_feedback(task) if "fbar" in task.tensors else {}
+        return self._with_logits(task, diag, int(task.meta["iteration"]) + 1)
+
+    def _with_logits(self, task: Message, diag: dict[str, Any], iteration: int) -> Message:
+        tensors = {}
+        if "indices" in task.tensors:  # the rows of the next transfer iteration
+            tensors["logits"] = self.upload_logits(task.tensors["indices"], int(task.meta["round"]), iteration)
+        return reply(task, tensors, **diag)
+
+    def upload_logits(self, indices: np.ndarray, round_idx: int, iteration: int) -> np.ndarray:
+        raw = np.asarray(indices)
+        if raw.ndim != 1 or not np.issubdtype(raw.dtype, np.integer) or raw.size == 0:
+            raise ValueError("indices must be a non-empty 1-D integer array")
+        if raw.min() < 0 or raw.max() >= self.public_size:
+            raise ValueError(f"indices outside the public set of {self.public_size} rows")
+        k = self.num_classes
+        logits = self.rng.standard_normal((raw.size, k), dtype=np.float32) + self.bias[np.arange(k) % self.bias.size]
+        self.pending = {"round": round_idx, "iteration": iteration, "logits": logits}
+        return logits
+
+    def _apply_feedback(self, task: Message) -> dict[str, Any]:
+        p = self.params
+        pend = self.pending
+        if pend is None or (pend["round"], pend["iteration"]) != (task.meta["round"], task.meta["iteration"]):
+            raise ValueError("feedback for an iteration whose logits this client did not upload")
+        self.pending = None
+        own = pend["logits"]
+        fbar = np.asarray(task.tensors["fbar"], dtype=np.float32)
+        if fbar.shape != own.shape:
+            raise ValueError(f"fbar has shape {fbar.shape}, expected {own.shape}")
+        n_avg = int(task.meta.get("n_avg", 1))
+        target = fbar if p.kd_target == "all" or n_avg <= 1 else (n_avg * fbar - own) / (n_avg - 1)
+        gap = float(np.abs(target - own).mean())
+        diag: dict[str, Any] = {"loss_kd": p.lambda_kd * gap, "gnorm_kd": p.lambda_kd * gap / own.shape[0]}
+        if self.ref_glo:
+            diag["gnorm_lf"] = 0.5 * p.lambda_lf_glo * gap / own.shape[0]
+        if "grad" in task.tensors and p.lambda_adv > 0:
+            g = np.asarray(task.tensors["grad"], dtype=np.float32)
+            if g.shape != own.shape:
+                raise ValueError(f"grad has shape {g.shape}, expected {own.shape}")
+            diag["gnorm_adv"] = float(np.linalg.norm(p.lambda_adv * g / own.shape[0]))
+        self.count_applied(task)
+        return diag
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "pending": self.pending, "ref_glo": self.ref_glo}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.pending, self.ref_glo = state["pending"], state["ref_glo"]
+
+
+class FedAvgEmulation(EmulatedClient):
+    """FedAvgClient: its initial weights on `init`; on `train` loads the global model, "trains"
+    (noise on the floats, +1 on integer counters) and uploads it with num_samples."""
+
+    PHASES = frozenset({"init", "train"})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.weights = initial_weights(self)
+
+    def _init(self, task: Message) -> Message:
+        return reply(task, self.copy_weights())
+
+    def _train(self, task: Message) -> Message:
+        self.apply_global(task, task.tensors)
+        return reply(task, self.copy_weights(), loss=self.loss(task), num_samples=self.num_samples)
+
+    def apply_global(self, task: Message, weights: dict[str, np.ndarray]) -> None:
+        self.weights = self.layout.load(weights)
+        self.count_applied(task)
+        self.local_update()
+
+    def local_update(self) -> None:
+        self.weights = drift(self.weights, self.rng)
+
+    def copy_weights(self) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self.weights.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "weights": self.weights}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.weights = dict(state["weights"])
+
+
+class FedHKDEmulation(FedAvgEmulation):
+    """FedHKDClient: FedAvg's round, plus per-class knowledge up (hkd/h [K, d], hkd/q [K, K],
+    hkd/count [K]) and the global knowledge taken from the task when it carries some."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        k, n = self.num_classes, self.num_samples
+        counts = np.full(k, (n - round(0.4 * n)) // (k - 1), np.int64)  # non-IID: 40 % of the rows in one class
+        counts[self.index % k] = 0
+        counts[self.index % k] = n - counts.sum()
+        p = self.params
+        share = (counts >= 1) & (counts >= p.hkd_nu * n) if p.hkd_preset == "paper" else counts >= 1
+        self.shared_counts = np.where(share, counts, 0).astype(np.int64)
+
+    def _train(self, task: Message) -> Message:
+        weights = {k: v for k, v in task.tensors.items() if k not in KNOWLEDGE_KEYS}
+        knowledge = self.global_knowledge(task.tensors)
+        self.apply_global(task, weights)
+        p = self.params
+        loss = self.loss(task)
+        stats: dict[str, Any] = {"loss": loss, "ce": loss}
+        if knowledge is not None and ((p.hkd_lambda or 0) > 0 or (p.hkd_gamma or 0) > 0):
+            head, feature = (round(float(v), 4) for v in np.abs(self.rng.normal(0.1, 0.02, 2)))
+            stats.update(ce=round(loss - (p.hkd_lambda or 0) * head - (p.hkd_gamma or 0) * feature, 4),
+                         hkd_head=head, hkd_feature=feature)
+        k, d = self.num_classes, self.layout.feature_dim
+        shared = self.shared_counts > 0
+        h = np.where(shared[:, None], self.rng.normal(0, 1, (k, d)), 0).astype(np.float32)
+        z = self.rng.normal(0, 1, (k, k)) / p.hkd_temperature
+        q = np.exp(z - z.max(axis=1, keepdims=True))
+        q = np.where(shared[:, None], q / q.sum(axis=1, keepdims=True), 0).astype(np.float32)
+        tensors = {**self.copy_weights(), H_KEY: h, Q_KEY: q, COUNT_KEY: self.shared_counts.copy()}
+        return reply(task, tensors, num_samples=self.num_samples, shared_classes=int(shared.sum()), **stats)
+
+    def global_knowledge(self, tensors: dict[str, np.ndarray]) -> np.ndarray | None:
+        """The mask of the classes whose knowledge the task carries (None: no knowledge); the real
+        client's forward pass through its head would fail on other shapes."""
+        if H_KEY not in tensors:
+            return None
+        k, d = self.num_classes, self.layout.feature_dim
+        for key, shape in ((H_KEY, (k, d)), (Q_KEY, (k, k)), (MASK_KEY, (k,))):
+            if key not in tensors or np.asarray(tensors[key]).shape != shape:
+                raise ValueError(f"knowledge {key!r} missing or not of shape {list(shape)}")
+        mask = np.asarray(tensors[MASK_KEY]).astype(bool)
+        return mask if mask.any() else None
+
+
+class FedAKDEmulation(FedAvgEmulation):
+    """FedAKDClient: FedAvg's messages; the upload is its copy of the global model after the
+    local -> global step, with `selected` rows (what its personal model classifies correctly)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.personal_ready = False
+
+    def _train(self, task: Message) -> Message:
+        weights = self.layout.load(task.tensors)
+        self.personal_ready = True  # w_k^0 = w^0 on the first train
+        r, n = _round(task), self.num_samples
+        selected = n if self.params.akd_selection == "all" else int(n * (0.3 + 0.6 * (1 - math.exp(-(r + 1) / 4))))
+        self.weights = weights
+        self.count_applied(task)
+        if selected:
+            self.local_update()
+        loss = self.loss(task)
+        return reply(task, self.copy_weights(), loss=loss, global_loss=round(1.1 * loss, 4) if selected else None,
+                     selected=selected, num_samples=n)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "personal_ready": self.personal_ready}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.personal_ready = state["personal_ready"]
+
+
+class FedDFEmulation(DistillationEmulation):
+    """FedDFClient (FedDF-AL, FedDF): weights as `w/<key>` with an architecture tag, the group's
+    average loaded before the logits of iteration 0, then FedAL's transfer stage."""
+
+    PHASES = frozenset({"init", "local_train", "average", "transfer"})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.weights = initial_weights(self)
+
+    def _init(self, task: Message) -> Message:
+        return reply(task, self.upload(), arch=self.layout.tag)
+
+    def _local_train(self, task: Message) -> Message:
+        self.load_group_weights(task)  # round 0: the group's common start
+        self.weights = drift(self.weights, self.rng)
+        return reply(task, self.upload(), loss=self.loss(task), num_samples=self.num_samples, arch=self.layout.tag)
+
+    def upload(self) -> dict[str, np.ndarray]:
+        return {WEIGHTS + k: v.copy() for k, v in self.weights.items()}
+
+    def _average(self, task: Message) -> Message:
+        if "indices" not in task.tensors:
+            raise ValueError("an average task must carry the public rows ('indices') of iteration 0")
+        averaged = self.load_group_weights(task)
+        self.ref_glo = self.params.lambda_lf_glo > 0  # the transfer stage starts from the group average
+        logits = self.upload_logits(task.tensors["indices"], int(task.meta["round"]), 0)
+        return reply(task, {"logits": logits}, averaged=averaged)
+
+    def load_group_weights(self, task: Message) -> bool:
+        weights = {k[len(WEIGHTS):]: v for k, v in task.tensors.items() if k.startswith(WEIGHTS)}
+        if not weights:
+            return False
+        self.weights = self.layout.load(weights)
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "weights": self.weights}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.weights = dict(state["weights"])
+
+
+def initial_weights(client: EmulatedClient) -> dict[str, np.ndarray]:
+    """Seeded per client, apart from the stream of the answers."""
+    return client.layout.initial(np.random.default_rng([client.seed, client.index, 0xA1]))
+
+
+def drift(weights: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Emulated local training: noise on the floats, +1 on integer buffers (BatchNorm's counter)."""
+    return {k: v + rng.normal(0, 0.01, v.shape).astype(v.dtype) if v.dtype.kind == "f" else v + 1
+            for k, v in weights.items()}
+
+
+# Each client half of the registry and its emulation; a strategy whose client half has none is
+# refused at join, with the reason logged and counted under setup_failures.
+EMULATIONS: dict[type, type[EmulatedClient]] = {
+    FedALClient: DistillationEmulation, LocalClient: LocalEmulation, FedAvgClient: FedAvgEmulation,
+    FedHKDClient: FedHKDEmulation, FedAKDClient: FedAKDEmulation, FedDFClient: FedDFEmulation,
+}
+
+
+def emulation_for(spec: StrategySpec) -> type[EmulatedClient]:
+    cls = EMULATIONS.get(spec.client)
+    if cls is None:
+        raise JoinError(f"strategy {spec.name!r}: its client half {spec.client.__name__} has no emulation; "
+                        f"emulated strategies: {', '.join(emulated_strategies())}")
+    missing = set(spec.phases) - cls.PHASES
+    if missing:
+        raise JoinError(f"strategy {spec.name!r} has phases {sorted(missing)} its emulation {cls.__name__} does not answer")
+    return cls
+
+
+def emulated_strategies() -> tuple[str, ...]:
+    """The registered strategies an emulated agent can join."""
+    out = []
+    for name, spec in STRATEGIES.items():
+        cls = EMULATIONS.get(spec.client)
+        if cls is not None and set(spec.phases) <= cls.PHASES:
+            out.append(name)
+    return tuple(out)
+
+
+class MemoryStore:
+    """The session's store kept in memory: nothing outlives an emulated process, but a coordinator
+    that resumes a run replays the round under way, and the round-start state serves that."""
+
+    def __init__(self):
+        self.start: tuple[Any, dict[str, Any]] | None = None
+
+    def save_round_start(self, round_no: Any, client_state: dict[str, Any]) -> None:
+        self.start = (round_no, copy.deepcopy(client_state))
+
+    def load_round_start(self) -> tuple[Any, dict[str, Any]] | None:
+        return None if self.start is None else (self.start[0], copy.deepcopy(self.start[1]))
+
+    def after_task(self, session: ClientSession) -> None:
+        return None  # no checkpoint: a restarted emulated agent joins afresh
 
 
 class EmulatedAgent:
     def __init__(self, run_id: str, client_id: str, index: int = 0, seed: int = 0,
                  public: PublicSetSource | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
-                 manifest_parser: Callable[[bytes], ParsedManifest] = parse_manifest, exit_on_finish: bool = True):
+                 manifest_parser: Callable[[bytes], ParsedManifest] = parse_manifest, exit_on_finish: bool = True,
+                 models: Sequence[str] | None = None, input_shape: Sequence[int] | None = None):
+        """models: zoo model names assigned round-robin by `index` as the coordinator assigns them
+        (the first for strategies with one model for all), with the data's `input_shape`; by
+        default a small synthetic model (two architectures for strategies that take mixed ones).
+        A FedAvg-type run's coordinator loads the uploads into its own model: name that one."""
         self.run_id = topics.check_id(run_id, "run id")
         self.client_id = topics.check_id(client_id, "client id")
         self.index = index
@@ -139,6 +555,10 @@ class EmulatedAgent:
         self.max_payload = max_payload
         self.parse_manifest = manifest_parser
         self.exit_on_finish = exit_on_finish
+        if models is not None and (not models or input_shape is None):
+            raise ValueError("models needs at least one name and the data's input_shape")
+        self.models = tuple(models) if models else None
+        self.input_shape = tuple(int(v) for v in input_shape) if input_shape is not None else None
         self.mqtt_client_id = f"fedal-agent-{run_id}-{client_id}"
         self.manifest_topic = topics.run_manifest(run_id)
         self.task_topic = topics.task(run_id, client_id)
@@ -147,20 +567,33 @@ class EmulatedAgent:
         self.reassembler = Reassembler()
         self.counters: Counter[str] = Counter()
         self.manifest: RunManifest | None = None
-        self.joined: Joined | None = None
+        self.session: ClientSession | None = None
         self.deferred: list[bytes] = []
-        self.last_key: tuple[int, int] | None = None
-        self.last_result: bytes | None = None
         self.retry_at: float | None = None  # a failed join is retried from tick()
         self.join_backoff = 0.5
         self.finished = False
         self.connects = 0
-        # feedback applications: a test asserts every count is 1
+        self.last_reject = ""
+        # feedback applications: a test asserts every count is 1. Per (epoch, seq): every time
+        # feedback was applied; per (instance, round, iteration): on the client's state as it is,
+        # so a replayed round's applications replace those its restored state undid
         self.applied_keys: Counter[tuple[int, int]] = Counter()
-        self.applied_iterations: Counter[tuple[str, int, int]] = Counter()
-        self.rng: np.random.Generator | None = None
-        bias_rng = np.random.default_rng([seed, index, 0x51])
-        self.bias = bias_rng.normal(0.0, 1.0, 64).astype(np.float32)  # a client "style" the discriminator can see
+        self._applied_left: Counter[tuple[str, int, int]] = Counter()  # of instances this agent left
+
+    @property
+    def joined(self) -> ClientSession | None:
+        return self.session
+
+    @property
+    def last_key(self) -> tuple[int, int] | None:
+        return None if self.session is None else self.session.last_key
+
+    @property
+    def applied_iterations(self) -> Counter[tuple[str, int, int]]:
+        out = Counter(self._applied_left)
+        if self.session is not None:
+            out.update(self.session.client.applied)
+        return out
 
     # -- session ------------------------------------------------------------------------------
     def subscriptions(self) -> list[tuple[str, int]]:
@@ -183,20 +616,21 @@ class EmulatedAgent:
             if topic == self.manifest_topic:
                 return self._on_manifest(payload)
             if topic == self.task_topic:
-                if self.joined is None:
+                if self.session is None:
                     self.deferred.append(payload)  # tasks may overtake the retained manifest
                     return []
                 return self._on_task(payload)
             self._reject(f"message on unexpected topic {topic}")
         except Exception:  # never let one message kill the agent
             self.counters["errors"] += 1
+            log.exception("%s: error while handling a message on %s", self.client_id, topic)
         return []
 
     def tick(self, now: float | None = None) -> list[Publish]:
         """Retry a failed join once its backoff has passed (the agent's worker does the same)."""
         now = time.monotonic() if now is None else now
         m = self.manifest
-        if m is None or m.state == "finished" or self.joined is not None or self.retry_at is None or now < self.retry_at:
+        if m is None or m.state == "finished" or self.session is not None or self.retry_at is None or now < self.retry_at:
             return []
         return self._join(m)[1]
 
@@ -213,32 +647,34 @@ class EmulatedAgent:
             self._reject(f"manifest for run {manifest.run_id!r} does not enrol {self.client_id!r}")
             return []
         self.manifest = manifest
-        if self.joined is not None and manifest.instance != self.joined.instance:
+        if self.session is not None and manifest.instance != self.session.instance:
             self._leave()  # the run was started afresh: join it anew
         if manifest.state == "finished":
             # no checkpoint outlives an emulated agent: only a run it took part in ends here
-            if self.joined is not None and self.last_key is not None and not self.finished:
+            if self.session is not None and self.last_key is not None and not self.finished:
                 self.finished = True
             return []
         out: list[Publish] = []
-        if self.joined is None:
+        if self.session is None:
             ok, out = self._join(manifest)
             if not ok:
                 return []
         return out
 
     def _leave(self) -> None:
-        self.joined = None
-        self.last_key = self.last_result = None
+        self._applied_left.update(self.session.client.applied)
+        self.session = None
         self.deferred.clear()
 
     def _join(self, manifest: RunManifest) -> tuple[bool, list[Publish]]:
         try:
-            self.joined = self._setup(manifest)
-        except (JoinError, ValueError, TypeError, OSError):
+            self.session = self._setup(manifest)
+        except (JoinError, ValueError, TypeError, OSError) as exc:
             self.counters["setup_failures"] += 1
             self.join_backoff = min(30.0, self.join_backoff * 2)
             self.retry_at = time.monotonic() + self.join_backoff
+            log.warning("%s: cannot join run %s (retrying in %.0f s): %s", self.client_id, manifest.run_id,
+                        self.join_backoff, exc)
             return False, []
         self.retry_at = None
         out: list[Publish] = []
@@ -247,20 +683,26 @@ class EmulatedAgent:
             out += self._on_task(payload)
         return True, out
 
-    def _setup(self, manifest: RunManifest) -> Joined:
-        if manifest.strategy not in STRATEGIES:
-            raise JoinError(f"unknown strategy {manifest.strategy!r}")
-        params = manifest.strategy_params
-        lam_adv, lam_lf = float(params.get("lambda_adv") or 0.0), float(params.get("lambda_lf_glo") or 0.0)
-        public_size = 0
-        if manifest.strategy in DISTILLATION:
-            public_size = self.public.size(manifest.public_hash, manifest.public_url)
-        joined = Joined(manifest.instance, manifest.strategy, manifest.num_classes, public_size, lam_adv, lam_lf)
-        if manifest.strategy == "fedavg":
-            rng = np.random.default_rng([self.seed, self.index, 0xA1])
-            joined.weights = {k: (rng.normal(0, 0.1, shape).astype(dt) if dt == np.float32 else np.zeros(shape, dt))
-                              for k, (shape, dt) in FEDAVG_MODEL.items()}
-        return joined
+    def _setup(self, manifest: RunManifest) -> ClientSession:
+        """What the reference agent builds at join time, with an emulated client half."""
+        try:
+            spec = get_strategy(manifest.strategy)
+        except ValueError as exc:
+            raise JoinError(str(exc)) from None
+        emulation = emulation_for(spec)
+        params = StrategyParams(**manifest.strategy_params)
+        public_size = self.public.size(manifest.public_hash, manifest.public_url) if spec.uses_public_set else 0
+        position = 0 if spec.homogeneous_models else self.index
+        if self.models:
+            layout = zoo_layout(self.models[position % len(self.models)], self.input_shape, manifest.num_classes)
+        else:
+            layout = synthetic_layout(manifest.num_classes, position)
+        client = emulation(params, manifest.num_classes, public_size, layout, self.seed, self.index, manifest.instance,
+                           self._count_applied)
+        session = ClientSession(self.run_id, self.client_id, client, manifest.instance, evaluate=client.evaluate,
+                                store=MemoryStore())
+        session.counters = self.counters  # tasks, duplicates, stale, round_replays next to this agent's own
+        return session
 
     def _on_task(self, payload: bytes) -> list[Publish]:
         try:
@@ -270,146 +712,31 @@ class EmulatedAgent:
             return []
         if task is None:
             return []  # a chunk of a larger task
-        meta = task.meta
-        if meta.get("run") != self.run_id or meta.get("client") != self.client_id:
-            self._reject(f"task addressed to run {meta.get('run')!r} client {meta.get('client')!r}")
-            return []
-        if meta.get("instance") != self.joined.instance:
-            self.counters["stale"] += 1  # e.g. queued by the broker for an earlier run under this id
-            return []
-        key = (meta.get("epoch"), meta.get("seq"))
-        if not all(type(v) is int for v in key):
-            self._reject("task without integer epoch and seq")
-            return []
-        if self.last_key is not None and key < self.last_key:
-            self.counters["stale"] += 1
-            return []
-        if key == self.last_key and self.last_result is not None:
-            self.counters["duplicates"] += 1
-            return self._publish_result(self.last_result)  # answered before: resend, never recompute
         try:
-            result = self._evaluate(task) if task.phase == "evaluate" else self._handle(task, key)
-        except Exception as exc:  # a task this client cannot apply is refused, not fatal
-            self._reject(f"task {task.phase} refused: {exc}")
+            wire = self.session.on_task(task)
+        except TaskRefused as exc:
+            self._reject(str(exc))
             return []
-        result.meta.update(run=self.run_id, client=self.client_id, epoch=key[0], seq=key[1])
-        wire = encode(result)
-        self.last_key, self.last_result = key, wire
-        self.counters["tasks"] += 1
-        return self._publish_result(wire)
+        return [] if wire is None else self._publish_result(wire)
 
     def _publish_result(self, wire: bytes) -> list[Publish]:
         return [Publish(self.result_topic, part) for part in split(wire, self.max_payload)]
 
-    # -- the client halves, emulated ------------------------------------------------------------
-    def _handle(self, task: Message, key: tuple[int, int]) -> Message:
-        j = self.joined
-        if j.strategy in DISTILLATION:
-            return self._distillation(task, key)
-        if j.strategy == "local":
-            if task.phase != "local_train":
-                raise ValueError(f"unknown phase {task.phase!r}")
-            return reply(task, loss=self._loss(task))
-        if task.phase == "init":  # fedavg
-            return reply(task, {k: v.copy() for k, v in j.weights.items()})
-        if task.phase == "train":
-            if set(task.tensors) != set(j.weights):
-                raise ValueError("received weights do not match this client's model")
-            j.weights = {k: np.array(v).astype(j.weights[k].dtype) for k, v in task.tensors.items()}
-            self._count_applied(key, task)
-            rng = self._rng(task)
-            out = {k: (v + rng.normal(0, 0.01, v.shape).astype(v.dtype) if v.dtype.kind == "f" else v + 1)
-                   for k, v in j.weights.items()}
-            j.weights = out
-            return reply(task, {k: v.copy() for k, v in out.items()}, loss=self._loss(task), num_samples=100 + self.index)
-        raise ValueError(f"unknown phase {task.phase!r}")
-
-    def _distillation(self, task: Message, key: tuple[int, int]) -> Message:
-        """FedALClient.handle (FedMD and FedMD-LF share it): feedback first, then logits."""
-        j = self.joined
-        if task.phase == "local_train":
-            diag: dict[str, Any] = {"loss": self._loss(task)}
-            j.ref_glo = j.lambda_lf_glo > 0
-        elif task.phase == "transfer":
-            diag = self._apply_feedback(task, key) if "fbar" in task.tensors else {}
-        else:
-            raise ValueError(f"unknown phase {task.phase!r}")
-        tensors = {}
-        if "indices" in task.tensors:
-            nxt = 0 if task.phase == "local_train" else int(task.meta["iteration"]) + 1
-            tensors["logits"] = self._upload_logits(task, task.tensors["indices"], int(task.meta["round"]), nxt)
-        return reply(task, tensors, **diag)
-
-    def _upload_logits(self, task: Message, indices: np.ndarray, round_idx: int, iteration: int) -> np.ndarray:
-        raw = np.asarray(indices)
-        if raw.ndim != 1 or not np.issubdtype(raw.dtype, np.integer) or raw.size == 0:
-            raise ValueError("indices must be a non-empty 1-D integer array")
-        if raw.min() < 0 or raw.max() >= self.joined.public_size:
-            raise ValueError(f"indices outside the public set of {self.joined.public_size} rows")
-        k = self.joined.num_classes
-        rng = self._rng(task)
-        logits = rng.standard_normal((raw.size, k), dtype=np.float32) + self.bias[np.arange(k) % self.bias.size]
-        self.joined.pending = {"round": round_idx, "iteration": iteration, "logits": logits}
-        return logits
-
-    def _apply_feedback(self, task: Message, key: tuple[int, int]) -> dict[str, Any]:
-        j = self.joined
-        pend = j.pending
-        if pend is None or (pend["round"], pend["iteration"]) != (task.meta["round"], task.meta["iteration"]):
-            raise ValueError("feedback for an iteration whose logits this client did not upload")
-        j.pending = None
-        own = pend["logits"]
-        fbar = np.asarray(task.tensors["fbar"], dtype=np.float32)
-        if fbar.shape != own.shape:
-            raise ValueError(f"fbar has shape {fbar.shape}, expected {own.shape}")
-        n_avg = int(task.meta.get("n_avg", 1))
-        target = fbar if n_avg <= 1 else (n_avg * fbar - own) / (n_avg - 1)
-        gap = float(np.abs(target - own).mean())
-        diag: dict[str, Any] = {"loss_kd": gap, "gnorm_kd": gap / own.shape[0]}
-        if j.ref_glo:
-            diag["gnorm_lf"] = 0.5 * gap / own.shape[0]
-        if "grad" in task.tensors and j.lambda_adv > 0:
-            g = np.asarray(task.tensors["grad"], dtype=np.float32)
-            if g.shape != own.shape:
-                raise ValueError(f"grad has shape {g.shape}, expected {own.shape}")
-            diag["gnorm_adv"] = float(np.linalg.norm(j.lambda_adv * g / own.shape[0]))
-        self._count_applied(key, task)
-        return diag
-
-    def _count_applied(self, key: tuple[int, int], task: Message) -> None:
+    def _count_applied(self, key: tuple[int, int]) -> None:
         self.applied_keys[key] += 1
-        self.applied_iterations[(self.joined.instance, int(task.meta["round"]), int(task.meta["iteration"]))] += 1
         self.counters["feedback_applied"] += 1
-
-    def _evaluate(self, task: Message) -> Message:
-        r = task.meta.get("round")
-        r = r if isinstance(r, int) and not isinstance(r, bool) else 0
-        noise = float(self._rng(task).normal(0, 0.02))
-        acc = min(1.0, max(0.0, 0.1 + 0.8 * (1 - math.exp(-(r + 1) / 4)) + noise))
-        return reply(task, acc=round(acc, 4), num_test=100)
-
-    def _loss(self, task: Message) -> float:
-        r = task.meta.get("round")
-        r = r if isinstance(r, int) and not isinstance(r, bool) else 0
-        return round(2.3 * math.exp(-(r + 1) / 6) + 0.05, 4)
-
-    def _rng(self, task: Message) -> np.random.Generator:
-        """One stream per agent (seeding a generator per task costs more than the rest of the answer);
-        each task is computed once, so the numbers follow from the seed and the tasks received."""
-        if self.rng is None:
-            self.rng = np.random.default_rng([self.seed, self.index])
-        return self.rng
 
     def _reject(self, reason: str) -> None:
         self.counters["rejected"] += 1
         self.last_reject = reason
+        log.debug("%s: rejected: %s", self.client_id, reason)
 
     # -- reporting ----------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         twice = sorted(k for k, n in self.applied_keys.items() if n > 1)
         return {"client_id": self.client_id, "counters": dict(self.counters),
                 "last_key": list(self.last_key) if self.last_key else None, "connects": self.connects,
-                "joined": self.joined is not None, "finished": self.finished,
+                "joined": self.session is not None, "finished": self.finished,
                 "feedback_applied": sum(self.applied_keys.values()),
                 "feedback_twice": [list(k) for k in twice],
                 "iterations_twice": [list(k) for k, n in self.applied_iterations.items() if n > 1]}
@@ -420,3 +747,8 @@ def reply(task: Message, tensors: dict[str, np.ndarray] | None = None, **meta: A
     base = {k: task.meta[k] for k in ("phase", "round", "iteration") if k in task.meta}
     meta = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in meta.items()}
     return Message({**base, **meta}, tensors or {})
+
+
+def _round(task: Message) -> int:
+    r = task.meta.get("round")
+    return r if isinstance(r, int) and not isinstance(r, bool) else 0

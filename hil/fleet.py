@@ -156,9 +156,12 @@ class Fleet:
                  password: str | None = None, ca_file: str | Path | None = None, keepalive: int = 30,
                  reconnect_min_s: float = 1.0, reconnect_max_s: float = 30.0, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  public_file: str | Path | None = None, exit_on_finish: bool = True, connects_per_tick: int = 100,
-                 credentials: dict[str, tuple[str, str | None]] | None = None):
+                 credentials: dict[str, tuple[str, str | None]] | None = None, models: list[str] | None = None,
+                 input_shape: tuple[int, ...] | None = None):
         """credentials: per client id (username, password), e.g. from `fedal fleet init` (see
-        device_credentials); clients not in it use username/password or the URL's."""
+        device_credentials); clients not in it use username/password or the URL's. models,
+        input_shape: the zoo models the emulated weights take the layout of (EmulatedAgent): the
+        coordinator's, for a FedAvg-type run whose global model it scores."""
         self.address = parse_broker_url(broker_url)
         self.credentials = dict(credentials or {})
         self.run_id = topics.check_id(run_id, "run id")
@@ -174,7 +177,8 @@ class Fleet:
         self.public = PublicSetSource(Path(public_file) if public_file else None)
         parser = _shared_parser()  # one parse of each manifest for the whole fleet
         self.agents = [EmulatedAgent(run_id, cid, index=i, seed=seed, public=self.public, max_payload=max_payload,
-                                     manifest_parser=parser) for i, cid in enumerate(ids)]
+                                     manifest_parser=parser, models=models, input_shape=input_shape)
+                       for i, cid in enumerate(ids)]
         self.selector = selectors.DefaultSelector()
         self.conns: list[_Conn] = []
         self.retry: set[_Conn] = set()
