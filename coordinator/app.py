@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.config import RunSpec
 from coordinator.dashboard import STATIC_DIR
-from coordinator.engine import RoundEngine
+from coordinator.run import Run
 from coordinator.events import sse_format
 from coordinator.metrics import registry_for
 from coordinator.runs import InvalidRunSpec, RunConflict, RunManager
@@ -106,8 +106,8 @@ async def _answer(send, status: int, detail: str, extra_headers: list | None = N
     await send({"type": "http.response.body", "body": payload})
 
 
-def create_app(runs: RunManager | RoundEngine) -> FastAPI:
-    if isinstance(runs, RoundEngine):
+def create_app(runs: RunManager | Run) -> FastAPI:
+    if isinstance(runs, Run):
         runs = RunManager.of(runs)
     app = FastAPI(title="FedAL Edge coordinator", version=__version__,
                   description="Federated runs driven over MQTT: status, control, live events, metrics.")
@@ -129,7 +129,7 @@ def create_app(runs: RunManager | RoundEngine) -> FastAPI:
     reads = [Depends(require_read)]
     writes = [Depends(require_token)]
 
-    def _run(run_id: str) -> RoundEngine:
+    def _run(run_id: str) -> Run:
         engine = runs.get(run_id)
         if engine is None:
             raise HTTPException(status_code=404, detail=f"no run {run_id!r}")

@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fedal.engine.settings import PhaseSettings
 from fedal.protocol import MAX_MESSAGE_BYTES, BrokerSettings, topics
 from fedal.settings import load_settings
 from fedal.sim.config import RunConfig
@@ -30,37 +31,6 @@ class ApiSettings(BaseModel):
     token: str | None = Field(None, description="bearer token for write endpoints (pause, resume, stop); none: writes refused")
     read_requires_token: bool = Field(False, description="require the token for reads too (the public set stays open to agents)")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="larger request bodies are refused (413) before they are read")
-
-
-class PausePoint(BaseModel):
-    """A place where the run holds by itself, as if POST .../pause had come just before it."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    round: int = Field(ge=1, description="the round (1-based, as the API counts)")
-    phase: str | None = Field(None, pattern=r"^[a-z][a-z0-9_]*$",
-                              description="a phase of that round (local_train, transfer, train, evaluate, ...); none: its first phase")
-    iteration: int | None = Field(None, ge=0, description="that phase's iteration (transfer: 0 to tau-1); none: its first")
-
-    def matches(self, round_index: int, phase: str, iteration: int) -> bool:
-        return (self.round == round_index + 1 and self.phase in (None, phase)
-                and self.iteration in (None, iteration))
-
-    def label(self) -> str:
-        return f"round {self.round}" + (f" {self.phase}" if self.phase else "") + (
-            f" iteration {self.iteration}" if self.iteration is not None else "")
-
-
-class PhaseSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    deadline_s: float = Field(60.0, gt=0, description="a phase closes at its deadline if the quorum answered")
-    train_deadline_s: float = Field(300.0, gt=0, description="deadline of training phases (local_train, train)")
-    quorum: float = Field(0.5, gt=0, le=1, description="fraction of a phase's clients needed to close it at the deadline")
-    resend_s: float = Field(30.0, gt=0, description="re-send unanswered tasks to online clients this often")
-    start_timeout_s: float = Field(120.0, ge=0, description="before the first round, wait this long for every client to be online")
-    pause_at: list[PausePoint] = Field(default_factory=list, description="hold the run before these phases (each once; "
-                                       "a restarted coordinator replaying that round holds again); resume over the API")
 
 
 def _check_run_id(v: str) -> str:
@@ -121,7 +91,7 @@ class CoordinatorConfig(BaseSettings):
                        public_file=self.public_file, phases=self.phases)
 
     def for_run(self, spec: RunSpec, results_file: Path | None = None) -> "CoordinatorConfig":
-        """This coordinator's settings with `spec` as its run: what one RoundEngine runs with."""
+        """This coordinator's settings with `spec` as its run: what one Run runs with."""
         return self.model_copy(update={
             "run_id": spec.run_id, "run": spec.run, "client_ids": spec.client_ids, "num_classes": spec.num_classes,
             "public_file": spec.public_file, "phases": spec.phases or self.phases,

@@ -1,6 +1,6 @@
 """The runs one coordinator drives: the one its config names, and those created over the API.
 
-Each run is a RoundEngine on its own thread with its own MQTT session; they share the store and
+Each run is a Run on its own thread with its own MQTT session; they share the store and
 the event hub. Runs created with `POST /api/v1/runs` are kept in the store with their spec, so
 a restarted coordinator picks them up again and resumes them like the configured one.
 """
@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from coordinator.config import CoordinatorConfig, RunSpec
-from coordinator.engine import RoundEngine
+from coordinator.run import Run
 from coordinator.events import EventHub
 from coordinator.store import RunStore, default_store_url
 from fedal.sim.config import format_validation_error
@@ -42,35 +42,35 @@ class RunManager:
         self.config = config
         self.store = store or RunStore(config.store_url or default_store_url(config.state_dir))
         self.events = events or EventHub()
-        self.engines: dict[str, RoundEngine] = {}
+        self.by_id: dict[str, Run] = {}
         self.threads: dict[str, threading.Thread] = {}
         self.lock = threading.RLock()
         self.started = False
         self.all_done = threading.Event()
 
     @classmethod
-    def of(cls, engine: RoundEngine) -> "RunManager":
-        """A manager around one engine built elsewhere (embedding, tests)."""
-        manager = cls(engine.cfg, engine.store, engine.events)
-        manager.engines[engine.cfg.run_id] = engine
+    def of(cls, run: Run) -> "RunManager":
+        """A manager around one run built elsewhere (embedding, tests)."""
+        manager = cls(run.cfg, run.store, run.events)
+        manager.by_id[run.cfg.run_id] = run
         return manager
 
     def restore(self) -> None:
         """The configured run, then every run created over the API before a restart."""
         initial = self.config.initial_run()
         if initial is not None:
-            self._add(self._engine(initial, "config"))
+            self._add(self._new_run(initial, "config"))
         for run_id in self.store.run_ids(origin="api"):
-            if run_id in self.engines:
+            if run_id in self.by_id:
                 continue
             stored = self.store.load(run_id)
             try:
                 spec = RunSpec.model_validate(stored.spec)
-                self._add(self._engine(spec, "api"))
+                self._add(self._new_run(spec, "api"))
             except (ValidationError, ValueError, OSError) as exc:
                 log.error("cannot restore run %s from the store: %s", run_id, exc)
 
-    def create(self, body: Any) -> RoundEngine:
+    def create(self, body: Any) -> Run:
         """Validate a run spec, store it and start it (if the coordinator is serving)."""
         try:
             spec = RunSpec.model_validate(body)
@@ -80,64 +80,64 @@ class RunManager:
             raise InvalidRunSpec(f"invalid run: public_file must lie inside the coordinator's state_dir "
                                  f"({self.config.state_dir}); or leave it out to derive the public set from run.dataset")
         with self.lock:
-            if spec.run_id in self.engines:
+            if spec.run_id in self.by_id:
                 raise RunConflict(f"run {spec.run_id!r} exists already")
             try:
-                engine = self._engine(spec, "api")
+                run = self._new_run(spec, "api")
             except (ValueError, OSError) as exc:
                 raise InvalidRunSpec(f"invalid run: {exc}") from None
-            self.store.register(spec.run_id, engine.run_spec(), "api")
-            self._add(engine)
+            self.store.register(spec.run_id, run.run_spec(), "api")
+            self._add(run)
             if self.started:
-                self._start(engine)
-        log.info("created run %s (%s, %d clients)", spec.run_id, engine.run_config.strategy, len(engine.client_ids))
-        return engine
+                self._start(run)
+        log.info("created run %s (%s, %d clients)", spec.run_id, run.run_config.strategy, len(run.client_ids))
+        return run
 
-    def _engine(self, spec: RunSpec, origin: str) -> RoundEngine:
+    def _new_run(self, spec: RunSpec, origin: str) -> Run:
         results = None if origin == "config" else self.config.state_dir / "runs" / spec.run_id / "results.json"
         note = spec.run.default_model_note()
         if note:
             log.info("run %s: %s", spec.run_id, note)
-        return RoundEngine(self.config.for_run(spec, results), store=self.store, events=self.events, origin=origin)
+        return Run(self.config.for_run(spec, results), store=self.store, events=self.events, origin=origin)
 
-    def _add(self, engine: RoundEngine) -> None:
+    def _add(self, run: Run) -> None:
         with self.lock:
-            self.engines[engine.cfg.run_id] = engine
+            self.by_id[run.cfg.run_id] = run
             self.all_done.clear()
 
     def start(self) -> None:
         with self.lock:
             self.started = True
-            for engine in self.engines.values():
-                self._start(engine)
+            for run in self.by_id.values():
+                self._start(run)
 
-    def _start(self, engine: RoundEngine) -> None:
-        run_id = engine.cfg.run_id
+    def _start(self, run: Run) -> None:
+        run_id = run.cfg.run_id
         if run_id in self.threads:
             return
 
         def _run() -> None:
-            engine.run()
+            run.run()
             with self.lock:
-                if all(e.finished_event.is_set() for e in self.engines.values()):
+                if all(e.finished_event.is_set() for e in self.by_id.values()):
                     self.all_done.set()
 
         thread = threading.Thread(target=_run, name=f"run-{run_id}", daemon=True)
         self.threads[run_id] = thread
         thread.start()
 
-    def get(self, run_id: str) -> RoundEngine | None:
+    def get(self, run_id: str) -> Run | None:
         with self.lock:
-            return self.engines.get(run_id)
+            return self.by_id.get(run_id)
 
-    def list(self) -> list[RoundEngine]:
+    def list(self) -> list[Run]:
         with self.lock:
-            return list(self.engines.values())
+            return list(self.by_id.values())
 
     def stop(self, timeout_s: float = 30) -> None:
-        for engine in self.list():
-            engine.stop()
+        for run in self.list():
+            run.stop()
         for thread in list(self.threads.values()):
             thread.join(timeout=timeout_s)
-        for engine in self.list():
-            engine.bus.stop()
+        for run in self.list():
+            run.transport.stop()

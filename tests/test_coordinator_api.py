@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.app import create_app
 from coordinator.config import load_coordinator_config
-from coordinator.engine import RoundEngine
+from coordinator.run import Run
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment, get
 
@@ -23,7 +23,7 @@ def engine(tmp_path):
     np.savez(tmp_path / "public.npz", x=np.zeros((20, 40), np.float32))
     cfg = load_coordinator_config(None, run_id="unit", client_ids=["a", "b"], num_classes=10,
                                   public_file=tmp_path / "public.npz", state_dir=tmp_path / "state")
-    return RoundEngine(cfg)
+    return Run(cfg)
 
 
 def metric_values(text: str) -> dict[tuple[str, tuple], float]:
@@ -92,7 +92,7 @@ def guarded(tmp_path):
     np.savez(tmp_path / "public.npz", x=np.zeros((20, 40), np.float32))
     cfg = load_coordinator_config(None, run_id="unit", client_ids=["a", "b"], num_classes=10, public_file=tmp_path / "public.npz",
                                   state_dir=tmp_path / "state", api={"token": "s3cret", "read_requires_token": True})
-    return RoundEngine(cfg)
+    return Run(cfg)
 
 
 def test_write_endpoints_need_the_token(guarded, engine):

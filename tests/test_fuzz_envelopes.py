@@ -50,7 +50,7 @@ UP, STATUS, DOWN, RUN = "up", "status", "down", "run"
 
 # -- oracles: the receivers' rules, in the order the receivers apply them ----------------------------
 class CoordinatorOracle:
-    """RoundEngine._dispatch / _on_status / _on_result, epoch 0 (a fresh run)."""
+    """The coordinator's MQTT transport and round engine on one message, epoch 0 (a fresh run)."""
 
     def __init__(self, max_size: int):
         self.mirror = Reassembler(max_size=max_size)

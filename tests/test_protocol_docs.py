@@ -1,7 +1,7 @@
 """docs/protocol.md stays true by construction: its manifest, envelopes and per-strategy message
 catalogues are compared with what the coordinator's and the agent's own code paths produce.
 
-Each strategy runs a small deployment in memory: a real RoundEngine and real Agents, wired by
+Each strategy runs a small deployment in memory: a real Run and real Agents, wired by
 replacing only the two MQTT publish calls (the envelopes, chunking and manifests are the real
 ones). Its strategy halves also run a toy federation in which one client misses phases, so the
 optional tensors and keys (a client left out of an iteration) show up. The doc's fenced JSON
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.engine import RoundEngine
+from coordinator.run import Run
 from edge_agent.agent import Agent
 from edge_agent.config import AgentConfig
 from edge_agent.mqtt_link import status_payload
@@ -64,12 +64,12 @@ class Capture:
     tasks: list[tuple[str, Message]] = field(default_factory=list)  # (client, task)
     results: list[tuple[str, Message]] = field(default_factory=list)
     manifests: list[dict] = field(default_factory=list)
-    engine: RoundEngine | None = None
+    engine: Run | None = None
     agents: dict[str, Agent] = field(default_factory=dict)
 
 
 def deploy(strategy: str, tmp: Path, rounds: int = 2, max_payload: int = 4096) -> Capture:
-    """One run of `strategy`: a RoundEngine and three Agents joined by direct calls instead of a broker."""
+    """One run of `strategy`: a Run and three Agents joined by direct calls instead of a broker."""
     cap = Capture(strategy)
     spec = get_strategy(strategy)
     models = models_for(strategy)
@@ -85,7 +85,7 @@ def deploy(strategy: str, tmp: Path, rounds: int = 2, max_payload: int = 4096) -
         broker={"url": "mqtt://127.0.0.1:1", "max_payload": max_payload},
         phases={"start_timeout_s": 5},
     )
-    engine = RoundEngine(cfg)
+    engine = Run(cfg)
     engine.__dict__["global_test"] = None  # the dataset's common test set is not the toy data's shape
     cap.engine = engine
     for i, (cid, model) in enumerate(zip(CLIENTS, models)):
@@ -226,7 +226,7 @@ def example_manifest(tmp: Path) -> tuple[str, str]:
     cfg = CoordinatorConfig(run_id="demo", client_ids=["pi-1", "pi-2"], num_classes=10, public_file=tmp / "public.npz",
                             state_dir=tmp / "state", run={"strategy": "fedal", "rounds": 20},
                             api={"public_base_url": "http://192.168.1.10:8080"})
-    engine = RoundEngine(cfg)
+    engine = Run(cfg)
     engine._resume()  # what run() does first: it sets the instance
     return engine.manifest().to_json().decode(), engine.instance
 
@@ -303,14 +303,9 @@ def round_pattern(pattern: str) -> re.Pattern:
 
 
 def phase_is_train(strategy: str, phase: str) -> bool:
-    """Which deadline the coordinator gives a phase: the strategy's declared kind where the
-    registry declares phases, else the engine's list of training phases."""
-    declared = getattr(STRATEGIES.get(strategy), "phases", None)
-    if declared is not None and phase in declared:
-        return declared[phase] == "train"
-    from coordinator import engine as engine_module
-
-    return phase in getattr(engine_module, "TRAIN_PHASES", ())
+    """Which deadline the coordinator gives a phase: the strategy's declared kind (evaluate,
+    the engine's own phase, is an exchange)."""
+    return strategy in STRATEGIES and STRATEGIES[strategy].phases.get(phase) == "train"
 
 
 # -- the checks ---------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ class PhaseState:
     started: float  # on the transport's clock
     wall_started: float  # epoch seconds, to compare with the timestamps clients put in their status
     results: dict[str, Message] = field(default_factory=dict)
+    refused: dict[str, set[bytes]] = field(default_factory=dict)  # digests of each client's refused answers
     latencies: list[float] = field(default_factory=list)  # from sending to each accepted result
     compute_s: float = 0.0  # the server half producing this phase's tasks (begin_round / collect)
     wall_s: float = 0.0  # from the server half starting on this phase to the phase closing

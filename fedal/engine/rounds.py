@@ -10,6 +10,7 @@ once the quorum answered; late clients are left out of that phase and rejoin wit
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -257,7 +258,7 @@ class RoundEngine:
         if arrival.kind == "status":
             self._on_status(arrival.client, arrival.payload)
         elif arrival.kind == "result":
-            self._on_result(arrival.client, arrival.payload, arrival.wire_bytes)
+            self._on_result(arrival.client, arrival.payload, arrival.wire_bytes, arrival.message)
 
     def _on_status(self, cid: str, payload: bytes) -> None:
         try:
@@ -277,12 +278,12 @@ class RoundEngine:
         if info.online and not was_online and cur is not None and cid in cur.pending and ts >= cur.wall_started:
             self._send(cid, cur.payloads[cid])  # connected after the task went out: send it again
 
-    def _on_result(self, cid: str, payload: bytes, wire_bytes: int) -> None:
+    def _on_result(self, cid: str, payload: bytes, wire_bytes: int, decoded: Message | None) -> None:
         info = self.clients[cid]
         with self.lock:
             info.bytes_up += wire_bytes
         try:
-            msg = decode(payload)
+            msg = decoded if decoded is not None else decode(payload)
         except EnvelopeError as exc:
             self.reject(cid, f"malformed envelope: {exc}", exc.kind)
             return
@@ -299,7 +300,10 @@ class RoundEngine:
             with self.lock:
                 self.counters["stale"] += 1
             return
-        if cid in cur.results:
+        refused = cur.refused.get(cid)
+        fingerprint = hashlib.sha256(encode(msg)).digest() if refused is not None else b""
+        if cid in cur.results or (refused is not None and fingerprint in refused):
+            # a redelivery, or the re-send of an answer already refused: counted once
             with self.lock:
                 info.duplicates += 1
                 self.counters["duplicates"] += 1
@@ -310,10 +314,8 @@ class RoundEngine:
             else:
                 self.server.validate(cur.phase, cid, msg)
         except InvalidResult as exc:
-            # it answered, wrongly: its re-sends are the same cached answer, so stop waiting for it
-            # (a valid answer for this phase, should one still come, is taken all the same)
-            with self.lock:
-                cur.pending.discard(cid)
+            # it stays pending: a valid answer may still come (the phase's deadline decides)
+            cur.refused.setdefault(cid, set()).add(hashlib.sha256(encode(msg)).digest())
             self.reject(cid, str(exc), exc.kind)
             return
         except Exception as exc:

@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
 
+from fedal.protocol import Message
+
 ArrivalKind = Literal["result", "status", "connected", "invalid"]
 
 
@@ -24,6 +26,7 @@ class Arrival:
     reason: str = ""  # kind "invalid": why it is unusable
     reject_kind: str = "topic"  # kind "invalid": the reason it is counted under
     topic: str = ""  # where it came from, for the transport's own use (refused())
+    message: Message | None = None  # kind "result": already decoded by the transport (else payload is decoded)
 
 
 class Transport(ABC):

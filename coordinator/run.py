@@ -1,0 +1,305 @@
+"""One run of the coordinator service: lifecycle, persistence and what the API reads.
+
+The rounds themselves are the one round engine's (fedal/engine), driven over the MQTT
+transport (coordinator/transport.py). What is the service's lives here: the public set it
+serves, resuming from the run store after a restart (a new epoch, the same instance), the
+retained run manifest, pause/resume/stop, events for the dashboard, the results file.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from coordinator.config import CoordinatorConfig
+from coordinator.events import EventHub
+from coordinator.store import RunStore, default_store_url
+from coordinator.transport import MqttTransport
+from fedal.data import content_hash, load_dataset, public_set
+from fedal.engine import ClientInfo, RoundEngine, Stopped
+from fedal.engine.results import build_results, final_summary
+from fedal.protocol import RunManifest
+from fedal.strategies import ServerContext, get_strategy
+from fedal.strategies.global_model import fedavg_style_metrics, global_accuracy
+
+log = logging.getLogger("coordinator.run")
+
+
+def pick_device(setting: str) -> str:
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return setting
+
+
+class Run:
+    """One run. `store` and `events` are shared by all runs of a coordinator (RunManager)."""
+
+    def __init__(self, config: CoordinatorConfig, store: RunStore | None = None, events: EventHub | None = None,
+                 origin: str = "config"):
+        if config.client_ids is None:
+            raise ValueError("a run needs client_ids")
+        if config.run.dropout or config.run.stragglers:
+            raise ValueError("dropout and stragglers are faults of the simulation; a deployment has real ones")
+        self.cfg = config
+        self.origin = origin
+        self.run_config = config.run.model_copy(update={"clients": len(config.client_ids)}).resolved()
+        self.spec = get_strategy(self.run_config.strategy)
+        self.client_ids = list(config.client_ids)
+        self.public_bytes: bytes | None = None
+        self.public_hash: str | None = None
+        public_size = 0
+        if config.public_file is not None:
+            self.public_bytes = config.public_file.read_bytes()
+            with np.load(io.BytesIO(self.public_bytes), allow_pickle=False) as z:
+                x = np.ascontiguousarray(z["x"], dtype=np.float32)
+            self.public_hash, public_size = content_hash(x), len(x)
+        elif self.spec.uses_public_set:
+            # the same rows `fedal simulate` holds out for this dataset, size and seed
+            rc = self.run_config
+            x = public_set(rc.dataset, rc.public_size, rc.seed, rc.data_dir)
+            buf = io.BytesIO()
+            np.savez(buf, x=x)
+            self.public_bytes, self.public_hash, public_size = buf.getvalue(), content_hash(x), len(x)
+        self.device = pick_device(config.device)
+        context = ServerContext(config.num_classes, public_size, self.run_config.seed, self.device)
+        self.server = self.spec.server(self.run_config.strategy_params, self.client_ids, context)
+
+        self.transport = MqttTransport(config.broker, config.run_id, self.client_ids)
+        self.bus, self.inbox = self.transport.bus, self.transport.inbox
+        self.engine = RoundEngine(self.server, self.transport, run_id=config.run_id, phases=config.phases,
+                                  phase_kinds=self.spec.phases, rounds=self.run_config.rounds,
+                                  eval_every=self.run_config.eval_every, global_metrics=self._global_model_metrics,
+                                  notify=self._notify, on_reconnect=self._publish_manifest, on_pause=self.pause)
+        self.store = store or RunStore(config.store_url or default_store_url(config.state_dir))
+        self.lock = self.engine.lock  # one lock for what the API reads
+        self.finished_event = threading.Event()
+        self.events = events or EventHub()
+        self.records: list[dict[str, Any]] = []
+        self.state = "pending"
+        self.error: str | None = None
+        self.round = 0
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+        self.config_hash = hashlib.sha256(
+            json.dumps([config.run_id, self.run_config.model_dump(mode="json"), self.client_ids, self.public_hash]).encode()
+        ).hexdigest()
+
+    @property
+    def instance(self) -> str:
+        """The same across restarts of one run, new for a fresh start (set when it starts)."""
+        return self.engine.instance
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def public_url(self) -> str:
+        host = self.cfg.api.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.getfqdn()  # a wildcard bind address is not an address agents can reach
+        base = self.cfg.api.public_base_url or f"http://{host}:{self.cfg.api.port}"
+        return f"{base.rstrip('/')}/api/v1/runs/{self.cfg.run_id}/public"
+
+    def manifest(self) -> RunManifest:
+        return RunManifest(
+            run_id=self.cfg.run_id,
+            strategy=self.run_config.strategy,
+            strategy_params=self.run_config.strategy_params.model_dump(mode="json"),
+            num_classes=self.cfg.num_classes,
+            clients=self.client_ids,
+            rounds=self.run_config.rounds,
+            eval_every=self.run_config.eval_every,
+            public_hash=self.public_hash,
+            public_size=None if self.public_bytes is None else self.server.context.public_size,
+            public_url=self.public_url() if self.public_bytes is not None else None,
+            state=self.state if self.state in ("finished", "stopped") else "running",  # agents need no pause
+            round=self.round,
+            instance=self.instance,
+        )
+
+    def _publish_manifest(self) -> None:
+        self.transport.publish_manifest(self.manifest().to_json())
+
+    def run(self) -> None:
+        """Thread target: resume or start, run every round, finish."""
+        try:
+            start = self._resume()
+            self.round = start
+            if not self.transport.start(self.engine.stop_event):
+                raise Stopped()
+            with self.lock:
+                self.started_at = self.started_at or time.time()
+            self._set_state("running")
+            self._publish_manifest()
+            if start < self.run_config.rounds:  # a run found finished in the store just finishes
+                self.engine.wait_for_clients(self.cfg.phases.start_timeout_s)
+            for r in range(start, self.run_config.rounds):
+                with self.lock:
+                    self.round = r
+                self._publish_manifest()
+                record = self.engine.run_round(r)
+                with self.lock:
+                    self.records.append(record)
+                self.events.publish("round", run_id=self.cfg.run_id, **{k: record.get(k) for k in (
+                    "round", "mean_acc", "min_acc", "max_acc", "local_mean_acc", "bytes_up", "bytes_down", "wall_s")})
+                self._save(completed=r + 1)
+            self._finish("finished")
+        except Stopped:
+            self._finish("stopped")
+        except Exception as exc:  # the API must still report what happened
+            log.exception("run failed")
+            with self.lock:
+                self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            self.finished_event.set()
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+    def pause(self) -> None:
+        """Hold the run before its next phase; open phases finish, agents keep their state."""
+        if self.state == "running":
+            self.engine.pause()
+            self._set_state("paused")
+
+    def resume(self) -> None:
+        if self.state == "paused":
+            self._set_state("running")
+            self.engine.resume()
+
+    def _set_state(self, state: str) -> None:
+        with self.lock:
+            self.state = state
+        self.events.publish("run", run_id=self.cfg.run_id, state=state)
+
+    def _notify(self, kind: str, **fields: Any) -> None:
+        self.events.publish(kind, run_id=self.cfg.run_id, **fields)
+
+    def run_spec(self) -> dict[str, Any]:
+        """What it takes to start this run again (kept by the store)."""
+        return {"run_id": self.cfg.run_id, "run": self.cfg.run.model_dump(mode="json"), "client_ids": self.client_ids,
+                "num_classes": self.cfg.num_classes, "public_file": str(self.cfg.public_file) if self.cfg.public_file else None,
+                "phases": self.cfg.phases.model_dump(mode="json")}
+
+    def _resume(self) -> int:
+        stored = self.store.load(self.cfg.run_id)
+        self.store.register(self.cfg.run_id, self.run_spec(), self.origin)
+        start = 0
+        engine = self.engine
+        if stored and stored.config_hash == self.config_hash:
+            self.server.load_state_dict(self.store.load_server_state(self.cfg.run_id))
+            self.records = stored.records[: stored.completed_rounds]
+            start = stored.completed_rounds
+            engine.epoch = stored.epoch + 1
+            engine.instance = stored.instance or ""
+            self.started_at = stored.started_at
+            for cid, info in stored.clients.items():
+                if cid in engine.clients:
+                    engine.clients[cid] = ClientInfo(**{**info, "online": False})
+            log.info("resuming run %s after round %d (epoch %d)", self.cfg.run_id, start, engine.epoch)
+        elif stored and stored.config_hash is not None:
+            log.warning("stored run %s belongs to another config; starting afresh", self.cfg.run_id)
+            self.store.reset(self.cfg.run_id)
+        if not engine.instance:
+            engine.instance = f"{self.config_hash[:12]}-{uuid.uuid4().hex[:8]}"
+        self._save(completed=start, server_state=start == 0)
+        return start
+
+    def _save(self, completed: int, server_state: bool = True) -> None:
+        with self.lock:
+            progress = {"config_hash": self.config_hash, "completed_rounds": completed, "epoch": self.engine.epoch,
+                        "instance": self.instance, "started_at": self.started_at, "state": self.state}
+            records = list(self.records)
+            info = {c: asdict(i) for c, i in self.engine.clients.items()}
+        self.store.save(self.cfg.run_id, progress, records, info, self.server.state_dict() if server_state else None)
+
+    def _finish(self, state: str) -> None:
+        with self.lock:
+            self.engine.current = None
+            self.finished_at = time.time()
+        self._set_state(state)
+        if self.bus.connected.is_set():
+            self._publish_manifest()
+        self.store.set_state(self.cfg.run_id, state, self.finished_at)
+        if state == "finished":
+            path = self.cfg.results_file or (self.cfg.state_dir / "results.json")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.results(), indent=2) + "\n")
+        self.finished_event.set()
+
+    # -- evaluation --------------------------------------------------------------------------
+    @functools.cached_property
+    def global_test(self):
+        """The run's common test set, derived from its config like the public set; None if this
+        machine cannot load it (a file dataset without its files): then no global_acc."""
+        try:
+            return load_dataset(self.run_config.dataset, self.run_config.data_dir)[1]
+        except (ValueError, OSError) as exc:
+            log.warning("no global_acc: cannot load the %s test set here: %s", self.run_config.dataset, exc)
+            return None
+
+    def _global_model_metrics(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """FedAvg-type strategies: the aggregated model, which only the coordinator holds, on the
+        dataset's common test set (`global_acc`, computed as `fedal simulate` does)."""
+        if not self.spec.global_model:
+            return {}
+        test = self.global_test
+        acc = None if test is None else global_accuracy(self.server, self.run_config.models[0], self.cfg.num_classes,
+                                                        test.x, test.y, threads=self.run_config.threads)
+        return fedavg_style_metrics(summary, acc)
+
+    # -- what the API reads ------------------------------------------------------------------
+    @property
+    def counters(self) -> dict[str, int]:
+        """The run-wide counters, with the unfinished chunked messages the transport dropped."""
+        return {**self.engine.counters, **self.transport.counters()}
+
+    def snapshot(self) -> dict[str, Any]:
+        engine = self.engine
+        with self.lock:
+            cur = engine.current
+            return {
+                "run_id": self.cfg.run_id,
+                "strategy": self.run_config.strategy,
+                "state": self.state,
+                "error": self.error,
+                "round": 0 if self.state == "pending" else min(self.round + 1, self.run_config.rounds),
+                "rounds": self.run_config.rounds,
+                "completed_rounds": len(self.records),
+                "phase": cur.phase.phase if cur else None,
+                "iteration": cur.phase.iteration if cur else None,
+                "held_before": engine.held_before,
+                "pause_at": [p.model_dump() for p in engine.pause_points],
+                "started_at": self.started_at,
+                "finished_at": self.finished_at,
+                "counters": self.counters,
+                "rejects": dict(engine.reject_reasons),
+                "clients": {c: asdict(i) for c, i in engine.clients.items()},
+                "config": self.run_config.model_dump(mode="json"),
+                "last_round": self.records[-1] if self.records else None,
+            }
+
+    def rounds(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return list(self.records)
+
+    def results(self) -> dict[str, Any]:
+        """The same results contract as `fedal simulate` (one builder for both)."""
+        with self.lock:
+            records = list(self.records)
+            deployment = {"run_id": self.cfg.run_id, "device": self.device, "counters": self.counters,
+                          "rejects": dict(self.engine.reject_reasons),
+                          "clients": {c: asdict(i) for c, i in self.engine.clients.items()}}
+        wall = (self.finished_at or time.time()) - (self.started_at or time.time())
+        return build_results(self.run_config.model_dump(mode="json"),
+                             {"public_hash": self.public_hash, "public_size": self.server.context.public_size},
+                             [{"id": cid} for cid in self.client_ids], records, final_summary(records), wall,
+                             deployment=deployment)

@@ -1,0 +1,95 @@
+"""The MQTT transport of the round engine: the coordinator's side of docs/protocol.md.
+
+paho's network thread only enqueues (coordinator/bus.py); this transport, on the engine's
+thread, turns what arrived into the engine's arrivals: topics parsed, chunks reassembled within
+their budgets, the wire bytes of each result counted, cleared retained messages skipped. The
+engine knows nothing of topics, chunks or brokers.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import Counter
+
+from coordinator.bus import CoordinatorBus
+from coordinator.config import CoordinatorBrokerSettings
+from fedal.engine import Arrival, Transport
+from fedal.protocol import EnvelopeError, Reassembler, topics
+
+
+class MqttTransport(Transport):
+    def __init__(self, settings: CoordinatorBrokerSettings, run_id: str, client_ids: list[str]):
+        self.run_id = run_id
+        self.clients = set(client_ids)
+        self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.bus = CoordinatorBus(settings, run_id, self.inbox)
+        self.reassembler = Reassembler(max_size=settings.max_message_bytes,
+                                       max_sender_bytes=settings.reassembly_bytes_per_client,
+                                       max_total_bytes=settings.reassembly_bytes_total)
+        self._partial_bytes: Counter[str] = Counter()  # chunk bytes of a client's unfinished message
+
+    def start(self, should_stop) -> bool:
+        return self.bus.start(should_stop)
+
+    def stop(self) -> None:
+        self.bus.stop()
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def send(self, client_id: str, payload: bytes) -> int:
+        return self.bus.publish_task(client_id, payload)
+
+    def publish_manifest(self, payload: bytes) -> None:
+        self.bus.publish_manifest(payload)
+
+    def receive(self, timeout_s: float) -> Arrival | None:
+        try:
+            topic, payload = self.inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        return self.arrival(topic, payload)
+
+    def arrival(self, topic: str, payload: bytes) -> Arrival | None:
+        """What the engine gets for one MQTT message; None for nothing to handle."""
+        if topic == "$connected":
+            return Arrival("connected")
+        try:
+            t = topics.parse(topic)
+        except topics.TopicError as exc:
+            return Arrival("invalid", reason=f"bad topic: {exc}", reject_kind="topic", topic=topic)
+        if t.run != self.run_id or t.client not in self.clients:
+            return Arrival("invalid", t.client, t.run, reason=f"message from unknown client {t.client!r} (run {t.run!r})",
+                           reject_kind="topic", topic=topic)
+        if t.kind not in ("status", "up"):
+            return None
+        if not payload:
+            return None  # a retained message cleared (by the coordinator itself, or the broker's tooling)
+        if t.kind == "status":
+            return Arrival("status", t.client, t.run, payload, topic=topic)
+        try:
+            msg = self.reassembler.feed(t.client, payload)
+        except EnvelopeError as exc:
+            return Arrival("invalid", t.client, t.run, reason=f"malformed envelope: {exc}", reject_kind=exc.kind, topic=topic)
+        self._partial_bytes[t.client] += len(payload)
+        if msg is None:
+            return None  # a chunk of a larger result
+        return Arrival("result", t.client, t.run, wire_bytes=self._partial_bytes.pop(t.client), topic=topic, message=msg)
+
+    def refused(self, arrival: Arrival) -> None:
+        """A rejected message on a device's result or status topic may have been published
+        retained: later subscribers must not get it (an empty retained message clears it)."""
+        if arrival.topic and arrival.client in self.clients and arrival.kind in ("status", "result", "invalid"):
+            try:
+                t = topics.parse(arrival.topic)
+            except topics.TopicError:
+                return
+            if t.kind in ("up", "status"):
+                self.bus.clear_retained(arrival.topic)
+
+    def counters(self) -> dict[str, int]:
+        """Unfinished chunked messages the reassembler dropped: `evicted` for a sender's newer
+        ones, `expired` after its timeout."""
+        evicted, expired = sum(self.reassembler.evicted.values()), self.reassembler.expired
+        return {k: v for k, v in (("evicted", evicted), ("expired", expired)) if v}
