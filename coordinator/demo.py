@@ -4,15 +4,13 @@ Starts a broker (the embedded one unless --broker), the coordinator and N agent 
 agent in its own workspace holding only its own partition (and the common test set for
 evaluation; the public set it fetches from the coordinator over HTTP and checks against the
 run's hash). Shows progress, prints a per-client table, writes the same results JSON as
-`fedal simulate`, and leaves no process behind.
+`fedal simulate`, and leaves no process behind: stopped by Ctrl-C, SIGTERM or SIGHUP it shuts
+everything down in order, and its children die with it even if it is killed (fedal.procs).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import click
 import numpy as np
@@ -28,6 +27,7 @@ from tqdm import tqdm
 
 from fedal.cli.options import config_from_flags, run_options
 from fedal.cli.simulate import write_results
+from fedal import procs, workspace
 from fedal.data import build_federated
 from fedal.sim.config import RunConfig
 from fedal.sim.fairness import fairness_line, standalone_fairness
@@ -46,14 +46,19 @@ def free_port() -> int:
 
 
 def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_port: int) -> tuple[Path, list[Path], dict]:
-    """Partition files, agent configs and the coordinator config for `config` (resolved)."""
+    """Partition files, agent configs and the coordinator config for `config` (resolved).
+
+    workdir must be new, empty or a workspace of an earlier run (its marker file): only the
+    coordinator/ and agents/ trees written here before are replaced (workspace.WorkspaceError
+    otherwise, before anything is touched).
+    """
+    workspace.claim(workdir, "fedal demo")
     data = build_federated(config.dataset, num_clients=config.clients, partition=config.partition, alpha=config.alpha,
                            samples_per_client=config.samples_per_client, public_size=config.public_size,
                            seed=config.seed, data_dir=config.data_dir, local_test_fraction=config.local_test_fraction,
                            shift_c=config.shift_c)
-    if workdir.exists():
-        shutil.rmtree(workdir)
-    (workdir / "coordinator").mkdir(parents=True)
+    workspace.clear(workdir, ("coordinator", "agents"))
+    (workdir / "coordinator").mkdir()
     public_file = workdir / "coordinator" / "public.npz"
     np.savez(public_file, x=data.public_x)
     ids = make_client_ids(config.clients)
@@ -97,27 +102,17 @@ def get_json(url: str, timeout: float = 2.0):
 
 
 def spawn(module: str, config: Path, log_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    log = open(log_path, "wb")
-    return subprocess.Popen([sys.executable, "-m", module, "--config", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)
+    """`python -m module --config config`: a child that dies with this process (fedal.procs)."""
+    return procs.spawn_python(module, "--config", str(config), log_path=log_path)
 
 
-def terminate(procs: list[subprocess.Popen], grace_s: float = 10) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+terminate = procs.terminate
 
 
 def run_demo(config: RunConfig, workdir: Path, broker: str | None = None, api_port: int = 0, linger_s: float = 0,
-             quiet: bool = False, timeout_s: float = 3600) -> dict:
+             quiet: bool = False, timeout_s: float = 3600, on_results: Callable[[dict], None] | None = None) -> dict:
+    """The run's results. on_results(results) is called as soon as the run has finished, before
+    the linger: the results are on disk while the dashboard is still up."""
     config = config.resolved()
     api_port = api_port or free_port()
     embedded = None
@@ -126,39 +121,41 @@ def run_demo(config: RunConfig, workdir: Path, broker: str | None = None, api_po
 
         embedded = EmbeddedBroker(port=free_port()).start()
         broker = embedded.url
-    procs: list[subprocess.Popen] = []
+    children: list[subprocess.Popen] = []
     try:
         coord_path, agent_paths, data_info = prepare_workspace(config, workdir, broker, api_port)
         api = f"http://127.0.0.1:{api_port}"
-        procs.append(spawn("coordinator", coord_path, workdir / "coordinator" / "coordinator.log"))
+        children.append(spawn("coordinator", coord_path, workdir / "coordinator" / "coordinator.log"))
         for path in agent_paths:
-            procs.append(spawn("edge_agent", path, path.parent / "agent.log"))
+            children.append(spawn("edge_agent", path, path.parent / "agent.log"))
         if not quiet:
             click.echo(f"broker {broker} | dashboard {api}/dashboard/ | REST API {api}/api/v1/runs/{RUN_ID} | workspace {workdir}", err=True)
-        results = _follow(api, procs, config.rounds, quiet, timeout_s)
+        results = _follow(api, children, config.rounds, quiet, timeout_s)
         results["data"] = {**data_info, **results.get("data", {})}
         results["clients"] = [{"id": c["id"], "model": config.models[i % len(config.models)]}
                               for i, c in enumerate(results["clients"])]
         if get_strategy(config.strategy).fairness:  # CF's standalone baseline: no communication, so in-process
             results["final"].update(standalone_fairness(config, results["final"]))
+        if on_results is not None:
+            on_results(results)
         if linger_s > 0:
             if not quiet:
                 click.echo(f"run finished; the coordinator stays up {linger_s:.0f} s at {api}", err=True)
             time.sleep(linger_s)
         return results
     finally:
-        terminate(procs)
+        terminate(children)
         if embedded is not None:
             embedded.stop()
 
 
-def _follow(api: str, procs: list[subprocess.Popen], rounds: int, quiet: bool, timeout_s: float) -> dict:
+def _follow(api: str, children: list[subprocess.Popen], rounds: int, quiet: bool, timeout_s: float) -> dict:
     bar = tqdm(total=rounds, desc="demo", unit="round", disable=quiet, file=sys.stderr)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
-            if procs[0].poll() is not None:
-                raise click.ClickException(f"the coordinator exited with status {procs[0].returncode}; see its log")
+            if children[0].poll() is not None:
+                raise click.ClickException(f"the coordinator exited with status {children[0].returncode}; see its log")
             try:
                 run = get_json(f"{api}/api/v1/runs/{RUN_ID}")
             except (urllib.error.URLError, OSError, ValueError):
@@ -210,7 +207,8 @@ def summary_table(results: dict) -> str:
 @click.option("--api-port", type=click.IntRange(0, 65535), default=0, help="Coordinator REST port (0: a free one).")
 @click.option("--linger", type=click.FloatRange(0), default=0.0, help="Keep the coordinator up S seconds after the run.")
 @click.option("--workdir", type=click.Path(file_okay=False), default="runs/demo", show_default=True,
-              help="Workspace for the coordinator and the agents (replaced).")
+              help=f"Workspace for the coordinator and the agents: a new or empty directory, or one an earlier demo "
+                   f"made (it holds {workspace.MARKER}; its coordinator/ and agents/ are replaced).")
 @click.option("--out", type=click.Path(dir_okay=False), default="runs/demo/results.json", show_default=True)
 @click.option("--plot", type=click.Path(dir_okay=False), help="Also write accuracy vs round as a PNG.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
@@ -224,7 +222,19 @@ def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, *
             parse_broker_url(broker)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--broker") from None
-    results = run_demo(config, Path(workdir), broker, api_port, linger, quiet)
-    write_results(results, out, plot)
-    click.echo(summary_table(results))
-    click.echo(f"results -> {out}")
+    try:
+        workspace.claim(Path(workdir), "fedal demo")  # refused before anything starts
+    except workspace.WorkspaceError as exc:
+        raise click.BadParameter(str(exc), param_hint="--workdir") from None
+
+    def _report(results: dict) -> None:
+        write_results(results, out, plot)
+        click.echo(summary_table(results))
+        click.echo(f"results -> {out}")
+
+    try:
+        with procs.stop_signals_interrupt():  # SIGTERM/SIGHUP: the same orderly shutdown as Ctrl-C
+            run_demo(config, Path(workdir), broker, api_port, linger, quiet, on_results=_report)
+    except procs.Stopped as exc:
+        click.echo(f"stopped by {exc}: the coordinator, the agents and the broker are shut down", err=True)
+        sys.exit(exc.exit_status)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import threading
 import time
 
@@ -14,6 +16,26 @@ from coordinator.config import CoordinatorConfig
 from coordinator.runs import ENDED, RunManager
 
 log = logging.getLogger("coordinator")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a captured SIGINT/SIGTERM once the server is down, which kills the
+    process (status 143) or raises KeyboardInterrupt before serve() has stopped the runs: no
+    `stopped` published, no state saved. Here a stop signal only stops the server; serve() then
+    shuts down in order and returns 0. SIGHUP (a closed terminal) stops it the same way."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def serve(config: CoordinatorConfig) -> int:
@@ -21,7 +43,7 @@ def serve(config: CoordinatorConfig) -> int:
         torch.set_num_threads(config.threads)
     runs = RunManager(config)
     runs.restore()
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(create_app(runs), host=config.api.host, port=config.api.port, log_level="warning", lifespan="off")
     )
 
@@ -44,7 +66,10 @@ def serve(config: CoordinatorConfig) -> int:
     for engine in runs.list():
         log.info("run %s (%s)", engine.cfg.run_id, engine.run_config.strategy)
     log.info("API on http://%s:%d", config.api.host, config.api.port)
-    server.run()  # returns on SIGINT/SIGTERM or when should_exit is set
+    server.run()  # returns on SIGINT/SIGTERM/SIGHUP or when should_exit is set
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # a repeated stop must not cut the orderly stop short
+            signal.signal(sig, signal.SIG_IGN)  # (a second Ctrl-C still aborts it, as asked)
     runs.stop()
     runs.store.close()
     return 0 if all(e.state in ENDED[:2] for e in runs.list()) else 1

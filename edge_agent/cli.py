@@ -29,7 +29,7 @@ def agent_cmd(config_path: str | None, log_level: str, self_check: bool) -> None
     except SettingsError as exc:
         raise click.UsageError(str(exc)) from None
     agent = Agent(config)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal closed
         signal.signal(sig, lambda *_: agent.stop())
     sys.exit(agent.run())
 

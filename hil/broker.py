@@ -41,11 +41,11 @@ async def start(profile: Profile, upstream: tuple[str, int], listen: tuple[str, 
 
 
 async def serve_forever(profile: Profile, upstream, listen, control, seed=None, on_ready=None) -> None:
-    """The CLI's main: run until SIGINT/SIGTERM, then close every connection."""
+    """The CLI's main: run until SIGINT/SIGTERM/SIGHUP, then close every connection."""
     proxy, server, task, control_port = await start(profile, upstream, listen, control, seed)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
         loop.add_signal_handler(sig, stop.set)
     if on_ready is not None:
         on_ready(proxy, control_port)

@@ -8,9 +8,7 @@ of a deployment, started as its own process (`python -m coordinator`).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,17 +17,22 @@ from typing import Any
 
 import numpy as np
 
+from fedal import procs, workspace
+
 
 def write_coordinator_config(workdir: Path, broker_url: str, run_id: str, ids: list[str], *, api_port: int,
                              strategy: str = "fedal", rounds: int = 3, seed: int = 0, num_classes: int = 10,
                              public_size: int = 1000, public_batch_size: int = 32, tau: int | None = None,
                              eval_every: int = 1, phases: dict[str, float] | None = None,
                              extra: dict[str, Any] | None = None) -> Path:
-    """coordinator.toml (and public.npz) in `workdir`; returns the config's path."""
+    """coordinator.toml (and public.npz) in `workdir`; returns the config's path.
+
+    workdir: new, empty, or a workspace made here before (its state/ is kept: a restarted
+    coordinator resumes); any other directory raises workspace.WorkspaceError untouched.
+    """
     import tomli_w
 
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = workspace.claim(workdir, "fedal hil fleet --start-coordinator")
     public_file = workdir / "public.npz"
     rng = np.random.default_rng(seed)
     np.savez(public_file, x=rng.standard_normal((public_size, 8), dtype=np.float32))
@@ -54,14 +57,9 @@ def write_coordinator_config(workdir: Path, broker_url: str, run_id: str, ids: l
 
 
 def start_coordinator(config_path: Path, log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`python -m coordinator --config config_path`, its output in log_path; env adds variables."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    log = open(log_path, "ab")
-    try:
-        return subprocess.Popen([sys.executable, "-m", "coordinator", "--config", str(config_path)], stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    finally:
-        log.close()  # the child holds its own descriptor
+    """`python -m coordinator --config config_path`, its output in log_path; env adds variables.
+    The coordinator dies with this process (fedal.procs)."""
+    return procs.spawn_python("coordinator", "--config", str(config_path), log_path=log_path, env=env)
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 15.0) -> int:

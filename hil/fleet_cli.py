@@ -68,6 +68,13 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     raise_open_files_limit(clients + 1024)  # one socket per emulated agent
 
+    stop = {"signal": None}
+
+    def _on_signal(signum, _frame) -> None:
+        stop["signal"] = signum
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed
+        signal.signal(sig, _on_signal)  # before anything starts: every way out goes through the finally below
     coordinator = None
     api = None
     if start_coordinator:
@@ -82,23 +89,26 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
             import tomllib
 
             extra["broker"] = tomllib.loads(account.read_text()).get("broker", {})
-        path = write_coordinator_config(wd, broker, run_id, ids, api_port=api_port, strategy=strategy, rounds=rounds,
-                                        seed=seed, num_classes=num_classes, public_size=public_size,
-                                        public_batch_size=batch, tau=tau, extra=extra)
+        from fedal.workspace import WorkspaceError
+
+        try:
+            path = write_coordinator_config(wd, broker, run_id, ids, api_port=api_port, strategy=strategy, rounds=rounds,
+                                            seed=seed, num_classes=num_classes, public_size=public_size,
+                                            public_batch_size=batch, tau=tau, extra=extra)
+        except WorkspaceError as exc:
+            raise click.BadParameter(str(exc), param_hint="--workdir") from None
         coordinator = spawn_coordinator(path, wd / "coordinator.log")
         api = f"http://127.0.0.1:{api_port}"
         click.echo(f"coordinator: {api}/api/v1/runs/{run_id} (log {wd / 'coordinator.log'})", err=True)
 
-    fleet = Fleet(broker, run_id, ids, seed, username=username, password=password, ca_file=ca_file,
-                  credentials=credentials, public_file=public_file, reconnect_min_s=reconnect_min,
-                  reconnect_max_s=reconnect_max).start()
-    stop = {"signal": None}
-
-    def _on_signal(signum, _frame) -> None:
-        stop["signal"] = signum
-
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        fleet = Fleet(broker, run_id, ids, seed, username=username, password=password, ca_file=ca_file,
+                      credentials=credentials, public_file=public_file, reconnect_min_s=reconnect_min,
+                      reconnect_max_s=reconnect_max).start()
+    except BaseException:
+        if coordinator is not None:
+            stop_process(coordinator)
+        raise
     bar = tqdm(total=None, desc=f"fleet {run_id}", unit="round", disable=quiet, file=sys.stderr)
     deadline = time.monotonic() + timeout if timeout else None
     outcome = "interrupted"

@@ -17,6 +17,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from fedal import procs
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -76,8 +78,7 @@ class Mosquitto:
 
     def start(self, timeout_s: float = 10.0) -> "Mosquitto":
         raise_open_files_limit(max(4096, 2 * 4096))
-        self.proc = subprocess.Popen([self.binary, "-c", str(self.conf)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = procs.spawn([self.binary, "-c", str(self.conf)], stdout=subprocess.DEVNULL)  # dies with us
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,0 +1,102 @@
+"""`fedal demo --workdir DIR` never deletes what the toolkit did not create: a non-empty directory
+without the workspace marker is refused (exit 2) untouched; a workspace of an earlier demo is
+reused, and only its coordinator/ and agents/ trees are replaced."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from coordinator.demo import prepare_workspace
+from fedal import workspace
+from fedal.cli.main import cli
+from fedal.sim import load_config
+
+
+def fedal() -> list[str]:
+    exe = Path(sys.executable).with_name("fedal")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "fedal.cli.main"]
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def demo_args(workdir: str, out: Path) -> list[str]:
+    return ["demo", "--dataset", "digits", "--clients", "2", "--rounds", "1", "--strategy", "fedmd", "--public-size", "60",
+            "--workdir", workdir, "--out", str(out), "--quiet"]
+
+
+def test_demo_refuses_a_directory_it_did_not_create(tmp_path):
+    thesis = tmp_path / "w"
+    thesis.mkdir()
+    (thesis / "thesis.txt").write_text("precious")
+    (thesis / "coordinator").mkdir()
+    (thesis / "coordinator" / "notes.md").write_text("mine too")
+    before = snapshot(thesis)
+    result = CliRunner().invoke(cli, demo_args(str(thesis), tmp_path / "r.json"))
+    assert result.exit_code == 2, result.output
+    assert "--workdir" in result.output and workspace.MARKER in result.output
+    assert snapshot(thesis) == before and not (tmp_path / "r.json").exists()
+
+
+def test_demo_refuses_the_current_directory(tmp_path):
+    """`--workdir .` from a folder of one's own: the real command, refused before anything starts."""
+    (tmp_path / "thesis.txt").write_text("precious")
+    proc = subprocess.run([*fedal(), *demo_args(".", tmp_path / "r.json")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "not a FedAL workspace" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["thesis.txt"]
+    assert (tmp_path / "thesis.txt").read_text() == "precious"
+
+
+@pytest.fixture()
+def config():
+    return load_config(None, dict(strategy="fedmd", dataset="digits", clients=3, rounds=1, public_size=60, seed=0)).resolved()
+
+
+def test_a_workspace_is_made_adopted_and_reused_clearing_only_its_own_trees(tmp_path, config):
+    ws = tmp_path / "ws"
+    ws.mkdir()  # empty: adopted
+    prepare_workspace(config, ws, "mqtt://127.0.0.1:1", 1)
+    assert workspace.is_workspace(ws) and (ws / "agents" / "c02" / "agent.toml").exists()
+    (ws / "results.json").write_text("{}")  # what the demo writes next to them, and a user's note
+    (ws / "notes.txt").write_text("mine")
+    (ws / "agents" / "c02" / "stale.log").write_text("from the last run")
+
+    smaller = load_config(None, dict(strategy="fedmd", dataset="digits", clients=2, rounds=1, public_size=60)).resolved()
+    prepare_workspace(smaller, ws, "mqtt://127.0.0.1:1", 1)
+    assert not (ws / "agents" / "c02").exists()  # the earlier run's agents are gone ...
+    assert (ws / "agents" / "c01" / "agent.toml").exists()
+    assert (ws / "notes.txt").read_text() == "mine" and (ws / "results.json").exists()  # ... nothing else
+
+
+def test_a_link_in_a_workspace_is_removed_never_followed(tmp_path, config):
+    ws = tmp_path / "ws"
+    prepare_workspace(config, ws, "mqtt://127.0.0.1:1", 1)  # new: created with its marker
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("keep")
+    shutil.rmtree(ws / "agents")
+    (ws / "agents").symlink_to(elsewhere)
+    prepare_workspace(config, ws, "mqtt://127.0.0.1:1", 1)
+    assert (elsewhere / "keep.txt").read_text() == "keep" and not (ws / "agents").is_symlink()
+
+
+def test_hil_fleet_refuses_a_workdir_it_did_not_create(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "coordinator.toml").write_text("# my own coordinator's config\n")
+    before = snapshot(mine)
+    proc = subprocess.run([*fedal(), "hil", "fleet", "--clients", "1", "--run-id", "r", "--broker", "mqtt://127.0.0.1:1",
+                           "--start-coordinator", "--workdir", str(mine), "--timeout", "1", "--quiet"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--workdir" in proc.stderr and workspace.MARKER in proc.stderr
+    assert snapshot(mine) == before
