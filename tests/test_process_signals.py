@@ -185,3 +185,29 @@ def test_coordinator_stopped_by_a_signal_publishes_stopped_and_exits_0(mosquitto
         assert late.retained == ["stopped"]
     finally:
         late.close()
+
+
+def test_a_child_spawned_from_a_short_lived_thread_outlives_that_thread_not_the_process(tmp_path):
+    """PR_SET_PDEATHSIG fires when the forking *thread* ends: children of other threads are forked
+    by fedal.procs' long-lived spawner thread, so they live as long as the process that wants them."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, threading, time\n"
+        "from fedal import procs\n"
+        "box = []\n"
+        "t = threading.Thread(target=lambda: box.append(procs.spawn(['sleep', '120'], stdout=sys.stdout)))\n"
+        "t.start(); t.join()\n"
+        "print(box[0].pid, flush=True)\n"
+        "time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        time.sleep(1.0)  # the thread that asked for it is gone by now
+        assert alive(child)
+        parent.kill()
+        parent.wait()
+        wait_until(lambda: not alive(child), timeout_s=30, what="the child to die with its parent")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
