@@ -76,7 +76,7 @@ def stop_and_check(proc: subprocess.Popen, sig: int, ports: list[int]) -> int:
     wait_until(lambda: not any(alive(c) for c in children), timeout_s=90,
                what=f"the processes of the run to end after {signal.Signals(sig).name} ({sorted(children)})")
     for port in ports:
-        wait_until(lambda: port_free(port), timeout_s=30, what=f"port {port} to be free")
+        wait_until(lambda port=port: port_free(port), timeout_s=30, what=f"port {port} to be free")
     return returncode
 
 
