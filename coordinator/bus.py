@@ -12,7 +12,7 @@ import threading
 import time
 
 from coordinator.config import CoordinatorBrokerSettings
-from fedal.mqtt_client import connect_failure, new_client
+from mqtt_link import connect_failure, new_client
 from fedal.protocol import parse_broker_url, split, topics
 
 log = logging.getLogger("coordinator.mqtt")

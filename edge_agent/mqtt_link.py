@@ -15,7 +15,7 @@ import threading
 import time
 
 from edge_agent.config import AgentConfig
-from fedal.mqtt_client import connect_failure, new_client
+from mqtt_link import connect_failure, new_client
 from fedal.protocol import parse_broker_url, split, topics
 
 log = logging.getLogger("edge_agent.mqtt")

@@ -4,7 +4,7 @@ One place sets up credentials and TLS, and knows why a connection attempt failed
 on_connect_fail callback gets no exception, so on its own a broker certificate that does not
 verify (foreign CA, host name not in the certificate, wrong clock) would read only "cannot
 connect". `Client` keeps the exception of its last attempt; `connect_failure` words it for the log.
-Needs paho-mqtt (the `agent` and `coordinator` extras); the rest of `fedal` does not import it.
+Needs paho-mqtt (the `agent` and `coordinator` extras).
 """
 
 from __future__ import annotations
