@@ -257,7 +257,7 @@ def run_fleet(config, workdir: Path, broker: str, setup=None, phases: dict | Non
     line, config included; final_dir: where that agent writes its final artifacts). Phases close only when every client answered (quorum 1), so each agent takes part
     in every round.
     """
-    from coordinator.demo import RUN_ID, free_port, prepare_workspace, spawn, terminate
+    from fedal_cli.demo import RUN_ID, free_port, prepare_workspace, spawn, terminate
 
     config = config.resolved()
     api_port = free_port()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 
-from coordinator.demo import run_demo
+from fedal_cli.demo import run_demo
 from fedal.protocol import EnvelopeError, decode, parse_broker_url, topics
 from fedal.sim import build_run, load_config, simulated_engine
 

@@ -153,7 +153,7 @@ fi
 [ -f "$CONFIG" ] || die "config file not found: $CONFIG"
 command -v "$PY" >/dev/null 2>&1 || die "$PY is needed to check the config (set FEDAL_PYTHON)"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-if ! facts="$("$PY" -m fedal.cli.main fleet check "$CONFIG" 2>&1)"; then
+if ! facts="$("$PY" -m fedal_cli.main fleet check "$CONFIG" 2>&1)"; then
   case "$facts" in
     *ModuleNotFoundError*|*"needs an extra"*)
       die "cannot check the config: $PY must import this checkout's fedal-edge and its dependencies (pip install -e '${REPO}[fleet]')" ;;

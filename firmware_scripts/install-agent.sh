@@ -309,7 +309,7 @@ else
     changed "installed the agent ($spec) into $VENV"
   fi
   if [ "$DRY" -eq 0 ] && "$VPY" -I -c 'import edge_agent.config, fleet.cli' 2>/dev/null; then
-    "$VPY" -I -m fedal.cli.main fleet check "$ROOT$ETC/agent.toml" >/dev/null || die "the installed config is invalid (see above)"
+    "$VPY" -I -m fedal_cli.main fleet check "$ROOT$ETC/agent.toml" >/dev/null || die "the installed config is invalid (see above)"
   fi
 fi
 

@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh all
 # shellcheck source=scripts/python-env.sh
 source scripts/python-env.sh
-"$PYTHON" -m fedal.cli.main demo --config examples/demo.toml \
+"$PYTHON" -m fedal_cli.main demo --config examples/demo.toml \
   --workdir runs/demo --out runs/demo/results.json --plot runs/demo/accuracy.png "$@"

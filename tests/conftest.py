@@ -107,7 +107,7 @@ def mosquitto_server(tmp_path_factory):
 @pytest.fixture()
 def embedded_broker():
     from coordinator.broker import EmbeddedBroker
-    from coordinator.demo import free_port
+    from fedal_cli.demo import free_port
 
     broker = EmbeddedBroker(port=free_port()).start()
     yield broker.url

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import tomli_w
 
-from coordinator.demo import RUN_ID, free_port, prepare_workspace, spawn, terminate
+from fedal_cli.demo import RUN_ID, free_port, prepare_workspace, spawn, terminate
 
 TOKEN = "deployment-token"  # the API token of a Deployment's coordinator unless the test names one
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 from click.testing import CliRunner
 
-from fedal.cli.main import cli
+from fedal_cli.main import cli
 from hil.mosquitto import Mosquitto
 from tests.waiting import free_port
 

@@ -24,7 +24,7 @@ TINY = ["--dataset", "digits", "--clients", "2", "--rounds", "1", "--tau", "1", 
 
 
 def fedal(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "fedal.cli.main", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "fedal_cli.main", *args], capture_output=True, text=True, cwd=cwd,
                           env={**os.environ}, timeout=300)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import urllib.request
 
-from coordinator.demo import free_port, run_demo
+from fedal_cli.demo import free_port, run_demo
 from fedal.sim import load_config
 from tests.deployment import get, poll_run
 from tests.waiting import wait_until

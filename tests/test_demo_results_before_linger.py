@@ -18,7 +18,7 @@ def test_results_are_written_before_the_linger(mosquitto, tmp_path):
     api = f"http://127.0.0.1:{port}"
     out, plot, log = tmp_path / "results.json", tmp_path / "acc.png", tmp_path / "demo.out"
     exe = Path(sys.executable).with_name("fedal")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "fedal.cli.main"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "fedal_cli.main"]
     with open(log, "wb") as stdout:
         demo = subprocess.Popen([*cmd, "demo", "--dataset", "digits", "--clients", "2", "--strategy", "fedmd",
                                  "--rounds", "2", "--public-size", "60", "--broker", mosquitto, "--api-port", str(port),

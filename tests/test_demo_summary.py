@@ -1,6 +1,6 @@
 """The per-client table `fedal demo` prints at the end."""
 
-from coordinator.demo import summary_table
+from fedal_cli.demo import summary_table
 
 
 def results(final: dict) -> dict:

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from coordinator.demo import prepare_workspace
+from fedal_cli.demo import prepare_workspace
 from fedal import workspace
-from fedal.cli.main import cli
+from fedal_cli.main import cli
 from fedal.sim import load_config
 
 
 def fedal() -> list[str]:
     exe = Path(sys.executable).with_name("fedal")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "fedal.cli.main"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "fedal_cli.main"]
 
 
 def snapshot(root: Path) -> dict[str, bytes]:

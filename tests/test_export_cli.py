@@ -13,7 +13,7 @@ from fedal.models import build_model
 
 
 def _export(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "fedal.cli.main", "export", *args],
+    return subprocess.run([sys.executable, "-m", "fedal_cli.main", "export", *args],
                           cwd=cwd, capture_output=True, text=True, timeout=120)
 
 

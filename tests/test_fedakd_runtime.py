@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from coordinator.demo import run_demo
+from fedal_cli.demo import run_demo
 from fedal.sim import load_config, simulate
 from fedal.sim.fairness import collaborative_fairness, standalone_config
 

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from edge_agent.config import load_agent_config
-from fedal.cli.main import cli
+from fedal_cli.main import cli
 from fedal.protocol import topics
 from fleet import passwords
 

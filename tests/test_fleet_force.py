@@ -10,7 +10,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from fedal.cli.main import cli
+from fedal_cli.main import cli
 from fleet.generate import MARKER
 
 

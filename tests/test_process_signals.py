@@ -28,7 +28,7 @@ SIGNALS = [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL]
 
 def fedal(*args: str) -> list[str]:
     exe = Path(sys.executable).with_name("fedal")
-    return [str(exe), *args] if exe.exists() else [sys.executable, "-m", "fedal.cli.main", *args]
+    return [str(exe), *args] if exe.exists() else [sys.executable, "-m", "fedal_cli.main", *args]
 
 
 def children_of(pid: int) -> set[int]:

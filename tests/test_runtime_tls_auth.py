@@ -13,7 +13,7 @@ import time
 import paho.mqtt.client as mqtt
 import pytest
 
-from coordinator.demo import free_port
+from fedal_cli.demo import free_port
 from fedal.protocol import topics
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from fedal.cli.main import cli
+from fedal_cli.main import cli
 from fedal.settings import exposed_secrets
 from hil.coordinator_setup import start_coordinator, stop_process, write_coordinator_config
 from tests.waiting import free_port

@@ -54,13 +54,13 @@ def test_stragglers_answer_after_the_deadline_and_are_counted_stale():
 
 def test_fault_flags_on_the_command_line(tmp_path):
     out = tmp_path / "r.json"
-    ok = subprocess.run([sys.executable, "-m", "fedal.cli.main", "simulate", "--strategy", "fedmd", "--dataset", "digits",
+    ok = subprocess.run([sys.executable, "-m", "fedal_cli.main", "simulate", "--strategy", "fedmd", "--dataset", "digits",
                          "--clients", "4", "--rounds", "2", "--tau", "1", "--public-size", "60", "--dropout", "0.25",
                          "--quiet", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr
     saved = json.loads(out.read_text())
     assert saved["config"]["dropout"] == 0.25  # the saved config repeats the faulted run
-    bad = subprocess.run([sys.executable, "-m", "fedal.cli.main", "simulate", "--dropout", "1.5"],
+    bad = subprocess.run([sys.executable, "-m", "fedal_cli.main", "simulate", "--dropout", "1.5"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--dropout" in bad.stderr
 

@@ -17,7 +17,7 @@ SMALL = ["--dataset", "digits", "--clients", "3", "--rounds", "2", "--tau", "2",
 
 def fedal(*args, cwd=None):
     return subprocess.run(
-        [sys.executable, "-m", "fedal.cli.main", *args], capture_output=True, text=True, cwd=cwd, env={**os.environ}, timeout=300
+        [sys.executable, "-m", "fedal_cli.main", *args], capture_output=True, text=True, cwd=cwd, env={**os.environ}, timeout=300
     )
 
 

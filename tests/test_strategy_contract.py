@@ -21,7 +21,7 @@ import paho.mqtt.client as mqtt
 import pytest
 import torch
 
-from coordinator.demo import RUN_ID
+from fedal_cli.demo import RUN_ID
 from coordinator.store import RunStore, default_store_url
 from fedal.engine.results import final_summary
 from fedal.protocol import Message, decode, encode, parse_broker_url

@@ -36,6 +36,6 @@ def test_own_and_common_parameters_are_accepted_and_a_resolved_config_reloads(na
 def test_the_command_line_exits_2_on_a_foreign_parameter(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text('strategy = "local"\n[strategy_params]\nlambda_kd = 2.0\n')
-    out = subprocess.run([sys.executable, "-m", "fedal.cli.main", "simulate", "--config", str(cfg), "--quiet",
+    out = subprocess.run([sys.executable, "-m", "fedal_cli.main", "simulate", "--config", str(cfg), "--quiet",
                           "--out", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "lambda_kd" in out.stderr and "do not apply to strategy 'local'" in out.stderr

@@ -14,8 +14,8 @@ import click
 from fedal import __version__
 
 LAZY_COMMANDS = {
-    "simulate": ("fedal.cli.simulate", "simulate_cmd", "Run a federated simulation in this process."),
-    "demo": ("coordinator.demo", "demo_cmd", "Run a federated training across processes over MQTT."),
+    "simulate": ("fedal_cli.simulate", "simulate_cmd", "Run a federated simulation in this process."),
+    "demo": ("fedal_cli.demo", "demo_cmd", "Run a federated training across processes over MQTT."),
     "coordinator": ("coordinator.cli", "coordinator_cmd", "Run the coordinator (round engine + REST API)."),
     "agent": ("edge_agent.cli", "agent_cmd", "Run an edge agent."),
     "export": ("export.cli", "export_cmd", "Export a model to ONNX (parity check, int8)."),

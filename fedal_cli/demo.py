@@ -26,8 +26,8 @@ import tomli_w
 from tqdm import tqdm
 
 from fedal import procs, workspace
-from fedal.cli.options import config_from_flags, run_options
-from fedal.cli.simulate import write_results
+from fedal_cli.options import config_from_flags, run_options
+from fedal_cli.simulate import write_results
 from fedal.data import build_federated
 from fedal.sim.config import RunConfig
 from fedal.sim.fairness import fairness_line, standalone_fairness

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from fedal.cli.options import config_from_flags, fault_options, run_options
+from fedal_cli.options import config_from_flags, fault_options, run_options
 
 
 @click.command("simulate")

@@ -1,0 +1,5 @@
+"""`python -m fedal_cli`: the `fedal` command."""
+
+from fedal_cli.main import cli
+
+cli()
