@@ -47,7 +47,6 @@ if str(REPO) not in sys.path:  # runnable from a checkout without an install, li
 sys.path.insert(0, str(REPO / "bench"))
 from loopback_broker import loopback_broker  # noqa: E402
 
-
 # -- measuring one process ---------------------------------------------------------------------
 # The kernel's peak RSS of a process (ru_maxrss) starts from its parent's at fork/exec: an agent
 # spawned straight from this benchmark (torch imported, ~350 MB) would report at least that much.

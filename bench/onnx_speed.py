@@ -44,8 +44,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from export import export_onnx  # noqa: E402
-from export.quantize import accuracy_delta, quantize_int8  # noqa: E402
 from export.layout import has_1d_layers  # noqa: E402
+from export.quantize import accuracy_delta, quantize_int8  # noqa: E402
 from export.session import OrtModel, node_times  # noqa: E402
 from fedal.data import load_dataset  # noqa: E402
 from fedal.models import build_model  # noqa: E402

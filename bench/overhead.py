@@ -24,9 +24,9 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 
-from fedal_cli.demo import run_demo
 from fedal.protocol import EnvelopeError, decode, parse_broker_url, topics
 from fedal.sim import build_run, load_config, simulated_engine
+from fedal_cli.demo import run_demo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loopback_broker import loopback_broker  # noqa: E402

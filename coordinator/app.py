@@ -3,12 +3,11 @@ live events, Prometheus metrics, the dashboard, and the public set for agents.""
 
 from __future__ import annotations
 
-from typing import Any
-
 import asyncio
 import json
 import queue
 import secrets
+from typing import Any
 
 from fastapi import Body, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import PlainTextResponse, RedirectResponse, Response, StreamingResponse
@@ -17,9 +16,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.config import RunSpec
 from coordinator.dashboard import STATIC_DIR
-from coordinator.run import Run
 from coordinator.events import sse_format
 from coordinator.metrics import registry_for
+from coordinator.run import Run
 from coordinator.runs import InvalidRunSpec, RunConflict, RunManager
 from fedal import __version__
 

@@ -25,7 +25,7 @@ class EmbeddedBroker:
     def url(self) -> str:
         return f"mqtt://{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 15) -> "EmbeddedBroker":
+    def start(self, timeout_s: float = 15) -> EmbeddedBroker:
         for name in ("amqtt", "transitions"):
             logging.getLogger(name).setLevel(logging.ERROR)
         self._thread.start()
@@ -38,7 +38,7 @@ class EmbeddedBroker:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=10)
 
-    def __enter__(self) -> "EmbeddedBroker":
+    def __enter__(self) -> EmbeddedBroker:
         return self.start()
 
     def __exit__(self, *exc) -> None:

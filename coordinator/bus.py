@@ -12,15 +12,15 @@ import threading
 import time
 
 from coordinator.config import CoordinatorBrokerSettings
-from mqtt_link import connect_failure, new_client
 from fedal.protocol import parse_broker_url, split, topics
+from mqtt_link import connect_failure, new_client
 
 log = logging.getLogger("coordinator.mqtt")
 CLEAR_EVERY_S = 1.0  # at most one clearing publish per topic this often: a junk flood is not echoed 1:1
 
 
 class CoordinatorBus:
-    def __init__(self, settings: CoordinatorBrokerSettings, run_id: str, inbox: "queue.Queue[tuple[str, bytes]]"):
+    def __init__(self, settings: CoordinatorBrokerSettings, run_id: str, inbox: queue.Queue[tuple[str, bytes]]):
         self.settings = settings
         self.run_id = run_id
         self.inbox = inbox

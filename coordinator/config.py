@@ -90,7 +90,7 @@ class CoordinatorConfig(BaseSettings):
         return RunSpec(run_id=self.run_id, run=self.run, client_ids=self.client_ids, num_classes=self.num_classes,
                        public_file=self.public_file, phases=self.phases)
 
-    def for_run(self, spec: RunSpec, results_file: Path | None = None) -> "CoordinatorConfig":
+    def for_run(self, spec: RunSpec, results_file: Path | None = None) -> CoordinatorConfig:
         """This coordinator's settings with `spec` as its run: what one Run runs with."""
         return self.model_copy(update={
             "run_id": spec.run_id, "run": spec.run, "client_ids": spec.client_ids, "num_classes": spec.num_classes,

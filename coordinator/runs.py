@@ -15,8 +15,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from coordinator.config import CoordinatorConfig, RunSpec
-from coordinator.run import Run
 from coordinator.events import EventHub
+from coordinator.run import Run
 from coordinator.store import RunStore, default_store_url
 from fedal.sim.config import format_validation_error
 
@@ -49,7 +49,7 @@ class RunManager:
         self.all_done = threading.Event()
 
     @classmethod
-    def of(cls, run: Run) -> "RunManager":
+    def of(cls, run: Run) -> RunManager:
         """A manager around one run built elsewhere (embedding, tests)."""
         manager = cls(run.cfg, run.store, run.events)
         manager.by_id[run.cfg.run_id] = run

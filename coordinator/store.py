@@ -16,8 +16,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sqlalchemy import (Column, Float, Integer, LargeBinary, MetaData, String, Table, Text, create_engine, delete, event,
-                        insert, select, update)
+from sqlalchemy import (
+    Column,
+    Float,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    delete,
+    event,
+    insert,
+    select,
+    update,
+)
 from sqlalchemy.engine import Engine
 
 metadata = MetaData()

@@ -25,8 +25,8 @@ import torch
 
 from edge_agent import checkpoint
 from edge_agent.config import AgentConfig
-from edge_agent.mqtt_link import MqttLink
 from edge_agent.inference import OnnxInference, write_final_onnx
+from edge_agent.mqtt_link import MqttLink
 from edge_agent.public_set import PublicSetError, load_public_set
 from fedal.data import ArrayDataset
 from fedal.models import build_model

@@ -15,8 +15,8 @@ import threading
 import time
 
 from edge_agent.config import AgentConfig
-from mqtt_link import connect_failure, new_client
 from fedal.protocol import parse_broker_url, split, topics
+from mqtt_link import connect_failure, new_client
 
 log = logging.getLogger("edge_agent.mqtt")
 
@@ -26,7 +26,7 @@ def status_payload(state: str) -> bytes:
 
 
 class MqttLink:
-    def __init__(self, config: AgentConfig, inbox: "queue.Queue[tuple[str, bytes]]"):
+    def __init__(self, config: AgentConfig, inbox: queue.Queue[tuple[str, bytes]]):
         self.config = config
         self.inbox = inbox
         self.connected = threading.Event()

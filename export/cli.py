@@ -52,7 +52,6 @@ def _parse_shape(text: str) -> tuple[int, ...]:
 def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, opset, quantize,
                quantize_mode, check, threads, channel_multiple) -> None:
     """Export a zoo model to ONNX, optionally check parity and write an int8 copy."""
-    import numpy as np
     import torch
 
     from export.checkpoint import load_checkpoint

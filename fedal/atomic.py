@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, BinaryIO
+from typing import Any, BinaryIO
 
 
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], Any]) -> None:

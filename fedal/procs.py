@@ -26,10 +26,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterator, Sequence
+from typing import IO
 
 PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # with SIGINT: what ends a command in an orderly way

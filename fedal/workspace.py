@@ -10,9 +10,9 @@ non-empty directory is refused before anything in it is touched.
 from __future__ import annotations
 
 import shutil
-from datetime import datetime, timezone
+from collections.abc import Iterable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Iterable
 
 MARKER = ".fedal-workspace"
 
@@ -38,7 +38,7 @@ def claim(path: str | Path, owner: str) -> Path:
                 f"{path} is not empty and is not a FedAL workspace (it has no {MARKER} file): refusing to "
                 f"delete or overwrite anything in it; give a new or an empty directory")
     path.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    stamp = datetime.now(UTC).isoformat(timespec="seconds")
     (path / MARKER).write_text(f"FedAL workspace created by `{owner}` at {stamp}.\n"
                                f"The toolkit replaces its own files here on the next run; remove this file to stop that.\n")
     return path

@@ -17,8 +17,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import click
 import numpy as np
@@ -26,15 +26,15 @@ import tomli_w
 from tqdm import tqdm
 
 from fedal import procs, workspace
-from fedal_cli.options import config_from_flags, run_options
-from fedal_cli.simulate import write_results
 from fedal.data import build_federated
 from fedal.sim.config import RunConfig
 from fedal.sim.fairness import fairness_line, standalone_fairness
 from fedal.sim.runner import client_ids as make_client_ids
 from fedal.sim.runner import client_seed
-from fedal.strategies.global_model import global_model_line
 from fedal.strategies import get_strategy
+from fedal.strategies.global_model import global_model_line
+from fedal_cli.options import config_from_flags, run_options
+from fedal_cli.simulate import write_results
 
 RUN_ID = "demo"
 

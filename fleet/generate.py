@@ -31,7 +31,7 @@ import os
 import tempfile
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import tomli_w
@@ -275,7 +275,7 @@ def _plan_fleet(spec: FleetSpec) -> dict:
 
     summary = {"run_id": spec.run_id, "broker": spec.broker, "coordinator_broker": coordinator_url(spec, addr),
                "tls": spec.tls, "coordinator_user": spec.coordinator_user,
-               "devices": ids, "model": spec.model, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+               "devices": ids, "model": spec.model, "created": datetime.now(UTC).isoformat(timespec="seconds")}
     _write(out / "fleet.json", json.dumps(summary, indent=2) + "\n", 0o644)
     return summary
 

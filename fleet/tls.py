@@ -41,7 +41,7 @@ def _san(names: list[str]) -> x509.SubjectAlternativeName:
 def make_ca(common_name: str = "FedAL fleet CA", days: int = 3650) -> tuple[Pem, ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name).issuer_name(name).public_key(key.public_key())
@@ -61,7 +61,7 @@ def make_server_cert(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certifica
     if not names:
         raise ValueError("the server certificate needs at least one DNS name or IP address")
     key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))

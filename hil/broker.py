@@ -70,7 +70,7 @@ class EmulatedBroker:
         self._server = self._task = None
         self.control_port: int | None = None
 
-    def start(self) -> "EmulatedBroker":
+    def start(self) -> EmulatedBroker:
         self._thread.start()
         try:
             self.proxy, self._server, self._task, self.control_port = self.call(start(*self._args))
@@ -117,7 +117,7 @@ class EmulatedBroker:
             self._thread.join(10)
             self.loop.close()
 
-    def __enter__(self) -> "EmulatedBroker":
+    def __enter__(self) -> EmulatedBroker:
         return self.start()
 
     def __exit__(self, *exc) -> None:

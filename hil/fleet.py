@@ -42,7 +42,7 @@ def client_ids(n: int, prefix: str = "e") -> list[str]:
 class _Conn:
     """One emulated agent and its paho client."""
 
-    def __init__(self, fleet: "Fleet", agent: EmulatedAgent):
+    def __init__(self, fleet: Fleet, agent: EmulatedAgent):
         self.fleet = fleet
         self.agent = agent
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=agent.mqtt_client_id,
@@ -192,7 +192,7 @@ class Fleet:
         self.started_at: float | None = None
 
     # -- control (any thread) --------------------------------------------------------------------
-    def start(self) -> "Fleet":
+    def start(self) -> Fleet:
         self.started_at = time.monotonic()
         self._thread.start()
         return self

@@ -76,7 +76,7 @@ class Mosquitto:
     def url(self) -> str:
         return f"mqtt://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 10.0) -> "Mosquitto":
+    def start(self, timeout_s: float = 10.0) -> Mosquitto:
         raise_open_files_limit(max(4096, 2 * 4096))
         self.proc = procs.spawn([self.binary, "-c", str(self.conf)], stdout=subprocess.DEVNULL)  # dies with us
         deadline = time.monotonic() + timeout_s
@@ -111,7 +111,7 @@ class Mosquitto:
             return ""
         return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
 
-    def __enter__(self) -> "Mosquitto":
+    def __enter__(self) -> Mosquitto:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -65,7 +65,7 @@ class Partition(BaseModel):
     end_s: float
 
     @model_validator(mode="after")
-    def _window(self) -> "Partition":
+    def _window(self) -> Partition:
         if self.end_s <= self.start_s:
             raise ValueError(f"partition of {self.client!r} ends ({self.end_s}) before it starts ({self.start_s})")
         return self

@@ -143,7 +143,7 @@ def with_dup_flag(raw: bytes) -> bytes:
 class Link:
     """One direction of one connection: delay, bandwidth and order, then the socket write."""
 
-    def __init__(self, session: "Session", direction: str, writer: asyncio.StreamWriter):
+    def __init__(self, session: Session, direction: str, writer: asyncio.StreamWriter):
         self.session = session
         self.direction = direction
         self.writer = writer
@@ -200,7 +200,7 @@ class Link:
 class Session:
     """One client connection through the proxy."""
 
-    def __init__(self, proxy: "Proxy", reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, proxy: Proxy, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.proxy = proxy
         self.engine: FaultEngine = proxy.engine
         self.c_reader, self.c_writer = reader, writer
@@ -231,7 +231,7 @@ class Session:
         except Malformed as exc:
             self.engine.fault("malformed", UNIDENTIFIED, "up", peer=str(self.peer), reason=str(exc))
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.engine.fault("malformed", UNIDENTIFIED, "up", peer=str(self.peer),
                               reason=f"no complete CONNECT within {CONNECT_TIMEOUT_S:.0f} s")
             return
@@ -251,7 +251,7 @@ class Session:
         try:
             u_reader, self.u_writer = await asyncio.wait_for(
                 asyncio.open_connection(self.proxy.upstream_host, self.proxy.upstream_port), CONNECT_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             log.warning("upstream %s:%s unavailable for %s: %s", self.proxy.upstream_host, self.proxy.upstream_port,
                         self.client_id, exc)
             self.engine.count(self.client_id, "up", "upstream_unavailable")
@@ -417,7 +417,7 @@ class Proxy:
     def port(self) -> int:
         return self._server.sockets[0].getsockname()[1]
 
-    async def start(self) -> "Proxy":
+    async def start(self) -> Proxy:
         self._server = await asyncio.start_server(self._accept, self.listen_host, self.listen_port)
         self._watch = asyncio.create_task(self._enforce_partitions())
         return self

@@ -14,7 +14,6 @@ from fedal.data.arrays import ArrayDataset
 from fedal.data.embedded import load_digits, load_mnist1d
 from fedal.data.files import load_cifar10_dir, load_idx, load_mnist_dir, load_svhn_dir
 
-
 # ---------------------------------------------------------------- ArrayDataset
 
 def test_array_dataset_validates_and_subsets():

@@ -16,8 +16,8 @@ from coordinator.app import create_app
 from coordinator.config import load_coordinator_config
 from coordinator.runs import RunManager
 from fedal.sim.config import DEFAULT_MODELS, ConfigError, load_config
-from tests.helpers import without_timings
 from fedal.strategies import STRATEGIES
+from tests.helpers import without_timings
 
 AVERAGING = ("fedavg", "fedakd", "fedhkd")
 TINY = ["--dataset", "digits", "--clients", "2", "--rounds", "1", "--tau", "1", "--public-size", "50", "--quiet"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import urllib.request
 
-from fedal_cli.demo import free_port, run_demo
 from fedal.sim import load_config
+from fedal_cli.demo import free_port, run_demo
 from tests.deployment import get, poll_run
 from tests.waiting import wait_until
 

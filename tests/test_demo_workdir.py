@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fedal_cli.demo import prepare_workspace
 from fedal import workspace
-from fedal_cli.main import cli
 from fedal.sim import load_config
+from fedal_cli.demo import prepare_workspace
+from fedal_cli.main import cli
 
 
 def fedal() -> list[str]:

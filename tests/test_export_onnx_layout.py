@@ -17,8 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from export import check_parity, export_onnx
-from export import layout
+from export import check_parity, export_onnx, layout
 from export.layout import CHANNEL_MULTIPLE, Lifted2d, has_1d_layers, lift_1d_to_2d, nchwc_available
 from export.quantize import quantize_int8
 from export.session import OrtModel, node_times, session_options

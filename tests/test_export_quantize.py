@@ -13,7 +13,6 @@ from export.session import OrtModel
 from fedal.data import load_dataset
 from fedal.models import build_model
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

@@ -17,7 +17,7 @@ from fedal.sim.fairness import collaborative_fairness, fairness_summary
 from fedal.strategies import InvalidResult, ServerContext, StrategyParams, get_strategy
 from fedal.strategies.fedakd import FedAKDServer, distill, select
 from fedal.strategies.local import local_batches
-from tests.helpers import toy_dataset, in_process
+from tests.helpers import in_process, toy_dataset
 
 K = 4
 

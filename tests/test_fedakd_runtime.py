@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from fedal_cli.demo import run_demo
 from fedal.sim import load_config, simulate
 from fedal.sim.fairness import collaborative_fairness, standalone_config
+from fedal_cli.demo import run_demo
 
 SMALL = dict(strategy="fedakd", dataset="digits", clients=3, partition="covariate-shift-pow", shift_c=5.0,
              public_size=50, local_test_fraction=0.25, rounds=2, seed=5, models=["mlp"], batch_size=16)

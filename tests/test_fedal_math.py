@@ -10,11 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedal.protocol import Message
 from fedal.strategies.discriminator import Discriminator, per_sample_adversarial_grad
-from fedal.strategies.fedal import FedALServer, frozen_copy
+from fedal.strategies.fedal import frozen_copy
 from fedal.strategies.losses import kl_to_student
-from tests.helpers import toy_federation, in_process
+from tests.helpers import in_process, toy_federation
 
 
 def run_to_feedback(server, clients, round_idx=0):

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from fedal.protocol import Message
-from fedal.strategies.fedavg import FedAvgServer, weighted_average
-from fedal.strategies import ServerContext, StrategyParams
-from tests.helpers import toy_federation, in_process
+from fedal.strategies.fedavg import weighted_average
+from tests.helpers import in_process, toy_federation
 
 
 def test_weighted_average_on_hand_built_inputs():

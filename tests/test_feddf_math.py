@@ -14,7 +14,7 @@ from fedal.protocol import Message, decode, encode
 from fedal.sim.config import RunConfig
 from fedal.strategies import InvalidResult, ServerContext, StrategyParams, get_strategy
 from fedal.strategies.feddf import FEDDF_AL_PRESET, FEDDF_PRESET, WEIGHTS, architecture_tag
-from tests.helpers import TinyNet, toy_dataset, in_process
+from tests.helpers import TinyNet, in_process, toy_dataset
 
 K, D_IN, PUBLIC = 4, 6, 50
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

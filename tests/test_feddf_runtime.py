@@ -7,9 +7,9 @@ from __future__ import annotations
 def test_demo_and_simulate_offer_every_strategy(tmp_path):
     from click.testing import CliRunner
 
+    from fedal.strategies import STRATEGY_NAMES
     from fedal_cli.demo import demo_cmd
     from fedal_cli.simulate import simulate_cmd
-    from fedal.strategies import STRATEGY_NAMES
 
     assert {"fedavg", "fedmd", "fedmd-lf", "feddf-al", "feddf"} <= set(STRATEGY_NAMES)
     for cmd in (demo_cmd, simulate_cmd):

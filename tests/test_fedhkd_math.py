@@ -14,10 +14,21 @@ from torch import nn
 from fedal.models import SplitModel, build_model
 from fedal.protocol import Message, decode, encode
 from fedal.sim import build_run, load_config
-from tests.helpers import in_process
 from fedal.strategies import InvalidResult, ServerContext, StrategyParams
-from fedal.strategies.fedhkd import (COUNT_KEY, H_KEY, MASK_KEY, Q_KEY, FedHKDClient, FedHKDServer, Knowledge,
-                                     aggregate_knowledge, extract_knowledge, knowledge_terms, last_writer_knowledge)
+from fedal.strategies.fedhkd import (
+    COUNT_KEY,
+    H_KEY,
+    MASK_KEY,
+    Q_KEY,
+    FedHKDClient,
+    FedHKDServer,
+    Knowledge,
+    aggregate_knowledge,
+    extract_knowledge,
+    knowledge_terms,
+    last_writer_knowledge,
+)
+from tests.helpers import in_process
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

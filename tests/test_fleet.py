@@ -18,10 +18,9 @@ import pytest
 from click.testing import CliRunner
 
 from edge_agent.config import load_agent_config
-from fedal_cli.main import cli
 from fedal.protocol import topics
+from fedal_cli.main import cli
 from fleet import passwords
-
 from tests.waiting import free_port, wait_for_port
 
 RUN = "fleet"
@@ -57,8 +56,8 @@ class Client:
     """A raw paho client that records what it receives and how its connection attempt ended."""
 
     def __init__(self, port: int, user: str | None, password: str | None, ca: Path | None = None, name: str = "t"):
-        self.messages: "queue.Queue[tuple[str, bytes]]" = queue.Queue()
-        self.connack: "queue.Queue[object]" = queue.Queue()
+        self.messages: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.connack: queue.Queue[object] = queue.Queue()
         self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{name}-{time.monotonic_ns()}", protocol=mqtt.MQTTv311)
         if user is not None:
             self.c.username_pw_set(user, password)
@@ -71,7 +70,7 @@ class Client:
         self.rc = self.connack.get(timeout=20)
 
     def subscribe(self, topic: str) -> None:
-        done: "queue.Queue[object]" = queue.Queue()
+        done: queue.Queue[object] = queue.Queue()
         self.c.on_subscribe = lambda c, u, mid, rcs, p: done.put(rcs)
         self.c.subscribe(topic, qos=1)
         done.get(timeout=10)

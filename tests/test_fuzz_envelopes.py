@@ -18,15 +18,15 @@ a thousand junk manifests; the test discards those sessions when it ends.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import os
 import random
 import socket
 import threading
-from collections import Counter
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import paho.mqtt.client as mqtt
@@ -34,11 +34,21 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from fedal.protocol import (EnvelopeError, ManifestError, Message, Reassembler, RunManifest, encode, parse_broker_url,
-                            split, topics)
+from fedal.protocol import (
+    EnvelopeError,
+    ManifestError,
+    Message,
+    Reassembler,
+    RunManifest,
+    encode,
+    parse_broker_url,
+    split,
+    topics,
+)
 from fedal.sim import load_config
 from fedal.sim.runner import client_ids
-from hil.fleet import Fleet, client_ids as fleet_ids
+from hil.fleet import Fleet
+from hil.fleet import client_ids as fleet_ids
 from tests.deployment import RUN_ID, Deployment
 
 TOKEN = "fuzz-token"

@@ -10,7 +10,6 @@ blocks that follow a `<!-- protocol-check: ... -->` comment must then describe e
 
 from __future__ import annotations
 
-import io
 import json
 import re
 from dataclasses import dataclass, field

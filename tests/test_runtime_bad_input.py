@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import queue
 import threading
-import time
 import uuid
 
 import numpy as np

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import paho.mqtt.client as mqtt
 
-from fedal_cli.demo import RUN_ID, run_demo
 from fedal.protocol import RunManifest, parse_broker_url, topics
 from fedal.sim import load_config
+from fedal_cli.demo import RUN_ID, run_demo
 from tests.helpers import simulated_run
 
 

@@ -13,9 +13,9 @@ import time
 import paho.mqtt.client as mqtt
 import pytest
 
-from fedal_cli.demo import free_port
 from fedal.protocol import topics
 from fedal.sim import load_config, simulate
+from fedal_cli.demo import free_port
 from tests.deployment import Deployment
 from tests.waiting import wait_for_port, wait_until
 

@@ -13,8 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from edge_agent.mqtt_link import MqttLink
-from fedal.protocol import (DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD, BrokerSettings, Message, Reassembler, decode, encode,
-                            split, topics)
+from fedal.protocol import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD, BrokerSettings, Message, Reassembler, decode, encode, split, topics
 from tests.fleet_broker import RawClient, provision, start_broker, wait_for
 
 RUN = "r" * 64  # the longest run id: the longest topic a device may publish on

@@ -28,8 +28,8 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
-from fedal_cli.main import cli
 from fedal.protocol import Message, decode, encode, topics
+from fedal_cli.main import cli
 from hil.coordinator_setup import get_json, start_coordinator, stop_process, wait_for_run, write_coordinator_config
 from hil.emulated_agent import EmulatedAgent
 from hil.fleet import Fleet, device_credentials

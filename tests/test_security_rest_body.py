@@ -11,7 +11,6 @@ import select
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -76,7 +75,7 @@ def send_body(port: int, head: bytes, pieces, total: int) -> tuple[int, int, byt
                 if not chunk:
                     break
                 response += chunk
-        except (ConnectionResetError, socket.timeout):
+        except (TimeoutError, ConnectionResetError):
             pass
     assert response.startswith(b"HTTP/1.1 "), response[:200]
     return int(response.split()[1]), sent, response

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from fedal_cli.main import cli
 from fedal.settings import exposed_secrets
+from fedal_cli.main import cli
 from hil.coordinator_setup import start_coordinator, stop_process, write_coordinator_config
 from tests.waiting import free_port
 

@@ -21,7 +21,6 @@ import paho.mqtt.client as mqtt
 import pytest
 import torch
 
-from fedal_cli.demo import RUN_ID
 from coordinator.store import RunStore, default_store_url
 from fedal.engine.results import final_summary
 from fedal.protocol import Message, decode, encode, parse_broker_url
@@ -29,6 +28,7 @@ from fedal.protocol.topics import ROOT
 from fedal.sim import load_config, simulate
 from fedal.sim.fairness import fairness_summary, standalone_config
 from fedal.strategies import STRATEGIES, InvalidResult
+from fedal_cli.demo import RUN_ID
 from tests.deployment import Deployment
 from tests.helpers import in_process, simulated_run, toy_federation
 

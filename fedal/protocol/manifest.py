@@ -37,7 +37,7 @@ class RunManifest(BaseModel):
         return self.model_dump_json().encode()
 
     @classmethod
-    def from_json(cls, payload: bytes) -> "RunManifest":
+    def from_json(cls, payload: bytes) -> RunManifest:
         try:
             data = json.loads(payload)
             manifest = cls.model_validate(data)

@@ -26,5 +26,5 @@ class Message:
     def tensor_bytes(self) -> int:
         return int(sum(a.nbytes for a in self.tensors.values()))
 
-    def with_meta(self, **extra: Any) -> "Message":
+    def with_meta(self, **extra: Any) -> Message:
         return Message({**self.meta, **extra}, dict(self.tensors))

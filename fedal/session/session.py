@@ -37,7 +37,7 @@ class SessionStore(Protocol):
 
     def load_round_start(self) -> tuple[Any, dict[str, Any]] | None: ...
 
-    def after_task(self, session: "ClientSession") -> None:
+    def after_task(self, session: ClientSession) -> None:
         """Called with the new result cached and before it is sent (the agent checkpoints here)."""
 
 

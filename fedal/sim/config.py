@@ -79,7 +79,7 @@ class RunConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _consistent(self) -> "RunConfig":
+    def _consistent(self) -> RunConfig:
         from fedal.models import MODEL_NAMES
 
         models = self.resolved_models()
@@ -112,7 +112,7 @@ class RunConfig(BaseModel):
         return (f"{self.strategy} needs one model for all clients: using {DEFAULT_SINGLE_MODEL[self.dataset]} "
                 f"(the {self.dataset} default; --models or `models` chooses another)")
 
-    def resolved(self) -> "RunConfig":
+    def resolved(self) -> RunConfig:
         """The same run with every default made explicit."""
         params = self.strategy_params.resolve(get_strategy(self.strategy).preset)
         return self.model_copy(update={"strategy_params": params, "models": self.resolved_models()})

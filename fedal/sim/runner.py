@@ -4,7 +4,8 @@ with the one round engine over the in-process transport (simulated clock, option
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch

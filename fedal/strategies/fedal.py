@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from fedal.protocol import Message
 from fedal.strategies import optim
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf
-from fedal.strategies.frozen import Frozen, frozen_copy
 from fedal.strategies.discriminator import Discriminator, discriminator_input, per_sample_adversarial_grad
+from fedal.strategies.frozen import Frozen, frozen_copy
 from fedal.strategies.losses import kl_grad_wrt_student, kl_to_student, mean_kl_to_mean
 from fedal.strategies.params import DISTILLATION_PARAMS, StrategyParams
 from fedal.strategies.training import minibatch_steps

@@ -54,7 +54,7 @@ class Knowledge:
         return {H_KEY: self.h, Q_KEY: self.q, MASK_KEY: self.mask.astype(np.uint8)}
 
     @staticmethod
-    def from_tensors(tensors: dict[str, np.ndarray]) -> "Knowledge | None":
+    def from_tensors(tensors: dict[str, np.ndarray]) -> Knowledge | None:
         if H_KEY not in tensors:
             return None
         return Knowledge(np.asarray(tensors[H_KEY], np.float32), np.asarray(tensors[Q_KEY], np.float32),

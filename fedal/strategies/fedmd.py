@@ -6,9 +6,9 @@ FedMD: no less-forgetting terms and tau = 1 (the paper's setting); FedMD-LF: bot
 tau as FedAL.
 """
 
-from fedal.strategies.fedal import FedALClient, FedALServer
 from fedal.strategies.fedal import PARAMS as PARAMS  # FedAL's round with other weights
 from fedal.strategies.fedal import PHASES as PHASES
+from fedal.strategies.fedal import FedALClient, FedALServer
 
 FEDMD_PRESET = {"tau": 1, "lambda_kd": 1.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
 FEDMD_LF_PRESET = {"tau": 5, "lambda_kd": 1.0, "lambda_adv": 0.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}

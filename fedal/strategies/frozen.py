@@ -8,7 +8,7 @@ for them; `TorchInference` is the default, the agent can install an onnxruntime 
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

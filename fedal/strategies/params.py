@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedal.protocol.validation import DEFAULT_MAX_ABS_VALUE
 
-
 # what every strategy uses; each strategy module names its own further knobs (`PARAMS`)
 COMMON_PARAMS = ("tau", "optimizer", "lr", "momentum", "batch_size", "max_abs_value")
 # the knowledge-transfer stage shared by FedAL, FedMD(-LF) and FedDF(-AL)
@@ -77,7 +76,7 @@ class StrategyParams(BaseModel):
         0.0, ge=0, lt=1, description="FedAKD extension: also require this predicted-class probability (0: off)"
     )
 
-    def resolve(self, preset: dict) -> "StrategyParams":
+    def resolve(self, preset: dict) -> StrategyParams:
         """Fill unset fields from `preset`; fields the user set win."""
         values = self.model_dump()
         for key, value in preset.items():
