@@ -10,4 +10,5 @@ from fedal.engine.rounds import RoundEngine, Stopped, StrategyError
 from fedal.engine.settings import PausePoint, PhaseSettings
 from fedal.engine.transport import Arrival, Transport
 
-__all__ = ["Arrival", "ClientInfo", "PausePoint", "PhaseSettings", "PhaseState", "PhaseStats", "RoundEngine", "Stopped", "StrategyError", "Transport"]
+__all__ = ["Arrival", "ClientInfo", "PausePoint", "PhaseSettings", "PhaseState", "PhaseStats", "RoundEngine", "Stopped",
+           "StrategyError", "Transport"]

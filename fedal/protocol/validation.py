@@ -25,5 +25,6 @@ def tensor_problem(tensors: Mapping[str, np.ndarray], max_abs_value: float) -> t
             return "non_finite", f"tensor {name!r} contains NaN or infinity"
         peak = float(np.max(np.abs(arr)))
         if peak > max_abs_value:
-            return "magnitude", f"tensor {name!r} holds a value of magnitude {peak:.4g}, above the run's max_abs_value {max_abs_value:g}"
+            return "magnitude", (f"tensor {name!r} holds a value of magnitude {peak:.4g}, "
+                                 f"above the run's max_abs_value {max_abs_value:g}")
     return None

@@ -45,7 +45,8 @@ class RunConfig(BaseModel):
     shift_c: float = Field(5.0, gt=0, description="covariate-shift partitions: C = delta^T Sigma^-1 delta (paper: 2, 5, 10)")
     samples_per_client: int | None = Field(None, ge=1, description="None: an equal share of what is left")
     public_size: int = Field(1000, ge=1)
-    local_test_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="share of each client's data held out as its local test split")
+    local_test_fraction: float = Field(0.0, ge=0.0, lt=1.0,
+                                       description="share of each client's data held out as its local test split")
     models: list[str] | None = Field(None, description="assigned round-robin; default per dataset "
                                        "(its first model alone for strategies that average parameters)")
     rounds: int = Field(20, ge=1)
@@ -169,5 +170,5 @@ def format_validation_error(exc: ValidationError) -> str:
     return "invalid config: " + "; ".join(lines)
 
 
-__all__ = ["ConfigError", "RunConfig", "load_config", "DATASET_NAMES", "DEFAULT_MODELS", "DEFAULT_SINGLE_MODEL", "PARTITION_NAMES",
-           "STRATEGY_NAMES"]
+__all__ = ["ConfigError", "RunConfig", "load_config", "DATASET_NAMES", "DEFAULT_MODELS", "DEFAULT_SINGLE_MODEL",
+           "PARTITION_NAMES", "STRATEGY_NAMES"]

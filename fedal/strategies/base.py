@@ -9,6 +9,7 @@ for simulation, MQTT for deployment), and the engine that moves them knows no al
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,3 +168,23 @@ def make_optimizer(params: StrategyParams, parameters) -> torch.optim.Optimizer:
     if params.optimizer == "adam":
         return optim.Adam(parameters, lr=params.lr)
     return optim.SGD(parameters, lr=params.lr, momentum=params.momentum)
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """What a strategy module declares about itself: the registry and the engine read only this."""
+
+    name: str
+    server: type[ServerHalf]
+    client: type[ClientHalf]
+    preset: dict
+    # every phase of a round and its kind: "train" (the training deadline) or "exchange"
+    phases: Mapping[str, str]
+    # its own parameters, besides params.COMMON_PARAMS: others set to a non-default value are refused
+    params: tuple[str, ...]
+    homogeneous_models: bool = False
+    uses_public_set: bool = False
+    # the server half keeps the aggregated model (ServerHalf.global_model()), evaluated as `global_acc`
+    global_model: bool = False
+    # results report collaborative fairness against a standalone (`local`) run of the same clients
+    fairness: bool = False

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from fedal.protocol import Message
-from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, make_optimizer
+from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, StrategySpec, make_optimizer
 from fedal.strategies.fedavg import FedAvgServer, load_numpy_into, model_to_numpy
 from fedal.strategies.local import local_batches
 from fedal.strategies.losses import kl_to_student
@@ -129,3 +129,7 @@ def distill(student: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch
 
     losses = [s["loss"] for s in minibatch_steps(student, optimizer, batches, step)]
     return float(np.mean(losses)) if losses else float("nan")
+
+
+SPECS = (StrategySpec("fedakd", FedAKDServer, FedAKDClient, PRESET, PHASES, PARAMS, homogeneous_models=True,
+                      global_model=True, fairness=True),)

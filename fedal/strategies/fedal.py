@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from fedal.protocol import Message
 from fedal.strategies import optim
-from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf
+from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
 from fedal.strategies.discriminator import Discriminator, discriminator_input, per_sample_adversarial_grad
 from fedal.strategies.frozen import Frozen, frozen_copy
 from fedal.strategies.losses import kl_grad_wrt_student, kl_to_student, mean_kl_to_mean
@@ -273,3 +273,6 @@ class FedALClient(ClientHalf):
                 weights.load_state_dict(state[name])
                 setattr(self, name, self.inference.snapshot(weights))
         self.pending = state.get("pending")
+
+
+SPECS = (StrategySpec("fedal", FedALServer, FedALClient, PRESET, PHASES, PARAMS, uses_public_set=True),)

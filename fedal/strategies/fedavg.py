@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fedal.protocol import Message
-from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerHalf
+from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerHalf, StrategySpec
 from fedal.strategies.local import train_steps
 
 PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
@@ -60,7 +60,8 @@ class FedAvgServer(ServerHalf):
                 raise InvalidResult("uploaded weights do not match the global model's tensors")
             for key, arr in result.tensors.items():
                 if arr.shape != ref[key].shape or arr.dtype != ref[key].dtype:
-                    raise InvalidResult(f"tensor {key!r} is {arr.dtype}{list(arr.shape)}, expected {ref[key].dtype}{list(ref[key].shape)}")
+                    raise InvalidResult(f"tensor {key!r} is {arr.dtype}{list(arr.shape)}, "
+                                        f"expected {ref[key].dtype}{list(ref[key].shape)}")
         n = result.meta.get("num_samples")
         if phase.phase == "train" and (isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 < n < float("inf")):
             raise InvalidResult("a train result must report num_samples > 0")
@@ -117,3 +118,7 @@ def load_numpy_into(model: torch.nn.Module, tensors: dict[str, np.ndarray]) -> N
     if set(tensors) != set(current):
         raise ValueError("received weights do not match this client's model")
     model.load_state_dict({k: torch.from_numpy(np.array(v)).to(current[k].dtype) for k, v in tensors.items()})
+
+
+SPECS = (StrategySpec("fedavg", FedAvgServer, FedAvgClient, PRESET, PHASES, PARAMS, homogeneous_models=True,
+                      global_model=True),)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from fedal.protocol import Message
-from fedal.strategies.base import InvalidResult, PhaseTasks
+from fedal.strategies.base import InvalidResult, PhaseTasks, StrategySpec
 from fedal.strategies.fedal import FedALClient, FedALServer
 from fedal.strategies.fedavg import load_numpy_into, model_to_numpy, weighted_average
 from fedal.strategies.params import DISTILLATION_PARAMS
@@ -194,3 +194,9 @@ class FedDFClient(FedALClient):
             raise ValueError("the group's weights do not have this client's parameter shapes")
         load_numpy_into(self.model, weights)
         return True
+
+
+SPECS = (
+    StrategySpec("feddf-al", FedDFServer, FedDFClient, FEDDF_AL_PRESET, PHASES, PARAMS, uses_public_set=True),
+    StrategySpec("feddf", FedDFServer, FedDFClient, FEDDF_PRESET, PHASES, PARAMS, uses_public_set=True),
+)

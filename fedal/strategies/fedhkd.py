@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from fedal.protocol import Message, tensor_problem
-from fedal.strategies.base import InvalidResult, PhaseTasks
+from fedal.strategies.base import InvalidResult, PhaseTasks, StrategySpec
+from fedal.strategies.fedavg import PHASES as PHASES  # FedAvg's round, knowledge added to its messages
 from fedal.strategies.fedavg import FedAvgClient, FedAvgServer, load_numpy_into, model_to_numpy
 from fedal.strategies.local import local_batches
 from fedal.strategies.params import StrategyParams
@@ -301,3 +302,7 @@ class FedHKDServer(FedAvgServer):
 
 __all__ = ["FedHKDClient", "FedHKDServer", "Knowledge", "aggregate_knowledge", "extract_knowledge",
            "knowledge_terms", "last_writer_knowledge"]
+
+
+SPECS = (StrategySpec("fedhkd", FedHKDServer, FedHKDClient, PRESET, PHASES, PARAMS, homogeneous_models=True,
+                      global_model=True),)

@@ -6,6 +6,7 @@ FedMD: no less-forgetting terms and tau = 1 (the paper's setting); FedMD-LF: bot
 tau as FedAL.
 """
 
+from fedal.strategies.base import StrategySpec
 from fedal.strategies.fedal import PARAMS as PARAMS  # FedAL's round with other weights
 from fedal.strategies.fedal import PHASES as PHASES
 from fedal.strategies.fedal import FedALClient, FedALServer
@@ -15,3 +16,9 @@ FEDMD_LF_PRESET = {"tau": 5, "lambda_kd": 1.0, "lambda_adv": 0.0, "lambda_lf_loc
 
 FedMDServer = FedALServer
 FedMDClient = FedALClient
+
+
+SPECS = (
+    StrategySpec("fedmd", FedMDServer, FedMDClient, FEDMD_PRESET, PHASES, PARAMS, uses_public_set=True),
+    StrategySpec("fedmd-lf", FedMDServer, FedMDClient, FEDMD_LF_PRESET, PHASES, PARAMS, uses_public_set=True),
+)

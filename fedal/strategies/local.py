@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from fedal.protocol import Message
-from fedal.strategies.base import ClientHalf, PhaseTasks, ServerHalf
+from fedal.strategies.base import ClientHalf, PhaseTasks, ServerHalf, StrategySpec
 from fedal.strategies.training import minibatch_steps
 
 PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
@@ -67,3 +67,6 @@ def local_batches(n: int, params, steps: int, generator: torch.Generator):
         if len(chunks) > 1 and len(chunks[-1]) == 1:
             chunks[-2:] = [torch.cat(chunks[-2:])]
         yield from chunks
+
+
+SPECS = (StrategySpec("local", LocalServer, LocalClient, PRESET, PHASES, PARAMS),)
