@@ -28,9 +28,9 @@ from tqdm import tqdm
 from fedal import procs, workspace
 from fedal.data import build_federated
 from fedal.sim.config import RunConfig
-from fedal.sim.fairness import fairness_line, standalone_fairness
+from fedal.sim.fairness import fairness_line
 from fedal.sim.runner import client_ids as make_client_ids
-from fedal.sim.runner import client_seed
+from fedal.sim.runner import client_seed, standalone_fairness
 from fedal.strategies import get_strategy
 from fedal.strategies.global_model import global_model_line
 from fedal_cli.options import config_from_flags, run_options
@@ -129,7 +129,8 @@ def run_demo(config: RunConfig, workdir: Path, broker: str | None = None, api_po
         for path in agent_paths:
             children.append(spawn("edge_agent", path, path.parent / "agent.log"))
         if not quiet:
-            click.echo(f"broker {broker} | dashboard {api}/dashboard/ | REST API {api}/api/v1/runs/{RUN_ID} | workspace {workdir}", err=True)
+            click.echo(f"broker {broker} | dashboard {api}/dashboard/ | REST API {api}/api/v1/runs/{RUN_ID} "
+                       f"| workspace {workdir}", err=True)
         results = _follow(api, children, config.rounds, quiet, timeout_s)
         results["data"] = {**data_info, **results.get("data", {})}
         results["clients"] = [{"id": c["id"], "model": config.models[i % len(config.models)]}

@@ -47,13 +47,6 @@ def fairness_summary(final: dict[str, Any], standalone_final: dict[str, Any]) ->
     return out
 
 
-def standalone_fairness(config: RunConfig, final: dict[str, Any]) -> dict[str, Any]:
-    """Train the standalone baseline in this process and report CF for the federated `final`."""
-    from fedal.sim.runner import simulate  # the runner calls this module: import at use
-
-    return fairness_summary(final, simulate(standalone_config(config))["final"])
-
-
 def fairness_line(final: dict[str, Any]) -> str:
     """One line for the CLI: CF and the standalone baseline it was measured against."""
     cf = final.get("cf")

@@ -15,7 +15,7 @@ from fedal.engine.inprocess import Faults, in_process_engine
 from fedal.engine.results import build_results, final_summary
 from fedal.models import build_model
 from fedal.sim.config import RunConfig
-from fedal.sim.fairness import standalone_fairness
+from fedal.sim.fairness import fairness_summary, standalone_config
 from fedal.strategies import ServerContext, get_strategy
 from fedal.strategies.global_model import fedavg_style_metrics, global_accuracy
 
@@ -111,3 +111,9 @@ def simulate(config: RunConfig, progress: ProgressFn | None = None) -> dict[str,
                       "counters": dict(engine.counters)}
     return build_results(config.model_dump(mode="json"), data_info, clients_info, rounds, final,
                          time.perf_counter() - started, deployment=deployment)
+
+
+def standalone_fairness(config: RunConfig, final: dict[str, Any]) -> dict[str, Any]:
+    """Train the standalone baseline (the same clients, no collaboration) in this process and
+    report collaborative fairness for the federated `final`."""
+    return fairness_summary(final, simulate(standalone_config(config))["final"])
