@@ -161,7 +161,7 @@ def stop_signals_interrupt() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    fired = []
+    fired: list[int] = []
 
     def _handler(signum, _frame) -> None:
         if fired:

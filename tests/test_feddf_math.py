@@ -135,8 +135,9 @@ def test_a_false_architecture_tag_does_not_mix_shapes():
     phase, results = local_train(server, clients)
     liar = results["c1"]
     results["c1"] = Message({**liar.meta, "arch": results["c0"].meta["arch"]}, liar.tensors)
-    server.validate(phase, "c1", results["c1"])  # a well-formed message: the tag cannot be checked alone
-    avg = server.collect(phase, results)
+    with pytest.raises(InvalidResult, match="uploaded before"):  # held to what it declared at init
+        server.validate(phase, "c1", results["c1"])
+    avg = server.collect(phase, results)  # and even unvalidated, groups never mix shapes
     assert avg.tasks["c1"].meta["group_size"] == 1 and sent_average(avg.tasks["c1"]) == {}
     assert avg.tasks["c0"].meta["group_size"] == 2
     assert {k: v.shape for k, v in sent_average(avg.tasks["c0"]).items()} == {

@@ -106,10 +106,12 @@ TRAIN_EVERY_STRATEGY = """
 import io, sys
 import torch
 from fedal.sim.config import RunConfig
+from fedal.strategies import get_strategy
 from tests.helpers import simulated_run
 for name in sys.argv[1:]:
+    params = {"tau": 2, **({"local_epochs": 1} if "local_epochs" in get_strategy(name).params else {})}
     config = RunConfig(strategy=name, dataset="digits", clients=3, samples_per_client=60, public_size=40,
-                       models=["mlp"], rounds=2, strategy_params={"tau": 2, "local_epochs": 1})
+                       models=["mlp"], rounds=2, strategy_params=params)
     _, clients, server = simulated_run(config)
     for client in clients.values():
         buf = io.BytesIO()

@@ -87,7 +87,7 @@ def _write_atomic(path: Path, arrays: dict[str, np.ndarray], key_json: str) -> N
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, key=np.array(key_json), **arrays)
+            np.savez(f, key=np.array(key_json), **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as bool
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -9,6 +9,9 @@ distribution per class (`dirichlet_per_class`, Hsu et al. 2019). Experiments mus
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 __all__ = ["dirichlet_per_client", "allocate_quotas", "dirichlet_per_class", "iid",
@@ -99,13 +102,13 @@ def allocate_quotas(q: np.ndarray, capacity: np.ndarray, samples_per_client: int
     for k in np.flatnonzero(excess > 0):
         for n in np.argsort(f[:, k] - quotas[:, k])[: excess[k]]:
             quotas[n, k] -= 1
-    spare = capacity - quotas.sum(axis=0)
+    room = (capacity - quotas.sum(axis=0)).astype(np.int64)
     for n in rng.permutation(n_clients):
         for _ in range(s - int(quotas[n].sum())):
-            score = np.where(spare > 0, f[n] - quotas[n], -np.inf)
-            k = int(np.argmax(score))
-            quotas[n, k] += 1
-            spare[k] -= 1
+            score = np.where(room > 0, f[n] - quotas[n], -np.inf)
+            j = int(np.argmax(score))
+            quotas[n, j] += 1
+            room[j] -= 1
     assert (quotas.sum(axis=1) == s).all() and (quotas.sum(axis=0) <= capacity).all()
     return quotas
 
@@ -180,7 +183,7 @@ def iid(labels, num_clients: int, samples_per_client: int | None,
 
 # Name -> partitioner, as used in configs and by `build_federated`. The signatures differ:
 # "dirichlet-class" takes a concentration but no per-client size.
-PARTITIONERS = {
+PARTITIONERS: dict[str, Callable[..., Any]] = {
     "dirichlet-client": dirichlet_per_client,
     "dirichlet-class": dirichlet_per_class,
     "iid": iid,

@@ -17,8 +17,10 @@ import functools
 import heapq
 import itertools
 import json
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -72,7 +74,7 @@ class InProcessTransport(Transport):
         self.dropped = 0
         self.late = 0
 
-    def start(self, should_stop) -> bool:
+    def start(self, should_stop: Callable[[], bool] | threading.Event) -> bool:
         for cid in self.sessions:
             self._arrive(0.0, Arrival("status", cid, self.run_id, json.dumps({"state": "online", "ts": 0.0}).encode()))
         return True
@@ -126,7 +128,8 @@ def in_process_engine(server: ServerHalf, clients: Mapping[str, ClientHalf], *, 
                       rounds: int = 1, eval_every: int | None = None,
                       tests: Mapping[str, tuple[ArrayDataset | None, ArrayDataset | None]] | None = None,
                       faults: Faults | None = None, phases: PhaseSettings | None = None,
-                      global_metrics=None, run_id: str = "sim") -> RoundEngine:
+                      global_metrics: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                      run_id: str = "sim") -> RoundEngine:
     """A round engine over in-process client sessions, started, every client online.
     `tests`: per client its common and local test sets, for the evaluate phase (none: no evaluation)."""
     missing = set(server.client_ids) - set(clients)

@@ -110,10 +110,10 @@ class RoundEngine:
     # -- rounds and phases -------------------------------------------------------------------
     def run_round(self, r: int) -> dict[str, Any]:
         t0 = time.monotonic()
-        self.round_rejects: list[str] = []
+        self.round_rejects = []
         up0, down0 = self._bytes()
         t = time.monotonic()
-        phase = self.server.begin_round(r)
+        phase: PhaseTasks | None = self.server.begin_round(r)
         stats = PhaseStats()
         while phase is not None:
             state = self.run_phase(phase, computed_from=t)

@@ -7,7 +7,9 @@ that deadlines are measured on, so a simulation can let deadlines pass without w
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,7 +33,7 @@ class Arrival:
 
 class Transport(ABC):
     @abstractmethod
-    def start(self, should_stop) -> bool:
+    def start(self, should_stop: Callable[[], bool] | threading.Event) -> bool:
         """Connect (as long as it takes); False if `should_stop()` became true first."""
 
     @abstractmethod

@@ -7,6 +7,7 @@ safetensors is a well-kept, language-neutral format that cannot execute code on 
 from __future__ import annotations
 
 import json
+from typing import NoReturn
 
 import numpy as np
 from safetensors import SafetensorError
@@ -64,7 +65,7 @@ def decode(payload: bytes) -> Message:
     return Message(meta, dict(tensors))
 
 
-def _refuse_constant(name: str):
+def _refuse_constant(name: str) -> NoReturn:
     raise ValueError(f"metadata holds {name}, which is not JSON")
 
 

@@ -23,6 +23,20 @@ class Message:
     def phase(self) -> str:
         return str(self.meta.get("phase", ""))
 
+    def number(self, key: str, default: float | None = None) -> float:
+        """meta[key] as a float (default when absent); a value that is no number is refused."""
+        value = self.meta.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        return float(value)
+
+    def integer(self, key: str, default: int | None = None) -> int:
+        """meta[key] as an int (default when absent); a non-integer is refused."""
+        value = self.meta.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        return value
+
     def tensor_bytes(self) -> int:
         return int(sum(a.nbytes for a in self.tensors.values()))
 

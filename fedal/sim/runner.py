@@ -50,7 +50,8 @@ def build_run(config: RunConfig):
     ids = client_ids(config.clients)
     clients = {}
     for i, cid in enumerate(ids):
-        name = config.models[i % len(config.models)]
+        models = config.resolved_models()
+        name = models[i % len(models)]
         torch.manual_seed(client_seed(config.seed, i))
         model = build_model(name, data.input_shape, data.num_classes)
         public = data.public_x if spec.uses_public_set else None
@@ -69,7 +70,7 @@ def simulated_engine(config: RunConfig, data, clients: dict, server):
     def global_metrics(summary: dict[str, Any]) -> dict[str, Any]:
         if not spec.global_model:
             return {}
-        acc = global_accuracy(server, config.models[0], data.num_classes, data.test.x, data.test.y)
+        acc = global_accuracy(server, config.resolved_models()[0], data.num_classes, data.test.x, data.test.y)
         return fedavg_style_metrics(summary, acc)
 
     faults = Faults(config.dropout, config.stragglers, config.straggle_every, seed=config.seed)
@@ -102,7 +103,8 @@ def simulate(config: RunConfig, progress: ProgressFn | None = None) -> dict[str,
         "local_test_sizes": [int(len(t)) for t in data.client_tests],
         "label_histogram": np.asarray(data.partition_stats).astype(int).tolist(),
     }
-    clients_info = [{"id": cid, "model": config.models[i % len(config.models)]} for i, cid in enumerate(clients)]
+    models = config.resolved_models()
+    clients_info = [{"id": cid, "model": models[i % len(models)]} for i, cid in enumerate(clients)]
     faults = engine.transport
     deployment = None
     if config.dropout or config.stragglers:

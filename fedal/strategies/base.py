@@ -18,6 +18,7 @@ import torch
 
 from fedal.data import ArrayDataset
 from fedal.protocol import Message, tensor_problem
+from fedal.protocol.message import Scalar
 from fedal.strategies import optim
 from fedal.strategies.frozen import TorchInference
 from fedal.strategies.params import StrategyParams
@@ -131,7 +132,7 @@ class ClientHalf(ABC):
     def handle(self, task: Message) -> Message: ...
 
     def reply(self, task: Message, tensors: dict[str, np.ndarray] | None = None, **meta: Any) -> Message:
-        base = {k: task.meta[k] for k in ("phase", "round", "iteration") if k in task.meta}
+        base: dict[str, Scalar] = {k: task.meta[k] for k in ("phase", "round", "iteration") if k in task.meta}
         # a diverged loss is reported as null: non-finite numbers are not JSON
         meta = {k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in meta.items()}
         return Message({**base, **meta}, tensors or {})

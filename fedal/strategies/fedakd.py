@@ -77,7 +77,7 @@ class FedAKDClient(ClientHalf):
             load_numpy_into(self.model, task.tensors)
             self.personal_ready = True
         p = self.params
-        steps = int(task.meta.get("steps", p.tau))
+        steps = task.integer("steps", p.tau)
         # 1. global -> local
         teacher = self.inference.predict(self.global_model, self.x_train)
         loss_local = distill(self.model, self.optimizer, self.x_train, self.y_train, teacher, p.akd_alpha,

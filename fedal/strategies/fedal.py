@@ -120,6 +120,7 @@ class FedALServer(ServerHalf):
             rows = f.reshape(n_avg * batch, -1).to(device)
             target = torch.tensor([self.client_index[c] for c in cids]).repeat_interleave(batch).to(device)
             self._discriminator_step(rows, target)
+            assert self.disc is not None  # built when lambda_adv > 0, the only case that reaches here
             g = per_sample_adversarial_grad(self.disc, rows, target, self.params.temperature_disc).cpu()
             for k, c in enumerate(cids):
                 out[c]["grad"] = g[k * batch : (k + 1) * batch].numpy()
@@ -127,6 +128,7 @@ class FedALServer(ServerHalf):
 
     def _discriminator_step(self, rows: torch.Tensor, target: torch.Tensor) -> None:
         """One Adam step on mean CE over all received rows: gradient ascent on U."""
+        assert self.disc is not None
         self.disc.train()
         out = self.disc(discriminator_input(rows, self.params.temperature_disc))
         loss = F.cross_entropy(out, target)
@@ -164,12 +166,12 @@ class FedALClient(ClientHalf):
             raise ValueError(f"unknown phase {task.phase!r}")
         tensors = {}
         if "indices" in task.tensors:  # the rows of the next transfer iteration
-            nxt = 0 if task.phase == "local_train" else int(task.meta["iteration"]) + 1
-            tensors["logits"] = self._upload_logits(task.tensors["indices"], int(task.meta["round"]), nxt)
+            nxt = 0 if task.phase == "local_train" else task.integer("iteration") + 1
+            tensors["logits"] = self._upload_logits(task.tensors["indices"], task.integer("round"), nxt)
         return self.reply(task, tensors, **diag)
 
     def _local_train(self, task: Message) -> float:
-        loss = self.local_steps(int(task.meta.get("steps", self.params.tau)))
+        loss = self.local_steps(task.integer("steps", self.params.tau))
         self.snapshot_ref_glo()
         return loss
 
@@ -200,6 +202,8 @@ class FedALClient(ClientHalf):
 
     def _upload_logits(self, indices: np.ndarray, round_idx: int, iteration: int) -> np.ndarray:
         raw = np.asarray(indices)
+        if self.public_x is None:
+            raise ValueError("this client has no public set")
         if raw.ndim != 1 or not np.issubdtype(raw.dtype, np.integer) or raw.size == 0:
             raise ValueError("indices must be a non-empty 1-D integer array")
         if raw.min() < 0 or raw.max() >= len(self.public_x):
@@ -217,6 +221,7 @@ class FedALClient(ClientHalf):
         if pend is None or (pend["round"], pend["iteration"]) != (task.meta["round"], task.meta["iteration"]):
             raise ValueError("feedback for an iteration whose logits this client did not upload")
         self.pending = None
+        assert self.public_x is not None  # pending logits exist only after an upload from it
         x = self.public_x[pend["indices"]]
         f = pend.get("logits")
         if f is None:  # restored from a checkpoint: recompute the uploaded logits (same weights)
@@ -225,7 +230,7 @@ class FedALClient(ClientHalf):
         fbar = torch.from_numpy(np.asarray(task.tensors["fbar"], dtype=np.float32))
         if fbar.shape != f.shape:
             raise ValueError(f"fbar has shape {tuple(fbar.shape)}, expected {tuple(f.shape)}")
-        target = self.kd_target(fbar, f.detach(), int(task.meta.get("n_avg", 1)))
+        target = self.kd_target(fbar, f.detach(), task.integer("n_avg", 1))
 
         loss = p.lambda_kd * kl_to_student(target, f, p.temperature_kd)
         diag = {"loss_kd": loss.item(), "gnorm_kd": p.lambda_kd * kl_grad_wrt_student(target, f, p.temperature_kd).norm().item()}

@@ -49,6 +49,7 @@ class FedAvgServer(ServerHalf):
 
     def _train_phase(self, round_idx: int) -> PhaseTasks:
         msg = self.task("train", round_idx, 0, steps=self.params.tau)
+        assert self.global_weights is not None  # training rounds start once init delivered weights
         tasks = {cid: Message(dict(msg.meta), self.global_weights) for cid in self.client_ids}
         return PhaseTasks("train", round_idx, 0, tasks)
 
@@ -78,7 +79,7 @@ class FedAvgServer(ServerHalf):
         if results:
             cids = [c for c in self.client_ids if c in results]
             self.global_weights = weighted_average(
-                [results[c].tensors for c in cids], [float(results[c].meta["num_samples"]) for c in cids]
+                [results[c].tensors for c in cids], [results[c].number("num_samples") for c in cids]
             )
             self.record("participation", len(cids) / len(self.client_ids))
             for c in cids:
@@ -104,7 +105,7 @@ class FedAvgClient(ClientHalf):
             return self.reply(task, model_to_numpy(self.model))
         if task.phase == "train":
             load_numpy_into(self.model, task.tensors)
-            loss = train_steps(self, int(task.meta.get("steps", self.params.tau)))
+            loss = train_steps(self, task.integer("steps", self.params.tau))
             return self.reply(task, model_to_numpy(self.model), loss=loss, num_samples=len(self.y_train))
         raise ValueError(f"unknown phase {task.phase!r}")
 

@@ -135,7 +135,7 @@ class FedDFServer(FedALServer):
         for key in sorted({self.group_of[c] for c in cids}):
             members = [c for c in cids if self.group_of[c] == key]
             out[key] = (members, weighted_average([results[c].tensors for c in members],
-                                                  [float(results[c].meta["num_samples"]) for c in members]))
+                                                  [results[c].number("num_samples") for c in members]))
         return out
 
     def _average_phase(self, round_idx: int, results: dict[str, Message]) -> PhaseTasks:
@@ -146,7 +146,7 @@ class FedDFServer(FedALServer):
         tasks = {}
         for cid in self.client_ids:
             tensors: dict[str, np.ndarray] = {"indices": idx}
-            members, avg = averages.get(self.group_of.get(cid), ([], {}))
+            members, avg = averages.get(self.group_of.get(cid, ""), ([], {}))
             if members and members != [cid]:
                 tensors.update(avg)
             tasks[cid] = Message(self.task("average", round_idx, 0, group_size=len(members)).meta, tensors)
@@ -170,14 +170,14 @@ class FedDFClient(FedALClient):
             return self.reply(task, self.weights(), arch=self.arch)
         if task.phase == "local_train":
             self.load_group_weights(task)  # round 0: the group's common start
-            loss = self.local_steps(int(task.meta.get("steps", self.params.tau)))
+            loss = self.local_steps(task.integer("steps", self.params.tau))
             return self.reply(task, self.weights(), loss=loss, num_samples=len(self.y_train), arch=self.arch)
         if task.phase == "average":
             if "indices" not in task.tensors:
                 raise ValueError("an average task must carry the public rows ('indices') of iteration 0")
             weights = self.load_group_weights(task)
             self.snapshot_ref_glo()  # the transfer stage starts from the group average
-            logits = self._upload_logits(task.tensors["indices"], int(task.meta["round"]), 0)
+            logits = self._upload_logits(task.tensors["indices"], task.integer("round"), 0)
             return self.reply(task, {"logits": logits}, averaged=weights)
         return super().handle(task)
 

@@ -146,7 +146,7 @@ class FedHKDClient(FedAvgClient):
         knowledge = Knowledge.from_tensors(task.tensors)
         if knowledge is not None and not knowledge.mask.any():
             knowledge = None
-        stats = self.train(int(task.meta.get("steps", self.params.tau)), knowledge)
+        stats = self.train(task.integer("steps", self.params.tau), knowledge)
         h, q, counts = extract_knowledge(self.model, self.x_train, self.y_train, self.num_classes, self.params,
                                          self.noise_generator)
         tensors = {**model_to_numpy(self.model), H_KEY: h, Q_KEY: q, COUNT_KEY: counts}
@@ -165,7 +165,7 @@ class FedHKDClient(FedAvgClient):
             h = self.model.features(x)
             ce = F.cross_entropy(self.model.head(h), y)
             loss, terms = ce, {"ce": ce.item(), "hkd_head": 0.0, "hkd_feature": 0.0}
-            if use:
+            if use and knowledge is not None:
                 head, feature = knowledge_terms(self.model, h, y, knowledge, p)
                 if lam > 0:
                     loss = loss + lam * head

@@ -32,7 +32,7 @@ class LocalClient(ClientHalf):
     def handle(self, task: Message) -> Message:
         if task.phase != "local_train":
             raise ValueError(f"unknown phase {task.phase!r}")
-        return self.reply(task, loss=train_steps(self, int(task.meta.get("steps", self.params.tau))))
+        return self.reply(task, loss=train_steps(self, task.integer("steps", self.params.tau)))
 
 
 def train_steps(client: ClientHalf, steps: int) -> float:

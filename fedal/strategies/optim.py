@@ -20,6 +20,7 @@ class _EagerMethods:
     """Mixed in before a torch.optim class: the methods its compile wrappers guard."""
 
     torch_class: type[torch.optim.Optimizer]  # the class whose step runs underneath
+    defaults: dict[str, Any]  # torch.optim.Optimizer's
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         inspect.unwrap(torch.optim.Optimizer.add_param_group)(self, param_group)
