@@ -105,7 +105,8 @@ def summarise(results: dict, steps: int, seeds: list[int]) -> tuple[str, dict]:
             "steps to target | disc loss | disc acc | ‖adv‖/‖kd‖ |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
-        local_final = [results[(setting, "local")][s]["final"]["mean_acc"] for s in seeds if s in results.get((setting, "local"), {})]
+        local_final = [results[(setting, "local")][s]["final"]["mean_acc"]
+                       for s in seeds if s in results.get((setting, "local"), {})]
         target = min(0.99, 1.2 * statistics.mean(local_final)) if local_final else None
         summary[setting] = {}
         for strategy in STRATEGIES:

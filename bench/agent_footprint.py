@@ -253,8 +253,8 @@ def run_fleet(config, workdir: Path, broker: str, setup=None, phases: dict | Non
     `setup(agent_configs)`, called with {client id: its agent.toml} once the workspace is
     prepared and before anything starts, may return {client id: {"command": [...], "env": {...},
     "final_dir": Path, "emulated": bool}} to start some agents differently (the whole command
-    line, config included; final_dir: where that agent writes its final artifacts). Phases close only when every client answered (quorum 1), so each agent takes part
-    in every round.
+    line, config included; final_dir: where that agent writes its final artifacts). Phases close
+    only when every client answered (quorum 1), so each agent takes part in every round.
     """
     from fedal_cli.demo import RUN_ID, free_port, prepare_workspace, spawn, terminate
 

@@ -61,7 +61,8 @@ def venv_report(rootfs: Path, venv: str) -> dict:
     check = root / "self-check.json"
     return {"path": venv, "bytes": total, "mb": round(total / 2**20, 1), "bytecode_mb": round(bytecode / 2**20, 1),
             "self_check": json.loads(check.read_text()) if check.exists() else None, "torch": dists.get("torch"),
-            "torch_wheel_tags": tags, "cuda_packages": cuda, "distributions": dict(sorted(dists.items(), key=lambda kv: kv[0].lower()))}
+            "torch_wheel_tags": tags, "cuda_packages": cuda,
+            "distributions": dict(sorted(dists.items(), key=lambda kv: kv[0].lower()))}
 
 
 def emulated_baseline(rootfs: Path, python: str, code: str, workdir: Path) -> dict:

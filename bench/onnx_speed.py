@@ -131,11 +131,12 @@ def run(tmp: Path) -> tuple[list[dict], dict]:
         x = train.x[:SAMPLES]  # public-set style: unlabelled samples the agent sees every round
         xt = torch.from_numpy(x)
         for batch in BATCHES:
-            fns = {"torch": lambda: _torch_infer(model, xt, batch),
-                   "ort": lambda: fp32(x, batch_size=batch),
-                   "int8": lambda: int8(x, batch_size=batch)}
+            # loop variables bound as defaults: each lambda keeps this iteration's values
+            fns = {"torch": lambda model=model, xt=xt, batch=batch: _torch_infer(model, xt, batch),
+                   "ort": lambda fp32=fp32, x=x, batch=batch: fp32(x, batch_size=batch),
+                   "int8": lambda int8=int8, x=x, batch=batch: int8(x, batch_size=batch)}
             if one_d:
-                fns["ort_1d"] = lambda: fp32_1d(x, batch_size=batch)
+                fns["ort_1d"] = lambda fp32_1d=fp32_1d, x=x, batch=batch: fp32_1d(x, batch_size=batch)
             times = _interleaved(fns)
             ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
             ratio = {k: _paired_ratio(times["torch"], v) for k, v in times.items()}

@@ -77,7 +77,8 @@ class CoordinatorConfig(BaseSettings):
     api: ApiSettings = Field(default_factory=ApiSettings)
     phases: PhaseSettings = Field(default_factory=PhaseSettings)
     device: str = Field("auto", description="auto: CUDA when available, else CPU")
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads for server-side compute on the CPU; none: torch's default")
+    threads: int | None = Field(None, ge=1,
+                                description="torch intra-op threads for server-side compute on the CPU; none: torch's default")
     exit_on_finish: bool = False
 
     _run_id = field_validator("run_id")(_check_run_id)

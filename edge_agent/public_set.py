@@ -16,7 +16,8 @@ class PublicSetError(RuntimeError):
     """The public set is missing, unreadable, or not the one the run's hash names."""
 
 
-def load_public_set(expected_hash: str | None, file: Path | None, url: str | None, cache: Path, timeout_s: float = 60) -> np.ndarray:
+def load_public_set(expected_hash: str | None, file: Path | None, url: str | None, cache: Path,
+                    timeout_s: float = 60) -> np.ndarray:
     for candidate in (file, cache):
         if candidate is not None and candidate.exists():
             x = _read_npz(candidate.read_bytes(), str(candidate))

@@ -18,7 +18,8 @@ def _models(_ctx, _param, value: str | None) -> list[str] | None:
 
 
 RUN_OPTIONS = [
-    click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML run config (or a results JSON); flags override it."),
+    click.option("--config", "config_path", type=click.Path(dir_okay=False),
+                 help="TOML run config (or a results JSON); flags override it."),
     click.option("--strategy", type=click.Choice(STRATEGY_NAMES), help="Algorithm to run."),
     click.option("--dataset", type=click.Choice(DATASET_NAMES), help="Dataset (mnist1d and digits are embedded)."),
     click.option("--data-dir", type=click.Path(file_okay=False), help="Folder with dataset files (file-backed datasets)."),
@@ -38,8 +39,8 @@ RUN_OPTIONS = [
     click.option("--threads", type=int, help="torch threads per process."),
 ]
 
-RUN_FLAGS = ("strategy", "dataset", "data_dir", "clients", "partition", "alpha", "shift_c", "samples_per_client", "public_size", "local_test_fraction",
-             "rounds", "tau", "seed", "models", "eval_every", "threads")
+RUN_FLAGS = ("strategy", "dataset", "data_dir", "clients", "partition", "alpha", "shift_c", "samples_per_client", "public_size",
+             "local_test_fraction", "rounds", "tau", "seed", "models", "eval_every", "threads")
 
 
 def run_options(func):

@@ -250,7 +250,8 @@ def _plan_fleet(spec: FleetSpec) -> dict:
                   "data_file": f"{DEVICE_STATE_DIR}/train.npz", "workspace": DEVICE_STATE_DIR, "broker": broker}
         AgentConfig.model_validate(config)  # what the device will load, checked here
         header = (f"Agent config for device {cid} (written by `fedal fleet init`). Holds this device's broker password:\n"
-                  f"install it with firmware_scripts/flash.sh or install-agent.sh, which put it at {DEVICE_CONFIG_DIR}/agent.toml\n"
+                  "install it with firmware_scripts/flash.sh or install-agent.sh, "
+                  f"which put it at {DEVICE_CONFIG_DIR}/agent.toml\n"
                   f"readable by the agent only. The private data goes to data_file; see docs/deploy-raspberry-pi.md.")
         _write(out / "devices" / cid / "agent.toml", _toml(header, config), 0o600)
 

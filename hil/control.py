@@ -76,7 +76,8 @@ def build_app(proxy: Proxy) -> FastAPI:
     async def events(limit: int = 100, fault: str | None = None, client: str | None = None) -> list[dict]:
         if limit < 1:
             raise HTTPException(422, "limit must be >= 1")
-        chosen = [e for e in engine.events if (fault is None or e["fault"] == fault) and (client is None or e["client"] == client)]
+        chosen = [e for e in engine.events
+                  if (fault is None or e["fault"] == fault) and (client is None or e["client"] == client)]
         return chosen[-limit:]
 
     return app

@@ -106,7 +106,7 @@ def test_client_selects_what_its_personal_model_gets_right(one_torch_thread):
     engine.run_round(0)
     for r in (1, 2):
         w_g = {k: v.copy() for k, v in server.global_weights.items()}
-        for cid, c in clients.items():
+        for c in clients.values():
             reply = c.handle(Message({"phase": "train", "round": r, "iteration": 0, "steps": 5}, w_g))
             # after the call the personal model is the one step 2 used (step 3 leaves it alone)
             correct = int((c.predict(c.x_train).argmax(dim=1) == c.y_train).sum())

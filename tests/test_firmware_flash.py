@@ -57,7 +57,8 @@ def make_image(path: Path, boot_files: dict[str, str], fat: bool = True, part_ty
     """A 72 MiB sparse disk: DOS label, FAT32 'bootfs' partition with boot_files, ext4 root."""
     with open(path, "wb") as f:
         f.truncate(72 * 1024 * 1024)
-    table = f"label: dos\nlabel-id: 0x1234abcd\nstart={BOOT_START}, size={BOOT_SECTORS}, type={part_type}\nstart={ROOT_START}, type=83\n"
+    table = (f"label: dos\nlabel-id: 0x1234abcd\nstart={BOOT_START}, size={BOOT_SECTORS}, type={part_type}\n"
+             f"start={ROOT_START}, type=83\n")
     sh("sfdisk", "-q", str(path), input=table.encode())
     if fat:
         sh("mkfs.vfat", "-F", "32", "-s", "1", "-n", "bootfs", "--offset", str(BOOT_START), str(path), str(BOOT_SECTORS // 2))
@@ -202,7 +203,8 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     assert not (boot / "firstrun.sh").exists() and not (boot / "fedal" / "settings").exists()
     assert "correct horse" not in (boot / "fedal" / "firstrun.log").read_text()
     assert (root / "var/log/fedal-firstrun.log").read_text() == (boot / "fedal" / "firstrun.log").read_text()
-    assert (root / "etc/systemd/system/fedal-firstboot.service").read_bytes() == (SCRIPTS / "boot/fedal-firstboot.service").read_bytes()
+    assert (root / "etc/systemd/system/fedal-firstboot.service").read_bytes() == \
+        (SCRIPTS / "boot/fedal-firstboot.service").read_bytes()
     assert os.readlink(root / "etc/systemd/system/multi-user.target.wants/fedal-firstboot.service") == \
         "/etc/systemd/system/fedal-firstboot.service"
     defaults = (root / "etc/default/fedal-firstboot").read_text()
@@ -211,7 +213,8 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     # the next boot, with network: fedal-firstboot.service runs the staged installer (pip replaced)
     pip_log = tmp_path / "pip.log"
     fake_pip = tmp_path / "fake-pip"
-    fake_pip.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(pip_log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    fake_pip.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                        f"open({str(pip_log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
     fake_pip.chmod(0o755)
     with open(boot / "fedal" / "install-args", "a") as f:
         f.write(f"--pip\n{fake_pip}\n")
@@ -224,7 +227,8 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     assert (root / "etc/fedal-agent/agent.toml").read_text() == AGENT_TOML
     assert (root / "etc/fedal-agent/ca.crt").read_text() == CA
     assert (root / "var/lib/fedal-agent/train.npz").read_bytes() == b"private data"
-    assert os.readlink(root / "etc/systemd/system/multi-user.target.wants/fedal-agent.service") == "/etc/systemd/system/fedal-agent.service"
+    assert os.readlink(root / "etc/systemd/system/multi-user.target.wants/fedal-agent.service") == \
+        "/etc/systemd/system/fedal-agent.service"
     assert any(line.startswith("fedal-agent:") for line in (root / "etc/passwd").read_text().splitlines())
     # done for good: the credentials left the FAT partition, the installer will not run again
     assert not (boot / "fedal").exists()

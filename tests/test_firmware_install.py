@@ -67,7 +67,8 @@ def inputs(tmp_path):
     (d / "fedal_edge-0.1.0-py3-none-any.whl").write_bytes(b"a wheel")  # only hashed: pip is replaced below
     log = d / "pip.log"
     fake_pip = d / "fake-pip"
-    fake_pip.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    fake_pip.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                        f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
     fake_pip.chmod(0o755)
     return d
 
@@ -117,7 +118,8 @@ def test_second_install_changes_nothing(tmp_path, inputs):
     assert (state / "train.npz").read_bytes() == b"private data" and stat.S_IMODE(state.stat().st_mode) == 0o750
     unit = root / "etc" / "systemd" / "system" / "fedal-agent.service"
     assert unit.read_bytes() == (SCRIPTS / "fedal-agent.service").read_bytes()
-    assert os.readlink(root / "etc/systemd/system/multi-user.target.wants/fedal-agent.service") == "/etc/systemd/system/fedal-agent.service"
+    assert os.readlink(root / "etc/systemd/system/multi-user.target.wants/fedal-agent.service") == \
+        "/etc/systemd/system/fedal-agent.service"
     assert (root / "opt/fedal-agent/bin/python").exists()
     printed = install("--print-constraints").stdout
     assert (root / "opt/fedal-agent/fedal-constraints.txt").read_text() == printed

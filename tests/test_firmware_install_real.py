@@ -1,6 +1,7 @@
 """install-agent.sh with the real pip into a staging root on this x86-64 machine: torch from a
---torch-index (a local PEP 503 index), the agent and its closure installed from the checkout, torch's build and test files pruned, bytecode only for
-what the agent imports, the self-check passed; a second run changes nothing."""
+--torch-index (a local PEP 503 index), the agent and its closure installed from the checkout,
+torch's build and test files pruned, bytecode only for what the agent imports, the self-check
+passed; a second run changes nothing."""
 
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ def shell_scripts() -> list[Path]:
                 continue
             with open(path, "rb") as f:
                 first = f.readline()
-            if path.suffix == ".sh" or (first.startswith(b"#!") and first.rstrip().split(b"/")[-1].split()[-1] in (b"sh", b"bash")):
+            if path.suffix == ".sh" or (first.startswith(b"#!")
+                                        and first.rstrip().split(b"/")[-1].split()[-1] in (b"sh", b"bash")):
                 found.append(path)
     return found
 

@@ -90,7 +90,7 @@ def run_round(server, agents, r: int, epoch: int, seq: int, log: list | None = N
                 log.append((phase.phase, phase.iteration, cid, task, res))
         phase = server.collect(phase, results)
     seq += 1
-    for cid, a in agents.items():  # the coordinator's evaluate: acc in [0, 1], answered by the session
+    for a in agents.values():  # the coordinator's evaluate: acc in [0, 1], answered by the session
         res = send(a, Message({"phase": "evaluate", "round": r, "iteration": 0}), (epoch, seq))
         assert res.meta["phase"] == "evaluate" and 0.0 <= res.meta["acc"] <= 1.0 and res.meta["num_test"] == 100
     return seq
@@ -145,7 +145,7 @@ def test_feddf_groups_two_architectures():
     assert tags["c0"] == tags["c2"] != tags["c1"] == tags["c3"]  # round-robin over two emulated models
     assert len(set(server.group_of.values())) == 2
     averages = [(cid, task, res) for phase, _i, cid, task, res in log if phase == "average"]
-    for cid, task, res in averages:  # each group of two gets its average, loaded before the logits
+    for _cid, task, res in averages:  # each group of two gets its average, loaded before the logits
         assert any(k.startswith("w/") for k in task.tensors) and res.meta["averaged"] is True
         assert res.tensors["logits"].shape == (B, K)
 

@@ -45,7 +45,7 @@ def test_limits():
     for i in range(3):
         r.feed(f"s{i}", parts[0])
     assert r.open_messages == 3  # the limit is per sender: one sender cannot push out another's messages
-    for i in range(3):
+    for _ in range(3):
         r.feed("s0", split(encode(big_message()), 16 * 1024)[0])
     assert r.open_messages == 4 and r.evicted["s0"] == 2  # s0's own oldest went
     forged = encode(Message({"chunk_of": "x", "index": 0, "count": 2, "size": 10}, {"data": np.zeros(5, np.float32)}))

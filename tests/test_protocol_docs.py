@@ -254,7 +254,7 @@ def check_message(strategy: str, cid: str, where: str, msg: Message, doc: dict, 
     meta = {k: v for k, v in msg.meta.items() if k not in COMMON | transport}
     doc_meta = {k.rstrip("?"): v for k, v in doc["meta"].items()}
     assert set(meta) <= set(doc_meta), f"{where}: metadata {sorted(set(meta) - set(doc_meta))} not documented"
-    for key, spec in doc["meta"].items():
+    for key in doc["meta"]:
         if not key.endswith("?"):
             assert key in meta, f"{where}: documented metadata {key!r} missing"
     for key, value in meta.items():

@@ -50,7 +50,8 @@ def tls_broker(tmp_path):
     proc = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if not wait_for_port(port):
         proc.kill()
-        pytest.fail(f"mosquitto with TLS did not start: {(d / 'mosquitto.log').read_text() if (d / 'mosquitto.log').exists() else ''}")
+        log = d / "mosquitto.log"
+        pytest.fail(f"mosquitto with TLS did not start: {log.read_text() if log.exists() else ''}")
     yield {"url": f"mqtts://127.0.0.1:{port}", "ca": str(d / "ca.crt"), "users": users}
     proc.terminate()
     proc.wait(timeout=10)
@@ -60,7 +61,8 @@ def test_run_over_tls_with_credentials(tls_broker, tmp_path):
     config = load_config(None, dict(strategy="fedal", dataset="digits", clients=3, rounds=2, tau=2, public_size=100, seed=6))
     b = tls_broker
     dep = Deployment(config, tmp_path / "dep", b["url"],
-                     coordinator={"broker": {"ca_file": b["ca"], "username": "coordinator", "password": b["users"]["coordinator"]}},
+                     coordinator={"broker": {"ca_file": b["ca"], "username": "coordinator",
+                                             "password": b["users"]["coordinator"]}},
                      agent={"broker": {"ca_file": b["ca"]}})
     for path in dep.agent_paths:  # per-device credentials, here through the environment-free TOML
         cid = path.parent.name

@@ -197,7 +197,7 @@ def test_one_coordinator_account_drives_several_runs_at_once(tmp_path):
         assert pi1.accepted
         for run in buses:
             pi1.c.publish(topics.result(run, "pi-1"), run.encode(), qos=1).wait_for_publish(10)
-        for run, (bus, inbox, drops) in buses.items():
+        for run, (_bus, inbox, _drops) in buses.items():
             wait_for(inbox, lambda m, run=run: m == (topics.result(run, "pi-1"), run.encode()))
         time.sleep(1)
         assert all(drops == [] and bus.connected.is_set() for bus, _, drops in buses.values())

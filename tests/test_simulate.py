@@ -24,7 +24,8 @@ def fedal(*args, cwd=None):
 def test_cli_run_writes_results_contract_and_is_deterministic(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     for out in (a, b):
-        proc = fedal("simulate", "--strategy", "fedal", *SMALL, "--seed", "3", "--out", str(out), "--plot", str(tmp_path / "p.png"))
+        proc = fedal("simulate", "--strategy", "fedal", *SMALL, "--seed", "3", "--out", str(out),
+                     "--plot", str(tmp_path / "p.png"))
         assert proc.returncode == 0, proc.stderr
     ra, rb = json.loads(a.read_text()), json.loads(b.read_text())
     assert without_timings(ra) == without_timings(rb)

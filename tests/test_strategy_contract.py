@@ -156,7 +156,8 @@ def tensor_variants(family: str, res: Message):
             for what, new in wrong_shapes(arr):
                 yield f"{name} {what} {list(new.shape)}", swapped(new)
         elif family == "dtype":
-            wrong = (np.float64, np.int64, np.float16) if floating else (np.float32, np.int32 if arr.dtype == np.int64 else np.int64)
+            wrong = ((np.float64, np.int64, np.float16) if floating
+                     else (np.float32, np.int32 if arr.dtype == np.int64 else np.int64))
             for dtype in wrong:
                 if arr.dtype != dtype:
                     yield f"{name} as {np.dtype(dtype)}", swapped(arr.astype(dtype))
