@@ -11,5 +11,9 @@ source scripts/python-env.sh
 # the venv's console scripts (fedal, ...) for tests that start them by name
 PATH="$(dirname "$PYTHON"):$PATH"
 export PATH
+# the layering (import-linter), style (ruff) and types of the core (mypy), as pyproject.toml configures them
+lint-imports --no-cache
+"$PYTHON" -m ruff check --quiet .
+"$PYTHON" -m mypy
 # two workers (pytest-xdist), one per core; a test file's tests stay on one worker
 "$PYTHON" -m pytest -q -n "${FEDAL_TEST_WORKERS:-2}" --dist loadfile "$@"
