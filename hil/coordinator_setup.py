@@ -36,7 +36,10 @@ def write_coordinator_config(workdir: Path, broker_url: str, run_id: str, ids: l
     public_file = workdir / "public.npz"
     rng = np.random.default_rng(seed)
     np.savez(public_file, x=rng.standard_normal((public_size, 8), dtype=np.float32))
-    params: dict[str, Any] = {"public_batch_size": public_batch_size}
+    from fedal.strategies import get_strategy
+
+    # a knob a strategy does not take is refused by the coordinator: the public batch only where it has a public set
+    params: dict[str, Any] = {"public_batch_size": public_batch_size} if get_strategy(strategy).uses_public_set else {}
     if tau is not None:
         params["tau"] = tau
     config: dict[str, Any] = {

@@ -102,9 +102,10 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
         click.echo(f"coordinator: {api}/api/v1/runs/{run_id} (log {wd / 'coordinator.log'})", err=True)
 
     try:
+        models, input_shape = global_model_layout(strategy) if start_coordinator else (None, None)
         fleet = Fleet(broker, run_id, ids, seed, username=username, password=password, ca_file=ca_file,
                       credentials=credentials, public_file=public_file, reconnect_min_s=reconnect_min,
-                      reconnect_max_s=reconnect_max).start()
+                      reconnect_max_s=reconnect_max, models=models, input_shape=input_shape).start()
     except BaseException:
         if coordinator is not None:
             stop_process(coordinator)
@@ -160,3 +161,17 @@ def _progress(bar, fleet) -> None:
     c = fleet.totals()
     bar.set_postfix(online=f"{fleet.online()}/{len(fleet.agents)}", tasks=c.get("tasks", 0),
                     rejected=c.get("rejected", 0), refresh=True)
+
+
+def global_model_layout(strategy: str) -> tuple[list[str] | None, tuple[int, ...] | None]:
+    """For a strategy whose coordinator scores the averaged model (global_acc): the model and
+    input shape of the run it starts (its default dataset's single model), so the emulated
+    weights load into it; (None, None) for the others."""
+    from fedal.data import load_dataset
+    from fedal.sim.config import RunConfig
+    from fedal.strategies import get_strategy
+
+    if not get_strategy(strategy).global_model:
+        return None, None
+    run = RunConfig(strategy=strategy)
+    return run.resolved_models(), load_dataset(run.dataset, run.data_dir)[1].input_shape

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
+import subprocess
+import sys
 import uuid
 
 import numpy as np
@@ -251,3 +254,21 @@ def test_fleet_answers_a_real_coordinator(mosquitto, tmp_path, strategy):
     assert summary["counters"].get("rejected", 0) == 0 and summary["counters"].get("setup_failures", 0) == 0
     assert summary["feedback_applied"] > 0
     assert summary["feedback_applied_twice"] == {} and summary["iterations_applied_twice"] == {}
+
+
+@pytest.mark.parametrize("strategy", ["fedakd", "fedhkd"])
+def test_fleet_command_drives_a_global_model_strategy(mosquitto, tmp_path, strategy):
+    """`fedal hil fleet --start-coordinator` with a strategy whose coordinator scores the averaged
+    model: the emulated weights take that model's layout and no knob it does not take is written."""
+    run_id = f"glob-{uuid.uuid4().hex[:8]}"
+    workdir = tmp_path / "coordinator"
+    proc = subprocess.run([sys.executable, "-m", "hil", "fleet", "--clients", "3", "--broker", mosquitto, "--run-id", run_id,
+                           "--timeout", "170", "--quiet", "--start-coordinator", "--workdir", str(workdir),
+                           "--strategy", strategy, "--rounds", "2", "--tau", "2"],
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert json.loads(proc.stdout)["outcome"] == "finished"
+    results = json.loads((workdir / "state" / "results.json").read_text())
+    assert [r["round"] for r in results["rounds"]] == [1, 2]
+    assert all(r.get("global_acc") is not None for r in results["rounds"])
+    assert results["deployment"]["counters"].get("rejected", 0) == 0

@@ -74,3 +74,13 @@ def test_a_validator_bug_stops_the_run_instead_of_counting_a_client():
     server.validate = broken
     with pytest.raises(StrategyError, match="a bug in the validator"):
         in_process(server, clients).run_round(0)
+
+
+def test_a_deployment_refuses_simulated_faults(tmp_path):
+    from coordinator.config import CoordinatorConfig
+    from coordinator.run import Run
+
+    cfg = CoordinatorConfig(run_id="r", client_ids=["a", "b"], state_dir=tmp_path,
+                            run={"strategy": "local", "dataset": "digits", "dropout": 0.2})
+    with pytest.raises(ValueError, match="faults of the simulation"):
+        Run(cfg)
