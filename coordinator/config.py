@@ -37,6 +37,12 @@ def _check_run_id(v: str) -> str:
     return topics.check_id(v, "run id")
 
 
+def _check_no_simulated_faults(v: RunConfig) -> RunConfig:
+    if v.dropout or v.stragglers:
+        raise ValueError("dropout and stragglers are faults of the simulation; a deployment has real ones")
+    return v
+
+
 def _check_client_ids(v: list[str] | None) -> list[str] | None:
     if v is None:
         return v
@@ -59,6 +65,7 @@ class RunSpec(BaseModel):
 
     _run_id = field_validator("run_id")(_check_run_id)
     _clients = field_validator("client_ids")(_check_client_ids)
+    _run = field_validator("run")(_check_no_simulated_faults)
 
 
 class CoordinatorConfig(BaseSettings):
@@ -83,6 +90,7 @@ class CoordinatorConfig(BaseSettings):
 
     _run_id = field_validator("run_id")(_check_run_id)
     _clients = field_validator("client_ids")(_check_client_ids)
+    _run = field_validator("run")(_check_no_simulated_faults)
 
     def initial_run(self) -> RunSpec | None:
         """The run this config starts by itself, if it names clients."""

@@ -77,10 +77,15 @@ def test_a_validator_bug_stops_the_run_instead_of_counting_a_client():
 
 
 def test_a_deployment_refuses_simulated_faults(tmp_path):
-    from coordinator.config import CoordinatorConfig
+    from coordinator.config import CoordinatorConfig, RunSpec
     from coordinator.run import Run
 
-    cfg = CoordinatorConfig(run_id="r", client_ids=["a", "b"], state_dir=tmp_path,
-                            run={"strategy": "local", "dataset": "digits", "dropout": 0.2})
+    with pytest.raises(ValueError, match="faults of the simulation"):  # a config file
+        CoordinatorConfig(run_id="r", client_ids=["a", "b"], state_dir=tmp_path,
+                          run={"strategy": "local", "dataset": "digits", "dropout": 0.2})
+    with pytest.raises(ValueError, match="faults of the simulation"):  # POST /api/v1/runs
+        RunSpec(run_id="r", client_ids=["a", "b"], run={"strategy": "local", "stragglers": 0.5})
+    cfg = CoordinatorConfig(run_id="r", client_ids=["a", "b"], state_dir=tmp_path, run={"strategy": "local"})
+    cfg.run.dropout = 0.1  # past validation, the run itself still refuses
     with pytest.raises(ValueError, match="faults of the simulation"):
         Run(cfg)
