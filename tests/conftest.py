@@ -77,17 +77,14 @@ def clear_retained(url: str) -> None:
 def mosquitto_server(tmp_path_factory):
     """A private Mosquitto on a free loopback port, with a generated config."""
     import shutil
-    import socket
     import subprocess
 
-    from tests.waiting import wait_for_port
+    from tests.waiting import free_port, wait_for_port
 
     binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     if not Path(binary).exists():
         pytest.fail("mosquitto is not installed: run the README's test command (scripts/test.sh installs it)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     d = tmp_path_factory.mktemp("mosquitto")
     conf = d / "mosquitto.conf"
     conf.write_text(
@@ -107,7 +104,7 @@ def mosquitto_server(tmp_path_factory):
 @pytest.fixture()
 def embedded_broker():
     from coordinator.broker import EmbeddedBroker
-    from fedal_cli.demo import free_port
+    from tests.waiting import free_port
 
     broker = EmbeddedBroker(port=free_port()).start()
     yield broker.url

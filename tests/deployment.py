@@ -12,7 +12,8 @@ from pathlib import Path
 
 import tomli_w
 
-from fedal_cli.demo import RUN_ID, free_port, prepare_workspace, spawn, terminate
+from fedal_cli.demo import RUN_ID, prepare_workspace, spawn, terminate
+from tests.waiting import free_port
 
 TOKEN = "deployment-token"  # the API token of a Deployment's coordinator unless the test names one
 
@@ -30,6 +31,7 @@ class Deployment:
         merge(coord, coordinator or {})
         coord.setdefault("api", {}).setdefault("token", TOKEN)
         self.coord_path.write_text(tomli_w.dumps(coord))
+        self.coord_path.chmod(0o600)  # it holds the API token
         self.coord_config = coord
         for path in self.agent_paths:
             cfg = tomllib.loads(path.read_text())

@@ -21,6 +21,7 @@ from fedal.sim import load_config
 from hil.fleet import Fleet, client_ids
 from hil.mosquitto import Mosquitto
 from tests.deployment import RUN_ID, Deployment, get
+from tests.waiting import free_port
 
 ROUNDS, TAU = 3, 2
 REAL = ["c00", "c01"]
@@ -28,7 +29,8 @@ REAL = ["c00", "c01"]
 
 @pytest.fixture()
 def broker(tmp_path):
-    mq = Mosquitto(tmp_path / "mosquitto", persistence=False).start()
+    # restarted on the same port: one the kernel never gives an outgoing connection meanwhile
+    mq = Mosquitto(tmp_path / "mosquitto", free_port(), persistence=False).start()
     yield mq
     mq.kill()
 

@@ -6,9 +6,9 @@ import threading
 import urllib.request
 
 from fedal.sim import load_config
-from fedal_cli.demo import free_port, run_demo
+from fedal_cli.demo import run_demo
 from tests.deployment import get, poll_run
-from tests.waiting import wait_until
+from tests.waiting import free_port, wait_until
 
 LINGER_S = 10
 

@@ -15,9 +15,8 @@ import pytest
 
 from fedal.protocol import topics
 from fedal.sim import load_config, simulate
-from fedal_cli.demo import free_port
 from tests.deployment import Deployment
-from tests.waiting import wait_for_port, wait_until
+from tests.waiting import free_port, wait_for_port, wait_until
 
 
 def openssl(*args: str, cwd) -> None:

@@ -27,7 +27,8 @@ from fedal.protocol import Message, encode, topics
 from fedal_cli.main import cli
 from hil.coordinator_setup import get_json, start_coordinator, stop_process, wait_for_run, write_coordinator_config
 from hil.fleet import Fleet, device_credentials
-from hil.mosquitto import Mosquitto, free_port
+from hil.mosquitto import Mosquitto
+from tests.waiting import free_port
 
 RUN = "secure"
 TOKEN = "s3cret-token"
