@@ -42,10 +42,13 @@ class CoordinatorBus:
         """Connect, waiting as long as it takes (paho retries with backoff); False if stopped."""
         self.client.connect_async(self.address.host, self.address.port, keepalive=self.settings.keepalive)
         self.client.loop_start()
-        while not self.connected.wait(warn_every_s):
+        warn_at = time.monotonic() + warn_every_s
+        while not self.connected.wait(0.2):  # a stop is noticed at once, not at the next warning
             if stop.is_set():
                 return False
-            log.warning("still waiting for the broker at %s", self.address.redacted())
+            if time.monotonic() >= warn_at:
+                warn_at = time.monotonic() + warn_every_s
+                log.warning("still waiting for the broker at %s", self.address.redacted())
         return True
 
     def stop(self) -> None:

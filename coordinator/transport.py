@@ -30,7 +30,7 @@ class MqttTransport(Transport):
         self._partial_bytes: Counter[str] = Counter()  # chunk bytes of a client's unfinished message
 
     def start(self, should_stop) -> bool:
-        return self.bus.start(should_stop)
+        return self.bus.start(should_stop, warn_every_s=5)
 
     def stop(self) -> None:
         self.bus.stop()

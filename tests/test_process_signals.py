@@ -211,3 +211,24 @@ def test_a_child_spawned_from_a_short_lived_thread_outlives_that_thread_not_the_
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def test_a_coordinator_waiting_for_an_unreachable_broker_stops_at_once(tmp_path):
+    """SIGTERM while no broker answers (a systemd stop during a broker outage): the coordinator
+    notices the stop within a second or two, not at its next still-waiting warning."""
+    config = load_config(None, dict(strategy="local", dataset="digits", clients=2, rounds=1, seed=0))
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"mqtt://127.0.0.1:{s.getsockname()[1]}"
+    dep = Deployment(config, tmp_path / "dep", dead)
+    try:
+        dep.start_coordinator()
+        wait_until(lambda: (poll_run(dep.api) or {}).get("state") == "pending", timeout_s=60,
+                   what="the API", interval_s=0.2)
+        time.sleep(1.0)
+        stopped_at = time.monotonic()
+        dep.coordinator.send_signal(signal.SIGTERM)
+        assert dep.coordinator.wait(timeout=20) == 0
+        assert time.monotonic() - stopped_at < 5.0
+    finally:
+        dep.close()
