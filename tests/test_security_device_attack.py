@@ -25,15 +25,14 @@ import uuid
 import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
-from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from fedal.protocol import Message, decode, encode, topics
-from fedal_cli.main import cli
 from hil.coordinator_setup import get_json, start_coordinator, stop_process, wait_for_run, write_coordinator_config
 from hil.emulated_agent import EmulatedAgent
 from hil.fleet import Fleet, device_credentials
-from hil.mosquitto import Mosquitto, free_port
+from hil.mosquitto import free_port
+from tests.fleet_broker import acl_only_broker
 
 RUN = "attacked"
 TOKEN = "attack-token"
@@ -139,13 +138,7 @@ def metrics(api: str) -> dict[tuple[str, tuple], float]:
 
 @pytest.fixture()
 def fleet_files(tmp_path):
-    port = free_port()
-    out = tmp_path / "fleet"
-    result = CliRunner().invoke(cli, ["fleet", "init", "--devices", "3", "--prefix", "dev-", "--broker",
-                                      f"mqtt://127.0.0.1:{port}", "--run-id", RUN, "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    broker = Mosquitto(tmp_path / "mosquitto", port, password_file=out / "broker" / "passwd",
-                       acl_file=out / "broker" / "acl").start()
+    out, broker = acl_only_broker(tmp_path, RUN)
     yield out, broker
     broker.stop()
 

@@ -21,13 +21,11 @@ import urllib.request
 import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
-from click.testing import CliRunner
 
 from fedal.protocol import Message, encode, topics
-from fedal_cli.main import cli
 from hil.coordinator_setup import get_json, start_coordinator, stop_process, wait_for_run, write_coordinator_config
 from hil.fleet import Fleet, device_credentials
-from hil.mosquitto import Mosquitto
+from tests.fleet_broker import acl_only_broker
 from tests.waiting import free_port
 
 RUN = "secure"
@@ -84,13 +82,7 @@ def post(url: str, token: str | None = None) -> int:
 
 @pytest.fixture()
 def fleet_files(tmp_path):
-    port = free_port()
-    out = tmp_path / "fleet"
-    result = CliRunner().invoke(cli, ["fleet", "init", "--devices", "3", "--prefix", "dev-", "--broker",
-                                      f"mqtt://127.0.0.1:{port}", "--run-id", RUN, "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    broker = Mosquitto(tmp_path / "mosquitto", port, password_file=out / "broker" / "passwd",
-                       acl_file=out / "broker" / "acl").start()
+    out, broker = acl_only_broker(tmp_path, RUN)
     yield out, broker
     broker.stop()
 
