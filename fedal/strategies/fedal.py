@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from fedal.protocol import Message
+from fedal.protocol.wire_dtype import WireDtypeError, decode_tensor, encode_tensor, wire_round
 from fedal.strategies import optim
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
 from fedal.strategies.discriminator import Discriminator, discriminator_input, per_sample_adversarial_grad
@@ -87,11 +88,19 @@ class FedALServer(ServerHalf):
         super().validate(phase, client_id, result)
         task = phase.tasks[client_id]
         if "indices" in task.tensors:
-            logits = result.tensors.get("logits")
-            want = (len(task.tensors["indices"]), self.context.num_classes)
-            if logits is None or logits.shape != want or logits.dtype != np.float32:
-                got = None if logits is None else (logits.shape, str(logits.dtype))
-                raise InvalidResult(f"logits must be a float32 array of shape {want}, got {got}")
+            self.received_logits(result, (len(task.tensors["indices"]), self.context.num_classes))
+
+    def received_logits(self, result: Message, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """A result's logits in float32, refused unless in exactly the form the run's wire_dtype sends."""
+        p = self.params
+        try:
+            return decode_tensor(result.tensors, "logits", p.wire_dtype, p.wire_int8_scale, shape, p.max_abs_value)
+        except WireDtypeError as exc:
+            raise InvalidResult(f"logits: {exc}", kind=exc.kind) from exc
+
+    def send(self, name: str, x: np.ndarray) -> dict[str, np.ndarray]:
+        """Float32 `x` in the run's wire form (with its scale for int8)."""
+        return encode_tensor(name, x, self.params.wire_dtype, self.params.wire_int8_scale)
 
     def _transfer_phase(self, round_idx: int, iteration: int, results: dict[str, Message]) -> PhaseTasks | None:
         """Feedback on the logits of `iteration`, with the public rows of the next one."""
@@ -109,12 +118,12 @@ class FedALServer(ServerHalf):
 
     def _feedback(self, results: dict[str, Message]) -> dict[str, dict[str, np.ndarray]]:
         cids = [cid for cid in self.client_ids if cid in results]  # enrolment order: deterministic
-        f = torch.stack([torch.from_numpy(np.asarray(results[c].tensors["logits"], dtype=np.float32)) for c in cids])
+        f = torch.stack([torch.from_numpy(self.received_logits(results[c])) for c in cids])
         n_avg, batch = f.shape[0], f.shape[1]
         self.record("participation", n_avg / len(self.client_ids))
         self.record("discrepancy", mean_kl_to_mean(F.softmax(f, dim=2)))
-        fbar = f.mean(dim=0).numpy()
-        out = {c: {"fbar": fbar} for c in cids}
+        fbar = self.send("fbar", f.mean(dim=0).numpy())
+        out = {c: dict(fbar) for c in cids}
         if self.adversarial:
             device = self.context.device
             rows = f.reshape(n_avg * batch, -1).to(device)
@@ -123,7 +132,7 @@ class FedALServer(ServerHalf):
             assert self.disc is not None  # built when lambda_adv > 0, the only case that reaches here
             g = per_sample_adversarial_grad(self.disc, rows, target, self.params.temperature_disc).cpu()
             for k, c in enumerate(cids):
-                out[c]["grad"] = g[k * batch : (k + 1) * batch].numpy()
+                out[c].update(self.send("grad", g[k * batch : (k + 1) * batch].numpy()))
         return out
 
     def _discriminator_step(self, rows: torch.Tensor, target: torch.Tensor) -> None:
@@ -167,7 +176,7 @@ class FedALClient(ClientHalf):
         tensors = {}
         if "indices" in task.tensors:  # the rows of the next transfer iteration
             nxt = 0 if task.phase == "local_train" else task.integer("iteration") + 1
-            tensors["logits"] = self._upload_logits(task.tensors["indices"], task.integer("round"), nxt)
+            tensors = self._upload_logits(task.tensors["indices"], task.integer("round"), nxt)
         return self.reply(task, tensors, **diag)
 
     def _local_train(self, task: Message) -> float:
@@ -200,7 +209,8 @@ class FedALClient(ClientHalf):
         """theta_ref_glo: the model the transfer stage starts from."""
         self.ref_glo = self.inference.snapshot(self.model) if self.params.lambda_lf_glo > 0 else None
 
-    def _upload_logits(self, indices: np.ndarray, round_idx: int, iteration: int) -> np.ndarray:
+    def _upload_logits(self, indices: np.ndarray, round_idx: int, iteration: int) -> dict[str, np.ndarray]:
+        """The logits on the public rows `indices`, as the result's tensors in the run's wire form."""
         raw = np.asarray(indices)
         if self.public_x is None:
             raise ValueError("this client has no public set")
@@ -213,13 +223,23 @@ class FedALClient(ClientHalf):
         logits = self.model(self.public_x[idx])
         # the graph is kept: the feedback's vector-Jacobian product goes through this very forward
         self.pending = {"round": round_idx, "iteration": iteration, "indices": idx, "logits": logits}
-        return logits.detach().numpy().astype(np.float32)
+        p = self.params
+        return encode_tensor("logits", logits.detach().numpy().astype(np.float32), p.wire_dtype, p.wire_int8_scale)
+
+    def received(self, task: Message, name: str) -> torch.Tensor:
+        """Feedback tensor `name` in float32; WireDtypeError, a ValueError (the session's
+        TaskRefused), unless it travels in exactly the run's wire form."""
+        p = self.params
+        return torch.from_numpy(decode_tensor(task.tensors, name, p.wire_dtype, p.wire_int8_scale,
+                                              max_abs_value=p.max_abs_value))
 
     def _apply_feedback(self, task: Message) -> dict[str, float]:
         p = self.params
         pend = self.pending
         if pend is None or (pend["round"], pend["iteration"]) != (task.meta["round"], task.meta["iteration"]):
             raise ValueError("feedback for an iteration whose logits this client did not upload")
+        fbar = self.received(task, "fbar")  # before anything changes: a refused form leaves it as it was
+        g = self.received(task, "grad") if "grad" in task.tensors and p.lambda_adv > 0 else None
         self.pending = None
         assert self.public_x is not None  # pending logits exist only after an upload from it
         x = self.public_x[pend["indices"]]
@@ -227,10 +247,13 @@ class FedALClient(ClientHalf):
         if f is None:  # restored from a checkpoint: recompute the uploaded logits (same weights)
             self.model.train()
             f = self.model(x)
-        fbar = torch.from_numpy(np.asarray(task.tensors["fbar"], dtype=np.float32))
-        if fbar.shape != f.shape:
-            raise ValueError(f"fbar has shape {tuple(fbar.shape)}, expected {tuple(f.shape)}")
-        target = self.kd_target(fbar, f.detach(), task.integer("n_avg", 1))
+        for name, t in (("fbar", fbar), ("grad", g)):
+            if t is not None and t.shape != f.shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(f.shape)}")
+        # the own logits as the server averaged them (float32: f itself), so that eq. 5's
+        # leave-one-out removes exactly this client's share of fbar
+        own = torch.from_numpy(wire_round(f.detach().numpy(), p.wire_dtype, p.wire_int8_scale))
+        target = self.kd_target(fbar, own, task.integer("n_avg", 1))
 
         loss = p.lambda_kd * kl_to_student(target, f, p.temperature_kd)
         diag = {"loss_kd": loss.item(), "gnorm_kd": p.lambda_kd * kl_grad_wrt_student(target, f, p.temperature_kd).norm().item()}
@@ -241,10 +264,7 @@ class FedALClient(ClientHalf):
             diag["gnorm_lf"] = p.lambda_lf_glo * kl_grad_wrt_student(ref, f, p.temperature_lf).norm().item()
 
         self.optimizer.zero_grad()
-        if "grad" in task.tensors and p.lambda_adv > 0:
-            g = torch.from_numpy(np.asarray(task.tensors["grad"], dtype=np.float32))
-            if g.shape != f.shape:
-                raise ValueError(f"grad has shape {tuple(g.shape)}, expected {tuple(f.shape)}")
+        if g is not None:
             adv = p.lambda_adv * g / f.shape[0]
             diag["gnorm_adv"] = adv.norm().item()
             # d/df (f * adv).sum() = adv: the server's gradient joins the loss's in one scalar

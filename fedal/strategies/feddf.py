@@ -178,7 +178,7 @@ class FedDFClient(FedALClient):
             weights = self.load_group_weights(task)
             self.snapshot_ref_glo()  # the transfer stage starts from the group average
             logits = self._upload_logits(task.tensors["indices"], task.integer("round"), 0)
-            return self.reply(task, {"logits": logits}, averaged=weights)
+            return self.reply(task, logits, averaged=weights)
         return super().handle(task)
 
     def weights(self) -> dict[str, np.ndarray]:

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fedal.protocol.validation import DEFAULT_MAX_ABS_VALUE
+from fedal.protocol.wire_dtype import FLOAT16_MAX
 
 # what every strategy uses; each strategy module names its own further knobs (`PARAMS`)
 COMMON_PARAMS = ("tau", "optimizer", "lr", "momentum", "batch_size", "max_abs_value")
 # the knowledge-transfer stage shared by FedAL, FedMD(-LF) and FedDF(-AL)
 DISTILLATION_PARAMS = ("public_batch_size", "lambda_kd", "lambda_adv", "lambda_lf_loc", "lambda_lf_glo", "temperature_kd",
-                       "temperature_lf", "temperature_disc", "kd_target", "disc_hidden", "disc_lr")
+                       "temperature_lf", "temperature_disc", "kd_target", "disc_hidden", "disc_lr", "wire_dtype",
+                       "wire_int8_scale")
 
 
 class StrategyParams(BaseModel):
@@ -49,6 +51,14 @@ class StrategyParams(BaseModel):
         "gradients, weights): results beyond it are rejected by the server half, tasks beyond it refused by the agent"
     )
 
+    wire_dtype: Literal["float32", "float16", "int8"] = Field(
+        "float32", description="how the per-row tensors travel (logits up; fbar and the discriminator's gradients "
+        "down): float32, float16, or int8 with a float32 scale; the math runs in float32 on both ends"
+    )
+    wire_int8_scale: Literal["row", "tensor"] = Field(
+        "row", description="wire_dtype int8: one scale per public row, or one per tensor"
+    )
+
     disc_hidden: list[int] = Field(default_factory=lambda: [32, 256], description="discriminator hidden widths")
     disc_lr: float = Field(1e-4, gt=0, description="discriminator Adam learning rate")
 
@@ -75,6 +85,14 @@ class StrategyParams(BaseModel):
     akd_confidence: float = Field(
         0.0, ge=0, lt=1, description="FedAKD extension: also require this predicted-class probability (0: off)"
     )
+
+    @model_validator(mode="after")
+    def _float16_holds_the_bound(self) -> StrategyParams:
+        """Every value a receiver accepts must fit the wire form: float16 ends at 65504."""
+        if self.wire_dtype == "float16" and self.max_abs_value > FLOAT16_MAX:
+            raise ValueError(f"wire_dtype float16 holds magnitudes up to {FLOAT16_MAX:g}: "
+                             f"max_abs_value {self.max_abs_value:g} must not exceed it")
+        return self
 
     def resolve(self, preset: dict) -> StrategyParams:
         """Fill unset fields from `preset`; fields the user set win."""
