@@ -17,6 +17,7 @@ Standard library only: the core package imports no runtime extra.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -141,10 +142,8 @@ def terminate(procs: Sequence[subprocess.Popen], grace_s: float = 10) -> None:
     """SIGTERM to all (each shuts down cleanly), then wait; SIGKILL whoever outlives grace_s."""
     for p in procs:
         if p.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it ended in between
                 p.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:

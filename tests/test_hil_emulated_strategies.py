@@ -197,7 +197,7 @@ def test_a_strategy_without_an_emulation_is_refused_at_join(monkeypatch, caplog)
     """Driven by the registry: a client half the emulation does not know, or a phase its
     emulation does not answer, fails the join with the reason logged and counted."""
     class Unknown(LocalClient):
-        pass
+        """A client half no emulation is registered for."""
 
     local = STRATEGIES["local"]
     monkeypatch.setitem(STRATEGIES, "mystery", dataclasses.replace(local, name="mystery", client=Unknown))

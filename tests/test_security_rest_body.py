@@ -6,6 +6,7 @@ Content-Length (chunked); ordinary creates still work.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import select
 import socket
@@ -60,23 +61,20 @@ def send_body(port: int, head: bytes, pieces, total: int) -> tuple[int, int, byt
     sent = 0
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(head)
-        try:
+        # the server may answer and close without reading the rest
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             for piece in pieces:
                 if select.select([s], [], [], 0)[0]:
                     break  # the answer is there: stop sending
                 s.sendall(piece)
                 sent += len(piece)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the server answered and closed without reading the rest
         response = b""
-        try:
+        with contextlib.suppress(TimeoutError, ConnectionResetError):  # the answer is what came
             while b"\r\n\r\n" not in response or len(response) < response.index(b"\r\n\r\n") + 4 + _length(response):
                 chunk = s.recv(65536)
                 if not chunk:
                     break
                 response += chunk
-        except (TimeoutError, ConnectionResetError):
-            pass
     assert response.startswith(b"HTTP/1.1 "), response[:200]
     return int(response.split()[1]), sent, response
 
