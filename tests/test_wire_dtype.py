@@ -182,9 +182,11 @@ def test_the_agent_refuses_feedback_in_another_dtype_and_counts_it(tamper, tmp_p
         del tensors["grad.scale"]
     before = {k: v.clone() for k, v in agent.client.model.state_dict().items()}
     deliver(agent, Message(task.meta, tensors), 2)
-    assert len(sent) == 1 and agent.counters["rejected"] == 1 and agent.rejects["task"] == 1
+    assert len(sent) == 1 and agent.counters["rejected"] == 1 and agent.rejects["wire_dtype"] == 1
     assert agent.counters["tasks"] == 1
     assert all(torch.equal(before[k], v) for k, v in agent.client.model.state_dict().items())  # never trained on
+    deliver(agent, task, 2)  # the genuine task of the same step is still applied, not taken for a replay
+    assert len(sent) == 2 and agent.counters["tasks"] == 2 and not agent.counters["round_replays"]
 
 
 def test_the_session_refuses_a_task_the_client_half_cannot_read():

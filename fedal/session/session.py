@@ -96,11 +96,14 @@ class ClientSession:
         if problem is not None:  # e.g. feedback of absurd magnitude: never trained on
             raise TaskRefused(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {problem[1]}",
                               problem[0])
+        step = (task.phase, meta.get("iteration"))
         try:
-            self._replay_guard(meta.get("round"), (task.phase, meta.get("iteration")))
+            self._replay_guard(meta.get("round"), step)
             result = self.evaluate(task) if task.phase == "evaluate" else self.client.handle(task)
         except Exception as exc:  # a task this client cannot apply is refused, not fatal
-            raise TaskRefused(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {exc}") from exc
+            raise TaskRefused(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {exc}",
+                              getattr(exc, "kind", "task")) from exc
+        self.round_steps.add(step)  # taken: a repeat of it means the round is replayed (a refused one is not)
         result.meta.update(run=self.run_id, client=self.client_id, epoch=ikey[0], seq=ikey[1])
         wire = encode(result)
         self.last_key, self.last_result = ikey, wire
@@ -122,4 +125,3 @@ class ClientSession:
             self.round_steps = set()
             self.counters["round_replays"] += 1
             log.info("the coordinator replays round %s: back to this client's state at its start", round_no)
-        self.round_steps.add(step)
