@@ -691,6 +691,9 @@ class EmulatedAgent:
             raise JoinError(str(exc)) from None
         emulation = emulation_for(spec)
         params = StrategyParams(**manifest.strategy_params)
+        if params.wire_dtype != "float32":
+            raise JoinError(f"run {manifest.run_id!r} exchanges {params.wire_dtype} tensors (wire_dtype); "
+                            "emulated agents send float32 only")
         public_size = self.public.size(manifest.public_hash, manifest.public_url) if spec.uses_public_set else 0
         position = 0 if spec.homogeneous_models else self.index
         if self.models:

@@ -272,3 +272,16 @@ def test_fleet_command_drives_a_global_model_strategy(mosquitto, tmp_path, strat
     assert [r["round"] for r in results["rounds"]] == [1, 2]
     assert all(r.get("global_acc") is not None for r in results["rounds"])
     assert results["deployment"]["counters"].get("rejected", 0) == 0
+
+
+def test_a_reduced_precision_run_is_refused_at_join(caplog):
+    """Emulated agents speak float32 only: a run with another wire_dtype is refused up front,
+    with the reason logged and counted, not answered with logits the coordinator would refuse."""
+    agent = EmulatedAgent("wire", "c0", public=PublicSetSource())
+    manifest = RunManifest(run_id="wire", strategy="fedal", strategy_params={"wire_dtype": "int8"}, num_classes=10,
+                           clients=["c0", "c1"], rounds=1, eval_every=1, public_hash=None, public_size=None,
+                           public_url=None, state="running", round=0, instance="i")
+    with caplog.at_level(logging.WARNING):
+        assert agent.on_message(agent.manifest_topic, manifest.to_json()) == []
+    assert agent.joined is None and agent.counters["setup_failures"] == 1
+    assert "wire_dtype" in caplog.text
