@@ -89,3 +89,21 @@ def test_a_deployment_refuses_simulated_faults(tmp_path):
     cfg.run.dropout = 0.1  # past validation, the run itself still refuses
     with pytest.raises(ValueError, match="faults of the simulation"):
         Run(cfg)
+
+
+def test_a_late_answer_to_a_closed_phase_is_stale_even_before_the_next_phase():
+    """Once a phase closed at its deadline, an answer to it that comes while the run waits
+    (paused, or between phases) is stale: not taken, not counted as answered."""
+    from fedal.engine.inprocess import Faults
+
+    server, clients, _ = toy_federation("fedal", n_clients=4, tau=1)
+    engine = in_process(server, clients, faults=Faults(stragglers=0.5, straggle_every=1, seed=1))
+    late = engine.transport.stragglers
+    phase = server.begin_round(0)
+    state = engine.run_phase(phase)
+    assert set(state.pending) == late and engine.current is None
+    answered = {cid: engine.clients[cid].answered for cid in late}
+    while not engine.transport.exhausted():  # the run held: messages are still handled
+        engine.pump()
+    assert engine.counters["stale"] == len(late)
+    assert {cid: engine.clients[cid].answered for cid in late} == answered

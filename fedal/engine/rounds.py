@@ -204,6 +204,7 @@ class RoundEngine:
                         self._send(cid, payloads[cid])
         state.wall_s = time.monotonic() - wall_from
         with self.lock:
+            self.current = None  # closed: a late answer is stale, a client back online gets no old task
             for cid in state.pending:
                 self.clients[cid].late += 1
         if state.pending:
