@@ -11,7 +11,6 @@ everything down in order, and its children die with it even if it is killed (fed
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from tqdm import tqdm
 
 from fedal import procs, workspace
 from fedal.data import build_federated
+from fedal.ports import free_port
 from fedal.sim.config import RunConfig
 from fedal.sim.fairness import fairness_line
 from fedal.sim.runner import client_ids as make_client_ids
@@ -39,10 +39,6 @@ from fedal_cli.simulate import write_results
 RUN_ID = "demo"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_port: int) -> tuple[Path, list[Path], dict]:

@@ -18,12 +18,7 @@ import time
 from pathlib import Path
 
 from fedal import procs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fedal.ports import free_port  # noqa: F401 (part of this module's API for callers)
 
 
 def raise_open_files_limit(want: int = 8192) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from tests.waiting import _ephemeral_range, free_port
+from fedal.ports import _ephemeral_range
+from tests.waiting import free_port
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_are_never_repeated():

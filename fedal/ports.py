@@ -1,0 +1,44 @@
+"""A free loopback port for a server the toolkit is about to start (the demo's broker and API,
+a private Mosquitto, the tests' servers): one picker for all of them."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_given: set[int] = set()
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on, for a server started next.
+
+    Not one the kernel hands out (bind to port 0): between this check and the server's own bind,
+    that port can go to any outgoing connection on the machine (each MQTT or HTTP client takes
+    one) or to another worker asking the same, and the server then fails with "address already in
+    use". Ports below the kernel's ephemeral range are never given to connections; a random pick
+    there, never the same twice in this process, leaves only a collision with another process
+    picking that very port in the same instant."""
+    pick = random.SystemRandom()  # not the seeded global one: workers seeded alike would pick alike
+    low, _high = _ephemeral_range()
+    lo = 10000 if low > 12000 else 1024
+    for _ in range(1000):
+        port = pick.randrange(lo, low)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {lo}..{low - 1}")
