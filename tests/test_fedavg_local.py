@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fedal.protocol import Message
+from fedal.strategies import InvalidResult
 from fedal.strategies.fedavg import weighted_average
 from tests.helpers import in_process, toy_federation
 
@@ -83,3 +84,18 @@ def test_server_refuses_results_from_unknown_clients_and_stale_rounds():
     stale = Message({**res.meta, "round": 2}, res.tensors)
     with pytest.raises(InvalidResult, match="round"):
         server.validate(phase, "c0", stale)
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "fedhkd", "fedakd"])
+def test_a_first_upload_in_a_dtype_no_model_has_is_refused(strategy):
+    """The init upload defines the global model: one in float64 (or float16) would make every
+    honest float32 upload after it a mismatch, so it is refused."""
+    server, clients, _ = toy_federation(strategy, n_clients=2)
+    phase = server.begin_round(0)
+    (cid,) = phase.tasks
+    genuine = clients[cid].handle(phase.tasks[cid])
+    server.validate(phase, cid, genuine)
+    for dtype in (np.float64, np.float16):
+        widened = Message(genuine.meta, {k: v.astype(dtype) if v.dtype == np.float32 else v for k, v in genuine.tensors.items()})
+        with pytest.raises(InvalidResult, match="float32 or int64"):
+            server.validate(phase, cid, widened)

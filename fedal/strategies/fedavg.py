@@ -36,6 +36,15 @@ def weighted_average(states: list[dict[str, np.ndarray]], weights: list[float]) 
     return out
 
 
+def weight_dtype_problem(tensors: dict[str, np.ndarray]) -> str | None:
+    """Model weights are float32 (parameters, BatchNorm statistics) or int64 (BatchNorm's batch
+    counter); anything else is not a model of this toolkit's, whatever its shape."""
+    for key, arr in tensors.items():
+        if arr.dtype not in (np.float32, np.int64):
+            return f"tensor {key!r} has dtype {arr.dtype}; model weights are float32 or int64"
+    return None
+
+
 class FedAvgServer(ServerHalf):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -56,7 +65,11 @@ class FedAvgServer(ServerHalf):
     def validate(self, phase: PhaseTasks, client_id: str, result: Message) -> None:
         super().validate(phase, client_id, result)
         ref = self.global_weights
-        if ref is not None:
+        if ref is None:  # the first upload defines the model: at least its dtypes are the models' own
+            problem = weight_dtype_problem(result.tensors)
+            if problem:
+                raise InvalidResult(problem)
+        else:
             if set(result.tensors) != set(ref):
                 raise InvalidResult("uploaded weights do not match the global model's tensors")
             for key, arr in result.tensors.items():

@@ -38,7 +38,7 @@ import torch
 from fedal.protocol import Message
 from fedal.strategies.base import InvalidResult, PhaseTasks, StrategySpec
 from fedal.strategies.fedal import FedALClient, FedALServer
-from fedal.strategies.fedavg import load_numpy_into, model_to_numpy, weighted_average
+from fedal.strategies.fedavg import load_numpy_into, model_to_numpy, weight_dtype_problem, weighted_average
 from fedal.strategies.params import DISTILLATION_PARAMS
 
 # paper: tau = 15 for FedDF-AL and 10 for FedDF; E_d = 2, all lambdas 1 (fedal.txt VI-A)
@@ -91,9 +91,9 @@ class FedDFServer(FedALServer):
             return
         if not result.tensors or any(not k.startswith(WEIGHTS) for k in result.tensors):
             raise InvalidResult(f"a {phase.phase} result carries the model's weights only, as tensors named {WEIGHTS!r}...")
-        for key, arr in result.tensors.items():
-            if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
-                raise InvalidResult(f"tensor {key!r} has dtype {arr.dtype}, expected a float or integer array")
+        problem = weight_dtype_problem(result.tensors)
+        if problem:
+            raise InvalidResult(problem)
         tag = result.meta.get("arch")
         if not isinstance(tag, str) or not 0 < len(tag) <= MAX_TAG:
             raise InvalidResult(f"a {phase.phase} result declares its architecture as a string tag of 1-{MAX_TAG} characters")
