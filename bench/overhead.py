@@ -78,11 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tau", type=int, default=5)
     ap.add_argument("--dataset", default="mnist1d", choices=["mnist1d", "digits"])
     ap.add_argument("--public-batch", type=int, default=32)
+    ap.add_argument("--wire-dtype", default="float32", choices=["float32", "float16", "int8"],
+                    help="what logits, average logits and gradients travel as (strategy_params.wire_dtype)")
     ap.add_argument("--out", default="docs/results")
     args = ap.parse_args(argv)
 
     config = load_config(None, dict(strategy="fedal", dataset=args.dataset, clients=args.clients, rounds=args.rounds,
                                     tau=args.tau, seed=0, eval_every=args.rounds, public_batch_size=args.public_batch,
+                                    wire_dtype=args.wire_dtype,
                                     samples_per_client=700 if args.dataset == "mnist1d" else None))
     workdir = Path(tempfile.mkdtemp(prefix="fedal-overhead-"))
     with loopback_broker(workdir) as (broker, broker_name):
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     per_up, per_down = up / iterations, down / iterations
     report = {
         "broker": broker_name,
-        "settings": {"clients": n, "rounds": args.rounds, "tau": tau, "dataset": args.dataset, "K": k, "B": b},
+        "settings": {"clients": n, "rounds": args.rounds, "tau": tau, "dataset": args.dataset, "K": k, "B": b,
+                     "wire_dtype": args.wire_dtype},
         "wall_seconds": {"distributed": round(t_dist, 3), "in_process": round(t_local, 3)},
         "wall_ratio": round(t_dist / t_local, 3),
         "bytes_per_client_iteration": {"up": per_up, "down": per_down, "raw_up": k * b * 4, "raw_down": 2 * k * b * 4},
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "overhead.json").write_text(json.dumps(report, indent=2) + "\n")
     md = f"""# Runtime overhead (bench/overhead.py)
 
-FedAL, {args.dataset}, {n} agents (processes) + coordinator (process) over {broker_name} on loopback,
+FedAL ({args.wire_dtype} on the wire), {args.dataset}, {n} agents (processes) + coordinator (process) over {broker_name} on loopback,
 {args.rounds} rounds, tau = {tau}, public batch B = {b}, K = {k}; the same rounds run in-process by the
 simulation engine in the same benchmark run. Machine: 2 cores.
 
