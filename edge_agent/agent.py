@@ -3,19 +3,30 @@
 What a task does to the client (ordering by (epoch, seq), the cached-result resend, the replay
 guard for a coordinator that resumes a round) is the shared client session
 (fedal/session/session.py, the same one simulation runs). The agent adds the device around it:
-the MQTT link, joining runs, the private data on disk, and durability. The checkpoint written
-after every phase holds the client half's state together with the cached result, so a
-restarted agent resumes where it was; the state at a round's start is kept in its own file for
-the replay guard.
+the MQTT link, joining runs, the private data on disk, and durability (`durability`):
+
+- journal (default): a checkpoint of the whole state at each round's first task (the round's
+  start, which is also what the replay guard goes back to), and before each result is published
+  an fsync'd journal record of the task that produced it (edge_agent/checkpoint.py). A restarted
+  agent loads the checkpoint and replays the journal's tasks through the very same decode and
+  session path, silently: training is deterministic for the same state and generators, so it
+  reaches exactly the state, last key and cached result it had.
+- phase: a checkpoint after every task (and the round's start in round-start.pt).
+- round: the round's checkpoint only; a restarted agent sits out the rest of the round that was
+  under way and rejoins at the next one from that checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import queue
+import signal
 import threading
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -30,11 +41,49 @@ from edge_agent.mqtt_link import MqttLink
 from edge_agent.public_set import PublicSetError, load_public_set
 from fedal.data import ArrayDataset
 from fedal.models import build_model
-from fedal.protocol import EnvelopeError, ManifestError, Reassembler, RunManifest
+from fedal.protocol import EnvelopeError, ManifestError, Message, Reassembler, RunManifest, decode, encode
+from fedal.protocol.chunking import is_chunk
 from fedal.session import ClientSession, TaskRefused, evaluation_reply
 from fedal.strategies import StrategyParams, get_strategy
 
 log = logging.getLogger("edge_agent")
+
+CRASH_POINTS = ("after_journal", "after_publish", "next_task", "mid_snapshot")
+
+
+class CrashHook:
+    """TEST HOOK, inert in production: FEDAL_AGENT_CRASH_AT=<point>:<n> (read once, when the
+    agent starts) makes the agent SIGKILL itself the n-th time it reaches <point>, so the crash
+    tests kill it at an exact step however fast or slow the machine is. Points: after_journal
+    (a task's journal record is fsync'd, its result not yet published), after_publish (its
+    result handed to the MQTT client), next_task (a new task arrived, before it is applied: the
+    previous result was received, or the coordinator would not have moved on), mid_snapshot
+    (half of a checkpoint written to its temporary file). Unset: never fires."""
+
+    def __init__(self, spec: str | None):
+        self.point: str | None = None
+        self.n = 0
+        self.seen = 0
+        if not spec:
+            return
+        point, _, n = spec.partition(":")
+        if point not in CRASH_POINTS or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"FEDAL_AGENT_CRASH_AT={spec!r}: expected <point>:<n> with point one of "
+                             f"{', '.join(CRASH_POINTS)} and n >= 1")
+        self.point, self.n = point, int(n)
+
+    def reached(self, point: str) -> None:
+        if point != self.point:
+            return
+        self.seen += 1
+        if self.seen == self.n:
+            log.warning("test hook FEDAL_AGENT_CRASH_AT: SIGKILL at %s #%d", point, self.n)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ReplayDiverged(RuntimeError):
+    """Replaying the journal did not reproduce what was published (another torch, thread count...)."""
 
 
 def load_npz_dataset(path: Path, num_classes: int, name: str) -> ArrayDataset:
@@ -62,7 +111,16 @@ class Agent:
         self.joined_instance: str | None = None
         self.workspace = Path(config.workspace)
         self.ckpt_path = self.workspace / "checkpoint.pt"
-        self.round_start_path = self.workspace / "round-start.pt"
+        self.round_start_path = self.workspace / "round-start.pt"  # durability "phase"
+        self.journal = checkpoint.Journal(self.workspace / "journal.bin")
+        self.crash = CrashHook(os.environ.get("FEDAL_AGENT_CRASH_AT"))
+        self.ckpt_round_start: Any = None  # the round whose start checkpoint.pt holds (journal, round)
+        self.replaying = False
+        self.sit_out: Any = None  # durability "round": the round a restarted agent leaves out
+        self._sitting_out = False
+        self._payload: bytes | None = None  # the whole envelope of the task under way (its journal record)
+        self._context: tuple[Any, str] = (None, "join")  # (round, phase) the bytes written are counted under
+        self.written: Counter[tuple[Any, str, str]] = Counter()  # bytes written: (round, phase, file kind)
         self.retry_at = 0.0
         self.join_backoff = 0.5
         self.worker = threading.Thread(target=self._work, name="fedal-worker", daemon=True)
@@ -153,6 +211,9 @@ class Agent:
         self.client = self.session = None
         self.joined_instance = None
         self.deferred.clear()
+        self.journal.close()
+        self.ckpt_round_start = self.sit_out = None
+        self._sitting_out = False
 
     def _join(self, manifest: RunManifest) -> bool:
         try:
@@ -181,23 +242,81 @@ class Agent:
             public = load_public_set(manifest.public_hash, cfg.public_file, manifest.public_url, self.workspace / "public.npz")
         torch.manual_seed(cfg.seed)  # the same initialisation as `fedal simulate` for this seed
         model = build_model(cfg.model, train.input_shape, manifest.num_classes)
-        self.client = spec.client(cfg.client_id, model, train, public, params, seed=cfg.seed)
+        client = spec.client(cfg.client_id, model, train, public, params, seed=cfg.seed)
         if cfg.inference_backend != "torch":
-            self.client.inference = OnnxInference(cfg.inference_backend, self.workspace, cfg.threads, train.x)
+            client.inference = OnnxInference(cfg.inference_backend, self.workspace, cfg.threads, train.x)
+        self.host(client, manifest.instance)
+        log.info("joined run %s as %s with a private %s (durability %s)", manifest.run_id, cfg.client_id, cfg.model,
+                 cfg.durability)
+
+    def host(self, client, instance: str) -> None:
+        """Run `client` (a strategy's client half, as built for this run) in this agent's session
+        for run `instance`, in the state its workspace holds for that instance, if any."""
+        cfg = self.config
+        self._context = (None, "join")
         try:
             state = checkpoint.load(self.ckpt_path)
         except Exception as exc:  # unreadable (e.g. torn by a power cut before the atomic rename existed)
             log.warning("ignoring an unreadable checkpoint: %s", exc)
             state = None
-        client = self._attach(self.client, manifest.instance)
-        if state is not None and (state.get("run_id"), state.get("instance")) == (cfg.run_id, manifest.instance):
-            client.load_state_dict(state["client"])
-            self.session.restore(
-                tuple(state["last_key"]) if state.get("last_key") else None,
-                bytes(state["last_result"].numpy().tobytes()) if state.get("last_result") is not None else None,
-                state.get("round"), {tuple(s) for s in state.get("round_steps", [])})
-            log.info("resumed from checkpoint at %s", self.session.last_key)
-        log.info("joined run %s as %s with a private %s", manifest.run_id, cfg.client_id, cfg.model)
+        self._attach(client, instance)
+        if state is not None and (state.get("run_id"), state.get("instance")) == (cfg.run_id, instance):
+            self._restore(state)
+        elif cfg.durability != "phase":  # the base the journal follows, before any task changes the state
+            self._save_checkpoint(round_start=None)
+
+    def _restore_checkpoint(self, state: dict[str, Any]) -> None:
+        self.client.load_state_dict(state["client"])
+        self.session.restore(
+            tuple(state["last_key"]) if state.get("last_key") else None,
+            bytes(state["last_result"].numpy().tobytes()) if state.get("last_result") is not None else None,
+            state.get("round"), {tuple(s) for s in state.get("round_steps", [])})
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """The state this agent had: its checkpoint, then the journal's tasks replayed on it (any
+        durability: a journal of this checkpoint is never ignored, whatever wrote it)."""
+        self._restore_checkpoint(state)
+        self.ckpt_round_start = state.get("round_start")
+        at = self.session.last_key
+        records, torn = self.journal.read(state["id"]) if state.get("id") else ([], 0)
+        if torn:
+            log.warning("dropped a torn journal record (%d bytes): its result was never published", torn)
+        replayed = 0
+        try:
+            replayed = self._replay(records)
+        except ReplayDiverged as exc:
+            log.error("%s; back to the checkpoint, sitting out round %s", exc, self.ckpt_round_start)
+            self.counters["replay_diverged"] += 1
+            self._restore_checkpoint(state)
+            self.sit_out = self.ckpt_round_start
+        if self.config.durability == "journal" and self.journal.checkpoint_id is None:
+            if state.get("id"):
+                self.journal.reset(state["id"])  # none, or a stale one: appends follow this checkpoint
+            else:  # a checkpoint written before journals existed: a base the journal can name
+                self._save_checkpoint(round_start=None)
+        if self.config.durability == "round" and not records and self.ckpt_round_start is not None:
+            self.sit_out = self.ckpt_round_start  # what was done of that round since is lost
+        self.counters["replayed"] += replayed
+        log.info("resumed from checkpoint at %s (%d journal records replayed: at %s)%s", at, replayed,
+                 self.session.last_key, f"; sitting out round {self.sit_out}" if self.sit_out is not None else "")
+
+    def _replay(self, records: list[checkpoint.JournalRecord]) -> int:
+        """Apply the journal's tasks again, silently (no publishing, no writes, no counts)."""
+        session, counters = self.session, self.session.counters
+        session.counters = Counter()
+        self.replaying = True
+        try:
+            for rec in records:
+                try:
+                    wire = session.on_task(decode(rec.payload))
+                except (EnvelopeError, TaskRefused) as exc:
+                    raise ReplayDiverged(f"journal task {rec.key} is refused on replay: {exc}") from exc
+                if wire is None or session.last_key != rec.key or hashlib.sha256(wire).hexdigest() != rec.result_sha256:
+                    raise ReplayDiverged(f"replaying journal task {rec.key} did not reproduce its published result")
+        finally:
+            self.replaying = False
+            session.counters = counters
+        return len(records)
 
     def _attach(self, client, instance: str):
         """Run `client` (a strategy's client half) in this agent's session for run `instance`."""
@@ -208,51 +327,147 @@ class Agent:
         return client
 
     def _on_task(self, payload: bytes) -> None:
-        try:
-            task = self.reassembler.feed("coordinator", payload)
-        except EnvelopeError as exc:
-            self._reject(f"malformed task: {exc}", exc.kind)
-            return
-        if task is None:
-            return  # a chunk of a larger task
-        try:
-            wire = self.session.on_task(task)
-        except TaskRefused as exc:  # a task this client cannot apply is refused, not fatal
-            self._reject(str(exc), exc.kind)
-            return
+        wire = self.apply_task(payload)
         if wire is not None:
             self.link.publish_result(wire)
+            self.crash.reached("after_publish")
+
+    def apply_task(self, payload: bytes) -> bytes | None:
+        """The result to send for one received task payload (None: nothing to send), with the
+        durable writes of the configured durability done before it is returned."""
+        try:
+            msg = decode(payload)
+            if is_chunk(msg):
+                task = self.reassembler.feed("coordinator", payload)
+                whole = None if task is None else encode(task)  # the reassembled envelope
+            else:
+                task, whole = msg, payload
+        except EnvelopeError as exc:
+            self._reject(f"malformed task: {exc}", exc.kind)
+            return None
+        if task is None:
+            return None  # a chunk of a larger task
+        if self._sits_out(task):
+            return None
+        if self._is_new(task):
+            self.crash.reached("next_task")
+        self._payload, self._context = whole, (task.meta.get("round"), str(task.meta.get("phase")))
+        try:
+            return self.session.on_task(task)
+        except TaskRefused as exc:  # a task this client cannot apply is refused, not fatal
+            self._reject(str(exc), exc.kind)
+            return None
+        except Exception:  # its durable record failed (e.g. a full or failing SD card): never sent
+            self.counters["durability_errors"] += 1
+            log.exception("task %s %s: its state could not be made durable; not answering, and rejoining "
+                          "from the last durable state", task.phase, self.session.last_key)
+            self._rejoin_from_disk()
+            return None
+        finally:
+            self._payload = None
+
+    def _rejoin_from_disk(self) -> None:
+        """Drop the in-memory state that is ahead of the disk: the worker joins again at once and
+        restores the checkpoint and journal, as a restarted agent would."""
+        self._leave()
+        self.retry_at = 0.0
+
+    def _is_new(self, task: Message) -> bool:
+        key = (task.meta.get("epoch"), task.meta.get("seq"))
+        last = self.session.last_key
+        return type(key[0]) is int and type(key[1]) is int and (last is None or key > last)
+
+    def _sits_out(self, task: Message) -> bool:
+        """durability "round": a restarted agent leaves out the round it crashed in (the state it
+        reached there is lost), and takes part again from the next round's first task."""
+        if self.sit_out is None or task.meta.get("instance") != self.session.instance:
+            return False
+        if task.meta.get("round") == self.sit_out:
+            self.counters["sat_out"] += 1
+            if not self._sitting_out:
+                log.warning("sitting out the rest of round %s (durability round: its progress was lost)", self.sit_out)
+                self._sitting_out = True
+            return True
+        if self._is_new(task):
+            log.info("round %s under way: taking part again", task.meta.get("round"))
+            self.sit_out, self._sitting_out = None, False
+        return False
 
     # -- the session's store: files in the workspace -----------------------------------------
     def save_round_start(self, round_no: Any, client_state: dict[str, Any]) -> None:
-        checkpoint.save_atomic({"round": round_no, "client": client_state}, self.round_start_path)
+        if self.replaying:  # the checkpoint replayed from is this round's start
+            if round_no != self.ckpt_round_start:
+                raise ReplayDiverged(f"the journal starts round {round_no}, its checkpoint holds round "
+                                     f"{self.ckpt_round_start}'s start")
+            return
+        if self.config.durability == "phase":
+            self._count("round_start", checkpoint.save_checkpoint({"round": round_no, "client": client_state},
+                                                                  self.round_start_path))
+        else:  # the session has not taken the round's first task yet: its fields are the round's base
+            self._save_checkpoint(round_start=round_no)
 
     def load_round_start(self) -> tuple[Any, dict[str, Any]] | None:
-        start = checkpoint.load(self.round_start_path)
-        return None if start is None else (start.get("round"), start["client"])
+        if self.config.durability == "phase":
+            start = checkpoint.load(self.round_start_path)
+            return None if start is None else (start.get("round"), start["client"])
+        state = checkpoint.load(self.ckpt_path)
+        if state is None or state.get("round_start") is None:
+            return None
+        return state["round_start"], state["client"]
 
     def after_task(self, session: ClientSession) -> None:
-        self._checkpoint()
+        """Durable before the result may leave: the next restart reaches this very state."""
+        if self.replaying:
+            return
+        if self.config.durability == "phase":
+            self._save_checkpoint(round_start=None)
+        elif self.config.durability == "journal":
+            if self._payload is None:
+                raise RuntimeError("a task was applied without its envelope to journal")
+            assert session.last_key is not None and session.last_result is not None
+            self._count("journal", self.journal.append(session.last_key, self._payload,
+                                                       hashlib.sha256(session.last_result).hexdigest()))
+            self.crash.reached("after_journal")
 
-    def _checkpoint(self) -> None:
+    def _save_checkpoint(self, round_start: Any) -> None:
+        """The whole state, atomically; with durability journal, the journal then starts afresh
+        for it. A crash between the two leaves the old journal, which names the old checkpoint's
+        id and so is ignored: the new checkpoint is taken before the round's first task."""
         s = self.session
-        checkpoint.save_atomic(
+        ckpt_id = uuid.uuid4().hex
+        written = checkpoint.save_checkpoint(
             {
                 "run_id": self.config.run_id,
-                "instance": self.manifest.instance if self.manifest else "",
+                "instance": s.instance,
+                "id": ckpt_id,
+                "durability": self.config.durability,
+                "round_start": round_start,  # its client state is this round's start (the replay guard's)
                 "client": self.client.state_dict(),
                 "last_key": list(s.last_key) if s.last_key else None,
                 "last_result": torch.frombuffer(bytearray(s.last_result), dtype=torch.uint8) if s.last_result else None,
                 "round": s.round_no,
                 "round_steps": sorted([list(step) for step in s.round_steps], key=repr),
             },
-            self.ckpt_path,
+            self.ckpt_path, midway=lambda: self.crash.reached("mid_snapshot"),
         )
+        self._count("checkpoint", written)
+        self.ckpt_round_start = round_start
+        if self.config.durability == "journal":
+            self._count("journal", self.journal.reset(ckpt_id))
+        elif self.journal.path.exists():  # another durability's journal: stale from now on
+            self.journal.close()
+            self.journal.path.unlink()
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        self.written[(*self._context, kind)] += nbytes
 
     def _finish(self, manifest: RunManifest) -> None:
         """The deployable artifacts of a finished run: the final weights and test-set outputs."""
         if self.client is None or self.finished.is_set():
             return
+        if self.config.durability != "phase" and self.session is not None:
+            self._context = (self.session.round_no, "finish")
+            self._save_checkpoint(round_start=None)  # the end state: a restart replays nothing
         out = self.workspace / "final"
         out.mkdir(parents=True, exist_ok=True)
         checkpoint.save_atomic(self.client.model.state_dict(), out / "model.pt")
@@ -263,6 +478,13 @@ class Agent:
         if self.config.exit_on_finish:
             self.finished.set()
 
+    def bytes_written(self) -> dict[str, int]:
+        """Bytes this process wrote to the workspace for durability, by file kind."""
+        out: Counter[str] = Counter()
+        for (_round, _phase, kind), n in self.written.items():
+            out[kind] += n
+        return dict(out)
+
     def _reject(self, reason: str, kind: str = "other") -> None:
         self.counters["rejected"] += 1
         self.rejects[kind] += 1
@@ -272,5 +494,6 @@ class Agent:
         status: dict[str, Any] = {"client_id": self.config.client_id, "counters": dict(self.counters),
                                   "rejects": dict(self.rejects),
                                   "last_key": self.session.last_key if self.session else None,
-                                  "connects": self.link.connects, "ts": time.time()}
+                                  "connects": self.link.connects, "durability": self.config.durability,
+                                  "bytes_written": self.bytes_written(), "ts": time.time()}
         (self.workspace / "agent-status.json").write_text(json.dumps(status, indent=2))

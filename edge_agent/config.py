@@ -38,7 +38,16 @@ class AgentConfig(BaseSettings):
         "torch", description="frozen forward passes (references, evaluation): torch, onnxruntime, or the faster"
     )
     export_int8: bool = Field(False, description="also write the final model as int8 ONNX")
+    durability: Literal["journal", "phase", "round"] = Field(
+        "journal", description="journal: a checkpoint per round plus an fsync'd journal record per task (a restart "
+        "replays it: nothing lost); phase: a checkpoint after every task (most bytes written); round: a checkpoint "
+        "per round only (a crashed agent sits out the rest of the round under way)"
+    )
     exit_on_finish: bool = True
+    health_every_s: float = Field(60.0, ge=0, description="report the device's health (temperature, throttling, load, "
+                                  "memory, disk, versions) with the status on connecting and at most this often; 0: never")
+    health_root: Path = Field(Path("/"), description="where /proc, /sys and /etc are read for the health report "
+                              "(a container with the host's mounted elsewhere)")
 
     @field_validator("client_id", "run_id")
     @classmethod
