@@ -1,4 +1,5 @@
-"""`fedal fleet`: generate a fleet's credentials (`init`) and check an agent config (`check`)."""
+"""`fedal fleet`: generate a fleet's credentials (`init`), check an agent config (`check`), build an
+offline wheelhouse for the devices (`wheelhouse`)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,39 @@ def check_cmd(config: Path) -> None:
     click.echo(f"broker={'mqtts' if addr.tls else 'mqtt'}://{f'{user}@' if user else ''}{addr.host}:{addr.port}")
     click.echo(f"tls={'yes' if addr.tls else 'no'}")
     click.echo(f"ca_file={cfg.broker.ca_file or ''}")
+
+
+@fleet_cmd.command("wheelhouse")
+@click.option("--arch", default="aarch64", show_default=True, help="The devices' architecture: aarch64 (64-bit Pi OS) or x86_64.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Directory to write the wheels into (new, empty, or a wheelhouse this command wrote).")
+@click.option("--python-version", default="3.11", show_default=True,
+              help="The devices' Python (Raspberry Pi OS Bookworm: 3.11).")
+@click.option("--constraints", type=click.Path(dir_okay=False, path_type=Path),
+              help="Pinned versions (default: firmware_scripts/constraints/ARCH.txt of this checkout).")
+@click.option("--wheel", type=click.Path(dir_okay=False, path_type=Path),
+              help="The agent's wheel (default: built from this checkout).")
+@click.option("--index-url", help="Package index to download from (default: pip's, i.e. PyPI).")
+@click.option("--find-links", "find_links", multiple=True, help="Extra directory or URL of wheels for pip; repeatable.")
+@click.option("--no-index", is_flag=True, help="Only --find-links, no package index.")
+def wheelhouse_cmd(**options) -> None:
+    """Every wheel the devices' agent install needs, for an install without a package index.
+
+    The pinned CPU-only torch and the rest of the agent extra for the devices' platform, and this
+    toolkit's wheel, checked to be complete for the device. `flash.sh --wheelhouse DIR` puts it
+    on an SD card; the device then installs with `pip install --no-index --find-links`.
+    """
+    from fleet.wheelhouse import UsageProblem, WheelhouseError, WheelhouseSpec, build_wheelhouse
+
+    options["find_links"] = list(options["find_links"])
+    spec = WheelhouseSpec(**options)
+    try:
+        manifest = build_wheelhouse(spec, progress=lambda msg: click.echo(f"wheelhouse: {msg}", err=True))
+    except UsageProblem as exc:
+        raise click.UsageError(str(exc)) from None
+    except WheelhouseError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wheelhouse for {manifest['arch']} (CPython {manifest['python']}) written to {spec.out}: "
+               f"{len(manifest['files'])} wheels, {manifest['bytes'] / 2**20:.1f} MiB")
+    click.echo(f"  agent: {manifest['agent_wheel']}; torch {manifest['torch'] or '(none)'}")
+    click.echo(f"  next: firmware_scripts/flash.sh --image IMG --config agent.toml --wheelhouse {spec.out}")

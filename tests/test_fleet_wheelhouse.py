@@ -1,0 +1,170 @@
+"""`fedal fleet wheelhouse` with the real pip against a local find-links directory of small
+wheels shaped like the real ones (platform tags, versions, markers): it takes the pinned aarch64
+builds, leaves out what the device's markers exclude (torch's x86-only CUDA packages), refuses an
+incomplete closure, and never touches a directory it did not write."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CUDA_DEP = 'nvidia-cudnn-cu12==9.10.2.21; platform_system == "Linux" and platform_machine == "x86_64"'
+SELF_CHECK = ('import json, sys\nif "--self-check" in sys.argv:\n'
+              '    print(json.dumps({"status": "ok", "seconds": 0.0}))\n')
+
+
+def fake_wheel(dest: Path, name: str, version: str, tag: str = "py3-none-any", requires: tuple[str, ...] = (),
+               files: dict[str, str] | None = None, pad: int = 0) -> Path:
+    """A valid wheel (METADATA, WHEEL, RECORD) holding `files` and `pad` incompressible bytes."""
+    dist = name.replace("-", "_")
+    path = dest / f"{dist}-{version}-{tag}.whl"
+    info = f"{dist}-{version}.dist-info"
+    entries = dict(files or {})
+    if pad:
+        entries[f"{dist}/pad.bin"] = os.urandom(pad)  # type: ignore[assignment]
+    entries[f"{info}/METADATA"] = (f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                   + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    py, abi, plats = tag.split("-")
+    entries[f"{info}/WHEEL"] = ("Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
+                                + "".join(f"Tag: {py}-{abi}-{p}\n" for p in plats.split(".")))
+    record = []
+    with zipfile.ZipFile(path, "w") as z:
+        for arc, data in entries.items():
+            raw = data if isinstance(data, bytes) else data.encode()
+            z.writestr(arc, raw, compress_type=zipfile.ZIP_STORED if pad else zipfile.ZIP_DEFLATED)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(raw).digest()).rstrip(b"=").decode()
+            record.append(f"{arc},sha256={digest},{len(raw)}")
+        z.writestr(f"{info}/RECORD", "\n".join(record + [f"{info}/RECORD,,"]) + "\n")
+    return path
+
+
+def agent_wheel(dest: Path) -> Path:
+    """A stand-in for the toolkit's wheel: the agent extra's shape, an edge_agent that self-checks."""
+    return fake_wheel(dest, "fedal-edge", "0.1.0",
+                      requires=("numpy>=1.26", 'torch<2.14,>=2.10; extra == "agent"', 'paho-mqtt<3,>=2.0; extra == "agent"',
+                                'uvicorn>=0.29; extra == "coordinator"'),
+                      files={"edge_agent/__init__.py": "", "edge_agent/__main__.py": SELF_CHECK})
+
+
+def fake_index(dest: Path, arch_tag: str = "manylinux_2_28_aarch64") -> Path:
+    """Wheels as PyPI holds them: torch 2.10 for both architectures, a newer torch, numpy, paho-mqtt."""
+    dest.mkdir(parents=True, exist_ok=True)
+    torch_requires = ("filelock", CUDA_DEP)
+    fake_wheel(dest, "torch", "2.10.0", f"cp311-cp311-{arch_tag}", torch_requires, {"torch/__init__.py": ""})
+    fake_wheel(dest, "torch", "2.10.0", "cp311-cp311-manylinux_2_28_x86_64", torch_requires, {"torch/__init__.py": ""})
+    fake_wheel(dest, "torch", "2.13.0", f"cp311-cp311-{arch_tag}", torch_requires, {"torch/__init__.py": ""})
+    for arch in ("aarch64", "x86_64"):
+        tag = f"cp311-cp311-manylinux_2_17_{arch}.manylinux2014_{arch}"
+        fake_wheel(dest, "numpy", "2.4.6", tag, files={"numpy/__init__.py": ""})
+    fake_wheel(dest, "paho-mqtt", "2.2.0", files={"paho/__init__.py": ""})
+    fake_wheel(dest, "filelock", "3.20.0", files={"filelock.py": ""})
+    return dest
+
+
+CONSTRAINTS = "# pins\ntorch==2.10.0\nnumpy==2.4.6\npaho-mqtt==2.2.0\nfilelock==3.20.0\n"
+
+
+def wheelhouse(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    return subprocess.run([sys.executable, "-m", "fedal_cli.main", "fleet", "wheelhouse", *args], cwd=REPO,
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture()
+def inputs(tmp_path):
+    idx = fake_index(tmp_path / "index")
+    (tmp_path / "constraints.txt").write_text(CONSTRAINTS)
+    wheels = tmp_path / "built"
+    wheels.mkdir()
+    return idx, tmp_path / "constraints.txt", agent_wheel(wheels)
+
+
+def offline(idx: Path, constraints: Path, wheel: Path) -> list[str]:
+    return ["--no-index", "--find-links", str(idx), "--constraints", str(constraints), "--wheel", str(wheel)]
+
+
+def test_pinned_aarch64_closure_without_x86_only_dependencies(tmp_path, inputs):
+    out = tmp_path / "wh"
+    r = wheelhouse("--arch", "aarch64", "--out", str(out), *offline(*inputs))
+    assert r.returncode == 0, r.stderr
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["fedal-wheelhouse.json", "fedal_edge-0.1.0-py3-none-any.whl", "filelock-3.20.0-py3-none-any.whl",
+                     "numpy-2.4.6-cp311-cp311-manylinux_2_17_aarch64.manylinux2014_aarch64.whl",
+                     "paho_mqtt-2.2.0-py3-none-any.whl", "torch-2.10.0-cp311-cp311-manylinux_2_28_aarch64.whl"]
+    manifest = json.loads((out / "fedal-wheelhouse.json").read_text())
+    assert (manifest["arch"], manifest["python"], manifest["torch"]) == ("aarch64", "3.11", "2.10.0")
+    assert manifest["agent_wheel"] == "fedal_edge-0.1.0-py3-none-any.whl"
+    for name, entry in manifest["files"].items():
+        data = (out / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert manifest["bytes"] == sum(e["bytes"] for e in manifest["files"].values())
+    assert "manylinux_2_36_aarch64" in manifest["platforms"] and "manylinux2014_aarch64" in manifest["platforms"]
+    assert "6 wheels" not in r.stdout and "5 wheels" in r.stdout and "torch 2.10.0" in r.stdout
+
+    # a second build replaces its own wheelhouse
+    again = wheelhouse("--arch", "aarch64", "--out", str(out), *offline(*inputs))
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in out.iterdir()) == names
+
+    # for x86_64 the same markers hold: PyPI's torch there needs the CUDA packages, which are not pinned
+    x86 = wheelhouse("--arch", "x86_64", "--out", str(tmp_path / "wh-x86"), *offline(*inputs))
+    assert x86.returncode == 1
+    assert "lacks nvidia-cudnn-cu12==9.10.2.21 (needed by torch)" in x86.stderr and "download.pytorch.org" in x86.stderr
+
+
+def test_an_incomplete_closure_is_refused_naming_what_is_missing(tmp_path, inputs):
+    idx, constraints, wheel = inputs
+    constraints.write_text(CONSTRAINTS.replace("filelock==3.20.0\n", ""))
+    out = tmp_path / "wh"
+    r = wheelhouse("--out", str(out), *offline(idx, constraints, wheel))
+    assert r.returncode == 1, r.stdout
+    assert "lacks filelock (needed by torch)" in r.stderr and "nvidia" not in r.stderr
+    assert list(out.iterdir()) == []  # nothing half-written is left, nothing looks like a wheelhouse
+
+
+def test_foreign_directories_are_never_touched(tmp_path, inputs):
+    out = tmp_path / "thesis"
+    out.mkdir()
+    (out / "chapter1.tex").write_text("mine")
+    r = wheelhouse("--out", str(out), *offline(*inputs))
+    assert r.returncode == 2
+    assert "not empty and is not a wheelhouse" in r.stderr and (out / "chapter1.tex").read_text() == "mine"
+
+    ours = tmp_path / "wh"
+    assert wheelhouse("--out", str(ours), *offline(*inputs)).returncode == 0
+    (ours / "notes.txt").write_text("mine too")
+    r = wheelhouse("--out", str(ours), *offline(*inputs))
+    assert r.returncode == 2 and "holds files it did not write (notes.txt)" in r.stderr
+    assert (ours / "notes.txt").read_text() == "mine too" and (ours / "fedal-wheelhouse.json").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--arch", "armv7l"], "--arch must be one of aarch64, x86_64"),
+    (["--python-version", "3"], "--python-version must be like 3.11"),
+    (["--constraints", "missing.txt"], "constraints file not found"),
+    (["--constraints", "loose.txt"], "must pin one version"),
+    (["--find-links", "nowhere"], "--find-links nowhere does not exist"),
+    (["--wheel", "agent.tar.gz"], "is not a .whl file"),
+])
+def test_bad_arguments_exit_2_with_the_reason(tmp_path, inputs, extra, message):
+    idx, constraints, wheel = inputs
+    (tmp_path / "loose.txt").write_text("torch>=2.10\n")
+    (tmp_path / "agent.tar.gz").write_bytes(b"x")
+    extra = [str(tmp_path / e) if e in ("missing.txt", "loose.txt", "agent.tar.gz") else e for e in extra]
+    args = {"--constraints": str(constraints), "--wheel": str(wheel)}
+    for i in range(0, len(extra), 2):
+        args[extra[i]] = extra[i + 1]
+    flat = [x for kv in args.items() for x in kv]
+    r = wheelhouse("--out", str(tmp_path / "wh"), "--no-index", "--find-links", str(idx), *flat)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr, r.stderr
+    assert not (tmp_path / "wh").exists()
