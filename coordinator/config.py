@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fedal.engine.health import HealthLimits
 from fedal.engine.settings import PhaseSettings
 from fedal.protocol import MAX_MESSAGE_BYTES, BrokerSettings, topics
 from fedal.settings import load_settings
@@ -31,6 +32,24 @@ class ApiSettings(BaseModel):
     token: str | None = Field(None, description="bearer token for write endpoints (pause, resume, stop); none: writes refused")
     read_requires_token: bool = Field(False, description="require the token for reads too (the public set stays open to agents)")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="larger request bodies are refused (413) before they are read")
+
+
+class HealthSettings(BaseModel):
+    """When a device's reported health is flagged (API `health_flags`, /metrics, the dashboard);
+    throttling and under-voltage reported by the Pi's firmware are flagged whatever these say."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_cpu_temp_c: float = Field(80.0, description="flag `hot` at or above this CPU temperature "
+                                  "(a Pi 4/5 starts to throttle at 80-85 C)")
+    min_memory_available_mb: float = Field(100.0, ge=0, description="flag `low_memory` below this much available memory (MiB)")
+    min_disk_free_mb: float = Field(500.0, ge=0, description="flag `low_disk` below this much free space (MiB) "
+                                    "on the filesystem of the agent's workspace")
+
+    def limits(self) -> HealthLimits:
+        return HealthLimits(max_cpu_temp_c=self.max_cpu_temp_c,
+                            min_memory_available_bytes=int(self.min_memory_available_mb * 2**20),
+                            min_disk_free_bytes=int(self.min_disk_free_mb * 2**20))
 
 
 def _check_run_id(v: str) -> str:
@@ -83,6 +102,7 @@ class CoordinatorConfig(BaseSettings):
     broker: CoordinatorBrokerSettings = Field(default_factory=CoordinatorBrokerSettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
     phases: PhaseSettings = Field(default_factory=PhaseSettings)
+    health: HealthSettings = Field(default_factory=HealthSettings)
     device: str = Field("auto", description="auto: CUDA when available, else CPU")
     threads: int | None = Field(None, ge=1,
                                 description="torch intra-op threads for server-side compute on the CPU; none: torch's default")

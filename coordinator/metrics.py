@@ -8,12 +8,24 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from coordinator.runs import RunManager
+from fedal.engine.health import FLAGS, VERSION_KEYS
 
 STATES = ("pending", "running", "finished", "stopped", "failed")
+HEALTH_GAUGES = (  # (field of the health report, gauge, help)
+    ("ts", "fedal_client_health_timestamp_seconds", "when the device measured it (its clock)"),
+    ("cpu_temp_c", "fedal_client_cpu_temperature_celsius", "CPU temperature"),
+    ("throttled", "fedal_client_throttled_bits", "the Raspberry Pi firmware's get_throttled value"),
+    ("load1", "fedal_client_load1", "1-minute load average"),
+    ("mem_available_bytes", "fedal_client_memory_available_bytes", "available memory"),
+    ("mem_total_bytes", "fedal_client_memory_total_bytes", "total memory"),
+    ("disk_free_bytes", "fedal_client_disk_free_bytes", "free space on the workspace's filesystem"),
+    ("disk_total_bytes", "fedal_client_disk_total_bytes", "size of the workspace's filesystem"),
+    ("rss_bytes", "fedal_client_agent_rss_bytes", "the agent process's resident memory"),
+)
 
 
 class RunCollector(Collector):
@@ -39,6 +51,13 @@ class RunCollector(Collector):
         rejects = CounterMetricFamily("fedal_rejects", "rejected messages by reason", labels=["run", "reason"])
         lat = GaugeMetricFamily("fedal_phase_latency_seconds", "last round: response latency quantiles by phase",
                                 labels=["run", "phase", "quantile"])
+        health = {key: GaugeMetricFamily(name, f"per client, its last health report: {help_text}", labels=["run", "client"])
+                  for key, name, help_text in HEALTH_GAUGES}
+        flags = GaugeMetricFamily("fedal_client_health_flag", "per client: 1 while its last health report is flagged "
+                                  "(under_voltage, throttled: now; hot, low_memory, low_disk: the coordinator's "
+                                  "health settings)", labels=["run", "client", "flag"])
+        versions = InfoMetricFamily("fedal_client_software", "per client: the software versions and board it reports",
+                                    labels=["run", "client"])
         for snap in snaps:
             run = snap["run_id"]
             for s in STATES:
@@ -56,7 +75,18 @@ class RunCollector(Collector):
             for name, fam in per_client.items():
                 for cid, c in clients.items():
                     fam.add_metric([run, cid], float(c[name]))
-            for outcome in ("rejected", "stale", "duplicates", "evicted", "expired"):
+            for cid, c in clients.items():
+                reported = c.get("health") or {}
+                if not reported:
+                    continue
+                for key, gauge in health.items():
+                    if reported.get(key) is not None:
+                        gauge.add_metric([run, cid], float(reported[key]))
+                for flag in FLAGS:
+                    flags.add_metric([run, cid, flag], 1.0 if flag in c["health_flags"] else 0.0)
+                if reported.get("versions"):
+                    versions.add_metric([run, cid], {k: reported["versions"].get(k, "") for k in VERSION_KEYS})
+            for outcome in ("rejected", "stale", "duplicates", "evicted", "expired", "health_ignored"):
                 counters.add_metric([run, outcome], float(snap["counters"].get(outcome, 0)))
             for reason, count in sorted((snap.get("rejects") or {}).items()):
                 rejects.add_metric([run, reason], float(count))
@@ -70,6 +100,9 @@ class RunCollector(Collector):
         yield counters
         yield rejects
         yield lat
+        yield from (g for g in health.values() if g.samples)
+        yield flags
+        yield versions
 
 
 def registry_for(runs: RunManager) -> CollectorRegistry:

@@ -29,6 +29,7 @@ from coordinator.store import RunStore, default_store_url
 from coordinator.transport import MqttTransport
 from fedal.data import content_hash, load_dataset, public_set
 from fedal.engine import ClientInfo, RoundEngine, Stopped
+from fedal.engine.health import health_flags
 from fedal.engine.results import build_results, final_summary
 from fedal.protocol import RunManifest
 from fedal.strategies import ServerContext, get_strategy
@@ -84,6 +85,7 @@ class Run:
                                   notify=self._notify, on_reconnect=self._publish_manifest, on_pause=self.pause)
         self.store = store or RunStore(config.store_url or default_store_url(config.state_dir))
         self.lock = self.engine.lock  # one lock for what the API reads
+        self.health_limits = config.health.limits()
         self.finished_event = threading.Event()
         self.events = events or EventHub()
         self.records: list[dict[str, Any]] = []
@@ -282,7 +284,8 @@ class Run:
                 "finished_at": self.finished_at,
                 "counters": self.counters,
                 "rejects": dict(engine.reject_reasons),
-                "clients": {c: asdict(i) for c, i in engine.clients.items()},
+                "clients": {c: {**asdict(i), "health_flags": health_flags(i.health, self.health_limits)}
+                            for c, i in engine.clients.items()},
                 "config": self.run_config.model_dump(mode="json"),
                 "last_round": self.records[-1] if self.records else None,
             }

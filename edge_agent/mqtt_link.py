@@ -3,7 +3,9 @@
 The network loop runs in paho's own thread; callbacks only enqueue what arrives, so training
 never blocks keepalive pings. A retained `online` status is published on every (re)connect and
 the broker publishes the retained Last Will `offline` if the device disappears. paho reconnects
-by itself with exponential backoff between reconnect_min_s and reconnect_max_s.
+by itself with exponential backoff between reconnect_min_s and reconnect_max_s. With
+health_every_s the `online` status carries the device's health, refreshed at most that often by
+a thread of its own (never per message: the status stays small and rare).
 """
 
 from __future__ import annotations
@@ -13,16 +15,21 @@ import logging
 import queue
 import threading
 import time
+from typing import Any
 
 from edge_agent.config import AgentConfig
+from edge_agent.health import HealthProbe
 from fedal.protocol import parse_broker_url, split, topics
 from mqtt_link import connect_failure, new_client
 
 log = logging.getLogger("edge_agent.mqtt")
 
 
-def status_payload(state: str) -> bytes:
-    return json.dumps({"state": state, "ts": time.time()}).encode()
+def status_payload(state: str, health: dict[str, Any] | None = None) -> bytes:
+    status: dict[str, Any] = {"state": state, "ts": time.time()}
+    if health:
+        status["health"] = health
+    return json.dumps(status).encode()
 
 
 class MqttLink:
@@ -48,12 +55,23 @@ class MqttLink:
         self.client.on_disconnect = self._on_disconnect
         self.client.on_connect_fail = self._on_connect_fail
         self.client.on_message = self._on_message
+        self.health = HealthProbe(config.health_root, config.workspace) if config.health_every_s > 0 else None
+        self.status_lock = threading.Lock()  # one `online` publisher at a time, and none once stopping
+        self.stopping = threading.Event()
+        self.health_sent = -float("inf")  # time.monotonic() of the last report
+        self.health_thread = threading.Thread(target=self._report_health, name="fedal-health", daemon=True)
 
     def start(self) -> None:
         self.client.connect_async(self.address.host, self.address.port, keepalive=self.config.broker.keepalive)
         self.client.loop_start()
+        if self.health is not None:
+            self.health_thread.start()
 
     def stop(self) -> None:
+        with self.status_lock:
+            self.stopping.set()  # no `online` may follow the `offline` below
+        if self.health_thread.is_alive():
+            self.health_thread.join(timeout=10)
         if self.connected.is_set():
             self.client.publish(self.status_topic, status_payload("offline"), qos=1, retain=True).wait_for_publish(5)
         self.client.disconnect()
@@ -74,9 +92,36 @@ class MqttLink:
             return
         self.connects += 1
         client.subscribe([(self.manifest_topic, 1), (self.task_topic, 1)])
-        client.publish(self.status_topic, status_payload("online"), qos=1, retain=True)
+        self._publish_online()
         self.connected.set()
         log.info("connected to %s", self.address.redacted())
+
+    def _publish_online(self) -> None:
+        """The retained `online` status, with a fresh health report when they are on."""
+        with self.status_lock:
+            if self.stopping.is_set():
+                return
+            health = None
+            if self.health is not None:
+                try:
+                    health = self.health.sample()
+                except Exception:  # a report is never worth the link
+                    log.exception("cannot read the device's health")
+                self.health_sent = time.monotonic()
+            self.client.publish(self.status_topic, status_payload("online", health), qos=1, retain=True)
+
+    def _report_health(self) -> None:
+        """Thread: refresh the status's health every health_every_s while connected (a connect
+        sends one by itself, and restarts the interval)."""
+        every = self.config.health_every_s
+        while not self.stopping.is_set():
+            with self.status_lock:
+                due = self.health_sent + every
+            now = time.monotonic()
+            if now >= due and self.connected.is_set():
+                self._publish_online()
+            elif self.stopping.wait(due - now if now < due else every):  # overdue offline: a connect reports
+                return
 
     def _on_connect_fail(self, client, _userdata) -> None:
         log.warning("cannot connect to %s: %s; retrying with backoff", self.address.redacted(),

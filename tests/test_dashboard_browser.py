@@ -1,6 +1,7 @@
 """The dashboard in a real headless Chromium (Debian's chromium + chromium-driver, driven by
 Selenium) against a live coordinator during a real run: the round counter advances and the
-client list shows every agent."""
+client list shows every agent, with the health each reports (from fake sysfs/procfs trees: one
+under-volted and throttled Pi is flagged)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from fedal.sim import load_config
 from tests.deployment import Deployment
+from tests.health_trees import pi_tree, set_agent_options
 from tests.waiting import wait_until
 
 webdriver = pytest.importorskip("selenium.webdriver")
@@ -37,6 +39,8 @@ def test_dashboard_follows_a_live_run(mosquitto, tmp_path):
     # the browser (slow to start on a loaded machine) looks while the run holds before round 3 with
     # every agent online, then sees it go on: no race with how fast the run is
     dep = Deployment(config, tmp_path / "dep", mosquitto, phases={"pause_at": [{"round": 3}]})
+    for cid, throttled in (("c00", "0"), ("c01", "50005"), ("c02", "50000")):  # c02: throttled before, not now
+        set_agent_options(dep.agent_path(cid), health_root=pi_tree(tmp_path / f"{cid}-root", throttled=throttled))
     profile = tempfile.mkdtemp(prefix="fedal-chromium-")  # a fresh user-data dir
     driver = None
     try:
@@ -62,6 +66,16 @@ def test_dashboard_follows_a_live_run(mosquitto, tmp_path):
         assert len(driver.find_elements(By.CSS_SELECTOR, "#disc-chart canvas")) == 1
         statuses = [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#clients tbody tr td:nth-child(2)")]
         assert statuses == ["online"] * 3
+        health = wait_until(lambda: {r.get_attribute("data-client"): r.find_element(By.CSS_SELECTOR, "td:last-child")
+                                     for r in driver.find_elements(By.CSS_SELECTOR, "#clients tbody tr")}, 60, "health")
+        assert {cid: td.text for cid, td in health.items()} == {"c00": "ok", "c01": "under_voltage, throttled",
+                                                               "c02": "ok"}
+        assert health["c01"].get_attribute("class") == "flagged" and health["c00"].get_attribute("class") == "healthy"
+        assert "get_throttled 0x50005" in health["c01"].get_attribute("title")
+        assert "board Raspberry Pi 4 Model B Rev 1.4" in health["c01"].get_attribute("title")
+        assert driver.find_element(By.ID, "client-count").text == "(3 of 3 online, 1 flagged)"
+        temps = [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#clients tbody tr td:nth-child(9)")]
+        assert temps == ["52.6 °C"] * 3
         shot = tmp_path / "dashboard.png"
         assert driver.save_screenshot(str(shot))
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000

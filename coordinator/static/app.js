@@ -20,7 +20,24 @@ async function api(path) {
 const fmt = {
   acc: (v) => (v === null || v === undefined ? "–" : (100 * v).toFixed(1) + " %"),
   time: (t) => (t ? new Date(t * 1000).toLocaleTimeString() : "–"),
+  bytes: (b) => (b === null || b === undefined ? "–" : b >= 2 ** 30 ? (b / 2 ** 30).toFixed(1) + " GiB"
+                                                                     : (b / 2 ** 20).toFixed(0) + " MiB"),
+  temp: (c) => (c === null || c === undefined ? "–" : c.toFixed(1) + " °C"),
 };
+
+// A client's last health report: its flags (or ok), with the details as the cell's tooltip.
+function healthCell(c) {
+  const h = c.health;
+  if (!h) return { text: "–", cls: "", title: "no health report (agent health_every_s = 0, or an older agent)" };
+  const details = [`reported ${fmt.time(h.ts)}`];
+  if (h.throttled !== undefined) details.push(`get_throttled 0x${h.throttled.toString(16)}`);
+  if (h.load1 !== undefined) details.push(`load ${h.load1} ${h.load5} ${h.load15}`);
+  if (h.rss_bytes !== undefined) details.push(`agent RSS ${fmt.bytes(h.rss_bytes)}`);
+  for (const [k, v] of Object.entries(h.versions || {})) details.push(`${k} ${v}`);
+  const flags = c.health_flags || [];
+  return { text: flags.length ? flags.join(", ") : "ok", cls: flags.length ? "flagged" : "healthy",
+           title: details.join("\n") };
+}
 
 function setText(id, value) { document.getElementById(id).textContent = value; }
 
@@ -31,7 +48,10 @@ function fillTable(id, rows) {
     Object.assign(tr.dataset, dataset || {});
     for (const cell of cells) {
       const td = document.createElement("td");
-      if (typeof cell === "object" && cell !== null) { td.textContent = cell.text; td.className = cell.cls; }
+      if (typeof cell === "object" && cell !== null) {
+        td.textContent = cell.text; td.className = cell.cls;
+        if (cell.title) td.title = cell.title;
+      }
       else td.textContent = cell;
       tr.appendChild(td);
     }
@@ -89,11 +109,15 @@ async function refresh() {
   setText("local-acc", fmt.acc(last.local_mean_acc));
 
   const clients = Object.entries(run.clients);
-  setText("client-count", `(${clients.filter(([, c]) => c.online).length} of ${clients.length} online)`);
+  const flagged = clients.filter(([, c]) => (c.health_flags || []).length).length;
+  setText("client-count", `(${clients.filter(([, c]) => c.online).length} of ${clients.length} online`
+                          + (flagged ? `, ${flagged} flagged)` : ")"));
   fillTable("clients", clients.map(([cid, c]) => ({
     dataset: { client: cid },
     cells: [cid, { text: c.online ? "online" : "offline", cls: c.online ? "online" : "offline" }, fmt.time(c.last_seen),
-            c.answered, c.late, c.rejected, fmt.acc(c.last_acc), fmt.acc(c.last_local_acc)],
+            c.answered, c.late, c.rejected, fmt.acc(c.last_acc), fmt.acc(c.last_local_acc),
+            fmt.temp(c.health?.cpu_temp_c), fmt.bytes(c.health?.mem_available_bytes), fmt.bytes(c.health?.disk_free_bytes),
+            healthCell(c)],
   })));
   drawCurves(rounds);
 }

@@ -4,6 +4,7 @@ results report."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +24,7 @@ class ClientInfo:
     bytes_down: int = 0
     last_acc: float | None = None
     last_local_acc: float | None = None
+    health: dict[str, Any] | None = None  # the last valid fields of its status's `health` (fedal/engine/health.py)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from fedal.engine.accounting import ClientInfo, PhaseState, PhaseStats
+from fedal.engine.health import validate_health
 from fedal.engine.results import evaluation_summary
 from fedal.engine.settings import PhaseSettings
 from fedal.engine.transport import Arrival, Transport
@@ -83,6 +84,7 @@ class RoundEngine:
         self.current: PhaseState | None = None
         self.connects = 0
         self.round_rejects: list[str] = []  # this round's reasons, for tests and logs
+        self._health_warned: dict[str, str] = {}  # the last problem logged per client
 
     # -- control -----------------------------------------------------------------------------
     def stop(self) -> None:
@@ -269,15 +271,31 @@ class RoundEngine:
             self.reject(cid, "malformed status message", "status")
             return
         info = self.clients[cid]
+        health = self._health(cid, status["health"]) if "health" in status else None
         with self.lock:
             was_online = info.online
             info.online = state == "online"
             info.last_seen = time.time()
+            if health:
+                info.health = health
         if info.online != was_online:
             self.notify("client", client=cid, online=info.online)
         cur = self.current
         if info.online and not was_online and cur is not None and cid in cur.pending and ts >= cur.wall_started:
             self._send(cid, cur.payloads[cid])  # connected after the task went out: send it again
+
+    def _health(self, cid: str, raw: Any) -> dict[str, Any]:
+        """The usable part of a status's `health`; what is left out is counted (`health_ignored`),
+        and logged as a warning once per client for as long as the problem stays the same."""
+        health, problems = validate_health(raw)
+        if problems:
+            why = "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+            with self.lock:
+                self.counters["health_ignored"] += 1
+                repeated = self._health_warned.get(cid) == why
+                self._health_warned[cid] = why
+            log.log(logging.DEBUG if repeated else logging.WARNING, "ignored in %s's health report: %s", cid, why)
+        return health
 
     def _on_result(self, cid: str, payload: bytes, wire_bytes: int, decoded: Message | None) -> None:
         info = self.clients[cid]
