@@ -254,6 +254,9 @@ class Agent:
         for run `instance`, in the state its workspace holds for that instance, if any."""
         cfg = self.config
         self._context = (None, "join")
+        for name in (self.ckpt_path.name, self.round_start_path.name, self.journal.path.name):
+            for tmp in self.workspace.glob(f".{name}.*.tmp"):  # our own writes, torn by a crash
+                tmp.unlink(missing_ok=True)
         try:
             state = checkpoint.load(self.ckpt_path)
         except Exception as exc:  # unreadable (e.g. torn by a power cut before the atomic rename existed)

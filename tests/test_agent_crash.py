@@ -1,0 +1,118 @@
+"""Real agent processes SIGKILLed at an exact step (the FEDAL_AGENT_CRASH_AT test hook) over a
+real Mosquitto with a real coordinator, then started again: with durability "journal" the run
+ends exactly (equal, not close) as the uninterrupted run does, for FedAL and FedAvg; with
+"round" the agent sits out the round under way and takes part again from the next one."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+import torch
+
+from fedal.procs import spawn_python
+from fedal.sim import load_config, simulate
+from tests.deployment import Deployment
+from tests.helpers import simulated_run
+
+VICTIM = "c01"
+# tasks an agent gets per round: fedal local_train, 2 transfers (tau 2), evaluate; fedavg
+# train and evaluate (and, in round 1, init for one of the clients). Snapshots: one at join,
+# then one at each round's first task.
+CRASHES = {
+    "fedal": {"after_journal": 6, "after_publish": 5, "next_task": 7, "mid_snapshot": 3},
+    "fedavg": {"after_journal": 3, "after_publish": 4, "next_task": 4, "mid_snapshot": 3},
+}
+
+
+def start_victim(dep: Deployment, crash_at: str | None):
+    path = dep.agent_path(VICTIM)
+    env = {"FEDAL_AGENT_CRASH_AT": crash_at} if crash_at else {}
+    dep.agents[VICTIM] = spawn_python("edge_agent", "--config", str(path),
+                                      log_path=path.parent / f"agent-{time.monotonic_ns()}.log", env=env)
+    return dep.agents[VICTIM]
+
+
+def agent_logs(dep: Deployment) -> str:
+    return "".join(p.read_text() for p in sorted(dep.agent_path(VICTIM).parent.glob("agent-*.log")))
+
+
+def run_config(strategy: str):
+    return load_config(None, dict(strategy=strategy, dataset="digits", clients=2, rounds=3, tau=2, public_size=100,
+                                  seed=5))
+
+
+@pytest.mark.parametrize("point", ["after_journal", "after_publish", "next_task", "mid_snapshot"])
+@pytest.mark.parametrize("strategy", ["fedal", "fedavg"])
+def test_a_crashed_agent_resumes_to_exactly_the_uninterrupted_run(strategy, point, mosquitto, tmp_path):
+    config = run_config(strategy)
+    # the coordinator waits for every client however long the restart takes
+    dep = Deployment(config, tmp_path / "dep", mosquitto,
+                     phases={"deadline_s": 600.0, "train_deadline_s": 600.0, "quorum": 1.0, "resend_s": 1.0})
+    try:
+        dep.start_coordinator()
+        dep.start_agent("c00")
+        victim = start_victim(dep, f"{point}:{CRASHES[strategy][point]}")
+        assert victim.wait(timeout=240) == -signal.SIGKILL
+        assert f"SIGKILL at {point} #{CRASHES[strategy][point]}" in agent_logs(dep)
+        restarted = start_victim(dep, None)
+        results = dep.finish()
+        assert restarted.wait(timeout=60) == 0
+        for cid in ("c00", VICTIM):
+            assert dep.agents[cid].wait(timeout=60) == 0
+    finally:
+        dep.close()
+
+    workspace = dep.agent_path(VICTIM).parent
+    status = json.loads((workspace / "agent-status.json").read_text())
+    assert status["durability"] == "journal" and status["counters"].get("replay_diverged", 0) == 0
+    logs = agent_logs(dep)
+    assert "resumed from checkpoint" in logs
+    if point != "mid_snapshot":  # past a round's first task: the state came back through the journal
+        assert "0 journal records replayed" not in logs
+    if point == "after_journal":  # never published: the re-sent task is answered from the replayed cache
+        assert status["counters"].get("duplicates", 0) >= 1
+    assert not list(workspace.glob(".*.tmp"))  # the torn write is cleaned up
+
+    uninterrupted = simulate(config)
+    assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
+    for got, want in zip(results["rounds"], uninterrupted["rounds"], strict=True):
+        assert got["client_acc"] == want["client_acc"]
+        assert got["server"] == want["server"]  # the clients' reported losses included: equal, not close
+    assert results["final"]["client_acc"] == uninterrupted["final"]["client_acc"]
+    _, clients, _ = simulated_run(config)
+    final = torch.load(workspace / "final" / "model.pt", weights_only=True)
+    want = clients[VICTIM].model.state_dict()
+    assert final.keys() == want.keys() and all(torch.equal(final[k], want[k]) for k in want)
+
+
+def test_round_durability_loses_at_most_the_round_under_way(mosquitto, tmp_path):
+    config = run_config("fedal")
+    dep = Deployment(config, tmp_path / "dep", mosquitto, agent={"durability": "round"},
+                     phases={"deadline_s": 2.0, "train_deadline_s": 3.0, "quorum": 0.5, "resend_s": 1.0,
+                             "pause_at": [{"round": 2, "phase": "transfer", "iteration": 0}]})
+    try:
+        dep.start_coordinator()
+        dep.start_agent("c00")
+        victim = start_victim(dep, "after_publish:5")  # round 2's local_train answered, then gone
+        assert victim.wait(timeout=240) == -signal.SIGKILL
+        dep.wait_held(2, "transfer", 0)
+        restarted = start_victim(dep, None)
+        dep.wait_for(lambda r: r["clients"][VICTIM]["online"], what="the restarted agent online")
+        dep.control("resume")
+        results = dep.finish()
+        assert restarted.wait(timeout=60) == 0
+    finally:
+        dep.close()
+    workspace = dep.agent_path(VICTIM).parent
+    status = json.loads((workspace / "agent-status.json").read_text())
+    assert status["durability"] == "round" and not (workspace / "journal.bin").exists()
+    assert status["counters"]["sat_out"] >= 1  # round 2's transfers (and their re-sends), its evaluation
+    assert "sitting out the rest of round 1" in agent_logs(dep)  # round 2 as the API counts
+    assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
+    r2, r3 = results["rounds"][1], results["rounds"][2]
+    assert r2["phases"]["transfer"]["participation"] < 1.0  # round 2: lost
+    assert all(p["participation"] == 1.0 for p in r3["phases"].values())  # round 3: every phase again
+    assert all(acc is not None for acc in results["final"]["client_acc"])
