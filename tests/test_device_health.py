@@ -180,6 +180,7 @@ def test_the_engine_keeps_a_valid_health_report():
     ({**GOOD, "versions": {"board": "x" * 129, "fedal": "0.1.0", "bios": "1"}}, {**GOOD, "versions": {"fedal": "0.1.0"}}, 1),
     ({**GOOD, "versions": ["torch"]}, {k: v for k, v in GOOD.items() if k != "versions"}, 1),
     ({**GOOD, "cpu_temp_c": None}, {k: v for k, v in GOOD.items() if k != "cpu_temp_c"}, 0),  # null: absent
+    ({**GOOD, "load5": [[[]]], "versions": {"os": {"name": "x"}}}, {**{k: v for k, v in GOOD.items() if k != "versions"}}, 1),
 ])
 def test_bad_fields_are_left_out_and_counted(health, kept, ignored):
     e = engine()
@@ -197,6 +198,21 @@ def test_unusable_health_keeps_the_last_report_and_the_online_status(health):
     info = e.clients["pi-1"]
     assert info.online and info.health == GOOD and not e.counters["rejected"]
     assert e.counters["health_ignored"] == (0 if health == {} else 1)
+
+
+def test_nested_and_big_values_are_left_out_and_named_briefly(caplog):
+    deep = b"[" * 500 + b"]" * 500
+    big = json.dumps(list(range(200_000))).encode()
+    e = engine()
+    e.handle(status("pi-1", b'{"state": "online", "ts": 1, "health": {"cpu_temp_c": 40, "load1": ' + deep
+                    + b', "versions": ' + big + b"}}"))
+    assert e.clients["pi-1"].online and e.clients["pi-1"].health == {"cpu_temp_c": 40.0}
+    assert e.counters["health_ignored"] == 1 and not e.counters["rejected"]
+    assert validate_health({"load1": [[1]], "rss_bytes": {"a": 1}, "cpu_temp_c": "x" * 10_000})[1] == [
+        "load1: a JSON array is not a number in [0, 10000]",
+        "rss_bytes: a JSON object is not an integer in [0, 1125899906842624]",
+        "cpu_temp_c: 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx... is not a number in [-60, 200]"]
+    assert max(len(r.message) for r in caplog.records) < 300
 
 
 def test_a_repeated_problem_is_counted_every_time_and_warned_once(caplog):

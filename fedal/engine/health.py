@@ -100,6 +100,8 @@ def _versions(raw: Any) -> tuple[dict[str, str], list[str]]:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return f"a JSON {'object' if isinstance(value, dict) else 'array'}"  # never the repr of a big one
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
