@@ -24,6 +24,9 @@ Usage: flash.sh --image IMG_OR_DEVICE --config agent.toml [options]
   --wheel FILE          the agent wheel to install (default: built from this checkout)
   --data FILE           private data file for /var/lib/fedal-agent (repeatable)
   --torch-index URL     passed to install-agent.sh on the device
+  --wheelhouse DIR      a wheelhouse from `fedal fleet wheelhouse`: the device installs from it with no
+                        package index (in fedal/ on the boot partition if it fits, else in
+                        /opt/fedal-wheelhouse on the root partition); its agent wheel unless --wheel
   --mode MODE           auto (default), firstrun or cloud-init
   --boot-mount PATH     where the device mounts the boot partition (default: /boot/firmware)
   -h, --help            this text
@@ -37,7 +40,7 @@ SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$SCRIPT_DIR/.." && pwd)"
 PY="${FEDAL_PYTHON:-python3}"
 
-IMAGE="" CONFIG="" CA="" HOST="" SSID="" PSK="" COUNTRY="" SSH_KEY="" LOGIN=pi WHEEL="" TORCH_INDEX=""
+IMAGE="" CONFIG="" CA="" HOST="" SSID="" PSK="" COUNTRY="" SSH_KEY="" LOGIN=pi WHEEL="" TORCH_INDEX="" WHEELHOUSE=""
 MODE=auto BOOT_MOUNT=/boot/firmware PSK_SET=0
 DATA=()
 while [ $# -gt 0 ]; do
@@ -54,6 +57,7 @@ while [ $# -gt 0 ]; do
     --wheel) WHEEL="${2:?--wheel needs a file}"; shift 2 ;;
     --data) DATA+=("${2:?--data needs a file}"); shift 2 ;;
     --torch-index) TORCH_INDEX="${2:?--torch-index needs a URL}"; shift 2 ;;
+    --wheelhouse) WHEELHOUSE="${2:?--wheelhouse needs a directory}"; shift 2 ;;
     --mode) MODE="${2:?--mode needs a value}"; shift 2 ;;
     --boot-mount) BOOT_MOUNT="${2:?--boot-mount needs a path}"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
@@ -111,6 +115,14 @@ if [ -n "$WHEEL" ]; then
   [ -f "$WHEEL" ] || die "wheel not found: $WHEEL"
   case "$WHEEL" in *.whl) ;; *) die "--wheel needs a .whl file: $WHEEL" ;; esac
 fi
+WH_MANIFEST=fedal-wheelhouse.json
+WH_ROOT_DIR=/opt/fedal-wheelhouse  # on the root partition, when the boot partition is too small
+if [ -n "$WHEELHOUSE" ]; then
+  [ -d "$WHEELHOUSE" ] || die "wheelhouse not found: $WHEELHOUSE"
+  [ -f "$WHEELHOUSE/$WH_MANIFEST" ] \
+    || die "$WHEELHOUSE is not a wheelhouse (no $WH_MANIFEST): build one with fedal fleet wheelhouse --arch aarch64 --out DIR"
+  [ -z "$TORCH_INDEX" ] || die "--torch-index and --wheelhouse exclude each other: the wheelhouse holds torch"
+fi
 
 # -- the boot partition ----------------------------------------------------------------------------
 dump="$(sfdisk --dump "$IMAGE" 2>/dev/null)" || die "$IMAGE has no partition table: not a disk image"
@@ -161,6 +173,27 @@ if ! facts="$("$PY" -m fedal_cli.main fleet check "$CONFIG" 2>&1)"; then
   die "invalid agent config: ${facts#Error: }"
 fi
 fact() { printf '%s\n' "$facts" | sed -n "s/^$1=//p"; }
+WH_FILES=()
+if [ -n "$WHEELHOUSE" ]; then
+  # complete and unchanged since `fedal fleet wheelhouse` wrote it (sizes and sha256 of its manifest)
+  wh_facts="$("$PY" - "$WHEELHOUSE" <<'PYEOF' 2>&1
+import sys
+from pathlib import Path
+from fleet.wheelhouse import WheelhouseError, verify
+try:
+    m = verify(Path(sys.argv[1]))
+except WheelhouseError as exc:
+    sys.exit(str(exc))
+print(f"arch={m['arch']}\nbytes={m['bytes']}\nagent={m['agent_wheel']}\ntorch={m['torch']}")
+for name in m["files"]:
+    print(f"file={name}")
+PYEOF
+)" || die "--wheelhouse: ${wh_facts}"
+  whf() { printf '%s\n' "$wh_facts" | sed -n "s/^$1=//p"; }
+  WH_ARCH="$(whf arch)" WH_BYTES="$(whf bytes)"
+  mapfile -t WH_FILES < <(whf file)
+  if [ -z "$WHEEL" ]; then WHEEL="$WHEELHOUSE/$(whf agent)"; fi
+fi
 CLIENT="$(fact client_id)"
 CA_FILE="$(fact ca_file)"
 if [ -n "$CA_FILE" ] && [ -z "$CA" ]; then
@@ -172,6 +205,36 @@ fi
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 put() { mcopy -o -i "$FAT" "$1" "$2" || die "writing $2 to the boot partition failed (is it full?)"; }
+
+# -- the root partition (ext4), written with debugfs when the wheelhouse does not fit the boot one --
+ROOT_FS=""
+root_fs() {  # the first Linux partition as debugfs's "image?offset=N"; empty if none
+  local start
+  start="$(printf '%s\n' "$dump" | awk -F'[:,]' '/start=/ {
+    type = ""; start = ""
+    for (i = 2; i <= NF; i++) {
+      f = $i; gsub(/ /, "", f)
+      if (f ~ /^start=/) start = substr(f, 7)
+      if (f ~ /^type=/) type = toupper(substr(f, 6))
+    }
+    if (type ~ /^(83|0FC63DAF-8483-4772-8E79-3D69D8477DE4|B921B045-1DF0-41C3-AF44-4C6F280D3FAE)$/) { print start; exit }
+  }')"
+  if [ -n "$start" ]; then echo "$IMAGE?offset=$((start * sector))"; fi
+}
+dbg() { debugfs "$@" 2>&1; }
+root_wh_names() {  # the files in the root partition's wheelhouse directory, one a line
+  dbg -R "ls -p $WH_ROOT_DIR" "$ROOT_FS" | awk -F/ 'NF >= 7 && $6 != "." && $6 != ".." { print $6 }'
+}
+root_has() { dbg -R "stat $1" "$ROOT_FS" | grep -q '^Inode:'; }
+# an earlier flash.sh's wheelhouse on the root partition goes; anything else of that name stays
+root_wh_ours() { root_has "$WH_ROOT_DIR/$WH_MANIFEST"; }
+root_wh_remove() {
+  if ! root_has "$WH_ROOT_DIR" || ! root_wh_ours; then return 0; fi
+  { root_wh_names | while IFS= read -r name; do printf 'rm %s/%s\n' "$WH_ROOT_DIR" "$name"; done
+    printf 'rmdir %s\n' "$WH_ROOT_DIR"; } >"$TMP/debugfs-rm"
+  dbg -w -f "$TMP/debugfs-rm" "$ROOT_FS" >"$TMP/debugfs-rm.log"
+  ! root_has "$WH_ROOT_DIR" || die "could not remove the earlier wheelhouse $WH_ROOT_DIR from the root partition: $(tail -3 "$TMP/debugfs-rm.log")"
+}
 
 # -- the payload: boot/fedal/ --------------------------------------------------------------------------
 if [ -z "$WHEEL" ]; then
@@ -201,6 +264,48 @@ cp "$SCRIPT_DIR/boot/stage.sh" "$SCRIPT_DIR/boot/firstboot.sh" "$SCRIPT_DIR/boot
 : >"$P/install-args"
 if [ -n "$TORCH_INDEX" ]; then printf -- '--torch-index\n%s\n' "$TORCH_INDEX" >>"$P/install-args"; fi
 
+# -- the wheelhouse: on the boot partition if it fits there, else on the root partition ----------
+WH_WHERE=""
+if [ -n "$WHEELHOUSE" ]; then
+  info="$(minfo -i "$FAT" :: 2>/dev/null)" || die "cannot read the boot partition's size (minfo)"
+  cluster="$(printf '%s\n' "$info" | sed -n 's/^cluster size: *\([0-9]*\) sectors.*/\1/p')"
+  ssize="$(printf '%s\n' "$info" | sed -n 's/^sector size: *\([0-9]*\) bytes.*/\1/p')"
+  # "N bytes free", digits grouped with spaces (FAT16 has no free-cluster count in minfo)
+  free="$(mdir -i "$FAT" ::/ 2>/dev/null | sed -n 's/ bytes free.*//p' | tr -dc '0-9')"
+  if [ -z "$cluster" ] || [ -z "$ssize" ] || [ -z "$free" ]; then die "cannot read the boot partition's free space (minfo, mdir)"; fi
+  cbytes=$((cluster * ssize))
+  reclaim=0  # the payload of an earlier flash.sh is replaced (mdu counts clusters)
+  if has fedal; then reclaim="$(mdu -s -i "$FAT" ::/fedal 2>/dev/null | awk '{ print $NF }')"; fi
+  avail=$((free + ${reclaim:-0} * cbytes))
+  payload=$(du -sb "$P" | cut -f1)
+  files=$(find "$P" -type f | wc -l)
+  # every file rounds up to whole clusters; 1 MiB for directories and what cmdline.txt grows by
+  need=$((WH_BYTES + payload + (files + ${#WH_FILES[@]} + 1) * cbytes + 1048576))
+  if [ "$need" -le "$avail" ]; then
+    WH_WHERE=boot
+    printf -- '--wheelhouse\n%s\n' "$BOOT_MOUNT/fedal/wheelhouse" >>"$P/install-args"
+  else
+    ROOT_FS="$(root_fs)"
+    [ -n "$ROOT_FS" ] || die "the wheelhouse ($((WH_BYTES / 1048576)) MiB) does not fit the boot partition ($((avail / 1048576)) MiB free) and $IMAGE has no Linux root partition"
+    command -v debugfs >/dev/null 2>&1 || die "debugfs is missing, needed to put the wheelhouse on the root partition (Debian: apt-get install e2fsprogs)"
+    stats="$(dbg -R stats "$ROOT_FS")"
+    printf '%s\n' "$stats" | grep -q '^Block size:' || die "the root partition of $IMAGE is not an ext4 file system debugfs can read"
+    if printf '%s\n' "$stats" | grep -q '^Filesystem features:.*needs_recovery'; then
+      die "the root file system of $IMAGE was not cleanly unmounted (journal to replay): run e2fsck on it first"
+    fi
+    bsize="$(printf '%s\n' "$stats" | sed -n 's/^Block size: *//p')"
+    bfree="$(printf '%s\n' "$stats" | sed -n 's/^Free blocks: *//p')"
+    root_free=$((bsize * bfree))
+    root_need=$((WH_BYTES + 64 * 1048576))
+    [ "$root_need" -le "$root_free" ] || die "the wheelhouse ($((WH_BYTES / 1048576)) MiB) fits neither the boot partition ($((avail / 1048576)) MiB free) nor the root partition ($((root_free / 1048576)) MiB free, 64 MiB kept)"
+    if root_has "$WH_ROOT_DIR" && ! root_wh_ours; then
+      die "the root partition of $IMAGE holds $WH_ROOT_DIR, which flash.sh did not write (no $WH_MANIFEST): remove it first"
+    fi
+    WH_WHERE=root
+    printf -- '--wheelhouse\n%s\n' "$WH_ROOT_DIR" >>"$P/install-args"
+  fi
+fi
+
 if [ "$MODE" = firstrun ]; then
   mkdir -p "$P/settings"
   if [ -n "$HOST" ]; then printf '%s\n' "$HOST" >"$P/settings/hostname"; fi
@@ -217,6 +322,38 @@ fi
 
 if has fedal; then mdeltree -i "$FAT" ::/fedal >/dev/null || die "cannot replace the old fedal/ on the boot partition"; fi
 mcopy -s -i "$FAT" "$P" ::/ || die "writing fedal/ to the boot partition failed (is it full?)"
+if [ "$WH_WHERE" = boot ]; then
+  mmd -i "$FAT" ::/fedal/wheelhouse || die "cannot create fedal/wheelhouse on the boot partition"
+  for name in "$WH_MANIFEST" "${WH_FILES[@]}"; do
+    put "$WHEELHOUSE/$name" "::/fedal/wheelhouse/$name"
+  done
+  if [ -z "$ROOT_FS" ]; then ROOT_FS="$(root_fs)"; fi
+  if [ -n "$ROOT_FS" ] && command -v debugfs >/dev/null 2>&1 && dbg -R stats "$ROOT_FS" | grep -q '^Block size:'; then
+    root_wh_remove  # one from an earlier flash would never be used
+  fi
+elif [ "$WH_WHERE" = root ]; then
+  root_wh_remove
+  {
+    root_has /opt || echo "mkdir /opt"
+    echo "mkdir $WH_ROOT_DIR"
+    echo "sif $WH_ROOT_DIR mode 040755"
+    echo "sif $WH_ROOT_DIR uid 0"
+    echo "sif $WH_ROOT_DIR gid 0"
+    for name in "$WH_MANIFEST" "${WH_FILES[@]}"; do
+      printf 'write "%s" "%s/%s"\n' "$WHEELHOUSE/$name" "$WH_ROOT_DIR" "$name"
+      printf 'sif "%s/%s" mode 0100644\nsif "%s/%s" uid 0\nsif "%s/%s" gid 0\n' \
+        "$WH_ROOT_DIR" "$name" "$WH_ROOT_DIR" "$name" "$WH_ROOT_DIR" "$name"
+    done
+  } >"$TMP/debugfs-write"
+  dbg -w -f "$TMP/debugfs-write" "$ROOT_FS" >"$TMP/debugfs-write.log"
+  # debugfs exits 0 whatever its commands did: read the sizes back
+  listing="$(dbg -R "ls -p $WH_ROOT_DIR" "$ROOT_FS")"
+  for name in "$WH_MANIFEST" "${WH_FILES[@]}"; do
+    size="$(printf '%s\n' "$listing" | awk -F/ -v n="$name" '$6 == n { print $7 }')"
+    [ "$size" = "$(stat -c %s "$WHEELHOUSE/$name")" ] \
+      || die "writing $name to $WH_ROOT_DIR on the root partition failed: $(grep -v '^debugfs' "$TMP/debugfs-write.log" | tail -3)"
+  done
+fi
 
 # -- the hook: written last, so a failure above leaves the image booting as before ---------------
 mcopy -n -i "$FAT" ::/cmdline.txt "$TMP/cmdline.orig" || die "cannot read cmdline.txt"
@@ -292,6 +429,10 @@ sync
 
 say "prepared $IMAGE for device $CLIENT ($MODE; boot partition at byte $OFFSET)"
 say "  agent config, $([ -n "$CA" ] && echo 'CA, ')$(basename "$WHEEL")$([ "${#DATA[@]}" -gt 0 ] && echo ", ${#DATA[@]} data file(s)") in fedal/"
+case "$WH_WHERE" in
+  boot) say "  wheelhouse ($WH_ARCH, ${#WH_FILES[@]} wheels, $((WH_BYTES / 1048576)) MiB) in fedal/wheelhouse on the boot partition: the install needs no package index" ;;
+  root) say "  wheelhouse ($WH_ARCH, ${#WH_FILES[@]} wheels, $((WH_BYTES / 1048576)) MiB) in $WH_ROOT_DIR on the root partition (too big for the boot partition): the install needs no package index" ;;
+esac
 if [ -n "$HOST" ]; then say "  hostname $HOST"; fi
 if [ -n "$SSID" ]; then say "  wi-fi $SSID ($COUNTRY)"; fi
 if [ -n "$SSH_KEY" ]; then say "  ssh: key login for $LOGIN"; fi

@@ -18,6 +18,9 @@ Usage: install-agent.sh --config agent.toml [options]
   --torch-index URL     take torch from this pip index, e.g. https://download.pytorch.org/whl/cpu;
                         "pypi" takes it from PyPI (default: PyPI on aarch64, PyTorch's CPU index on x86_64)
   --torch-version V     torch version (default: the pin in constraints/<arch>.txt)
+  --wheelhouse DIR      install offline from this wheelhouse (`fedal fleet wheelhouse`): pip install
+                        --no-index --find-links DIR, no package index contacted; the agent wheel is
+                        the wheelhouse's unless --wheel or --source is given
   --arch ARCH           skip detection: aarch64 or x86_64 (also FEDAL_ARCH)
   --python PY           interpreter for the virtualenv (default: python3, needs >= 3.11)
   --root DIR            install below DIR instead of / (staging, tests; also DESTDIR)
@@ -42,7 +45,7 @@ STATE=/var/lib/fedal-agent
 UNIT_DIR=/etc/systemd/system
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 
-CONFIG="" CA="" WHEEL="" SOURCE="" TORCH_INDEX="" TORCH_INDEX_SET=0 TORCH_VERSION=""
+CONFIG="" CA="" WHEEL="" SOURCE="" TORCH_INDEX="" TORCH_INDEX_SET=0 TORCH_VERSION="" WHEELHOUSE=""
 ARCH="${FEDAL_ARCH:-}" PY=python3 ROOT="${DESTDIR:-}" PIP_CMD="" SKIP_PIP=0 NO_START=0 PRINT=0 DRY=0
 DATA=()
 while [ $# -gt 0 ]; do
@@ -54,6 +57,7 @@ while [ $# -gt 0 ]; do
     --source) SOURCE="${2:?--source needs a directory}"; shift 2 ;;
     --torch-index) TORCH_INDEX="${2:?--torch-index needs a URL}"; TORCH_INDEX_SET=1; shift 2 ;;
     --torch-version) TORCH_VERSION="${2:?--torch-version needs a version}"; shift 2 ;;
+    --wheelhouse) WHEELHOUSE="${2:?--wheelhouse needs a directory}"; shift 2 ;;
     --arch) ARCH="${2:?--arch needs a value}"; shift 2 ;;
     --python) PY="${2:?--python needs an interpreter}"; shift 2 ;;
     --root) ROOT="${2:?--root needs a directory}"; shift 2 ;;
@@ -115,6 +119,29 @@ fi
 [ -f "$CONFIG" ] || die "config file not found: $CONFIG"
 [ -z "$CA" ] || [ -f "$CA" ] || die "CA file not found: $CA"
 for f in ${DATA[@]+"${DATA[@]}"}; do [ -f "$f" ] || die "data file not found: $f"; done
+if [ -n "$WHEELHOUSE" ]; then
+  # what `fedal fleet wheelhouse` wrote: its manifest names the platform and the agent's wheel
+  [ -f "$WHEELHOUSE/fedal-wheelhouse.json" ] \
+    || die "--wheelhouse $WHEELHOUSE is not a wheelhouse (no fedal-wheelhouse.json): build one with fedal fleet wheelhouse"
+  [ "$TORCH_INDEX_SET" -eq 0 ] || die "--torch-index and --wheelhouse exclude each other: the wheelhouse holds torch"
+  WHEELHOUSE="$(cd "$WHEELHOUSE" && pwd)"
+  wh_facts="$("$PY" - "$WHEELHOUSE/fedal-wheelhouse.json" <<'PYEOF'
+import json, sys
+try:
+    m = json.load(open(sys.argv[1]))
+    print(m["arch"], m["python"], m["agent_wheel"])
+except (OSError, ValueError, KeyError, TypeError) as exc:
+    sys.exit(f"install-agent: error: {sys.argv[1]} is not a wheelhouse manifest: {exc}")
+PYEOF
+)" || exit 1
+  read -r wh_arch wh_python wh_agent <<<"$wh_facts"
+  [ "$wh_arch" = "$ARCH" ] || die "the wheelhouse $WHEELHOUSE is for $wh_arch, this machine is $ARCH: build it with --arch $ARCH"
+  py_ver="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+  [ "$wh_python" = "$py_ver" ] \
+    || die "the wheelhouse $WHEELHOUSE is for Python $wh_python, $PY is $py_ver: build it with --python-version $py_ver"
+  TORCH_INDEX=""  # torch comes from the wheelhouse too
+  if [ -z "$WHEEL" ] && [ -z "$SOURCE" ]; then WHEEL="$WHEELHOUSE/$wh_agent"; fi
+fi
 if [ -n "$WHEEL" ]; then
   [ -f "$WHEEL" ] || die "wheel not found: $WHEEL"
   case "$WHEEL" in *.whl) ;; *) die "--wheel needs a .whl file: $WHEEL" ;; esac
@@ -257,6 +284,7 @@ venv_args=()
 if [ "$SKIP_PIP" -eq 1 ] || [ -n "$PIP_CMD" ]; then venv_args+=(--without-pip); fi
 if [ "$have_ver" != "$want_ver" ]; then
   if [ "${#venv_args[@]}" -eq 0 ] && ! "$PY" -c 'import ensurepip' 2>/dev/null; then
+    [ -z "$WHEELHOUSE" ] || die "$PY cannot create virtualenvs with pip and an offline install cannot fetch python3-venv: install it first"
     if [ -z "$ROOT" ] && command -v apt-get >/dev/null 2>&1; then
       run apt-get update -q
       run apt-get install -y -q python3-venv
@@ -295,6 +323,11 @@ else
     # no second copy of torch on the SD card (cache); no bytecode for the thousands of modules a
     # device never imports (the self-check below compiles the ~1,500 the agent does)
     opts=(install --disable-pip-version-check --no-input --no-cache-dir --no-compile)
+    if [ -n "$WHEELHOUSE" ]; then
+      # offline: the wheelhouse alone, whatever pip's configuration names as index or find-links
+      opts+=(--isolated --no-index --find-links "$WHEELHOUSE" --only-binary=:all:)
+      say "installing offline from the wheelhouse $WHEELHOUSE (no package index)"
+    fi
     if [ -n "$TORCH_INDEX" ]; then
       # torch alone from the CPU index; its dependencies come with the agent from PyPI below
       run "${pip[@]}" "${opts[@]}" --no-deps --index-url "$TORCH_INDEX" "torch==$TORCH_VERSION"

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.parser import Parser
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = "fedal-wheelhouse.json"
@@ -286,7 +287,7 @@ def build_wheelhouse(spec: WheelhouseSpec, progress=lambda msg: None) -> dict:
                          "--find-links https://download.pytorch.org/whl/cpu/torch/")
             raise WheelhouseError("the wheelhouse would not install offline; it lacks " + "; ".join(missing)
                                   + f". Pin what is missing in {constraints} ({hint})")
-        entries = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files}
+        entries: dict[str, dict[str, Any]] = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files}
         versions = dict(_metadata(f)[:2] for f in files)
         manifest = {
             "format": FORMAT,

@@ -23,7 +23,7 @@ SELF_CHECK = ('import json, sys\nif "--self-check" in sys.argv:\n'
 
 
 def fake_wheel(dest: Path, name: str, version: str, tag: str = "py3-none-any", requires: tuple[str, ...] = (),
-               files: dict[str, str] | None = None, pad: int = 0) -> Path:
+               files: dict[str, str] | None = None, pad: int = 0, extras: tuple[str, ...] = ()) -> Path:
     """A valid wheel (METADATA, WHEEL, RECORD) holding `files` and `pad` incompressible bytes."""
     dist = name.replace("-", "_")
     path = dest / f"{dist}-{version}-{tag}.whl"
@@ -32,6 +32,7 @@ def fake_wheel(dest: Path, name: str, version: str, tag: str = "py3-none-any", r
     if pad:
         entries[f"{dist}/pad.bin"] = os.urandom(pad)  # type: ignore[assignment]
     entries[f"{info}/METADATA"] = (f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                   + "".join(f"Provides-Extra: {e}\n" for e in extras)
                                    + "".join(f"Requires-Dist: {r}\n" for r in requires))
     py, abi, plats = tag.split("-")
     entries[f"{info}/WHEEL"] = ("Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
@@ -52,7 +53,7 @@ def agent_wheel(dest: Path) -> Path:
     return fake_wheel(dest, "fedal-edge", "0.1.0",
                       requires=("numpy>=1.26", 'torch<2.14,>=2.10; extra == "agent"', 'paho-mqtt<3,>=2.0; extra == "agent"',
                                 'uvicorn>=0.29; extra == "coordinator"'),
-                      files={"edge_agent/__init__.py": "", "edge_agent/__main__.py": SELF_CHECK})
+                      files={"edge_agent/__init__.py": "", "edge_agent/__main__.py": SELF_CHECK}, extras=("agent", "coordinator"))
 
 
 def fake_index(dest: Path, arch_tag: str = "manylinux_2_28_aarch64") -> Path:
@@ -73,8 +74,15 @@ def fake_index(dest: Path, arch_tag: str = "manylinux_2_28_aarch64") -> Path:
 CONSTRAINTS = "# pins\ntorch==2.10.0\nnumpy==2.4.6\npaho-mqtt==2.2.0\nfilelock==3.20.0\n"
 
 
-def wheelhouse(*args: str) -> subprocess.CompletedProcess:
+def hermetic_pip_env(only: Path) -> dict[str, str]:
+    """No PIP_* settings, and `only` in place of the machine's configured find-links directories."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_FIND_LINKS"] = str(only)
+    return env
+
+
+def wheelhouse(*args: str) -> subprocess.CompletedProcess:
+    env = hermetic_pip_env(Path(args[args.index("--find-links") + 1]) if "--find-links" in args else REPO / "tests")
     return subprocess.run([sys.executable, "-m", "fedal_cli.main", "fleet", "wheelhouse", *args], cwd=REPO,
                           capture_output=True, text=True, env=env, timeout=300)
 

@@ -1,7 +1,10 @@
 #!/bin/bash
 # Installs the agent from the payload flash.sh left on the boot partition, then wipes the
 # payload (it holds the device's broker password). fedal-firstboot.service runs this at boot,
-# after the network, until it succeeds. FEDAL_TARGET_ROOT (tests only): a staging root.
+# after the network, until it succeeds. With a wheelhouse (flash.sh --wheelhouse) the install uses
+# no package index, so a failure is not the network's: it is not retried (exit 3, which the unit's
+# RestartPreventExitStatus honours) until someone starts the service again.
+# FEDAL_TARGET_ROOT (tests only): a staging root.
 set -eu
 R="${FEDAL_TARGET_ROOT:-}"
 P="${FEDAL_PAYLOAD:?FEDAL_PAYLOAD is not set (see /etc/default/fedal-firstboot)}"
@@ -11,8 +14,13 @@ if [ ! -f "$P/agent.toml" ]; then
   log "no agent payload at $P (already installed?)"
   exit 1
 fi
+WH=""
+if [ -f "$P/install-args" ]; then
+  WH="$(awk 'prev == "--wheelhouse" { print; exit } { prev = $0 }' "$P/install-args")"
+fi
 # No real-time clock on a Pi: until NTP has set the clock, TLS to the package index may fail.
-if [ -z "$R" ] && command -v timedatectl >/dev/null 2>&1; then
+# An install from the wheelhouse talks to no index: no need to wait.
+if [ -z "$WH" ] && [ -z "$R" ] && command -v timedatectl >/dev/null 2>&1; then
   for _ in $(seq 1 60); do
     [ "$(timedatectl show -p NTPSynchronized --value 2>/dev/null || true)" = yes ] && break
     sleep 5
@@ -27,15 +35,32 @@ for f in "$P"/*.whl "$P"/data/*; do
 done
 if [ -f "$P/install-args" ]; then
   mapfile -t extra <"$P/install-args"
-  args+=("${extra[@]}")
+  for ((i = 0; i < ${#extra[@]}; i++)); do
+    if [ "${extra[$i]}" = --wheelhouse ]; then i=$((i + 1)); else args+=("${extra[$i]}"); fi
+  done
+fi
+if [ -n "$WH" ]; then
+  # on the boot partition it travels with the payload; on the root partition it is where flash.sh put it
+  if [ -f "$P/wheelhouse/fedal-wheelhouse.json" ]; then WH="$P/wheelhouse"; else WH="$R$WH"; fi
+  args+=(--wheelhouse "$WH")
 fi
 if [ -n "$R" ]; then args+=(--root "$R"); fi
-log "installing the agent: install-agent.sh ${args[*]}"
-bash "$P/install-agent.sh" "${args[@]}"
+log "installing the agent$([ -n "$WH" ] && echo " offline, from the wheelhouse $WH"): install-agent.sh ${args[*]}"
+if ! bash "$P/install-agent.sh" "${args[@]}"; then
+  if [ -n "$WH" ]; then
+    log "the offline install from $WH failed (see above); not retrying, it would fail the same way:"
+    log "fix the cause, then: systemctl start fedal-firstboot"
+    exit 3
+  fi
+  log "the install failed (see above); retrying in a minute"
+  exit 1
+fi
 
 # Installed: the credentials leave the FAT partition (anyone holding the card could read them),
 # and this service is done for good.
 rm -rf "$P"
+# a wheelhouse flash.sh put on the root partition (too big for the boot one): its manifest says it is ours
+case "$WH" in /?*) if [ -f "$WH/fedal-wheelhouse.json" ]; then rm -rf -- "$WH"; fi ;; esac
 install -d "$R/var/lib/fedal-agent"
 touch "$R/var/lib/fedal-agent/.firstboot-done"
 rm -f "$R/etc/systemd/system/multi-user.target.wants/fedal-firstboot.service"
