@@ -59,6 +59,7 @@ from fedal.strategies.fedhkd import (
     FedHKDClient,
 )
 from fedal.strategies.local import LocalClient
+from fedal.strategies.public_rows import public_rows
 
 log = logging.getLogger("hil.emulated_agent")
 
@@ -165,7 +166,7 @@ class ModelLayout:
         out = {}
         for k, shape, dtype in self.tensors:
             arr = np.asarray(received[k])
-            if shape == () and arr.shape == (1,):  # a scalar arrives as [1] (safetensors); torch loads it too
+            if shape == () and arr.shape == (1,):  # a scalar sent as [1] (some writers do); torch loads it too
                 arr = arr.reshape(())
             if arr.shape != shape:
                 raise ValueError(f"received {k!r} has shape {list(arr.shape)}, this client's is {list(shape)}")
@@ -278,18 +279,15 @@ class DistillationEmulation(EmulatedClient):
 
     def _with_logits(self, task: Message, diag: dict[str, Any], iteration: int) -> Message:
         tensors = {}
-        if "indices" in task.tensors:  # the rows of the next transfer iteration
-            tensors["logits"] = self.upload_logits(task.tensors["indices"], int(task.meta["round"]), iteration)
+        if iteration < (self.params.tau or 1):  # the logits that open transfer iteration `iteration`
+            tensors["logits"] = self.upload_logits(int(task.meta["round"]), iteration)
         return reply(task, tensors, **diag)
 
-    def upload_logits(self, indices: np.ndarray, round_idx: int, iteration: int) -> np.ndarray:
-        raw = np.asarray(indices)
-        if raw.ndim != 1 or not np.issubdtype(raw.dtype, np.integer) or raw.size == 0:
-            raise ValueError("indices must be a non-empty 1-D integer array")
-        if raw.min() < 0 or raw.max() >= self.public_size:
-            raise ValueError(f"indices outside the public set of {self.public_size} rows")
+    def upload_logits(self, round_idx: int, iteration: int) -> np.ndarray:
+        """Logits on the public rows of (round, iteration), which both ends compute."""
+        rows = public_rows(self.params.rows_seed or 0, round_idx, iteration, self.public_size, self.params.public_batch_size)
         k = self.num_classes
-        logits = self.rng.standard_normal((raw.size, k), dtype=np.float32) + self.bias[np.arange(k) % self.bias.size]
+        logits = self.rng.standard_normal((rows.size, k), dtype=np.float32) + self.bias[np.arange(k) % self.bias.size]
         self.pending = {"round": round_idx, "iteration": iteration, "logits": logits}
         return logits
 
@@ -459,11 +457,9 @@ class FedDFEmulation(DistillationEmulation):
         return {WEIGHTS + k: v.copy() for k, v in self.weights.items()}
 
     def _average(self, task: Message) -> Message:
-        if "indices" not in task.tensors:
-            raise ValueError("an average task must carry the public rows ('indices') of iteration 0")
         averaged = self.load_group_weights(task)
         self.ref_glo = self.params.lambda_lf_glo > 0  # the transfer stage starts from the group average
-        logits = self.upload_logits(task.tensors["indices"], int(task.meta["round"]), 0)
+        logits = self.upload_logits(int(task.meta["round"]), 0)
         return reply(task, {"logits": logits}, averaged=averaged)
 
     def load_group_weights(self, task: Message) -> bool:

@@ -1,7 +1,9 @@
 """The one round engine gives the numbers the previous in-process loop gave: results files
 written before the change (tests/data/engine_baseline, see its README) are reproduced for the
-same config and seed. The only difference is deliberate: simulated bytes now include the
-addressing fields (run, client, instance, epoch, seq) that every deployed message carries."""
+same config and seed. Bytes differ by design: protocol version 2's envelope is leaner than
+version 1's, so a round never costs more bytes than the file recorded. The distillation
+strategies' files were rewritten when their public rows became computed by both ends (the
+README says when); from then on they pin those numbers the same way."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import pytest
 from fedal.sim import load_config, simulate
 
 BASELINE = Path(__file__).parent / "data" / "engine_baseline"
-ADDRESSING_BYTES = 96  # at most, per message: {"run":"sim","client":"c00","instance":"sim","epoch":0,"seq":123}
 
 
 @pytest.mark.parametrize("path", sorted(BASELINE.glob("*.json")), ids=lambda p: p.stem)
@@ -28,9 +29,8 @@ def test_same_results_as_before_the_engine_was_unified(path):
         for key, value in before.items():
             if key not in ("bytes_up", "bytes_down"):
                 assert after[key] == value, (before["round"], key)
-        messages = sum(p["count"] for name, p in after["phases"].items() if name != "evaluate")
         for key in ("bytes_up", "bytes_down"):
-            assert 0 < after[key] - value_of(before, key) <= ADDRESSING_BYTES * messages, (before["round"], key)
+            assert 0 < after[key] <= value_of(before, key), (before["round"], key)
 
 
 def subset(new: dict, old: dict) -> dict:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from fedal.strategies.discriminator import Discriminator, per_sample_adversarial_grad
 from fedal.strategies.fedal import frozen_copy
 from fedal.strategies.losses import kl_to_student
+from fedal.strategies.public_rows import public_rows
 from tests.helpers import in_process, toy_federation
 
 
@@ -34,7 +35,7 @@ def test_split_gradient_equals_end_to_end_autograd():
     logits_phase, logits, feedback = run_to_feedback(server, clients)
     cid = "c1"
     client = clients[cid]
-    idx = torch.from_numpy(logits_phase.tasks[cid].tensors["indices"])
+    idx = torch.from_numpy(public_rows(params.rows_seed or 0, 0, 0, len(client.public_x), params.public_batch_size))
     x = client.public_x[idx]
     before = frozen_copy(client.model)
 
@@ -170,14 +171,12 @@ def test_communication_sizes_per_transfer_iteration():
     for cid in clients:
         assert logits[cid].tensors["logits"].size == k * b  # K*B up
         down = feedback.tasks[cid].tensors
-        assert sorted(down) == ["fbar", "grad", "indices"]  # feedback travels with the next rows
-        assert down["fbar"].size + down["grad"].size == 2 * k * b and down["indices"].size == b
+        assert sorted(down) == ["fbar", "grad"]  # the next rows are computed by both ends, not sent
+        assert down["fbar"].size + down["grad"].size == 2 * k * b
+        assert not logits_phase.tasks[cid].tensors  # the local training task: meta only
     server_md, clients_md, _ = toy_federation("fedmd-lf", k=k, public_batch_size=b)
     _, _, feedback_md = run_to_feedback(server_md, clients_md)
-    assert sorted(feedback_md.tasks["c0"].tensors) == ["fbar", "indices"]  # no discriminator: K*B down
-    server_md, clients_md, _ = toy_federation("fedmd", k=k, public_batch_size=b)  # tau = 1: no next rows
-    _, _, feedback_md = run_to_feedback(server_md, clients_md)
-    assert sorted(feedback_md.tasks["c0"].tensors) == ["fbar"]
+    assert sorted(feedback_md.tasks["c0"].tensors) == ["fbar"]  # no discriminator: K*B down
 
 
 def test_partial_participation_excludes_late_clients():
@@ -186,7 +185,8 @@ def test_partial_participation_excludes_late_clients():
     answered = {c: clients[c].handle(t) for c, t in phase.tasks.items() if c != "c3"}
     feedback = server.collect(phase, answered)
     assert sorted(c for c, t in feedback.tasks.items() if "fbar" in t.tensors) == ["c0", "c1", "c2"]
-    assert sorted(feedback.tasks["c3"].tensors) == ["indices"]  # left out, but rejoins at the next iteration
+    assert feedback.tasks["c3"].tensors == {}  # left out, but uploads for the next iteration
+    assert "logits" in clients["c3"].handle(feedback.tasks["c3"]).tensors
     assert feedback.tasks["c0"].meta["n_avg"] == 3
     assert server.disc.net[-1].out_features == 4  # output size stays the enrolled count
     torch.testing.assert_close(

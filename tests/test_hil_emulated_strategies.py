@@ -20,7 +20,7 @@ import uuid
 import numpy as np
 import pytest
 
-from fedal.protocol import Message, RunManifest, decode, encode, topics
+from fedal.protocol import Message, RunManifest, answering, decode, encode, topics
 from fedal.strategies import (
     STRATEGIES,
     STRATEGY_NAMES,
@@ -75,7 +75,7 @@ def send(agent: EmulatedAgent, task: Message, key: tuple[int, int]) -> Message:
     assert pub.topic == topics.result(RUN, agent.client_id)
     res = decode(pub.payload)
     assert (res.meta["epoch"], res.meta["seq"]) == key
-    return res
+    return answering(res, task)  # as the engine reads it: the task's context restored
 
 
 def run_round(server, agents, r: int, epoch: int, seq: int, log: list | None = None) -> int:

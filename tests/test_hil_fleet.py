@@ -16,7 +16,7 @@ import uuid
 import numpy as np
 import pytest
 
-from fedal.protocol import Message, Reassembler, RunManifest, decode, encode, split, topics
+from fedal.protocol import Message, Reassembler, RunManifest, answering, decode, encode, split, topics
 from fedal.strategies import ServerContext, StrategyParams, get_strategy
 from hil.emulated_agent import EmulatedAgent, PublicSetSource
 
@@ -61,8 +61,8 @@ def run_round(server, agents, r: int, seq: int) -> int:
         for cid, task in phase.tasks.items():
             (pub,) = send(agents[cid], task, (0, seq))
             assert pub.topic == topics.result(RUN, cid)
-            res = decode(pub.payload)
-            assert (res.meta["epoch"], res.meta["seq"], res.meta["run"], res.meta["client"]) == (0, seq, RUN, cid)
+            res = answering(decode(pub.payload), task)  # as the engine reads it
+            assert (res.meta["epoch"], res.meta["seq"]) == (0, seq)
             server.validate(phase, cid, res)  # raises InvalidResult if the coordinator would refuse it
             results[cid] = res
         phase = server.collect(phase, results)
@@ -89,10 +89,11 @@ def test_fedal_results_have_the_real_client_halves_shape():
     (pub,) = send(a, phase.tasks["c0"], (0, 1))
     res = decode(pub.payload)
     assert res.tensors["logits"].shape == (B, K) and res.tensors["logits"].dtype == np.float32
-    assert set(res.meta) == {"phase", "round", "iteration", "loss", "run", "client", "epoch", "seq"}
-    results = {cid: decode(send(ag, phase.tasks[cid], (0, 1))[0].payload) for cid, ag in agents.items() if cid != "c0"}
-    transfer = server.collect(phase, {"c0": res, **results})
-    assert {"fbar", "grad", "indices"} <= set(transfer.tasks["c0"].tensors)
+    assert set(res.meta) == {"loss", "epoch", "seq"}  # a result names its task by (epoch, seq)
+    results = {cid: answering(decode(send(ag, phase.tasks[cid], (0, 1))[0].payload), phase.tasks[cid])
+               for cid, ag in agents.items() if cid != "c0"}
+    transfer = server.collect(phase, {"c0": answering(res, phase.tasks["c0"]), **results})
+    assert set(transfer.tasks["c0"].tensors) == {"fbar", "grad"}  # the next rows: computed by both ends
     res = decode(send(a, transfer.tasks["c0"], (0, 2))[0].payload)
     # feedback with an adversarial gradient, after a local_train with less-forgetting on
     assert {"loss_kd", "gnorm_kd", "gnorm_lf", "gnorm_adv"} <= set(res.meta) and res.tensors["logits"].shape == (B, K)
@@ -111,7 +112,7 @@ def test_dedup_stale_instance_and_refusals_follow_the_agent():
     bad = Message({"phase": "transfer", "round": 0, "iteration": 1, "n_avg": 2}, {"fbar": np.zeros((B, K), np.float32)})
     assert send(a, bad, (0, 10)) == [] and a.counters["rejected"] == 2  # feedback for logits it never uploaded
     assert a.last_key == (0, 5)  # a refused task leaves the last key alone
-    wrong = {"run": RUN, "client": "c1", "instance": "i-1", "epoch": 0, "seq": 11}
+    wrong = {"phase": "nonsense", "instance": "i-1", "epoch": 0, "seq": 11}
     assert a.on_message(a.task_topic, encode(Message(wrong))) == [] and a.counters["rejected"] == 3
     assert a.on_message(a.task_topic, b"garbage") == [] and a.counters["rejected"] == 4
     assert a.on_message("fedal/v1/unit/down/c9", b"") == [] and a.counters["rejected"] == 5
@@ -121,7 +122,7 @@ def test_chunked_tasks_are_reassembled_and_big_results_chunked():
     server, agents = joined_agents("fedavg", n=2)
     a = agents["c0"]
     init = server.begin_round(0)
-    res = decode(send(a, init.tasks["c0"], (0, 1))[0].payload)
+    res = answering(decode(send(a, init.tasks["c0"], (0, 1))[0].payload), init.tasks["c0"])
     train = server.collect(init, {"c0": res})
     meta = {**train.tasks["c0"].meta, "run": RUN, "client": "c0", "instance": "i-1", "epoch": 0, "seq": 2}
     parts = split(encode(Message(meta, train.tasks["c0"].tensors)), 4096)
@@ -136,7 +137,7 @@ def test_chunked_tasks_are_reassembled_and_big_results_chunked():
     assert len(out) > 1 and all(len(p.payload) <= 4096 for p in out)  # the result goes back chunked too
     whole = Reassembler().feed  # the coordinator's side: the chunks make the validated result
     msgs = [whole("c0", p.payload) for p in out]
-    server.validate(train, "c0", next(m for m in msgs if m is not None))
+    server.validate(train, "c0", answering(next(m for m in msgs if m is not None), train.tasks["c0"]))
 
 
 def test_tasks_before_the_manifest_are_held_and_a_finished_run_ends_the_agent():

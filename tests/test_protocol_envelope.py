@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -31,19 +30,28 @@ def test_round_trip_keeps_meta_dtypes_and_values():
 
 
 def test_wrong_version_is_refused():
-    payload = bytearray(encode(Message({"phase": "x"})))
-    text = payload.decode("latin-1").replace(f'\\"v\\": {PROTOCOL_VERSION}', '\\"v\\": 7')
-    with pytest.raises(EnvelopeError, match="version"):
-        decode(text.encode("latin-1"))
+    _, meta, tensors = msgpack.unpackb(encode(Message({"phase": "x"})))
+    for version in (1, 7, True, 2.0, "2"):
+        with pytest.raises(EnvelopeError, match="version"):
+            decode(msgpack.packb([version, meta, tensors]))
 
 
 @pytest.mark.parametrize(
     "payload, needle",
     [
-        (b"", "too short"),
-        (b"\x00" * 4, "too short"),
-        ((10**9).to_bytes(8, "little") + b"{}", "exceeds"),
-        ((2).to_bytes(8, "little") + b"{}", "no fedal metadata"),
+        (b"", "not a MessagePack envelope"),
+        (b"\xc1", "not a MessagePack envelope"),  # a byte MessagePack never uses
+        (msgpack.packb([2, {}]), "3-element array"),
+        (msgpack.packb({"v": 2}), "3-element array"),
+        (msgpack.packb([2, [], {}]), "must be maps"),
+        (msgpack.packb([2, {}, {"x": ["f4", [2], b"\0" * 4]}]), "do not hold"),
+        (msgpack.packb([2, {}, {"x": ["bf16", [2], b"\0" * 4]}]), "unknown dtype"),
+        (msgpack.packb([2, {}, {"x": ["f4", [-1], b""]}]), "non-negative"),
+        (msgpack.packb([2, {}, {"x": ["f4", [1], "text"]}]), "binary"),
+        (msgpack.packb([2, {}, {"x": ["f4", [1]]}]), "dtype, shape, bytes"),
+        (msgpack.packb([2, {"r": [1, 2]}, {}]), "scalar"),
+        (msgpack.packb([2, {"round": 1}, {}]), "must travel as 'r'"),
+        (msgpack.packb([2, {1: 2}, {}]), "not a MessagePack envelope"),  # map keys must be strings
         ("not bytes", "must be bytes"),
     ],
 )
@@ -52,10 +60,27 @@ def test_malformed_payloads(payload, needle):
         decode(payload)
 
 
-def test_metadata_must_be_a_json_object():
-    header = json.dumps({"__metadata__": {"fedal": "[1, 2]"}}).encode()
-    with pytest.raises(EnvelopeError, match="JSON object"):
-        decode(len(header).to_bytes(8, "little") + header)
+def test_protocol_keys_travel_under_short_names():
+    msg = Message({"phase": "transfer", "round": 3, "iteration": 1, "epoch": 0, "seq": 9, "instance": "a1", "n_avg": 4})
+    version, meta, tensors = msgpack.unpackb(encode(msg))
+    assert version == PROTOCOL_VERSION == 2 and tensors == {}
+    assert meta == {"p": "transfer", "r": 3, "i": 1, "e": 0, "s": 9, "x": "a1", "n_avg": 4}
+    with pytest.raises(ValueError, match="reserved"):
+        encode(Message({"p": 1}))  # a strategy key may not shadow a wire name
+
+
+def test_envelope_bytes_at_the_papers_batch():
+    """At B = 32, K = 10 a result's envelope costs under 5 % of its logits (1280 bytes)."""
+    logits = Message({"epoch": 0, "seq": 300}, {"logits": np.zeros((32, 10), np.float32)})
+    assert len(encode(logits)) - 1280 < 0.05 * 1280
+
+
+def test_tensors_arrive_writable_and_native():
+    back = decode(encode(Message({}, {"x": np.arange(6, dtype=">f4").reshape(2, 3), "b": np.array([True, False])})))
+    assert back.tensors["x"].flags.writeable and back.tensors["x"].dtype == np.float32
+    assert np.array_equal(back.tensors["x"], np.arange(6).reshape(2, 3)) and back.tensors["b"].dtype == bool
+    with pytest.raises(ValueError, match="no wire code"):
+        encode(Message({}, {"c": np.zeros(2, np.complex64)}))
 
 
 @settings(max_examples=300, deadline=None)
@@ -80,18 +105,10 @@ def test_mutated_envelopes_never_crash(pos, byte):
     assert isinstance(msg, Message) and isinstance(msg.meta, dict)  # a surviving mutation is still well formed
 
 
-def test_dtypes_numpy_cannot_hold_are_refused_not_fatal():
-    header = json.dumps({"__metadata__": {"fedal": json.dumps({"v": PROTOCOL_VERSION})},
-                         "x": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}).encode()
-    with pytest.raises(EnvelopeError):
-        decode(len(header).to_bytes(8, "little") + header + b"\x00" * 4)
-
-
-@pytest.mark.parametrize("meta", ['{"v": true}', '{"v": 1.0}', '{"v": 1, "loss": NaN}', '"just a string"'])
+@pytest.mark.parametrize("meta", [{"loss": float("nan")}, {"loss": float("inf")}, {"nested": {"a": 1}}])
 def test_metadata_must_be_strict(meta):
-    header = json.dumps({"__metadata__": {"fedal": meta}}).encode()
     with pytest.raises(EnvelopeError):
-        decode(len(header).to_bytes(8, "little") + header)
+        decode(msgpack.packb([PROTOCOL_VERSION, meta, {}]))
 
 
 def test_encoding_refuses_non_finite_metadata():

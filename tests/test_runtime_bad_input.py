@@ -11,10 +11,10 @@ import queue
 import threading
 import uuid
 
+import msgpack
 import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
-from safetensors.numpy import save as st_save
 
 from fedal.protocol import Message, decode, encode, parse_broker_url, topics
 from fedal.sim import load_config
@@ -49,8 +49,16 @@ class ScriptedClient:
         self.mqtt.disconnect()
 
 
+B, TAU = 32, 2  # the run's public batch and tau (the fixture's config)
+
+
+def wants_logits(task: Message) -> bool:
+    """Results that open a transfer iteration carry logits on its public rows (computed, not sent)."""
+    return task.meta["phase"] == "local_train" or (task.meta["phase"] == "transfer" and task.meta["iteration"] + 1 < TAU)
+
+
 def attack_on_logits(c: ScriptedClient, task: Message, k: int) -> None:
-    b = len(task.tensors["indices"])
+    b = B
     good = np.random.default_rng(0).normal(size=(b, k)).astype(np.float32)
     up = topics.result(RUN, c.cid)
     c.publish_raw(up, b"\x00\x01garbage")                                         # malformed envelope
@@ -62,8 +70,10 @@ def attack_on_logits(c: ScriptedClient, task: Message, k: int) -> None:
     inf[1, 1] = np.inf
     c.reply(task, {"logits": inf})                                                  # Inf
     c.reply(task, {"logits": good.astype(np.int32)})                                # wrong dtype
-    c.reply(task, {"logits": good}, run="another-run")                              # another run
-    c.reply(task, {"logits": good}, client="c01")                                   # claims another client
+    key = {"e": task.meta["epoch"], "s": task.meta["seq"]}
+    data = ["f4", [b, k], good.tobytes()]
+    c.publish_raw(up, msgpack.packb([1, key, {"logits": data}]))                    # protocol version 1
+    c.publish_raw(up, msgpack.packb([2, {**key, "seq": 1}, {"logits": data}]))      # a protocol key's long name
     c.reply(task, {"logits": good}, seq=int(task.meta["seq"]) - 1)                  # stale
     c.reply(task, {"logits": np.zeros((b * 4000, k), np.float32)})                  # oversized, wrong shape
     chunk = Message({"chunk_of": "x", "index": 0, "count": 2, "size": 50_000_000}, {"data": np.zeros(10, np.uint8)})
@@ -71,18 +81,16 @@ def attack_on_logits(c: ScriptedClient, task: Message, k: int) -> None:
     c.publish_raw(topics.result(RUN, "intruder"), encode(Message({"phase": "logits"})))  # unknown client
     c.publish_raw(topics.status(RUN, "c01"), b"{not json")                          # malformed status
     c.publish_raw(topics.status(RUN, "c01"), b'{"state": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")  # deep nesting
-    meta = {k: task.meta[k] for k in ("phase", "round", "iteration", "seq")} | {"run": RUN, "client": c.cid, "v": 1}
-    overflow = json.dumps(meta)[:-1] + ', "epoch": 1e400}'                           # epoch overflows
-    c.publish_raw(up, st_save({"logits": good}, metadata={"fedal": overflow}))
+    c.publish_raw(up, msgpack.packb([2, {**key, "e": float("inf")}, {"logits": data}]))  # epoch overflows
     c.reply(task, {"logits": good})                                                 # finally, valid
     c.reply(task, {"logits": good})                                                 # and a duplicate
 
 
 def attack_agent(c: ScriptedClient, instance: str) -> None:
     down = topics.task(RUN, "c00")
-    own = {"run": RUN, "client": "c00", "instance": instance}
+    own = {"instance": instance}
     c.publish_raw(down, b"not an envelope")
-    c.publish_raw(down, encode(Message({"phase": "transfer", **own, "client": "c01", "epoch": 0, "seq": 99})))
+    c.publish_raw(down, msgpack.packb([2, {"p": "transfer", "x": instance, "epoch": 0, "s": 99}, {}]))  # a long key
     c.publish_raw(down, encode(Message({"phase": "transfer", **own})))  # no sequence number
     c.publish_raw(down, encode(Message({"phase": "transfer", **own, "instance": "an-earlier-run", "epoch": 0, "seq": 10**6})))
     c.publish_raw(down, encode(Message({"phase": "transfer", **own, "epoch": 0, "seq": 10**6,
@@ -116,12 +124,12 @@ def test_bad_input_is_rejected_counted_and_survived(deployment, mosquitto):
             except queue.Empty:
                 continue
             phase = task.meta["phase"]
-            if "indices" in task.tensors:  # a task that wants logits back
+            if wants_logits(task):
                 if not attacked["logits"]:
                     attacked["logits"] = True
                     attack_on_logits(c, task, k)
                 else:
-                    c.reply(task, {"logits": np.zeros((len(task.tensors["indices"]), k), np.float32)})
+                    c.reply(task, {"logits": np.zeros((B, k), np.float32)})
             elif phase == "evaluate":
                 if not attacked["evaluate"]:
                     attacked["evaluate"] = True
@@ -143,7 +151,7 @@ def test_bad_input_is_rejected_counted_and_survived(deployment, mosquitto):
         c.close()
     assert all(attacked.values())
     counters = final["counters"]
-    # garbage, shape, NaN, Inf, dtype, other run, other client, oversized, chunk limit, intruder, bad status,
+    # garbage, shape, NaN, Inf, dtype, version 1, a long key, oversized, chunk limit, intruder, bad status,
     # deeply nested status, overflowing epoch, bad accuracy
     assert counters["rejected"] >= 14, counters
     # the stale sequence number, and the duplicate (counted as a duplicate, or as stale once its phase closed)

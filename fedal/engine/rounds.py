@@ -25,7 +25,7 @@ from fedal.engine.health import validate_health
 from fedal.engine.results import evaluation_summary
 from fedal.engine.settings import PhaseSettings
 from fedal.engine.transport import Arrival, Transport
-from fedal.protocol import EnvelopeError, Message, decode, encode
+from fedal.protocol import EnvelopeError, Message, answering, decode, encode
 from fedal.strategies import InvalidResult, PhaseTasks, ServerHalf
 
 log = logging.getLogger("fedal.engine")
@@ -176,8 +176,8 @@ class RoundEngine:
         key = (self.epoch, self.seq)
         payloads = {}
         for cid, task in phase.tasks.items():
-            meta = {**task.meta, "run": self.run_id, "client": cid, "instance": self.instance,
-                    "epoch": key[0], "seq": key[1]}
+            # addressed by its topic; the instance tells a fresh start of the run from an earlier one
+            meta = {**task.meta, "instance": self.instance, "epoch": key[0], "seq": key[1]}
             payloads[cid] = encode(Message(meta, task.tensors))
         state = PhaseState(phase, key, payloads, set(phase.tasks), started=self.transport.now(),
                            wall_started=time.time(), compute_s=compute_s)
@@ -306,10 +306,7 @@ class RoundEngine:
         except EnvelopeError as exc:
             self.reject(cid, f"malformed envelope: {exc}", exc.kind)
             return
-        meta = msg.meta
-        if meta.get("run") != self.run_id or meta.get("client") != cid:
-            self.reject(cid, f"result claims run {meta.get('run')!r} client {meta.get('client')!r}", "identity")
-            return
+        meta = msg.meta  # from `cid`, as its topic (or the in-process session) says
         cur = self.current
         key = (meta.get("epoch"), meta.get("seq"))
         if not all(type(v) is int for v in key):
@@ -327,6 +324,9 @@ class RoundEngine:
                 info.duplicates += 1
                 self.counters["duplicates"] += 1
             return
+        sent, task = msg, cur.phase.tasks.get(cid)
+        if task is not None:  # a result names its task by (epoch, seq): the task's context is its own
+            msg = answering(msg, task)
         try:
             if cur.phase.phase == "evaluate":
                 self._validate_evaluation(cur.phase, cid, msg)
@@ -334,7 +334,7 @@ class RoundEngine:
                 self.server.validate(cur.phase, cid, msg)
         except InvalidResult as exc:
             # it stays pending: a valid answer may still come (the phase's deadline decides)
-            cur.refused.setdefault(cid, set()).add(hashlib.sha256(encode(msg)).digest())
+            cur.refused.setdefault(cid, set()).add(fingerprint or hashlib.sha256(encode(sent)).digest())
             self.reject(cid, str(exc), exc.kind)
             return
         except Exception as exc:

@@ -8,7 +8,7 @@ from fedal.protocol.broker_url import MAX_PAYLOAD, BrokerAddress, BrokerSettings
 from fedal.protocol.chunking import DEFAULT_MAX_PAYLOAD, MAX_MESSAGE_BYTES, ChunkError, Reassembler, ReassemblyLimitError, split
 from fedal.protocol.envelope import PROTOCOL_VERSION, EnvelopeError, decode, encode, wire_size
 from fedal.protocol.manifest import ManifestError, RunManifest
-from fedal.protocol.message import Message
+from fedal.protocol.message import TASK_CONTEXT, Message, answering
 from fedal.protocol.validation import DEFAULT_MAX_ABS_VALUE, tensor_problem
 
 __all__ = [
@@ -22,10 +22,12 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "ManifestError",
     "Message",
+    "answering",
     "PROTOCOL_VERSION",
     "Reassembler",
     "ReassemblyLimitError",
     "RunManifest",
+    "TASK_CONTEXT",
     "decode",
     "encode",
     "parse_broker_url",

@@ -1,23 +1,32 @@
-"""Wire encoding of a Message: safetensors with the metadata as one JSON string.
+"""Wire encoding of a Message (protocol version 2): one MessagePack array.
 
-safetensors is a well-kept, language-neutral format that cannot execute code on load
-(unlike pickle); its header holds string metadata, so the envelope is one self-describing blob.
+    [2, {meta}, {name: [dtype, [shape...], bytes]}]
+
+MessagePack is a well-kept, language-neutral, self-describing format that cannot execute code
+on load; a logits block at the paper's B = 32 is 1280 bytes, so the envelope must stay a few
+dozen bytes: protocol keys travel under one-letter names (SHORT_KEYS), tensors as their dtype
+code, shape and raw little-endian bytes. docs/protocol.md is the contract.
 """
 
 from __future__ import annotations
 
-import json
-from typing import NoReturn
+import math
+from typing import Any
 
+import msgpack
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 from fedal.protocol.message import Message
 
-PROTOCOL_VERSION = 1
-_META_KEY = "fedal"
+PROTOCOL_VERSION = 2
+# the protocol's own keys and their wire names; every other meta key travels as it is
+SHORT_KEYS = {"phase": "p", "round": "r", "iteration": "i", "epoch": "e", "seq": "s", "instance": "x"}
+LONG_KEYS = {v: k for k, v in SHORT_KEYS.items()}
+# tensor dtypes on the wire: numpy's type codes, always little-endian
+DTYPES = {code: np.dtype("<" + code) for code in ("f4", "f2", "f8", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8")}
+DTYPES["b1"] = np.dtype(bool)
+MAX_NDIM = 8
+_UNPACK_LIMITS = {"max_str_len": 1 << 16, "max_array_len": 1 << 16, "max_map_len": 1 << 12, "max_ext_len": 0}
 
 
 class EnvelopeError(ValueError):
@@ -27,46 +36,74 @@ class EnvelopeError(ValueError):
 
 
 def encode(message: Message) -> bytes:
-    meta = {**message.meta, "v": PROTOCOL_VERSION}
-    arrays = {k: np.ascontiguousarray(v) for k, v in message.tensors.items()}
-    return st_save(arrays, metadata={_META_KEY: json.dumps(meta, sort_keys=True, allow_nan=False)})
+    meta: dict[str, Any] = {}
+    for key, value in message.meta.items():
+        if key in LONG_KEYS:
+            raise ValueError(f"meta key {key!r} is reserved for the wire name of {LONG_KEYS[key]!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"meta {key}={value!r} is not a finite number")
+        meta[SHORT_KEYS.get(key, key)] = value
+    tensors = {name: _pack_tensor(name, arr) for name, arr in message.tensors.items()}
+    return msgpack.packb([PROTOCOL_VERSION, meta, tensors], use_bin_type=True)
+
+
+def _pack_tensor(name: str, arr: np.ndarray) -> list[Any]:
+    a = np.asarray(arr)
+    code = a.dtype.str[1:]
+    if code not in DTYPES or a.dtype.kind not in "fiub":
+        raise ValueError(f"tensor {name!r}: dtype {a.dtype} has no wire code")
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return [code, list(a.shape), np.ascontiguousarray(a).tobytes()]
 
 
 def decode(payload: bytes) -> Message:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise EnvelopeError(f"payload must be bytes, got {type(payload).__name__}")
-    payload = bytes(payload)
-    if len(payload) < 8:
-        raise EnvelopeError(f"payload too short ({len(payload)} bytes)")
-    header_len = int.from_bytes(payload[:8], "little")
-    if header_len > len(payload) - 8:
-        raise EnvelopeError("header length exceeds payload size")
     try:
-        header = json.loads(payload[8 : 8 + header_len])
-        tensors = st_load(payload)
-    except (SafetensorError, ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise EnvelopeError(f"not a safetensors envelope: {type(exc).__name__}: {exc}") from exc
-    except Exception as exc:  # e.g. a dtype numpy cannot hold (BF16, F8): refused, never fatal
-        raise EnvelopeError(f"unsupported envelope content: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(header, dict):
-        raise EnvelopeError("envelope header is not a JSON object")
-    raw_meta = (header.get("__metadata__") or {}).get(_META_KEY)
-    if raw_meta is None:
-        raise EnvelopeError("envelope has no fedal metadata")
-    try:
-        meta = json.loads(raw_meta, parse_constant=_refuse_constant)
-    except (ValueError, TypeError, RecursionError) as exc:
-        raise EnvelopeError(f"metadata is not JSON: {exc}") from exc
-    if not isinstance(meta, dict):
-        raise EnvelopeError("metadata must be a JSON object")
-    version = meta.pop("v", None)
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True,
+                              max_bin_len=len(payload), **_UNPACK_LIMITS)
+    except Exception as exc:  # msgpack's own errors, ValueError, RecursionError: refused, never fatal
+        raise EnvelopeError(f"not a MessagePack envelope: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(obj, list) or len(obj) != 3:
+        raise EnvelopeError("an envelope is a 3-element array [version, meta, tensors]")
+    version, raw_meta, raw_tensors = obj
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise EnvelopeError(f"protocol version {version!r} is not supported (expected {PROTOCOL_VERSION})")
-    return Message(meta, dict(tensors))
+    if not isinstance(raw_meta, dict) or not isinstance(raw_tensors, dict):
+        raise EnvelopeError("meta and tensors must be maps")
+    return Message(_meta(raw_meta), {name: _tensor(name, spec) for name, spec in raw_tensors.items()})
 
 
-def _refuse_constant(name: str) -> NoReturn:
-    raise ValueError(f"metadata holds {name}, which is not JSON")
+def _meta(raw: dict[str, Any]) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in SHORT_KEYS:
+            raise EnvelopeError(f"meta key {key!r} must travel as {SHORT_KEYS[key]!r}")
+        if value is not None and not isinstance(value, (str, int, float, bool)):
+            raise EnvelopeError(f"meta {key!r} must be a scalar, got {type(value).__name__}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise EnvelopeError(f"meta {key!r} holds {value!r}, which is not a finite number")
+        meta[LONG_KEYS.get(key, key)] = value
+    return meta
+
+
+def _tensor(name: str, spec: Any) -> np.ndarray:
+    if not isinstance(spec, list) or len(spec) != 3:
+        raise EnvelopeError(f"tensor {name!r} must be [dtype, shape, bytes]")
+    code, shape, data = spec
+    dtype = DTYPES.get(code) if isinstance(code, str) else None
+    if dtype is None:
+        raise EnvelopeError(f"tensor {name!r}: unknown dtype {code!r}")
+    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+            or not all(type(n) is int and n >= 0 for n in shape)):
+        raise EnvelopeError(f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} non-negative integers")
+    if not isinstance(data, bytes):
+        raise EnvelopeError(f"tensor {name!r}: data must be binary")
+    if math.prod(shape) * dtype.itemsize != len(data):
+        raise EnvelopeError(f"tensor {name!r}: {len(data)} bytes do not hold {code} of shape {shape}")
+    # a copy: receivers may write to what they get, and the payload's buffer is not theirs
+    return np.frombuffer(data, dtype=dtype).astype(dtype.newbyteorder("="), copy=True).reshape(shape)
 
 
 def wire_size(message: Message) -> int:

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 
 Scalar = str | int | float | bool | None
+# what a result shares with the task it answers: not sent again, the receiver restores it
+TASK_CONTEXT = ("phase", "round", "iteration")
 
 
 @dataclass
@@ -42,3 +44,8 @@ class Message:
 
     def with_meta(self, **extra: Any) -> Message:
         return Message({**self.meta, **extra}, dict(self.tensors))
+
+
+def answering(result: Message, task: Message) -> Message:
+    """`result` as the answer to `task`: the context it does not resend (TASK_CONTEXT) is the task's."""
+    return Message({**{k: task.meta[k] for k in TASK_CONTEXT if k in task.meta}, **result.meta}, result.tensors)

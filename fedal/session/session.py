@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from fedal.data import ArrayDataset
-from fedal.protocol import Message, encode, tensor_problem
+from fedal.protocol import TASK_CONTEXT, Message, encode, tensor_problem
 from fedal.strategies import ClientHalf
 
 log = logging.getLogger("fedal.session")
@@ -53,6 +53,13 @@ def evaluation_reply(client: ClientHalf, task: Message, test: ArrayDataset | Non
     return client.reply(task, acc=report.pop("acc", None), **report)
 
 
+def wire_result(result: Message, key: tuple[int, int]) -> Message:
+    """What travels for a result: it names its task by (epoch, seq), so the task's phase, round
+    and iteration, which the receiver holds, are not sent again (docs/protocol.md)."""
+    meta = {k: v for k, v in result.meta.items() if k not in TASK_CONTEXT}
+    return Message({**meta, "epoch": key[0], "seq": key[1]}, result.tensors)
+
+
 class ClientSession:
     def __init__(self, run_id: str, client_id: str, client: ClientHalf, instance: str,
                  evaluate: Callable[[Message], Message], store: SessionStore | None = None,
@@ -76,9 +83,7 @@ class ClientSession:
     def on_task(self, task: Message) -> bytes | None:
         """The encoded result to send for `task` (new, or the cached one for a repeat), or None
         for a task to ignore (stale, another instance). Raises TaskRefused for a bad task."""
-        meta = task.meta
-        if meta.get("run") != self.run_id or meta.get("client") != self.client_id:
-            raise TaskRefused(f"task addressed to run {meta.get('run')!r} client {meta.get('client')!r}", "identity")
+        meta = task.meta  # addressed by its topic: the transport delivers only this client's tasks
         if meta.get("instance") != self.instance:
             self.counters["stale"] += 1  # e.g. queued by the broker for an earlier run under this id
             return None
@@ -104,8 +109,7 @@ class ClientSession:
             raise TaskRefused(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {exc}",
                               getattr(exc, "kind", "task")) from exc
         self.round_steps.add(step)  # taken: a repeat of it means the round is replayed (a refused one is not)
-        result.meta.update(run=self.run_id, client=self.client_id, epoch=ikey[0], seq=ikey[1])
-        wire = encode(result)
+        wire = encode(wire_result(result, ikey))
         self.last_key, self.last_result = ikey, wire
         if self.store is not None:
             self.store.after_task(self)

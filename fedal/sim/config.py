@@ -115,7 +115,10 @@ class RunConfig(BaseModel):
 
     def resolved(self) -> RunConfig:
         """The same run with every default made explicit."""
-        params = self.strategy_params.resolve(get_strategy(self.strategy).preset)
+        spec = get_strategy(self.strategy)
+        params = self.strategy_params.resolve(spec.preset)
+        if params.rows_seed is None and "rows_seed" in spec.params:  # the public rows follow the run's seed
+            params = params.model_copy(update={"rows_seed": self.seed})
         return self.model_copy(update={"strategy_params": params, "models": self.resolved_models()})
 
 

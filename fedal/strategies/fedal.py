@@ -32,6 +32,7 @@ from fedal.strategies.discriminator import Discriminator, discriminator_input, p
 from fedal.strategies.frozen import Frozen, frozen_copy
 from fedal.strategies.losses import kl_grad_wrt_student, kl_to_student, mean_kl_to_mean
 from fedal.strategies.params import DISTILLATION_PARAMS, StrategyParams
+from fedal.strategies.public_rows import public_rows
 from fedal.strategies.training import minibatch_steps
 
 PRESET = {"tau": 5, "lambda_kd": 1.0, "lambda_adv": 1.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}
@@ -41,10 +42,18 @@ PHASES = {"local_train": "train", "transfer": "exchange"}
 PARAMS = DISTILLATION_PARAMS
 
 
-def public_indices(seed: int, round_idx: int, iteration: int, public_size: int, batch: int) -> np.ndarray:
-    """The public minibatch of (t, i): a pure function of the run seed, so a restart agrees."""
-    rng = np.random.default_rng([seed, round_idx, iteration, 0x46414C])
-    return rng.choice(public_size, size=min(batch, public_size), replace=False).astype(np.int32)
+def logits_iteration(phase: str, iteration: int, tau: int) -> int | None:
+    """The transfer iteration whose public logits the result of (phase, iteration) carries: the
+    local training's result opens iteration 0, each transfer result the next; the last, none."""
+    if phase == "local_train":
+        return 0
+    if phase == "transfer" and iteration + 1 < tau:
+        return iteration + 1
+    return None
+
+
+def rows_key(params: StrategyParams) -> int:
+    return 0 if params.rows_seed is None else params.rows_seed
 
 
 class FedALServer(ServerHalf):
@@ -62,9 +71,7 @@ class FedALServer(ServerHalf):
 
     # -- phases ---------------------------------------------------------------------------
     def begin_round(self, round_idx: int) -> PhaseTasks:
-        idx = self.indices(round_idx, 0)
-        tasks = {cid: Message(self.task("local_train", round_idx, 0, steps=self.params.tau).meta, {"indices": idx})
-                 for cid in self.client_ids}
+        tasks = {cid: self.task("local_train", round_idx, 0, steps=self.params.tau) for cid in self.client_ids}
         return PhaseTasks("local_train", round_idx, 0, tasks)
 
     def collect(self, phase: PhaseTasks, results: dict[str, Message]) -> PhaseTasks | None:
@@ -81,14 +88,15 @@ class FedALServer(ServerHalf):
             return None
         raise ValueError(f"unknown phase {phase.phase!r}")
 
-    def indices(self, round_idx: int, iteration: int) -> np.ndarray:
-        return public_indices(self.context.seed, round_idx, iteration, self.context.public_size, self.params.public_batch_size)
+    def logits_iteration(self, phase: str, iteration: int) -> int | None:
+        """The transfer iteration whose logits a result of (phase, iteration) carries, if any."""
+        return logits_iteration(phase, iteration, self.params.tau or 1)
 
     def validate(self, phase: PhaseTasks, client_id: str, result: Message) -> None:
         super().validate(phase, client_id, result)
-        task = phase.tasks[client_id]
-        if "indices" in task.tensors:
-            self.received_logits(result, (len(task.tensors["indices"]), self.context.num_classes))
+        if self.logits_iteration(phase.phase, phase.iteration) is not None:
+            rows = min(self.params.public_batch_size, self.context.public_size)
+            self.received_logits(result, (rows, self.context.num_classes))
 
     def received_logits(self, result: Message, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """A result's logits in float32, refused unless in exactly the form the run's wire_dtype sends."""
@@ -103,16 +111,14 @@ class FedALServer(ServerHalf):
         return encode_tensor(name, x, self.params.wire_dtype, self.params.wire_int8_scale)
 
     def _transfer_phase(self, round_idx: int, iteration: int, results: dict[str, Message]) -> PhaseTasks | None:
-        """Feedback on the logits of `iteration`, with the public rows of the next one."""
+        """Feedback on the logits of `iteration`; its result opens the next iteration (the rows of
+        which both ends compute: public_rows)."""
         feedback = self._feedback(results) if results else {}
-        last = iteration + 1 >= self.params.tau
-        nxt = None if last else self.indices(round_idx, iteration + 1)
+        more = iteration + 1 < self.params.tau
         tasks = {}
-        for cid in self.client_ids:  # a client left out of this iteration still gets the next rows
+        for cid in self.client_ids:  # a client left out of this iteration still uploads for the next
             tensors = dict(feedback.get(cid, {}))
-            if nxt is not None:
-                tensors["indices"] = nxt
-            if tensors:
+            if tensors or more:
                 tasks[cid] = Message(self.task("transfer", round_idx, iteration, n_avg=len(results)).meta, tensors)
         return PhaseTasks("transfer", round_idx, iteration, tasks) if tasks else None
 
@@ -165,21 +171,34 @@ class FedALClient(ClientHalf):
         self.ref_loc: Frozen | None = None
         self.ref_glo: Frozen | None = None
         self.pending: dict[str, Any] | None = None  # indices and logits of the last upload
+        self.transfer_diag: dict[str, list[float]] = {}  # this round's per-iteration diagnostics
 
     def handle(self, task: Message) -> Message:
         if task.phase == "local_train":
             diag = {"loss": self._local_train(task)}
         elif task.phase == "transfer":
             diag = self._apply_feedback(task) if "fbar" in task.tensors else {}
+            diag = self.transfer_diagnostics(diag, last=task.integer("iteration") + 1 >= self.params.tau)
         else:
             raise ValueError(f"unknown phase {task.phase!r}")
         tensors = {}
-        if "indices" in task.tensors:  # the rows of the next transfer iteration
-            nxt = 0 if task.phase == "local_train" else task.integer("iteration") + 1
-            tensors = self._upload_logits(task.tensors["indices"], task.integer("round"), nxt)
+        nxt = logits_iteration(task.phase, task.integer("iteration"), self.params.tau or 1)
+        if nxt is not None:  # the logits that open the next transfer iteration
+            tensors = self._upload_logits(task.integer("round"), nxt)
         return self.reply(task, tensors, **diag)
 
+    def transfer_diagnostics(self, diag: dict[str, float], last: bool) -> dict[str, float]:
+        """The transfer stage's diagnostics travel once, as their means, with the round's last
+        iteration: at B = 32 four numbers per result would be 5 % of the logits they ride with."""
+        for key, value in diag.items():
+            self.transfer_diag.setdefault(key, []).append(value)
+        if not last:
+            return {}
+        means, self.transfer_diag = {k: float(np.mean(v)) for k, v in self.transfer_diag.items()}, {}
+        return means
+
     def _local_train(self, task: Message) -> float:
+        self.transfer_diag = {}  # a new round: what an interrupted transfer stage left is not reported
         loss = self.local_steps(task.integer("steps", self.params.tau))
         self.snapshot_ref_glo()
         return loss
@@ -209,21 +228,16 @@ class FedALClient(ClientHalf):
         """theta_ref_glo: the model the transfer stage starts from."""
         self.ref_glo = self.inference.snapshot(self.model) if self.params.lambda_lf_glo > 0 else None
 
-    def _upload_logits(self, indices: np.ndarray, round_idx: int, iteration: int) -> dict[str, np.ndarray]:
-        """The logits on the public rows `indices`, as the result's tensors in the run's wire form."""
-        raw = np.asarray(indices)
+    def _upload_logits(self, round_idx: int, iteration: int) -> dict[str, np.ndarray]:
+        """The logits on the public rows of (round, iteration), as the result's tensors in the run's wire form."""
         if self.public_x is None:
             raise ValueError("this client has no public set")
-        if raw.ndim != 1 or not np.issubdtype(raw.dtype, np.integer) or raw.size == 0:
-            raise ValueError("indices must be a non-empty 1-D integer array")
-        if raw.min() < 0 or raw.max() >= len(self.public_x):
-            raise ValueError(f"indices outside the public set of {len(self.public_x)} rows")
-        idx = torch.from_numpy(raw.astype(np.int64))
+        p = self.params
+        idx = torch.from_numpy(public_rows(rows_key(p), round_idx, iteration, len(self.public_x), p.public_batch_size))
         self.model.train()
         logits = self.model(self.public_x[idx])
         # the graph is kept: the feedback's vector-Jacobian product goes through this very forward
         self.pending = {"round": round_idx, "iteration": iteration, "indices": idx, "logits": logits}
-        p = self.params
         return encode_tensor("logits", logits.detach().numpy().astype(np.float32), p.wire_dtype, p.wire_int8_scale)
 
     def received(self, task: Message, name: str) -> torch.Tensor:
@@ -285,6 +299,7 @@ class FedALClient(ClientHalf):
         state = super().state_dict()
         state["ref_loc"] = None if self.ref_loc is None else self.ref_loc.state_dict()
         state["ref_glo"] = None if self.ref_glo is None else self.ref_glo.state_dict()
+        state["transfer_diag"] = {k: list(v) for k, v in self.transfer_diag.items()}
         state["pending"] = None if self.pending is None else {
             k: self.pending[k].clone() if k == "indices" else self.pending[k] for k in ("round", "iteration", "indices")
         }
@@ -298,6 +313,7 @@ class FedALClient(ClientHalf):
                 weights.load_state_dict(state[name])
                 setattr(self, name, self.inference.snapshot(weights))
         self.pending = state.get("pending")
+        self.transfer_diag = {k: [float(x) for x in v] for k, v in (state.get("transfer_diag") or {}).items()}
 
 
 SPECS = (StrategySpec("fedal", FedALServer, FedALClient, PRESET, PHASES, PARAMS, uses_public_set=True),)

@@ -32,7 +32,8 @@ def weighted_average(states: list[dict[str, np.ndarray]], weights: list[float]) 
         stacked = np.stack([s[key].astype(np.float64) for s in states])
         avg = np.tensordot(w, stacked, axes=1)
         dtype = states[0][key].dtype
-        out[key] = (np.floor(avg) if np.issubdtype(dtype, np.integer) else avg).astype(dtype)
+        # np.asarray: a 0-d weight (BatchNorm's batch counter) stays an array, not a numpy scalar
+        out[key] = np.asarray((np.floor(avg) if np.issubdtype(dtype, np.integer) else avg).astype(dtype))
     return out
 
 

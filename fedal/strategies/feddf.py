@@ -45,7 +45,7 @@ from fedal.strategies.params import DISTILLATION_PARAMS
 FEDDF_AL_PRESET = {"tau": 15, "lambda_kd": 1.0, "lambda_adv": 1.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}
 FEDDF_PRESET = {"tau": 10, "lambda_kd": 1.0, "lambda_adv": 0.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}
 
-WEIGHTS = "w/"  # weight tensors travel as "w/<state_dict key>", apart from "indices" and "logits"
+WEIGHTS = "w/"  # weight tensors travel as "w/<state_dict key>", apart from "logits"
 MAX_TAG = 128
 # the phases of a round and their kind: "train" phases get the training deadline
 PHASES = {"init": "exchange", "local_train": "train", "average": "exchange", "transfer": "exchange"}
@@ -84,6 +84,12 @@ class FedDFServer(FedALServer):
         meta = self.task("local_train", round_idx, 0, steps=self.params.tau).meta
         return PhaseTasks("local_train", round_idx, 0,
                           {cid: Message(dict(meta), starts.get(cid, {})) for cid in self.client_ids})
+
+    def logits_iteration(self, phase: str, iteration: int) -> int | None:
+        """The average's result opens the transfer stage; init and local training send weights."""
+        if phase == "average":
+            return 0
+        return None if phase in ("init", "local_train") else super().logits_iteration(phase, iteration)
 
     def validate(self, phase: PhaseTasks, client_id: str, result: Message) -> None:
         super().validate(phase, client_id, result)
@@ -142,10 +148,9 @@ class FedDFServer(FedALServer):
         averages = self.group_averages(results)
         self.record("groups", len(averages))
         self.record("param_participation", len(results) / len(self.client_ids))
-        idx = self.indices(round_idx, 0)
         tasks = {}
         for cid in self.client_ids:
-            tensors: dict[str, np.ndarray] = {"indices": idx}
+            tensors: dict[str, np.ndarray] = {}
             members, avg = averages.get(self.group_of.get(cid, ""), ([], {}))
             if members and members != [cid]:
                 tensors.update(avg)
@@ -173,11 +178,9 @@ class FedDFClient(FedALClient):
             loss = self.local_steps(task.integer("steps", self.params.tau))
             return self.reply(task, self.weights(), loss=loss, num_samples=len(self.y_train), arch=self.arch)
         if task.phase == "average":
-            if "indices" not in task.tensors:
-                raise ValueError("an average task must carry the public rows ('indices') of iteration 0")
             weights = self.load_group_weights(task)
             self.snapshot_ref_glo()  # the transfer stage starts from the group average
-            logits = self._upload_logits(task.tensors["indices"], task.integer("round"), 0)
+            logits = self._upload_logits(task.integer("round"), 0)
             return self.reply(task, logits, averaged=weights)
         return super().handle(task)
 

@@ -19,7 +19,7 @@ COMMON_PARAMS = ("tau", "optimizer", "lr", "momentum", "batch_size", "max_abs_va
 # the knowledge-transfer stage shared by FedAL, FedMD(-LF) and FedDF(-AL)
 DISTILLATION_PARAMS = ("public_batch_size", "lambda_kd", "lambda_adv", "lambda_lf_loc", "lambda_lf_glo", "temperature_kd",
                        "temperature_lf", "temperature_disc", "kd_target", "disc_hidden", "disc_lr", "wire_dtype",
-                       "wire_int8_scale")
+                       "wire_int8_scale", "rows_seed")
 
 
 class StrategyParams(BaseModel):
@@ -34,6 +34,10 @@ class StrategyParams(BaseModel):
         None, ge=0, description="local, fedavg, fedakd, fedhkd: passes over the private data per local training (0: tau steps)"
     )
     public_batch_size: int = Field(32, ge=1, description="public minibatch size B per transfer iteration")
+    rows_seed: int | None = Field(
+        None, ge=0, description="key of the public rows each transfer iteration uses, computed by both ends "
+        "(docs/protocol.md); unset: the run's seed"
+    )
 
     lambda_kd: float | None = Field(None, ge=0, description="weight of the KD term KL(target || p_n)")
     lambda_adv: float | None = Field(None, ge=0, description="weight of the adversarial term U_n")

@@ -1,0 +1,29 @@
+"""The public rows of a transfer iteration: a pure function of (key, round, iteration).
+
+Both ends compute them, so no task carries them (docs/protocol.md, "Public rows"): at the
+paper's B = 32 the rows would cost 64-128 bytes per task, 2.5-5 % of the feedback itself. The
+function is a partial Fisher-Yates shuffle driven by SHA-256, so any language reproduces it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+
+def public_rows(key: int, round_idx: int, iteration: int, public_size: int, batch: int) -> np.ndarray:
+    """min(batch, public_size) distinct rows of 0..public_size-1, the same on every machine:
+    step k swaps position k with k + (first 8 bytes of SHA-256("fedal-rows/key/round/iteration/k"),
+    little-endian) mod (public_size - k), and takes what lands at k."""
+    if public_size < 1 or batch < 1:
+        raise ValueError(f"public rows need a public set and a batch, got {public_size} rows and batch {batch}")
+    prefix = f"fedal-rows/{key}/{round_idx}/{iteration}/".encode()
+    moved: dict[int, int] = {}  # the positions a swap changed (a sparse shuffle of 0..n-1)
+    rows = np.empty(min(batch, public_size), dtype=np.int64)
+    for k in range(len(rows)):
+        draw = int.from_bytes(hashlib.sha256(prefix + str(k).encode()).digest()[:8], "little")
+        j = k + draw % (public_size - k)
+        rows[k] = moved.get(j, j)
+        moved[j] = moved.get(k, k)
+    return rows
