@@ -107,6 +107,8 @@ class Agent:
         self.manifest: RunManifest | None = None
         self.client = None
         self.session: ClientSession | None = None
+        self.test: ArrayDataset | None = None  # evaluation's common test set and this device's own split
+        self.local_test: ArrayDataset | None = None
         self.deferred: list[bytes] = []
         self.joined_instance: str | None = None
         self.workspace = Path(config.workspace)
