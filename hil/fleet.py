@@ -30,6 +30,7 @@ import paho.mqtt.client as mqtt
 
 from fedal.protocol import DEFAULT_MAX_PAYLOAD, ManifestError, parse_broker_url, topics
 from hil.emulated_agent import EmulatedAgent, ParsedManifest, PublicSetSource, Publish, parse_manifest
+from mqtt_link.client import no_delay
 
 log = logging.getLogger("hil.fleet")
 
@@ -94,6 +95,7 @@ class _Conn:
 
     # -- paho callbacks (loop thread) ----------------------------------------------------------
     def _on_socket_open(self, _c, _u, sock) -> None:
+        no_delay(sock)  # as the real agent's client does (mqtt_link)
         self.sock = sock
         self.waiting_writable = False
         self.fleet.selector.register(sock, selectors.EVENT_READ, self)

@@ -49,6 +49,7 @@ class Mosquitto:
         lines += [
             f"max_queued_messages {max_queued_messages}",
             f"persistence {'true' if persistence else 'false'}",
+            "set_tcp_nodelay true",  # as fleet/generate.py's production snippet: no Nagle delay per message
             f"log_dest file {self.log_file}",
             "log_type error", "log_type warning", "log_type notice", "log_type information",
         ]

@@ -89,7 +89,7 @@ def mosquitto_server(tmp_path_factory):
     conf = d / "mosquitto.conf"
     conf.write_text(
         f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-        f"log_dest file {d / 'mosquitto.log'}\nmax_queued_messages 10000\n"
+        f"log_dest file {d / 'mosquitto.log'}\nmax_queued_messages 10000\nset_tcp_nodelay true\n"
         + ("user root\n" if os.geteuid() == 0 else "")  # as root it would drop to a user that cannot write tmp
     )
     proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
