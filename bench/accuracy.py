@@ -10,6 +10,7 @@ docs/results/accuracy.md, docs/results/accuracy.json and a PNG of accuracy vs lo
     python bench/accuracy.py --suite fedhkd  # FedHKD vs FedAvg (bench/accuracy_fedhkd.py)
     python bench/accuracy.py --suite fedakd  # FedAKD vs FedAvg (bench/accuracy_fedakd.py)
     python bench/accuracy.py --suite feddf   # FedDF-AL vs FedDF vs FedAL (bench/accuracy_feddf.py)
+    python bench/accuracy.py --suite wire    # FedAL, FedMD: wire_dtype float32/float16/int8 (bench/accuracy_wire.py)
 
 Each run's results JSON is kept in --cache, so an interrupted benchmark resumes.
 """
@@ -169,7 +170,8 @@ def plot(results: dict, seeds: list[int], path: Path) -> None:
 
 
 # Other algorithms' comparisons, each in its own module next to this one: --suite NAME runs it.
-SUITES = {"fedal": None, "fedhkd": "accuracy_fedhkd", "fedakd": "accuracy_fedakd", "feddf": "accuracy_feddf"}
+SUITES = {"fedal": None, "fedhkd": "accuracy_fedhkd", "fedakd": "accuracy_fedakd", "feddf": "accuracy_feddf",
+          "wire": "accuracy_wire"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suite", choices=list(SUITES), default="fedal",
                     help="fedal: this comparison; fedhkd: FedHKD vs FedAvg (bench/accuracy_fedhkd.py); "
                          "fedakd: FedAKD vs FedAvg (bench/accuracy_fedakd.py); "
-                         "feddf: FedDF-AL vs FedDF vs FedAL (bench/accuracy_feddf.py)")
+                         "feddf: FedDF-AL vs FedDF vs FedAL (bench/accuracy_feddf.py); "
+                         "wire: FedAL and FedMD with wire_dtype float32 / float16 / int8 (bench/accuracy_wire.py)")
     ap.add_argument("--steps", type=int, default=600, help="local SGD steps per client (all strategies)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma list of {list(SETTINGS)}")
