@@ -240,3 +240,39 @@ def test_journal_bytes_per_round_are_one_checkpoint_plus_the_rounds_tasks(tmp_pa
         tasks = sum(len(p) for p in through.payloads if decode(p).meta["round"] == r)
         assert written <= 1.2 * ckpt + tasks
         assert written < sum(n for (rnd, _ph, _k), n in phase_agent.written.items() if rnd == r)
+
+
+def test_a_crash_between_a_new_checkpoint_and_the_journal_reset_ignores_the_old_journal(tmp_path, one_torch_thread):
+    """What a crash leaves between the round's new checkpoint (renamed in place) and its fresh
+    journal: the previous round's journal, naming the previous checkpoint. The new checkpoint
+    already holds everything that journal did; replaying it again would apply tasks twice."""
+    copies: list[tuple[Path, dict, tuple]] = []
+    holder: dict[str, Agent] = {}
+
+    def on_applied(_payload, wire):
+        agent = holder["agent"]
+        dest = tmp_path / f"copy{len(copies)}"
+        shutil.copytree(agent.workspace, dest)
+        copies.append((dest, copy.deepcopy(agent.client.state_dict()), copy.deepcopy(session_fields(agent))))
+
+    server, clients, _ = toy_federation("fedal", tau=2)
+    agent = holder["agent"] = make_agent(tmp_path / "ws")
+    agent.host(clients[HOSTED], "sim")
+    engine = in_process(server, clients)
+    engine.transport.sessions[HOSTED] = ThroughAgent(agent, on_applied)
+    for r in range(2):
+        engine.run_round(r)
+    first_of_round_1 = next(i for i, (_, _, fields) in enumerate(copies) if fields[2] == 1)
+    end_of_round_0 = copies[first_of_round_1 - 1]
+    crashed = tmp_path / "crashed"
+    shutil.copytree(end_of_round_0[0], crashed)  # the old journal (round 0's, three tasks)
+    shutil.copy(copies[first_of_round_1][0] / "checkpoint.pt", crashed / "checkpoint.pt")  # the new checkpoint
+    assert len(Journal(crashed / "journal.bin").read(load(end_of_round_0[0] / "checkpoint.pt")["id"])[0]) == 3
+
+    restarted = make_agent(crashed)
+    restarted.host(fresh_client("fedal"), "sim")
+    assert restarted.counters["replayed"] == 0
+    assert_same(restarted.client.state_dict(), end_of_round_0[1])
+    assert session_fields(restarted) == end_of_round_0[2]
+    # and the journal now follows the new checkpoint: the round's first task is journaled after it
+    assert restarted.journal.read(load(crashed / "checkpoint.pt")["id"]) == ([], 0)
