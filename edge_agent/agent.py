@@ -292,7 +292,8 @@ class Agent:
         except ReplayDiverged as exc:
             log.error("%s; back to the checkpoint, sitting out round %s", exc, self.ckpt_round_start)
             self.counters["replay_diverged"] += 1
-            self._restore_checkpoint(state)
+            # read again: the replay trained on the loaded tensors in place (the optimizer's state)
+            self._restore_checkpoint(checkpoint.load(self.ckpt_path))
             self.sit_out = self.ckpt_round_start
         if self.config.durability == "journal" and self.journal.checkpoint_id is None:
             if state.get("id"):

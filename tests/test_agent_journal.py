@@ -276,3 +276,24 @@ def test_a_crash_between_a_new_checkpoint_and_the_journal_reset_ignores_the_old_
     assert session_fields(restarted) == end_of_round_0[2]
     # and the journal now follows the new checkpoint: the round's first task is journaled after it
     assert restarted.journal.read(load(crashed / "checkpoint.pt")["id"]) == ([], 0)
+
+
+def test_a_replay_that_does_not_reproduce_the_published_result_falls_back_to_the_checkpoint(tmp_path, one_torch_thread):
+    """E.g. another torch or thread count after an upgrade: the replayed state is not the one
+    that was published from, so it is not used; the agent sits the round out from its start."""
+    agent, _ = run_hosted("fedal", tmp_path / "ws", rounds=2)
+    ckpt = load(agent.ckpt_path)
+    journal = Journal(agent.journal.path)
+    records, _ = journal.read(ckpt["id"])
+    assert len(records) == 3
+    journal.reset(ckpt["id"])  # the same tasks, but the second one's published result was another
+    for i, rec in enumerate(records):
+        journal.append(rec.key, rec.payload, hashlib.sha256(b"another result").hexdigest() if i == 1 else rec.result_sha256)
+    journal.close()
+
+    restarted = make_agent(tmp_path / "ws")
+    restarted.host(fresh_client("fedal"), "sim")
+    assert restarted.counters["replay_diverged"] == 1 and restarted.counters["replayed"] == 0
+    assert restarted.sit_out == ckpt["round_start"] == 1
+    assert_same(restarted.client.state_dict(), ckpt["client"])
+    assert restarted.session.last_key == tuple(ckpt["last_key"]) < records[0].key
