@@ -5,7 +5,8 @@ Each strategy runs a small deployment in memory: a real Run and real Agents, wir
 replacing only the two MQTT publish calls (the envelopes, chunking and manifests are the real
 ones). Its strategy halves also run a toy federation in which one client misses phases, so the
 optional tensors and keys (a client left out of an iteration) show up. The doc's fenced JSON
-blocks that follow a `<!-- protocol-check: ... -->` comment must then describe exactly that.
+blocks that follow a `<!-- protocol-check: ... -->` comment must then describe exactly that, and
+its hex dumps must be byte for byte what the encoder writes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -25,9 +27,12 @@ from edge_agent.config import AgentConfig
 from edge_agent.mqtt_link import status_payload
 from fedal.data import ArrayDataset, content_hash
 from fedal.models import build_model
-from fedal.protocol import Message, RunManifest, decode, encode, split, topics
+from fedal.protocol import PROTOCOL_VERSION, Message, RunManifest, answering, decode, encode, split, topics
+from fedal.protocol.envelope import SHORT_KEYS
+from fedal.session.session import wire_result
 from fedal.strategies import STRATEGIES, STRATEGY_NAMES, ServerContext, StrategyParams, get_strategy
 from fedal.strategies.fedal import FedALServer
+from fedal.strategies.public_rows import public_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTOCOL = ROOT / "docs" / "protocol.md"
@@ -38,9 +43,9 @@ B = 8  # public_batch_size (the public set has P = 20 rows)
 P = 20
 INPUT = (40,)
 CLIENTS = ["pi-1", "pi-2", "pi-3"]
-TRANSPORT_TASK = {"run", "client", "instance", "epoch", "seq"}
-TRANSPORT_RESULT = {"run", "client", "epoch", "seq"}
-COMMON = {"phase", "round", "iteration"}
+TRANSPORT_TASK = {"instance", "epoch", "seq"}
+TRANSPORT_RESULT = {"epoch", "seq"}
+COMMON = {"phase", "round", "iteration"}  # sent in tasks only: a result's are its task's (answering)
 
 
 def models_for(strategy: str) -> list[str]:
@@ -61,7 +66,8 @@ class Capture:
 
     strategy: str
     tasks: list[tuple[str, Message]] = field(default_factory=list)  # (client, task)
-    results: list[tuple[str, Message]] = field(default_factory=list)
+    results: list[tuple[str, Message]] = field(default_factory=list)  # with their task's phase, round, iteration
+    wire: list[tuple[str, str, bytes]] = field(default_factory=list)  # ("task" | "result", client, whole envelope)
     manifests: list[dict] = field(default_factory=list)
     engine: Run | None = None
     agents: dict[str, Agent] = field(default_factory=dict)
@@ -105,7 +111,11 @@ def deploy(strategy: str, tmp: Path, rounds: int = 2, max_payload: int = 4096) -
         cap.agents[cid] = agent
 
         def publish_result(payload: bytes, cid=cid, agent=agent) -> int:
-            cap.results.append((cid, decode(payload)))
+            cap.wire.append(("result", cid, payload))
+            sent_ = decode(payload)
+            key = (sent_.meta.get("epoch"), sent_.meta.get("seq"))
+            task = next(t for c, t in reversed(cap.tasks) if c == cid and (t.meta["epoch"], t.meta["seq"]) == key)
+            cap.results.append((cid, answering(sent_, task)))  # as the coordinator reads it
             sent = 0
             for part in split(payload, agent.config.broker.max_payload):
                 engine.inbox.put((topics.result("doc", cid), part))
@@ -115,6 +125,7 @@ def deploy(strategy: str, tmp: Path, rounds: int = 2, max_payload: int = 4096) -
         agent.link.publish_result = publish_result
 
     def publish_task(cid: str, payload: bytes) -> int:
+        cap.wire.append(("task", cid, payload))
         cap.tasks.append((cid, decode(payload)))
         agent = cap.agents[cid]
         sent = 0
@@ -159,14 +170,14 @@ def toy_left_out(strategy: str, rounds: int = 2) -> list[tuple[str, str, Message
         x, y = toy_arrays(24, i)
         clients[cid] = spec.client(cid, build_model(model, INPUT, K), ArrayDataset(x, y, K, cid), public_x, params, seed=i)
     server = spec.server(params, CLIENTS, ServerContext(num_classes=K, public_size=P, seed=0))
-    seen = []
+    seen, seq = [], 0
     for r in range(rounds):
         phase, position = server.begin_round(r), 0
         while phase is not None:
-            results = {}
+            results, seq = {}, seq + 1
             for cid, task in phase.tasks.items():
                 task = decode(encode(task))
-                result = decode(encode(clients[cid].handle(task)))
+                result = answering(decode(encode(wire_result(clients[cid].handle(task), (0, seq)))), task)
                 seen += [("task", cid, task), ("result", cid, result)]
                 if cid == "pi-2" and (position < 2 if r == 0 else position == 1):
                     continue
@@ -230,8 +241,11 @@ def example_manifest(tmp: Path) -> tuple[str, str]:
     return engine.manifest().to_json().decode(), engine.instance
 
 
-WIRE_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int32": "I32", "int64": "I64", "uint8": "U8",
-               "int8": "I8", "int16": "I16", "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL"}
+def wire_dtype(arr: np.ndarray) -> str:
+    """The dtype code a tensor travels under (numpy's, without the byte order)."""
+    return arr.dtype.str[1:]
+
+
 JSON_TYPES = {"int": {int}, "number": {int, float}, "number|null": {int, float, type(None)}, "string": {str},
               "bool": {bool}}
 
@@ -288,8 +302,8 @@ def check_message(strategy: str, cid: str, where: str, msg: Message, doc: dict, 
             symbols["d"] = feature_width(strategy, cid)
         want = tuple(symbols[s.strip()] if s.strip() in symbols else int(s) for s in shape.split(",") if s.strip())
         arr = msg.tensors[group]
-        assert WIRE_DTYPES[str(arr.dtype)] == dtype and arr.shape == want, (
-            f"{where}: {group} is {WIRE_DTYPES[str(arr.dtype)]} {list(arr.shape)}, the doc says {spec}")
+        assert wire_dtype(arr) == dtype and arr.shape == want, (
+            f"{where}: {group} is {wire_dtype(arr)} {list(arr.shape)}, the doc says {spec}")
     return {"meta": {k for k in meta}, "tensors": set(names)}
 
 
@@ -389,7 +403,8 @@ def check_catalogue(strategy: str, doc: dict, captures: list[Capture], toy: list
     for direction, cid, msg in toy:
         where = f"{strategy} {msg.phase} {direction} (toy federation, {cid})"
         seen.setdefault((msg.phase, direction), []).append(
-            check_message(strategy, cid, where, msg, phases[msg.phase][direction], set()))
+            check_message(strategy, cid, where, msg, phases[msg.phase][direction],
+                          TRANSPORT_RESULT if direction == "result" else set()))
     assert observed_phases == set(phases), f"{strategy}: the code runs {sorted(observed_phases)}"
     for phase, entry in phases.items():
         assert entry["deadline"] == ("train" if phase_is_train(strategy, phase) else "ordinary"), (strategy, phase)
@@ -423,29 +438,64 @@ def test_every_catalogue_is_checked():
     assert names == {f"phases {s}" for s in STRATEGY_NAMES} | {"phases evaluate"}
 
 
-def test_transport_keys_are_the_documented_ones(runs):
-    rows = checked_table(doc_text(), "transport-keys")
-    documented = {ticked(r[0])[0]: {w.strip() for w in r[1].split(",")} for r in rows}
-    assert {k for k, on in documented.items() if "tasks" in on} == TRANSPORT_TASK
-    assert {k for k, on in documented.items() if "results" in on} == TRANSPORT_RESULT
+def test_protocol_keys_are_the_documented_ones(runs):
+    """Tasks carry the protocol's keys under their wire names; results only (epoch, seq): the
+    topic names run and client, the task the rest."""
+    rows = checked_table(doc_text(), "protocol-keys")
+    documented = {ticked(r[0])[0]: (ticked(r[1])[0], {w.strip() for w in r[2].split(",")}) for r in rows}
+    assert {k: wire for k, (wire, _) in documented.items()} == SHORT_KEYS
+    assert {k for k, (_, on) in documented.items() if "tasks" in on} == COMMON | TRANSPORT_TASK
+    assert {k for k, (_, on) in documented.items() if "results" in on} == TRANSPORT_RESULT
     for cap in runs.values():
         tasks = {}
-        for cid, task in cap.tasks:
-            assert (task.meta["run"], task.meta["client"], task.meta["instance"]) == ("doc", cid, cap.engine.instance)
-            assert type(task.meta["epoch"]) is int and type(task.meta["seq"]) is int
-            tasks[(cid, task.meta["epoch"], task.meta["seq"])] = task
-        for cid, result in cap.results:
-            assert (result.meta["run"], result.meta["client"]) == ("doc", cid) and "instance" not in result.meta
-            task = tasks[(cid, result.meta["epoch"], result.meta["seq"])]
-            assert all(result.meta[k] == task.meta[k] for k in COMMON), "a result echoes phase, round, iteration"
+        for kind, cid, payload in cap.wire:
+            version, meta, _ = msgpack.unpackb(payload, raw=False)
+            assert version == PROTOCOL_VERSION == 2
+            assert not set(meta) & {*SHORT_KEYS, "run", "client", "v"}, f"long or v1 keys on the wire: {sorted(meta)}"
+            msg = decode(payload)
+            if kind == "task":
+                assert set(meta) >= {SHORT_KEYS[k] for k in COMMON | TRANSPORT_TASK}
+                assert msg.meta["instance"] == cap.engine.instance
+                tasks[(cid, msg.meta["epoch"], msg.meta["seq"])] = msg
+            else:
+                assert not set(msg.meta) & (COMMON | {"instance"}), f"a result resends {sorted(msg.meta)}"
+                assert {SHORT_KEYS[k] for k in TRANSPORT_RESULT} <= set(meta)
+                assert (cid, msg.meta["epoch"], msg.meta["seq"]) in tasks, "a result names a task its client got"
+
+
+def wire_view(payload: bytes) -> list:
+    """An envelope as the doc shows it: the MessagePack array, each tensor's bytes as "<bin N>"."""
+    version, meta, tensors = msgpack.unpackb(payload, raw=False)
+    return [version, meta, {k: [code, shape, f"<bin {len(data)}>"] for k, (code, shape, data) in tensors.items()}]
+
+
+def prose_sizes(text: str, marker: str) -> tuple[int, int]:
+    """The last "N bytes on the wire, D of them tensor data" before a marked block."""
+    before = text[: text.index(f"<!-- protocol-check: {marker} -->")]
+    total, data = re.findall(r"(\d+)\s+bytes\s+on\s+the\s+wire,\s+(\d+)\s+of\s+them\s+tensor\s+data", before)[-1]
+    return int(total), int(data)
+
+
+def hex_dump(text: str, name: str) -> bytes:
+    """The bytes of the annotated hex dump after `<!-- protocol-check: NAME -->`: each line's leading
+    hex pairs (an annotation follows two spaces or more)."""
+    m = re.search(rf"<!-- protocol-check: {re.escape(name)} -->\n```text\n(.*?)\n```", text, re.S)
+    assert m, f"no hex dump marked {name!r} in {PROTOCOL}"
+    out = b""
+    for line in m.group(1).splitlines():
+        pairs = re.match(r"((?:[0-9a-f]{2} )*[0-9a-f]{2})(?: {2,}|$)", line)
+        assert pairs, f"{name}: a line without bytes: {line!r}"
+        out += bytes.fromhex(pairs.group(1))
+    return out
 
 
 def test_envelope_examples_are_what_the_code_encodes():
-    """The two headers of section 5, from a real FedAL server and client half (B = 4, K = 3)."""
+    """Section 5's envelopes, from a real FedAL server and client half (B = 4, K = 3, tau = 2)."""
     import torch
 
     text = doc_text()
     blocks = checked_blocks(text)
+    instance = json.loads(blocks["manifest-example"])["instance"]
     params = StrategyParams(tau=2, public_batch_size=4).resolve(get_strategy("fedal").preset)
     public_x = toy_arrays(P, 99)[0]
     server = FedALServer(params, ["pi-1", "pi-2"], ServerContext(num_classes=3, public_size=P, seed=0))
@@ -455,37 +505,72 @@ def test_envelope_examples_are_what_the_code_encodes():
         x, y = toy_arrays(24, i)
         clients[cid] = get_strategy("fedal").client(cid, build_model("mlp", INPUT, 3), ArrayDataset(x, y % 3, 3, cid),
                                                     public_x, params, seed=i)
+
+    def check(marker: str, payload: bytes) -> None:
+        assert wire_view(payload) == json.loads(blocks[marker]), marker
+        assert list(wire_view(payload)[1]) == list(json.loads(blocks[marker])[1]), f"{marker}: meta in writing order"
+        assert prose_sizes(text, marker) == (len(payload), decode(payload).tensor_bytes()), marker
+
     phase = server.begin_round(0)
     results = {cid: clients[cid].handle(task) for cid, task in phase.tasks.items()}
     transfer = server.collect(phase, results)
-    task = transfer.tasks["pi-1"]
+    # what the coordinator publishes (RoundEngine.run_phase) for the second phase of a fresh run
+    payload = encode(Message({**transfer.tasks["pi-1"].meta, "instance": instance, "epoch": 0, "seq": 2},
+                             transfer.tasks["pi-1"].tensors))
+    check("envelope transfer-task", payload)
 
-    def header_and_sizes(payload: bytes) -> tuple[dict, int, int]:
-        n = int.from_bytes(payload[:8], "little")
-        return json.loads(payload[8 : 8 + n]), len(payload), n
+    results = {cid: clients[cid].handle(decode(encode(task))) for cid, task in transfer.tasks.items()}
+    check("envelope transfer-result", encode(wire_result(results["pi-1"], (0, 2))))  # what the agent sends
 
-    def prose_sizes(marker: str) -> tuple[int, int, int]:
-        before = text[: text.index(f"<!-- protocol-check: {marker} -->")]
-        total, n, data = re.findall(r"(\d+)\s+bytes: 8 \+ (\d+) \+\s+(\d+)\)", before)[-1]
-        first8 = re.findall(r"First 8 bytes: `([0-9a-f ]+)` \(N = (\d+)", before)[-1]
-        assert bytes.fromhex(first8[0]) == int(first8[1]).to_bytes(8, "little") and int(first8[1]) == int(n)
-        return int(total), int(n), int(data)
-
-    payload = encode(task)
-    header, total, n = header_and_sizes(payload)
-    assert header == json.loads(blocks["envelope transfer-task"])
-    assert prose_sizes("envelope transfer-task") == (total, n, total - 8 - n)
-
-    result = clients["pi-1"].handle(decode(payload))
-    documented = json.loads(json.loads(blocks["envelope transfer-result"])["__metadata__"]["fedal"])
+    last = server.collect(transfer, {cid: answering(r, transfer.tasks[cid]) for cid, r in results.items()})
+    result = clients["pi-1"].handle(last.tasks["pi-1"])
+    documented = json.loads(blocks["envelope last-transfer-result"])[1]
     diagnostics = {"loss_kd", "gnorm_kd", "gnorm_lf", "gnorm_adv"}
-    assert set(result.meta) == COMMON | diagnostics  # what the half sends; the values are the doc's round numbers
-    result.meta.update({k: documented[k] for k in diagnostics})
-    result.meta.update(run="demo", client="pi-1", epoch=0, seq=2)  # the keys the agent adds (as in Agent._on_task)
-    payload = encode(result)
-    header, total, n = header_and_sizes(payload)
-    assert header == json.loads(blocks["envelope transfer-result"])
-    assert prose_sizes("envelope transfer-result") == (total, n, total - 8 - n)
+    assert set(result.meta) == COMMON | diagnostics and not result.tensors
+    result.meta.update({k: documented[k] for k in diagnostics})  # the doc's round numbers; a float is 9 bytes whatever its value
+    check("envelope last-transfer-result", encode(wire_result(result, (0, 3))))
+
+
+def test_hex_dumps_are_what_the_code_encodes():
+    """Section 5's byte-level examples: a local_train task as the coordinator publishes it for the
+    manifest example's run, and a transfer result with the logits the doc shows."""
+    text = doc_text()
+    instance = json.loads(checked_blocks(text)["manifest-example"])["instance"]
+    params = StrategyParams().resolve(get_strategy("fedal").preset)
+    task = FedALServer(params, ["pi-1", "pi-2"], ServerContext(num_classes=10, public_size=1000, seed=0)).begin_round(0)
+    sent = Message({**task.tasks["pi-1"].meta, "instance": instance, "epoch": 0, "seq": 1})
+    dump = hex_dump(text, "hex local_train-task")
+    assert dump == encode(sent) and decode(dump).meta == sent.meta
+
+    logits = np.array([[1.5, -0.25, 0.0], [2.0, 0.5, -1.0]], dtype=np.float32)  # the doc's example values
+    result = wire_result(Message({"phase": "transfer", "round": 0, "iteration": 0}, {"logits": logits}), (0, 2))
+    dump = hex_dump(text, "hex transfer-result")
+    assert dump == encode(result)
+    assert np.array_equal(decode(dump).tensors["logits"], logits)
+
+
+def test_public_rows_vectors_are_what_both_ends_compute():
+    """Section 7's test vectors of the public rows, and the worked steps of the first one."""
+    import hashlib
+
+    text = doc_text()
+    rows = checked_table(text, "public-rows")
+    assert rows
+    for row in rows:
+        key, t, i, n, b = (int(c) for c in row[:5])
+        assert [int(v) for v in re.findall(r"\d+", row[5])] == public_rows(key, t, i, n, b).tolist(), row
+    steps = checked_table(text, "public-rows-steps")
+    key, t, i, n = (int(v) for v in re.search(
+        r"<!-- rows-steps: key (\d+), t (\d+), i (\d+), N (\d+) -->", text).groups())
+    order = list(range(n))
+    for k, step in enumerate(steps):
+        hashed = f"fedal-rows/{key}/{t}/{i}/{k}"
+        digest = hashlib.sha256(hashed.encode()).digest()[:8]
+        draw = int.from_bytes(digest, "little")
+        j = k + draw % (n - k)
+        order[k], order[j] = order[j], order[k]
+        assert step == [str(k), f"`{hashed}`", f"`{digest.hex(' ')}`", str(draw), str(j), str(order[k])], step
+    assert [int(s[5]) for s in steps] == public_rows(key, t, i, n, len(steps)).tolist()
 
 
 def test_runtime_data_file_recipe_makes_files_agents_and_coordinator_accept(tmp_path, monkeypatch):
