@@ -148,7 +148,9 @@ rm -f "$tmp_img"
 truncate -s "$TOTAL" "$tmp_img"
 printf 'label: dos\nlabel-id: 0x%s\nstart=%s, size=%s, type=c\nstart=%s, size=%s, type=83\n' \
   "$disk_id" "$BOOT_START" "$BOOT_SECTORS" "$ROOT_START" "$ROOT_SECTORS" | sfdisk -q "$tmp_img"
-mkfs.vfat -F 32 -n bootfs --offset "$BOOT_START" "$tmp_img" $((BOOT_SECTORS / 2)) >/dev/null
+# FAT32 needs at least 65525 clusters: 2 KiB ones from 256 MiB up, 512-byte ones below
+mkfs.vfat -F 32 -s "$(( BOOT_MB >= 256 ? 4 : 1 ))" -n bootfs --offset "$BOOT_START" "$tmp_img" $((BOOT_SECTORS / 2)) >/dev/null 2>&1 \
+  || die "mkfs.vfat failed"
 export MTOOLS_SKIP_CHECK=1 MTOOLSRC=/dev/null
 FAT="$tmp_img@@$((BOOT_START * 512))"
 work="$(mktemp -d)"
