@@ -47,7 +47,7 @@ from fedal.protocol import (
 from fedal.session import ClientSession, TaskRefused
 from fedal.strategies import STRATEGIES, StrategyParams, StrategySpec, get_strategy
 from fedal.strategies.fedakd import FedAKDClient
-from fedal.strategies.fedal import FedALClient
+from fedal.strategies.fedal import FedALClient, round_diagnostics
 from fedal.strategies.fedavg import FedAvgClient
 from fedal.strategies.feddf import WEIGHTS, FedDFClient
 from fedal.strategies.fedhkd import (
@@ -267,15 +267,18 @@ class DistillationEmulation(EmulatedClient):
         super().__init__(*args, **kwargs)
         self.pending: dict[str, Any] | None = None  # round, iteration, logits of the last upload
         self.ref_glo = False  # a less-forgetting reference exists (after the local training)
+        self.transfer_diag: dict[str, list[float]] = {}  # this round's diagnostics, sent with its last iteration
 
     def _local_train(self, task: Message) -> Message:
         diag: dict[str, Any] = {"loss": self.loss(task)}
         self.ref_glo = self.params.lambda_lf_glo > 0
+        self.transfer_diag.clear()
         return self._with_logits(task, diag, 0)
 
     def _transfer(self, task: Message) -> Message:
         diag = self._apply_feedback(task) if "fbar" in task.tensors else {}
-        return self._with_logits(task, diag, int(task.meta["iteration"]) + 1)
+        nxt = int(task.meta["iteration"]) + 1
+        return self._with_logits(task, round_diagnostics(self.transfer_diag, diag, nxt >= (self.params.tau or 1)), nxt)
 
     def _with_logits(self, task: Message, diag: dict[str, Any], iteration: int) -> Message:
         tensors = {}
@@ -316,11 +319,13 @@ class DistillationEmulation(EmulatedClient):
         return diag
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "pending": self.pending, "ref_glo": self.ref_glo}
+        return {**super().state_dict(), "pending": self.pending, "ref_glo": self.ref_glo,
+                "transfer_diag": copy.deepcopy(self.transfer_diag)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.pending, self.ref_glo = state["pending"], state["ref_glo"]
+        self.transfer_diag = copy.deepcopy(state.get("transfer_diag", {}))
 
 
 class FedAvgEmulation(EmulatedClient):
@@ -449,6 +454,7 @@ class FedDFEmulation(DistillationEmulation):
         return reply(task, self.upload(), arch=self.layout.tag)
 
     def _local_train(self, task: Message) -> Message:
+        self.transfer_diag.clear()
         self.load_group_weights(task)  # round 0: the group's common start
         self.weights = drift(self.weights, self.rng)
         return reply(task, self.upload(), loss=self.loss(task), num_samples=self.num_samples, arch=self.layout.tag)

@@ -278,3 +278,38 @@ def test_client_state_roundtrip_resumes_identically():
     for c in clients2:
         for a, b in zip(after[c], clients2[c].model.parameters()):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["fedal", "feddf-al"])
+def test_transfer_diagnostics_travel_once_per_round_as_means(name, monkeypatch):
+    """Each transfer result but the round's last carries no diagnostics; the last carries the
+    means of this client's per-iteration values; a round left unfinished leaves nothing behind."""
+    from fedal.strategies.fedal import FedALClient
+
+    seen: list[dict] = []
+    original = FedALClient._apply_feedback
+
+    def spy(self, task):
+        diag = original(self, task)
+        if self.client_id == "c0":
+            seen.append(diag)
+        return diag
+
+    monkeypatch.setattr(FedALClient, "_apply_feedback", spy)
+    server, clients, params = toy_federation(name, tau=3)
+    phase, sent = server.begin_round(0), []
+    while phase is not None:
+        results = {cid: clients[cid].handle(t) for cid, t in phase.tasks.items()}
+        if phase.phase == "transfer":
+            sent.append(results["c0"].meta)
+        phase = server.collect(phase, results)
+    assert len(seen) == len(sent) == 3
+    assert all("loss_kd" not in m for m in sent[:-1])
+    for key in ("loss_kd", "gnorm_kd", "gnorm_adv"):
+        assert sent[-1][key] == pytest.approx(np.mean([d[key] for d in seen]), rel=1e-12)
+    clients["c0"].transfer_diag["loss_kd"] = [9.0]  # as a round cut short would leave it
+    begin = server.begin_round(1)
+    while begin.phase != "local_train":  # FedDF-AL: an init phase first, in round 0 only
+        begin = server.collect(begin, {c: clients[c].handle(t) for c, t in begin.tasks.items()})
+    clients["c0"].handle(begin.tasks["c0"])
+    assert clients["c0"].transfer_diag == {}

@@ -95,8 +95,13 @@ def test_fedal_results_have_the_real_client_halves_shape():
     transfer = server.collect(phase, {"c0": answering(res, phase.tasks["c0"]), **results})
     assert set(transfer.tasks["c0"].tensors) == {"fbar", "grad"}  # the next rows: computed by both ends
     res = decode(send(a, transfer.tasks["c0"], (0, 2))[0].payload)
-    # feedback with an adversarial gradient, after a local_train with less-forgetting on
-    assert {"loss_kd", "gnorm_kd", "gnorm_lf", "gnorm_adv"} <= set(res.meta) and res.tensors["logits"].shape == (B, K)
+    assert set(res.meta) == {"epoch", "seq"} and res.tensors["logits"].shape == (B, K)  # diagnostics: at the end
+    others = {cid: answering(decode(send(ag, transfer.tasks[cid], (0, 2))[0].payload), transfer.tasks[cid])
+              for cid, ag in agents.items() if cid != "c0"}
+    last = server.collect(transfer, {"c0": answering(res, transfer.tasks["c0"]), **others})
+    res = decode(send(a, last.tasks["c0"], (0, 3))[0].payload)
+    # the round's feedback with an adversarial gradient, after a local_train with less-forgetting on
+    assert {"loss_kd", "gnorm_kd", "gnorm_lf", "gnorm_adv"} <= set(res.meta) and not res.tensors
 
 
 def test_dedup_stale_instance_and_refusals_follow_the_agent():

@@ -52,6 +52,19 @@ def logits_iteration(phase: str, iteration: int, tau: int) -> int | None:
     return None
 
 
+def round_diagnostics(kept: dict[str, list[float]], diag: dict[str, float], last: bool) -> dict[str, float]:
+    """The transfer stage's diagnostics travel once, as their means, with the round's last
+    iteration: at B = 32 four numbers per result would be 5 % of the logits they ride with.
+    `kept` holds this round's values so far (emptied when they are sent)."""
+    for key, value in diag.items():
+        kept.setdefault(key, []).append(value)
+    if not last:
+        return {}
+    means = {k: float(np.mean(v)) for k, v in kept.items()}
+    kept.clear()
+    return means
+
+
 def rows_key(params: StrategyParams) -> int:
     return 0 if params.rows_seed is None else params.rows_seed
 
@@ -188,17 +201,9 @@ class FedALClient(ClientHalf):
         return self.reply(task, tensors, **diag)
 
     def transfer_diagnostics(self, diag: dict[str, float], last: bool) -> dict[str, float]:
-        """The transfer stage's diagnostics travel once, as their means, with the round's last
-        iteration: at B = 32 four numbers per result would be 5 % of the logits they ride with."""
-        for key, value in diag.items():
-            self.transfer_diag.setdefault(key, []).append(value)
-        if not last:
-            return {}
-        means, self.transfer_diag = {k: float(np.mean(v)) for k, v in self.transfer_diag.items()}, {}
-        return means
+        return round_diagnostics(self.transfer_diag, diag, last)
 
     def _local_train(self, task: Message) -> float:
-        self.transfer_diag = {}  # a new round: what an interrupted transfer stage left is not reported
         loss = self.local_steps(task.integer("steps", self.params.tau))
         self.snapshot_ref_glo()
         return loss
@@ -206,6 +211,7 @@ class FedALClient(ClientHalf):
     def local_steps(self, steps: int) -> float:
         """Stage 1: CE + lambda_lf_loc * KL(p(theta_ref_loc) || p), theta_ref_loc = round start."""
         p = self.params
+        self.transfer_diag.clear()  # a new round: what an interrupted transfer stage left is not reported
         self.ref_loc = self.inference.snapshot(self.model) if p.lambda_lf_loc > 0 else None
         n = len(self.y_train)
 
