@@ -187,7 +187,9 @@ def markdown(report: dict) -> str:
         "also holds the join's checkpoint), the largest round reported. Both durabilities host the same client "
         "in the same run and answered every task with identical bytes. Per round, by the agent's count "
         "(the kernel's wchar in brackets). Goal (journal): <= "
-        f"{GOAL} x one checkpoint + the round's task bytes.",
+        f"{GOAL} x one checkpoint + the round's task bytes. mnist1d and digits are the real data; "
+        f"{', '.join(d for d, (_s, _k, real) in DATASETS.items() if not real)}: their input shapes with random pixels "
+        "(the bytes depend only on shapes).",
         "",
         "| dataset | model | params | one checkpoint | tasks / round (bytes) | phase: bytes / round | "
         "journal: bytes / round | journal / (checkpoint + tasks) | phase / journal |",
