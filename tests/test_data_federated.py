@@ -116,18 +116,18 @@ def test_dirichlet_class_with_samples_per_client():
 
 
 def test_bad_names_and_requests():
-    with pytest.raises(ValueError, match="mnist1d, digits, mnist, fashion-mnist, cifar10, svhn"):
+    with pytest.raises(ValueError, match="mnist1d, digits, mnist, fashion-mnist, cifar10, svhn, cinic10, celeba"):
         build_federated("imagenet", 3)
     with pytest.raises(ValueError, match="dirichlet-client, dirichlet-class, iid"):
         build_federated("digits", 3, partition="pathological")
-    for name in ("mnist", "fashion-mnist", "cifar10", "svhn"):
+    for name in ("mnist", "fashion-mnist", "cifar10", "svhn", "cinic10", "celeba"):
         with pytest.raises(ValueError, match="data_dir"):
             build_federated(name, 3)
     with pytest.raises(ValueError, match="available"):
         build_federated("digits", 3, samples_per_client=1000, public_size=100)
     with pytest.raises(ValueError, match="public_size"):
         build_federated("digits", 3, public_size=10_000)
-    assert DATASETS == ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn")
+    assert DATASETS == ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn", "cinic10", "celeba")
 
 
 def test_file_dataset_through_build(tmp_path):

@@ -4,9 +4,11 @@ from fedal.data.arrays import ArrayDataset
 from fedal.data.embedded import default_cache_dir, load_digits, load_mnist1d
 from fedal.data.federated import DATASETS, FederatedData, build_federated, load_dataset, public_set
 from fedal.data.files import load_cifar10_dir, load_idx, load_mnist_dir, load_svhn_dir
+from fedal.data.image_files import CINIC10_CLASSES, load_celeba_dir, load_cinic10_dir
 from fedal.data.partition import (
     PARTITIONERS,
     allocate_quotas,
+    by_identity,
     dirichlet_per_class,
     dirichlet_per_client,
     iid,
@@ -15,9 +17,9 @@ from fedal.data.partition import (
 from fedal.data.public import content_hash, split_public, split_public_indices
 
 __all__ = [
-    "ArrayDataset", "DATASETS", "FederatedData", "PARTITIONERS",
-    "allocate_quotas", "build_federated", "content_hash", "default_cache_dir", "public_set",
+    "ArrayDataset", "CINIC10_CLASSES", "DATASETS", "FederatedData", "PARTITIONERS",
+    "allocate_quotas", "build_federated", "by_identity", "content_hash", "default_cache_dir", "public_set",
     "dirichlet_per_class", "dirichlet_per_client", "iid", "label_histogram",
-    "load_cifar10_dir", "load_dataset", "load_digits", "load_idx", "load_mnist1d",
+    "load_celeba_dir", "load_cifar10_dir", "load_cinic10_dir", "load_dataset", "load_digits", "load_idx", "load_mnist1d",
     "load_mnist_dir", "load_svhn_dir", "split_public", "split_public_indices",
 ]

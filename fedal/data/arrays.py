@@ -16,12 +16,17 @@ __all__ = ["ArrayDataset"]
 
 @dataclass(frozen=True, eq=False)  # eq=False: elementwise array == has no single truth value
 class ArrayDataset:
-    """Samples `x` (float32, [n, *input_shape]) with integer labels `y` (int64, [n])."""
+    """Samples `x` (float32, [n, *input_shape]) with integer labels `y` (int64, [n]).
+
+    `groups` (int64, [n]) names who produced each sample where the dataset says so (CelebA's
+    celebrity identities): the "identity" partition deals whole groups to clients. None elsewhere.
+    """
 
     x: np.ndarray
     y: np.ndarray
     num_classes: int
     name: str
+    groups: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.x, np.ndarray) or not isinstance(self.y, np.ndarray):
@@ -43,6 +48,12 @@ class ArrayDataset:
         if len(self.y) and (self.y.min() < 0 or self.y.max() >= self.num_classes):
             raise ValueError(f"{self.name}: labels must lie in [0, {self.num_classes}), "
                              f"got range [{self.y.min()}, {self.y.max()}]")
+        if self.groups is not None:
+            if not isinstance(self.groups, np.ndarray) or self.groups.dtype != np.int64 \
+                    or self.groups.shape != self.y.shape:
+                raise ValueError(f"{self.name}: groups must be an int64 array of shape {self.y.shape}, got "
+                                 f"{getattr(self.groups, 'dtype', type(self.groups).__name__)} "
+                                 f"{getattr(self.groups, 'shape', '')}")
 
     def __len__(self) -> int:
         return len(self.y)
@@ -61,4 +72,5 @@ class ArrayDataset:
                                  f"got {idx.dtype}")
             idx = idx.astype(np.int64)
         return ArrayDataset(self.x[idx], self.y[idx], int(self.num_classes),
-                            self.name if name is None else name)
+                            self.name if name is None else name,
+                            None if self.groups is None else self.groups[idx])

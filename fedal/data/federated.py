@@ -18,14 +18,21 @@ import numpy as np
 from fedal.data.arrays import ArrayDataset
 from fedal.data.embedded import load_digits, load_mnist1d
 from fedal.data.files import load_cifar10_dir, load_mnist_dir, load_svhn_dir
-from fedal.data.partition import PARTITIONERS, label_histogram
+from fedal.data.image_files import TRAIN_SPLITS, load_celeba_dir, load_cinic10_dir
+from fedal.data.partition import PARTITIONERS, by_identity, label_histogram
 from fedal.data.public import content_hash, split_public_indices
 from fedal.data.shift import FEATURE_PARTITIONERS, feature_partition
 
-__all__ = ["DATASETS", "FederatedData", "build_federated", "load_dataset", "public_set", "split_local_tests"]
+__all__ = ["DATASETS", "DEFAULT_CELEBA_ATTRIBUTE", "GROUP_PARTITIONS", "VALID_SPLIT_DATASETS", "FederatedData",
+           "check_dataset_options", "build_federated", "load_dataset", "public_set", "split_local_tests"]
 
-DATASETS = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn")
-_FILE_DATASETS = ("mnist", "fashion-mnist", "cifar10", "svhn")
+DATASETS = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn", "cinic10", "celeba")
+_FILE_DATASETS = ("mnist", "fashion-mnist", "cifar10", "svhn", "cinic10", "celeba")
+# Datasets that publish a validation split, which train_splits="train+valid" adds to the training set.
+VALID_SPLIT_DATASETS = ("cinic10", "celeba")
+# Partitions that deal whole groups of samples (ArrayDataset.groups) instead of looking at labels.
+GROUP_PARTITIONS = ("identity",)
+DEFAULT_CELEBA_ATTRIBUTE = "Smiling"
 
 
 @dataclass(eq=False)
@@ -48,14 +55,29 @@ class FederatedData:
     client_test_indices: list[np.ndarray] | None = None
 
 
-def load_dataset(dataset: str, data_dir=None) -> tuple[ArrayDataset, ArrayDataset]:
+def check_dataset_options(dataset: str, train_splits: str = "train", celeba_attribute: str | None = None) -> None:
+    """Refuse options the dataset does not have, before anything is read."""
+    if train_splits not in TRAIN_SPLITS:
+        raise ValueError(f"train_splits must be one of {', '.join(TRAIN_SPLITS)}, got {train_splits!r}")
+    if train_splits != "train" and dataset not in VALID_SPLIT_DATASETS:
+        raise ValueError(f"train_splits {train_splits!r} needs a dataset with a validation split "
+                         f"({', '.join(VALID_SPLIT_DATASETS)}); {dataset!r} has none")
+    if celeba_attribute is not None and dataset != "celeba":
+        raise ValueError(f"celeba_attribute applies to dataset 'celeba' only, not {dataset!r}")
+
+
+def load_dataset(dataset: str, data_dir=None, *, train_splits: str = "train",
+                 celeba_attribute: str | None = None) -> tuple[ArrayDataset, ArrayDataset]:
     """(train, test) for a name in DATASETS.
 
     The file datasets read from `data_dir`; for mnist1d, `data_dir` (if given) is where the
     generated arrays are cached instead of the default cache directory; digits ignores it.
+    `train_splits` "train+valid" adds the published validation split to the training set
+    (cinic10, celeba); `celeba_attribute` is CelebA's binary task (None: Smiling).
     """
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; choose one of: {', '.join(DATASETS)}")
+    check_dataset_options(dataset, train_splits, celeba_attribute)
     if dataset in _FILE_DATASETS and data_dir is None:
         raise ValueError(f"dataset {dataset!r} is read from local files: pass data_dir "
                          f"(nothing is downloaded)")
@@ -69,6 +91,11 @@ def load_dataset(dataset: str, data_dir=None) -> tuple[ArrayDataset, ArrayDatase
         return load_mnist_dir(data_dir, kind="fashion")
     if dataset == "cifar10":
         return load_cifar10_dir(data_dir)
+    if dataset == "cinic10":
+        return load_cinic10_dir(data_dir, train_splits=train_splits)
+    if dataset == "celeba":
+        return load_celeba_dir(data_dir, attribute=celeba_attribute or DEFAULT_CELEBA_ATTRIBUTE,
+                               train_splits=train_splits)
     return load_svhn_dir(data_dir)
 
 
@@ -76,7 +103,8 @@ def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-
                     alpha: float = 1.0, samples_per_client: int | None = None,
                     public_size: int = 1000, seed: int = 0,
                     data_dir: str | os.PathLike | None = None,
-                    local_test_fraction: float = 0.0, shift_c: float = 5.0) -> FederatedData:
+                    local_test_fraction: float = 0.0, shift_c: float = 5.0, *,
+                    train_splits: str = "train", celeba_attribute: str | None = None) -> FederatedData:
     """Load `dataset` and split it into `num_clients` clients plus a public set.
 
     `alpha` is the Dirichlet concentration of the chosen partition (alpha of the FedAL paper's
@@ -90,18 +118,22 @@ def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-
     FedAKD's partitions ("pow", "covariate-shift[-pca][-pow]", see `fedal.data.shift`) split
     by features; `shift_c` is Algorithm 2's C, and they use half the pool unless
     `samples_per_client` is given (then num_clients * samples_per_client in all).
+    "identity" (celeba only) deals whole celebrity identities to clients, as LEAF does; see
+    `fedal.data.partition.by_identity`. `train_splits` and `celeba_attribute`: see `load_dataset`.
     Same arguments -> identical arrays.
     """
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; choose one of: {', '.join(DATASETS)}")
-    if partition not in PARTITIONERS and partition not in FEATURE_PARTITIONERS:
+    if partition not in PARTITIONERS and partition not in FEATURE_PARTITIONERS and partition not in GROUP_PARTITIONS:
         raise ValueError(f"unknown partition {partition!r}; "
-                         f"choose one of: {', '.join([*PARTITIONERS, *FEATURE_PARTITIONERS])}")
+                         f"choose one of: {', '.join([*PARTITIONERS, *FEATURE_PARTITIONERS, *GROUP_PARTITIONS])}")
+    if partition in GROUP_PARTITIONS and dataset != "celeba":
+        raise ValueError(f"partition {partition!r} deals celebrity identities and needs dataset 'celeba', not {dataset!r}")
     if int(num_clients) < 1:
         raise ValueError(f"num_clients must be at least 1, got {num_clients}")
     if not 0.0 <= float(local_test_fraction) < 1.0:
         raise ValueError(f"local_test_fraction must lie in [0, 1), got {local_test_fraction}")
-    train, test = load_dataset(dataset, data_dir)
+    train, test = load_dataset(dataset, data_dir, train_splits=train_splits, celeba_attribute=celeba_attribute)
 
     public_seq, partition_seq, local_test_seq = seed_streams(seed)
     public_idx, remaining = split_public_indices(len(train), public_size,
@@ -115,6 +147,10 @@ def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-
                                         num_classes=train.num_classes)
     elif partition == "iid":
         local = PARTITIONERS[partition](pool_labels, num_clients, samples_per_client, rng)
+    elif partition in GROUP_PARTITIONS:
+        if train.groups is None:
+            raise ValueError(f"partition {partition!r}: {train.name} has no identities")
+        local = by_identity(train.groups[remaining], num_clients, samples_per_client, rng)
     elif partition in FEATURE_PARTITIONERS:
         local = feature_partition(partition, train.x[remaining], num_clients, shift_c, samples_per_client, rng)
     else:  # dirichlet-class
@@ -156,10 +192,11 @@ def seed_streams(seed: int) -> list[np.random.SeedSequence]:
     return np.random.SeedSequence(seed).spawn(3)
 
 
-def public_set(dataset: str, public_size: int, seed: int, data_dir: str | os.PathLike | None = None) -> np.ndarray:
+def public_set(dataset: str, public_size: int, seed: int, data_dir: str | os.PathLike | None = None, *,
+               train_splits: str = "train", celeba_attribute: str | None = None) -> np.ndarray:
     """The public set `build_federated` holds out for these settings, without partitioning:
     what a coordinator serves when a run names only its dataset."""
-    train, _ = load_dataset(dataset, data_dir)
+    train, _ = load_dataset(dataset, data_dir, train_splits=train_splits, celeba_attribute=celeba_attribute)
     public_idx, _ = split_public_indices(len(train), public_size, np.random.default_rng(seed_streams(seed)[0]))
     return np.ascontiguousarray(train.x[public_idx])
 

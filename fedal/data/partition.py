@@ -9,12 +9,13 @@ distribution per class (`dirichlet_per_class`, Hsu et al. 2019). Experiments mus
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["dirichlet_per_client", "allocate_quotas", "dirichlet_per_class", "iid",
+__all__ = ["dirichlet_per_client", "allocate_quotas", "dirichlet_per_class", "iid", "by_identity",
            "PARTITIONERS", "label_histogram"]
 
 
@@ -179,6 +180,46 @@ def iid(labels, num_clients: int, samples_per_client: int | None,
     s = _check_counts(labels, num_clients, samples_per_client)
     chosen = rng.permutation(len(labels))[: num_clients * s].reshape(num_clients, s)
     return [np.sort(row).astype(np.int64) for row in chosen]
+
+
+def by_identity(groups, num_clients: int, samples_per_client: int | None,
+                rng: np.random.Generator) -> list[np.ndarray]:
+    """LEAF's CelebA split for a run's fixed number of clients: each client is a set of whole
+    identities (celebrities), so no person's images are on two clients.
+
+    The distinct identities, sorted and then permuted by `rng`, are dealt one at a time to the
+    client holding the fewest images so far (the lowest client index on a tie): shares stay close
+    in size and which identities a client gets is fixed by the seed. `samples_per_client` None
+    deals every identity of the pool; a number stops dealing once every client holds at least that
+    many images, and each client then keeps that many of its images, drawn uniformly.
+    """
+    groups = _check_labels(groups)  # the same checks: a 1-D array of non-negative integers
+    if int(num_clients) < 1:
+        raise ValueError(f"num_clients must be at least 1, got {num_clients}")
+    identities = np.unique(groups)
+    if len(identities) < num_clients:
+        raise ValueError(f"cannot give {num_clients} clients an identity each: "
+                         f"the pool holds {len(identities)} identities")
+    if samples_per_client is not None and int(samples_per_client) < 1:
+        raise ValueError(f"samples_per_client must be at least 1, got {samples_per_client}")
+    order = np.argsort(groups, kind="stable")
+    starts = np.searchsorted(groups[order], identities)
+    members = np.split(order, starts[1:])  # members[j]: the pool indices of identities[j]
+    heap = [(0, n) for n in range(num_clients)]
+    dealt: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for j in rng.permutation(len(identities)):
+        if samples_per_client is not None and heap[0][0] >= samples_per_client:
+            break
+        load, n = heapq.heappop(heap)
+        dealt[n].append(members[j])
+        heapq.heappush(heap, (load + len(members[j]), n))
+    if samples_per_client is not None and heap[0][0] < samples_per_client:
+        raise ValueError(f"cannot give {num_clients} clients {samples_per_client} images each by whole identities: "
+                         f"{len(groups)} images in the pool")
+    parts = [np.sort(np.concatenate(d)).astype(np.int64) for d in dealt]
+    if samples_per_client is not None:
+        parts = [np.sort(rng.choice(p, int(samples_per_client), replace=False)) for p in parts]
+    return parts
 
 
 # Name -> partitioner, as used in configs and by `build_federated`. The signatures differ:
