@@ -69,7 +69,7 @@ class Run:
         elif self.spec.uses_public_set:
             # the same rows `fedal simulate` holds out for this dataset, size and seed
             rc = self.run_config
-            x = public_set(rc.dataset, rc.public_size, rc.seed, rc.data_dir)
+            x = public_set(rc.dataset, rc.public_size, rc.seed, rc.data_dir, **rc.dataset_options())
             buf = io.BytesIO()
             np.savez(buf, x=x)
             self.public_bytes, self.public_hash, public_size = buf.getvalue(), content_hash(x), len(x)
@@ -243,7 +243,7 @@ class Run:
         """The run's common test set, derived from its config like the public set; None if this
         machine cannot load it (a file dataset without its files): then no global_acc."""
         try:
-            return load_dataset(self.run_config.dataset, self.run_config.data_dir)[1]
+            return load_dataset(self.run_config.dataset, self.run_config.data_dir, **self.run_config.dataset_options())[1]
         except (ValueError, OSError) as exc:
             log.warning("no global_acc: cannot load the %s test set here: %s", self.run_config.dataset, exc)
             return None

@@ -52,7 +52,7 @@ def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_por
     data = build_federated(config.dataset, num_clients=config.clients, partition=config.partition, alpha=config.alpha,
                            samples_per_client=config.samples_per_client, public_size=config.public_size,
                            seed=config.seed, data_dir=config.data_dir, local_test_fraction=config.local_test_fraction,
-                           shift_c=config.shift_c)
+                           shift_c=config.shift_c, **config.dataset_options())
     workspace.clear(workdir, ("coordinator", "agents"))
     (workdir / "coordinator").mkdir()
     public_file = workdir / "coordinator" / "public.npz"

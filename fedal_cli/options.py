@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from fedal.sim.config import DATASET_NAMES, PARTITION_NAMES, ConfigError, RunConfig, load_config
+from fedal.sim.config import DATASET_NAMES, PARTITION_NAMES, TRAIN_SPLIT_NAMES, ConfigError, RunConfig, load_config
 from fedal.strategies import STRATEGIES, STRATEGY_NAMES
 
 
@@ -27,6 +27,9 @@ RUN_OPTIONS = [
     click.option("--partition", type=click.Choice(PARTITION_NAMES), help="How private data is split."),
     click.option("--alpha", type=float, help="Dirichlet concentration."),
     click.option("--shift-c", type=float, help="Covariate shift C of the covariate-shift partitions."),
+    click.option("--train-splits", type=click.Choice(TRAIN_SPLIT_NAMES),
+                 help="cinic10, celeba: train on the train split (default) or on train+valid."),
+    click.option("--celeba-attribute", help="celeba: the binary attribute to predict (default Smiling)."),
     click.option("--samples-per-client", type=int, help="Private samples per client."),
     click.option("--public-size", type=int, help="Unlabeled public rows |P|."),
     click.option("--local-test-fraction", type=float, help="Share of each client's data kept as its local test split."),
@@ -39,7 +42,8 @@ RUN_OPTIONS = [
     click.option("--threads", type=int, help="torch threads per process."),
 ]
 
-RUN_FLAGS = ("strategy", "dataset", "data_dir", "clients", "partition", "alpha", "shift_c", "samples_per_client", "public_size",
+RUN_FLAGS = ("strategy", "dataset", "data_dir", "clients", "partition", "alpha", "shift_c", "train_splits", "celeba_attribute",
+             "samples_per_client", "public_size",
              "local_test_fraction", "rounds", "tau", "seed", "models", "eval_every", "threads")
 
 

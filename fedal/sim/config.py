@@ -13,9 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fedal.strategies import STRATEGY_NAMES, StrategyParams, get_strategy
 from fedal.strategies.params import COMMON_PARAMS
 
-DATASET_NAMES = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn")
+DATASET_NAMES = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn", "cinic10", "celeba")
 PARTITION_NAMES = ("dirichlet-client", "dirichlet-class", "iid", "pow", "covariate-shift", "covariate-shift-pow",
-                   "covariate-shift-pca", "covariate-shift-pca-pow")
+                   "covariate-shift-pca", "covariate-shift-pca-pow", "identity")
+TRAIN_SPLIT_NAMES = ("train", "train+valid")
 DEFAULT_MODELS = {
     "mnist1d": ["mlp", "cnn1d", "cnn1d_wide"],
     "digits": ["mlp", "lenet5", "smallcnn"],
@@ -23,6 +24,8 @@ DEFAULT_MODELS = {
     "fashion-mnist": ["lenet5", "smallcnn", "mlp"],
     "cifar10": ["resnet18", "wrn16_1", "smallcnn"],
     "svhn": ["wrn10_1", "wrn16_1", "smallcnn"],
+    "cinic10": ["resnet18", "wrn16_1", "smallcnn"],  # the paper's ResNets for CIFAR-10 and CINIC-10
+    "celeba": ["smallcnn", "lenet5", "wrn10_1"],  # the paper (as LEAF) trains a small CNN on CelebA
 }
 # Strategies that average parameters need one architecture for every client: without a models
 # choice they get the first of the dataset's defaults.
@@ -43,6 +46,8 @@ class RunConfig(BaseModel):
     partition: str = "dirichlet-client"
     alpha: float = Field(1.0, gt=0, description="Dirichlet concentration (per client or per class)")
     shift_c: float = Field(5.0, gt=0, description="covariate-shift partitions: C = delta^T Sigma^-1 delta (paper: 2, 5, 10)")
+    train_splits: str = Field("train", description="cinic10, celeba: train, or train+valid to add the validation split")
+    celeba_attribute: str | None = Field(None, description="celeba: the binary attribute to predict (default Smiling)")
     samples_per_client: int | None = Field(None, ge=1, description="None: an equal share of what is left")
     public_size: int = Field(1000, ge=1)
     local_test_fraction: float = Field(0.0, ge=0.0, lt=1.0,
@@ -79,8 +84,16 @@ class RunConfig(BaseModel):
             raise ValueError(f"unknown partition {v!r}; valid choices: {', '.join(PARTITION_NAMES)}")
         return v
 
+    @field_validator("train_splits")
+    @classmethod
+    def _train_splits(cls, v: str) -> str:
+        if v not in TRAIN_SPLIT_NAMES:
+            raise ValueError(f"unknown train_splits {v!r}; valid choices: {', '.join(TRAIN_SPLIT_NAMES)}")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
+        from fedal.data.federated import check_dataset_options
         from fedal.models import MODEL_NAMES
 
         models = self.resolved_models()
@@ -96,7 +109,15 @@ class RunConfig(BaseModel):
             raise ValueError(f"strategy {self.strategy!r} averages parameters and needs one model for all clients, got {models}")
         if self.dataset not in ("mnist1d", "digits") and not self.data_dir:
             raise ValueError(f"dataset {self.dataset!r} is read from files: set data_dir")
+        if self.partition == "identity" and self.dataset != "celeba":
+            raise ValueError(f"partition 'identity' deals celebrity identities to clients and needs dataset 'celeba', "
+                             f"not {self.dataset!r}")
+        check_dataset_options(self.dataset, self.train_splits, self.celeba_attribute)
         return self
+
+    def dataset_options(self) -> dict[str, Any]:
+        """The loader's options of this run's dataset, for load_dataset, build_federated and public_set."""
+        return {"train_splits": self.train_splits, "celeba_attribute": self.celeba_attribute}
 
     def resolved_models(self) -> list[str]:
         if self.models:
@@ -119,7 +140,12 @@ class RunConfig(BaseModel):
         params = self.strategy_params.resolve(spec.preset)
         if params.rows_seed is None and "rows_seed" in spec.params:  # the public rows follow the run's seed
             params = params.model_copy(update={"rows_seed": self.seed})
-        return self.model_copy(update={"strategy_params": params, "models": self.resolved_models()})
+        update: dict[str, Any] = {"strategy_params": params, "models": self.resolved_models()}
+        if self.dataset == "celeba" and self.celeba_attribute is None:
+            from fedal.data.federated import DEFAULT_CELEBA_ATTRIBUTE
+
+            update["celeba_attribute"] = DEFAULT_CELEBA_ATTRIBUTE
+        return self.model_copy(update=update)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
@@ -174,4 +200,4 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "DATASET_NAMES", "DEFAULT_MODELS", "DEFAULT_SINGLE_MODEL",
-           "PARTITION_NAMES", "STRATEGY_NAMES"]
+           "PARTITION_NAMES", "STRATEGY_NAMES", "TRAIN_SPLIT_NAMES"]

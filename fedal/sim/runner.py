@@ -46,6 +46,7 @@ def build_run(config: RunConfig):
         data_dir=config.data_dir,
         local_test_fraction=config.local_test_fraction,
         shift_c=config.shift_c,
+        **config.dataset_options(),
     )
     ids = client_ids(config.clients)
     clients = {}
@@ -103,6 +104,8 @@ def simulate(config: RunConfig, progress: ProgressFn | None = None) -> dict[str,
         "local_test_sizes": [int(len(t)) for t in data.client_tests],
         "label_histogram": np.asarray(data.partition_stats).astype(int).tolist(),
     }
+    if config.partition == "identity":  # how many celebrities each client's share holds
+        data_info["client_identities"] = [int(len(np.unique(c.groups))) for c in data.clients]
     models = config.resolved_models()
     clients_info = [{"id": cid, "model": models[i % len(models)]} for i, cid in enumerate(clients)]
     faults = engine.transport
