@@ -58,6 +58,12 @@ from fedal.strategies.fedhkd import (
     Q_KEY,
     FedHKDClient,
 )
+from fedal.strategies.fedproto import AVERAGE_KEY as PROTO_AVERAGE_KEY
+from fedal.strategies.fedproto import COUNT_KEY as PROTO_COUNT_KEY
+from fedal.strategies.fedproto import FEATURES_KEY as PROTO_FEATURES_KEY
+from fedal.strategies.fedproto import GLOBAL_KEY as PROTO_GLOBAL_KEY
+from fedal.strategies.fedproto import MASK_KEY as PROTO_MASK_KEY
+from fedal.strategies.fedproto import PROTO_KEY, FedProtoClient, FedProtoPublicClient
 from fedal.strategies.local import LocalClient
 from fedal.strategies.public_rows import public_rows
 
@@ -411,6 +417,97 @@ class FedHKDEmulation(FedAvgEmulation):
         return mask if mask.any() else None
 
 
+class FedProtoEmulation(EmulatedClient):
+    """FedProtoClient: per-class prototypes (proto/mean [K, d], zero rows for absent classes) and
+    counts (proto/count [K], one class absent) up; the global prototypes taken from the task when
+    it carries some, refused unless of this model's width, as the real client does."""
+
+    PHASES = frozenset({"local_train"})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        k, n = self.num_classes, self.num_samples
+        counts = np.full(k, n // max(k - 1, 1), np.int64)
+        counts[self.index % k] = 0
+        counts[(self.index + 1) % k] += n - counts.sum()
+        self.counts = counts
+
+    def _local_train(self, task: Message) -> Message:
+        k, d, p = self.num_classes, self.layout.feature_dim, self.params
+        loss = self.loss(task)
+        stats: dict[str, Any] = {"loss": loss}
+        if PROTO_GLOBAL_KEY in task.tensors:
+            protos, mask = task.tensors[PROTO_GLOBAL_KEY], task.tensors.get(PROTO_MASK_KEY)
+            if protos.dtype != np.float32 or protos.shape != (k, d):
+                raise ValueError(f"global prototypes are {protos.dtype}{list(protos.shape)}, this model needs float32[{k}, {d}]")
+            if mask is None or mask.dtype != np.uint8 or mask.shape != (k,):
+                raise ValueError(f"{PROTO_MASK_KEY} must be uint8[{k}] next to {PROTO_GLOBAL_KEY}")
+            if mask.any():
+                self.count_applied(task)
+                if (p.proto_lambda or 0) > 0:
+                    term = round(abs(float(self.rng.normal(0.2, 0.02))), 4)
+                    stats.update(loss=round(loss + (p.proto_lambda or 0) * term, 4), ce=loss, proto_loss=term)
+        present = self.counts > 0
+        protos = np.where(present[:, None], self.rng.normal(0, 1, (k, d)), 0).astype(np.float32)
+        return reply(task, {PROTO_KEY: protos, PROTO_COUNT_KEY: self.counts.copy()}, num_samples=self.num_samples,
+                     **stats)
+
+
+class FedProtoPublicEmulation(EmulatedClient):
+    """FedProtoPublicClient: FedAL's schedule with features [B, d] on the public rows in place of
+    logits and their average (hbar) in place of fbar; the round's proto_loss once, with its last
+    transfer iteration."""
+
+    PHASES = frozenset({"local_train", "transfer"})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pending: tuple[int, int] | None = None  # round, iteration of the last upload
+        self.round_diag: list[float] = []
+
+    def _local_train(self, task: Message) -> Message:
+        self.round_diag = []
+        return self._with_features(task, {"loss": self.loss(task)}, 0)
+
+    def _transfer(self, task: Message) -> Message:
+        tau = self.params.tau or 1
+        if PROTO_AVERAGE_KEY in task.tensors:
+            key = (int(task.meta["round"]), int(task.meta["iteration"]))
+            if self.pending != key:
+                raise ValueError("an average for an iteration whose features this client did not upload")
+            hbar = task.tensors[PROTO_AVERAGE_KEY]
+            want = (self.rows(*key).size, self.layout.feature_dim)
+            if hbar.dtype != np.float32 or hbar.shape != want:
+                raise ValueError(f"{PROTO_AVERAGE_KEY} is {hbar.dtype}{list(hbar.shape)}, expected float32{list(want)}")
+            self.pending = None
+            self.round_diag.append(round(abs(float(self.rng.normal(0.3, 0.03))), 4))
+            self.count_applied(task)
+        nxt = int(task.meta["iteration"]) + 1
+        diag: dict[str, Any] = {}
+        if nxt >= tau and self.round_diag:
+            diag, self.round_diag = {"proto_loss": float(np.mean(self.round_diag))}, []
+        return self._with_features(task, diag, nxt)
+
+    def rows(self, round_idx: int, iteration: int) -> np.ndarray:
+        return public_rows(self.params.rows_seed or 0, round_idx, iteration, self.public_size, self.params.public_batch_size)
+
+    def _with_features(self, task: Message, diag: dict[str, Any], iteration: int) -> Message:
+        tensors = {}
+        if iteration < (self.params.tau or 1):  # the features that open transfer iteration `iteration`
+            round_idx = int(task.meta["round"])
+            shape = (self.rows(round_idx, iteration).size, self.layout.feature_dim)
+            tensors[PROTO_FEATURES_KEY] = self.rng.standard_normal(shape, dtype=np.float32)
+            self.pending = (round_idx, iteration)
+        return reply(task, tensors, **diag)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "pending": self.pending, "round_diag": list(self.round_diag)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.pending, self.round_diag = state["pending"], list(state["round_diag"])
+
+
 class FedAKDEmulation(FedAvgEmulation):
     """FedAKDClient: FedAvg's messages; the upload is its copy of the global model after the
     local -> global step, with `selected` rows (what its personal model classifies correctly)."""
@@ -499,6 +596,7 @@ def drift(weights: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str,
 EMULATIONS: dict[type, type[EmulatedClient]] = {
     FedALClient: DistillationEmulation, LocalClient: LocalEmulation, FedAvgClient: FedAvgEmulation,
     FedHKDClient: FedHKDEmulation, FedAKDClient: FedAKDEmulation, FedDFClient: FedDFEmulation,
+    FedProtoClient: FedProtoEmulation, FedProtoPublicClient: FedProtoPublicEmulation,
 }
 
 
@@ -697,7 +795,7 @@ class EmulatedAgent:
             raise JoinError(f"run {manifest.run_id!r} exchanges {params.wire_dtype} tensors (wire_dtype); "
                             "emulated agents send float32 only")
         public_size = self.public.size(manifest.public_hash, manifest.public_url) if spec.uses_public_set else 0
-        position = 0 if spec.homogeneous_models else self.index
+        position = 0 if spec.homogeneous_models or spec.same_feature_dim else self.index  # FedProto: one width
         if self.models:
             layout = zoo_layout(self.models[position % len(self.models)], self.input_shape, manifest.num_classes)
         else:

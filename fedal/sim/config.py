@@ -30,6 +30,9 @@ DEFAULT_MODELS = {
 # Strategies that average parameters need one architecture for every client: without a models
 # choice they get the first of the dataset's defaults.
 DEFAULT_SINGLE_MODEL = {dataset: models[0] for dataset, models in DEFAULT_MODELS.items()}
+# Strategies that need one feature width (FedProto) without a models choice: the defaults of the
+# first default's width (mnist1d: mlp and cnn1d, 100 features at length 40), else that model alone.
+SAME_WIDTH_MODELS = {"mnist1d": ["mlp", "cnn1d"]}
 
 
 class ConfigError(ValueError):
@@ -122,6 +125,8 @@ class RunConfig(BaseModel):
     def resolved_models(self) -> list[str]:
         if self.models:
             return list(self.models)
+        if get_strategy(self.strategy).same_feature_dim:  # FedProto: the defaults of one feature width
+            return list(SAME_WIDTH_MODELS.get(self.dataset, [DEFAULT_SINGLE_MODEL[self.dataset]]))
         if get_strategy(self.strategy).homogeneous_models:
             return [DEFAULT_SINGLE_MODEL[self.dataset]]
         return list(DEFAULT_MODELS[self.dataset])

@@ -14,7 +14,7 @@ from fedal.data import build_federated
 from fedal.engine.inprocess import Faults, in_process_engine
 from fedal.engine.results import build_results, final_summary
 from fedal.models import build_model
-from fedal.sim.config import RunConfig
+from fedal.sim.config import ConfigError, RunConfig
 from fedal.sim.fairness import fairness_summary, standalone_config
 from fedal.strategies import ServerContext, get_strategy
 from fedal.strategies.global_model import fedavg_style_metrics, global_accuracy
@@ -50,13 +50,18 @@ def build_run(config: RunConfig):
     )
     ids = client_ids(config.clients)
     clients = {}
+    widths: dict[str, int] = {}  # per model its feature width (FedProto needs one)
     for i, cid in enumerate(ids):
         models = config.resolved_models()
         name = models[i % len(models)]
         torch.manual_seed(client_seed(config.seed, i))
         model = build_model(name, data.input_shape, data.num_classes)
+        widths[name] = model.feature_dim
         public = data.public_x if spec.uses_public_set else None
         clients[cid] = spec.client(cid, model, data.clients[i], public, params, seed=client_seed(config.seed, i))
+    if spec.same_feature_dim and len(set(widths.values())) > 1:
+        raise ConfigError(f"strategy {config.strategy!r} needs one feature width on every client; the models' are "
+                          f"{widths}: choose models of one width (--models)")
     context = ServerContext(num_classes=data.num_classes, public_size=len(data.public_x), seed=config.seed)
     server = spec.server(params, ids, context)
     return data, clients, server

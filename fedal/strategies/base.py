@@ -189,3 +189,5 @@ class StrategySpec:
     global_model: bool = False
     # results report collaborative fairness against a standalone (`local`) run of the same clients
     fairness: bool = False
+    # models may differ, but their features (the heads' input) must have one width on every client
+    same_feature_dim: bool = False

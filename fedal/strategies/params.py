@@ -79,6 +79,16 @@ class StrategyParams(BaseModel):
     hkd_official_noise_std: float = Field(2.0, ge=0, description="FedHKD (official): std of the one noise vector per upload")
     hkd_official_grad_clip: float = Field(1.1, gt=0, description="FedHKD (official): max gradient norm with knowledge")
 
+    # FedProto (docs/algorithms.md, FedProto): fedproto (private prototypes), fedproto-public (public-row features)
+    proto_lambda: float | None = Field(
+        None, ge=0, description="FedProto lambda: weight of the distance between features and the global prototype "
+        "(fedproto) or the average of the public-row features (fedproto-public)"
+    )
+    proto_weighting: Literal["count", "client"] = Field(
+        "count", description="fedproto: global prototype of class j averaged over clients weighted by their "
+        "count of class j (paper, eq. 6), or plainly over the clients that have it (authors' code)"
+    )
+
     # FedAKD (ALGORITHMS.md section 3)
     akd_alpha: float = Field(1.0, ge=0, description="FedAKD alpha: global -> local distillation weight")
     akd_beta: float = Field(1.0, ge=0, description="FedAKD beta: local -> global distillation weight")
