@@ -420,3 +420,32 @@ def test_simulate_celeba_by_identity_end_to_end(tmp_path):
     proc = fedal("simulate", "--dataset", "cinic10", "--data-dir", str(tmp_path / "celeba"), *TINY,
                  "--partition", "identity", "--out", str(tmp_path / "bad.json"))
     assert proc.returncode == 2 and "needs dataset 'celeba'" in proc.stderr
+
+
+def test_coordinator_serves_the_public_rows_simulate_holds_out(tmp_path):
+    """A run created over the API with cinic10 and train+valid serves the public rows
+    `fedal simulate` holds out for the same settings (the validation images are in the pool)."""
+    from fastapi.testclient import TestClient
+
+    from coordinator.app import create_app
+    from coordinator.config import load_coordinator_config
+    from coordinator.runs import RunManager
+    from fedal.data import content_hash, public_set
+
+    data = tmp_path / "cinic"
+    write_cinic(data, {"train": 2, "valid": 1, "test": 1})
+    cfg = load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": "tok"})
+    runs = RunManager(cfg)
+    try:
+        api = TestClient(create_app(runs))
+        spec = {"run_id": "cinic", "client_ids": ["pi-1", "pi-2"],
+                "run": {"strategy": "fedmd", "dataset": "cinic10", "data_dir": str(data), "train_splits": "train+valid",
+                        "models": ["smallcnn"], "rounds": 1, "public_size": 8, "seed": 3}}
+        created = api.post("/api/v1/runs", json=spec, headers={"Authorization": "Bearer tok"})
+        assert created.status_code == 201, created.text
+        served = api.get("/api/v1/runs/cinic/public").headers["x-content-hash"]
+    finally:
+        runs.store.close()
+    both = build_federated("cinic10", 2, public_size=8, seed=3, data_dir=data, train_splits="train+valid")
+    assert served == both.public_hash == content_hash(public_set("cinic10", 8, 3, data, train_splits="train+valid"))
+    assert served != content_hash(public_set("cinic10", 8, 3, data))  # train/ alone: another pool, other rows
