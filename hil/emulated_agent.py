@@ -46,6 +46,9 @@ from fedal.protocol import (
 )
 from fedal.session import ClientSession, TaskRefused
 from fedal.strategies import STRATEGIES, StrategyParams, StrategySpec, get_strategy
+from fedal.strategies.fd import AVG_KEY as FD_AVG_KEY
+from fedal.strategies.fd import COUNT_KEY as FD_COUNT_KEY
+from fedal.strategies.fd import FDClient, read_teacher, rows_trained
 from fedal.strategies.fedakd import FedAKDClient
 from fedal.strategies.fedal import FedALClient, round_diagnostics
 from fedal.strategies.fedavg import FedAvgClient
@@ -417,6 +420,38 @@ class FedHKDEmulation(FedAvgEmulation):
         return mask if mask.any() else None
 
 
+class FDEmulation(EmulatedClient):
+    """FDClient: per-label mean softmax outputs (fd/avg [K, K]) and counts (fd/count [K]) up, the
+    counts adding up to the rows a round trains on, skewed (40 % in one label, one label absent);
+    the per-label teacher taken from the task when it carries one, checked as the real client does."""
+
+    PHASES = frozenset({"local_train"})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        k = self.num_classes
+        share = np.full(k, 0.6 / max(k - 2, 1))
+        share[self.index % k], share[(self.index + 1) % k] = 0.4, 0.0
+        self.share = share / share.sum()
+
+    def _local_train(self, task: Message) -> Message:
+        p, k = self.params, self.num_classes
+        teacher = read_teacher(task.tensors, k)
+        rows = rows_trained(p, int(task.meta.get("steps", p.tau or 1)), self.num_samples)
+        counts = np.floor(self.share * rows).astype(np.int64)
+        z = self.rng.normal(0, 1, (k, k)) + 2.0 * np.eye(k)
+        probs = np.exp(z - z.max(axis=1, keepdims=True))
+        avg = np.where(counts[:, None] > 0, probs / probs.sum(axis=1, keepdims=True), 0).astype(np.float32)
+        loss = self.loss(task)
+        stats: dict[str, Any] = {"loss": loss, "ce": loss}
+        if teacher is not None:
+            self.count_applied(task)
+            if p.fd_beta > 0:
+                term = round(abs(float(self.rng.normal(0.5, 0.05))), 4)
+                stats.update(loss=round(loss + p.fd_beta * term, 4), fd_loss=term)
+        return reply(task, {FD_AVG_KEY: avg, FD_COUNT_KEY: counts}, num_samples=self.num_samples, **stats)
+
+
 class FedProtoEmulation(EmulatedClient):
     """FedProtoClient: per-class prototypes (proto/mean [K, d], zero rows for absent classes) and
     counts (proto/count [K], one class absent) up; the global prototypes taken from the task when
@@ -596,7 +631,7 @@ def drift(weights: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str,
 EMULATIONS: dict[type, type[EmulatedClient]] = {
     FedALClient: DistillationEmulation, LocalClient: LocalEmulation, FedAvgClient: FedAvgEmulation,
     FedHKDClient: FedHKDEmulation, FedAKDClient: FedAKDEmulation, FedDFClient: FedDFEmulation,
-    FedProtoClient: FedProtoEmulation, FedProtoPublicClient: FedProtoPublicEmulation,
+    FDClient: FDEmulation, FedProtoClient: FedProtoEmulation, FedProtoPublicClient: FedProtoPublicEmulation,
 }
 
 

@@ -245,6 +245,7 @@ EXERCISES = {
     "fedhkd": {"chunked": True, "server": lambda s: s["hkd_classes"] > 0},
     "feddf-al": {"chunked": True, "groups": 2, "server": lambda s: "disc_loss" in s},
     "fedal": {"server": lambda s: "disc_loss" in s},
+    "fd": {"server": lambda s: s["fd_labels"] > 0 and s["fd_loss"] > 0},
     "fedproto": {"server": lambda s: s["proto_classes"] > 0 and "proto_loss" in s},
     "fedproto-public": {"server": lambda s: s["participation"] == 1.0 and "proto_loss" in s},
 }

@@ -79,6 +79,15 @@ class StrategyParams(BaseModel):
     hkd_official_noise_std: float = Field(2.0, ge=0, description="FedHKD (official): std of the one noise vector per upload")
     hkd_official_grad_clip: float = Field(1.1, gt=0, description="FedHKD (official): max gradient norm with knowledge")
 
+    # FD, federated distillation (docs/algorithms.md, FD)
+    fd_beta: float = Field(1.0, ge=0, description="FD gamma: weight of the distillation cross entropy to the label's teacher")
+    fd_exclude_own: bool = Field(
+        True, description="FD: a client's teacher averages the other clients' per-label outputs (the paper), or all"
+    )
+    fd_weighting: Literal["clients", "counts"] = Field(
+        "clients", description="FD: each client's per-label mean weighs 1 (the paper), or its label count"
+    )
+
     # FedProto (docs/algorithms.md, FedProto): fedproto (private prototypes), fedproto-public (public-row features)
     proto_lambda: float | None = Field(
         None, ge=0, description="FedProto lambda: weight of the distance between features and the global prototype "
