@@ -60,12 +60,13 @@ class Run:
         self.client_ids = list(config.client_ids)
         self.public_bytes: bytes | None = None
         self.public_hash: str | None = None
-        public_size = 0
+        public_size, public_x = 0, None
         if config.public_file is not None:
             self.public_bytes = config.public_file.read_bytes()
             with np.load(io.BytesIO(self.public_bytes), allow_pickle=False) as z:
                 x = np.ascontiguousarray(z["x"], dtype=np.float32)
             self.public_hash, public_size = content_hash(x), len(x)
+            public_x = x
         elif self.spec.uses_public_set:
             # the same rows `fedal simulate` holds out for this dataset, size and seed
             rc = self.run_config
@@ -73,8 +74,9 @@ class Run:
             buf = io.BytesIO()
             np.savez(buf, x=x)
             self.public_bytes, self.public_hash, public_size = buf.getvalue(), content_hash(x), len(x)
+            public_x = x
         self.device = pick_device(config.device)
-        context = ServerContext(config.num_classes, public_size, self.run_config.seed, self.device)
+        context = ServerContext(config.num_classes, public_size, self.run_config.seed, self.device, public_x)
         self.server = self.spec.server(self.run_config.strategy_params, self.client_ids, context)
 
         self.transport = MqttTransport(config.broker, config.run_id, self.client_ids)

@@ -47,7 +47,7 @@ def toy_federation(strategy: str, n_clients: int = 3, k: int = 4, public: int = 
     for i, cid in enumerate(ids):
         torch.manual_seed(100 + i)
         clients[cid] = spec.client(cid, TinyNet(k=k), toy_dataset(k=k, seed=i), public_x, params, seed=7 + i)
-    server = spec.server(params, ids, ServerContext(num_classes=k, public_size=public, seed=seed))
+    server = spec.server(params, ids, ServerContext(num_classes=k, public_size=public, seed=seed, public_x=public_x))
     return server, clients, params
 
 

@@ -248,6 +248,8 @@ EXERCISES = {
     "fd": {"server": lambda s: s["fd_labels"] > 0 and s["fd_loss"] > 0},
     "fedproto": {"server": lambda s: s["proto_classes"] > 0 and "proto_loss" in s},
     "fedproto-public": {"server": lambda s: s["participation"] == 1.0 and "proto_loss" in s},
+    "cfd": {"server": lambda s: s["cfd_delta"] == 1.0 and "loss_kd" in s},  # round 2 delta-coded
+    "mhat": {"server": lambda s: s["server_loss"] > 0 and s["loss_kd"] > 0},
 }
 
 

@@ -62,7 +62,8 @@ def build_run(config: RunConfig):
     if spec.same_feature_dim and len(set(widths.values())) > 1:
         raise ConfigError(f"strategy {config.strategy!r} needs one feature width on every client; the models' are "
                           f"{widths}: choose models of one width (--models)")
-    context = ServerContext(num_classes=data.num_classes, public_size=len(data.public_x), seed=config.seed)
+    context = ServerContext(num_classes=data.num_classes, public_size=len(data.public_x), seed=config.seed,
+                            public_x=data.public_x)
     server = spec.server(params, ids, context)
     return data, clients, server
 

@@ -3,11 +3,11 @@ client half, preset, phases and their kind, its own parameters); registering one
 
 from __future__ import annotations
 
-from fedal.strategies import fd, fedakd, fedal, fedavg, feddf, fedhkd, fedmd, fedproto, local
+from fedal.strategies import cfd, fccl, fd, fedakd, fedal, fedavg, feddf, fedhkd, fedmd, fedproto, local
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
 from fedal.strategies.params import StrategyParams
 
-MODULES = (fedal, fedmd, local, fedavg, fedhkd, feddf, fedakd, fd, fedproto)  # one line per strategy module
+MODULES = (fedal, fedmd, local, fedavg, fedhkd, feddf, fedakd, fd, fedproto, cfd, fccl)  # one line per strategy module
 STRATEGIES: dict[str, StrategySpec] = {spec.name: spec for module in MODULES for spec in module.SPECS}
 STRATEGY_NAMES = tuple(STRATEGIES)
 

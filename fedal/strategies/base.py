@@ -46,6 +46,8 @@ class ServerContext:
     public_size: int
     seed: int
     device: str = "cpu"  # where server-side models (FedAL's discriminator) run
+    # the public set's inputs, for a server half that runs a model on them (MHAT's server model)
+    public_x: np.ndarray | None = None
 
 
 class ServerHalf(ABC):

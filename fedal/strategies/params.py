@@ -98,6 +98,42 @@ class StrategyParams(BaseModel):
         "count of class j (paper, eq. 6), or plainly over the clients that have it (authors' code)"
     )
 
+    # CFD and MHAT (docs/algorithms.md, CFD and MHAT): soft labels on a fixed set of public rows
+    cfd_bits: int | None = Field(
+        None, ge=1, le=16, description="CFD/MHAT: bits b per soft-label entry on the wire, levels round(p (2^b - 1)) "
+        "both ways (cfd: 1, the paper's; mhat: 16, uncompressed to 2^-17)"
+    )
+    cfd_delta: bool | None = Field(
+        None, description="CFD/MHAT: upload only the entries that changed since the client's previous upload "
+        "(a bitmap and their levels; cfd: on, mhat: off)"
+    )
+    cfd_public_rows: int | None = Field(
+        None, ge=1, description="CFD/MHAT: how many public rows the soft labels cover, the same rows every round "
+        "(unset: the whole public set)"
+    )
+    mhat_server_model: str = Field("mlp", description="MHAT: the zoo model the server distils the soft labels into")
+    mhat_server_epochs: int = Field(1, ge=1, description="MHAT: passes over the rows per round training the server model")
+    mhat_server_lr: float = Field(1e-3, gt=0, description="MHAT: the server model's Adam learning rate")
+
+    # FCCL and FCCL+ (docs/algorithms.md, FCCL)
+    fccl_pretrain_epochs: int | None = Field(
+        None, ge=0, description="fccl: passes of plain CE over the private data before round 0's collaboration; the "
+        "result is the intra-domain teacher (authors' code: 40)"
+    )
+    fccl_col_weight: float = Field(1.0, ge=0, description="FCCL: weight of the cross-correlation loss on the public rows")
+    fccl_offdiag_weight: float = Field(
+        0.0051, ge=0, description="FCCL lambda: weight of the off-diagonal (decorrelation) terms of the cross-correlation loss"
+    )
+    fccl_inter_weight: float = Field(
+        1.0, ge=0, description="FCCL: weight of the inter-domain KD to the previous round's model (FCCL+: non-target KD)"
+    )
+    fccl_intra_weight: float = Field(1.0, ge=0, description="fccl: weight of the intra-domain KD to the pretrained model")
+    fccl_temperature: float | None = Field(
+        None, gt=0, description="FCCL: temperature of the local KD terms (fccl 1, fccl-plus 3; both scaled by T^2)"
+    )
+    fccl_isl_weight: float = Field(3.0, ge=0, description="fccl-plus: weight of the instance-similarity loss")
+    fccl_isl_temperature: float = Field(0.02, gt=0, description="fccl-plus: temperature of the instance similarities")
+
     # FedAKD (ALGORITHMS.md section 3)
     akd_alpha: float = Field(1.0, ge=0, description="FedAKD alpha: global -> local distillation weight")
     akd_beta: float = Field(1.0, ge=0, description="FedAKD beta: local -> global distillation weight")
