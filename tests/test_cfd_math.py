@@ -7,6 +7,7 @@ half refuses (and the engine counts)."""
 from __future__ import annotations
 
 import copy
+
 import numpy as np
 import pytest
 import torch

@@ -160,6 +160,7 @@ class CFDClient(ClientHalf):
         super().__init__(*args, **kwargs)
         if self.public_x is None:
             raise ValueError("CFD/MHAT needs the public set")
+        self.public: torch.Tensor = self.public_x
         self.num_classes = int(self.train_data.num_classes)
         self.rows = torch.from_numpy(distillation_rows(self.params, len(self.public_x)))
         self.ref_round = NO_REF  # the round of the last upload, its levels: what a delta is coded against
@@ -171,12 +172,12 @@ class CFDClient(ClientHalf):
             tensors, ref = self.upload(task.integer("round"), task.integer("ref", NO_REF))
             return self.reply(task, tensors, loss=loss, ref=ref)
         if task.phase == "distill":
-            return self.reply(task, **self.distill(task))
+            return self.reply(task, None, **self.distill(task))
         raise ValueError(f"unknown phase {task.phase!r}")
 
     def soft_labels(self) -> np.ndarray:
         """softmax outputs on D in eval mode (no BatchNorm statistics move)."""
-        return F.softmax(self.predict(self.public_x[self.rows]).float(), dim=1).numpy()
+        return F.softmax(self.predict(self.public[self.rows]).float(), dim=1).numpy()
 
     def upload(self, round_idx: int, server_ref: int) -> tuple[dict[str, np.ndarray], int]:
         """The quantized soft labels: as a delta against the upload the server holds when this
@@ -203,7 +204,7 @@ class CFDClient(ClientHalf):
         if not p.lambda_kd:
             return {}
         target, has = soft_target(np.asarray(target_levels), bits)
-        x = self.public_x[self.rows]
+        x = self.public[self.rows]
         n, b = len(self.rows), min(p.public_batch_size, len(self.rows))
         batches = (torch.randperm(n, generator=self.generator)[:b] for _ in range(task.integer("steps", p.tau)))
 
