@@ -72,7 +72,7 @@ def root_exists(image: Path, path: str) -> bool:
 class VM:
     """qemu-system-aarch64 booting the image; the console goes to a file, QMP to a socket."""
 
-    def __init__(self, image: Path, console: Path, forwards: dict[int, int], memory_mb: int, smp: int):
+    def __init__(self, image: Path, console: Path, forwards: dict[int, int], memory_mb: int, smp: int, cpu: str):
         self.image, self.console = image, console
         cmdline = (fat_read(image, "cmdline.txt") or "").strip()
         if not cmdline:
@@ -82,7 +82,7 @@ class VM:
         self.qmp.unlink(missing_ok=True)
         fwd = ",".join(f"guestfwd=tcp:{GUEST_HOST}:{guest}-cmd:socat - TCP:127.0.0.1:{host}" for guest, host in forwards.items())
         self.command = [
-            "nice", "-n", "15", "qemu-system-aarch64", "-M", "virt", "-cpu", "cortex-a72", "-smp", str(smp),
+            "nice", "-n", "15", "qemu-system-aarch64", "-M", "virt", "-cpu", cpu, "-smp", str(smp),
             "-m", str(memory_mb), "-display", "none", "-no-reboot", "-serial", f"file:{console}",
             "-monitor", "none", "-qmp", f"unix:{self.qmp},server=on,wait=off",
             "-kernel", f"{image}.vmlinuz", "-initrd", f"{image}.initrd", "-append", cmdline,
@@ -115,7 +115,7 @@ class VM:
         except subprocess.TimeoutExpired:
             return None
 
-    def powerdown(self, timeout_s: float = 300) -> str:
+    def powerdown(self, timeout_s: float = 50) -> str:
         """The power button (QMP system_powerdown), then a kill if the guest does not halt."""
         if self.proc.poll() is not None:
             return "exited"
@@ -151,7 +151,7 @@ def vm_main(args) -> int:
         times = {}
         for boot in (1, 2):
             vm = VM(args.vm, args.console_dir / f"boot{boot}.log", {int(k): v for k, v in forwards.items()},
-                    args.memory, args.smp)
+                    args.memory, args.smp, args.cpu)
             log(f"boot {boot}: {' '.join(vm.command[3:])}")
             while vm.proc.poll() is None and not stop["flag"]:
                 time.sleep(1)
@@ -169,6 +169,10 @@ def vm_main(args) -> int:
 
 
 # -- the run ------------------------------------------------------------------------------------------
+class Interrupted(BaseException):
+    """A signal to stop: not one of the run's failures, which the report records."""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--image", type=Path, help="pi-image.sh's image (with IMAGE.vmlinuz and IMAGE.initrd next to it)")
@@ -178,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=3)
     ap.add_argument("--memory", type=int, default=2048, help="guest memory in MiB")
     ap.add_argument("--smp", type=int, default=2, help="guest CPUs")
+    # torch 2.10.0's aarch64 wheel dies with SIGILL on import on ARMv8.0 cores (Cortex-A72 of the
+    # Pi 4, Cortex-A53 of the Pi 3B+ and Zero 2 W; pytorch/pytorch#176993): cortex-a72 shows it
+    ap.add_argument("--cpu", default="cortex-a76", help="qemu CPU model (cortex-a76: the Pi 5's; cortex-a72: the Pi 4's)")
     ap.add_argument("--timeout", type=float, default=10800, help="seconds for boot 1 + install + run")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     ap.add_argument("--vm", type=Path, help=argparse.SUPPRESS)  # internal: the Pi process of the run
@@ -186,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.vm:
         return vm_main(args)
+    # SIGTERM/SIGINT unwind like an error: run_fleet's finally ends the agents, the coordinator and
+    # the VM (its power button), the broker's context ends Mosquitto
+    def interrupted(signum, _frame):
+        raise Interrupted(f"signal {signum}")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, interrupted)
     if args.image is None or args.workdir is None:
         ap.error("--image and --workdir are required")
     for tool in ("qemu-system-aarch64", "socat", "debugfs", "mtype", "sfdisk"):
@@ -198,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = workspace.claim(args.workdir.resolve(), "boot_test.py")
     workspace.clear(workdir, ("pi.img", "pi.img.vmlinuz", "pi.img.initrd", "console", "run", "pi-agent.toml"))
-    report: dict = {"host": {"arch": platform.machine(), "cores": os.cpu_count()}, "settings": {}}
+    report: dict = {"host": {"arch": platform.machine(), "cores": os.cpu_count()},
+                    "settings": {"cpu": args.cpu, "smp": args.smp, "memory_mb": args.memory, "rounds": args.rounds,
+                                 "clients": args.clients}}
     t0 = time.monotonic()
     wheelhouse = args.wheelhouse or workdir / "wheelhouse"
     if args.wheelhouse is None:
@@ -242,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         log(flashed.stdout.strip())
         forwards = {1883: host_port, 8080: coord["api"]["port"]}
         command = [sys.executable, str(Path(__file__).resolve()), "--vm", str(image), "--console-dir", str(console),
-                   "--forwards", json.dumps(forwards), "--memory", str(args.memory), "--smp", str(args.smp)]
+                   "--forwards", json.dumps(forwards), "--memory", str(args.memory), "--smp", str(args.smp), "--cpu", args.cpu]
         found["forwards"] = forwards
         return {pi: {"command": command, "env": {**os.environ}, "emulated": True, "final_dir": None}}
 
@@ -256,18 +271,22 @@ def main(argv: list[str] | None = None) -> int:
             arm = next(a for a in agents if a.client_id == pi)
             report["pi"] = {"client": pi, "last_round": arm.last_round, "accuracies": arm.accuracies,
                             "online_s": None if arm.online_s is None else round(arm.online_s, 1)}
-        except (RuntimeError, SystemExit) as exc:
+        except (RuntimeError, SystemExit, subprocess.TimeoutExpired) as exc:
             report["error"] = str(exc)
             log(f"the run failed: {exc}")
+        # boot 2 ends with the power button (or a kill): the image is not touched before that
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and "boot2_powerdown" not in _times(console):
+            time.sleep(2)
         # boot 3: the agent starts again, the first-boot hook does not run
         if "error" not in report:
-            vm = VM(image, console / "boot3.log", found["forwards"], args.memory, args.smp)
+            vm = VM(image, console / "boot3.log", found["forwards"], args.memory, args.smp, args.cpu)
             try:
                 report["boot3_agent_started"] = vm.wait_for("Started fedal-agent.service", 1800)
                 report["boot3_powerdown"] = vm.powerdown()
             finally:
                 vm.kill()
-    times = json.loads((console / "times.json").read_text()) if (console / "times.json").exists() else {}
+    times = _times(console)
     boots = {n: (console / f"boot{n}.log").read_text(errors="replace") if (console / f"boot{n}.log").exists() else ""
              for n in (1, 2, 3)}
     firstrun_log = root_cmd(image, "cat /var/log/fedal-firstrun.log")
@@ -300,6 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def _times(console: Path) -> dict:
+    try:
+        return json.loads((console / "times.json").read_text())
+    except (OSError, ValueError):  # not written yet (or being written): no times so far
+        return {}
+
+
 def render(r: dict) -> str:
     wh, t = r["wheelhouse"], r.get("times", {})
     lines = [
@@ -308,7 +334,8 @@ def render(r: dict) -> str:
         "An arm64 Debian bookworm disk image with Raspberry Pi OS's layout (firmware_scripts/pi-image.sh), flashed",
         "with `flash.sh --wheelhouse` and booted under `qemu-system-aarch64 -M virt` (TCG, no KVM) with a",
         "user-mode network restricted to the host's broker and coordinator (`restrict=on` + two `guestfwd`).",
-        f"Host: {r['host']['arch']}, {r['host']['cores']} shared cores.",
+        f"Host: {r['host']['arch']}, {r['host']['cores']} shared cores; guest: `-cpu {r['settings']['cpu']}`, "
+        f"{r['settings']['smp']} CPUs, {r['settings']['memory_mb']} MiB.",
         "",
         f"- result: {'**passed**' if r.get('ok') else '**FAILED**'}" + (f" ({r['error']})" if r.get("error") else ""),
         f"- wheelhouse: {wh['wheels']} wheels, {wh['mib']} MiB, torch {wh['torch']}",

@@ -21,6 +21,8 @@ Usage: boot-test.sh [options]
   --cache DIR          pi-image.sh's userland cache (default there)
   --wheelhouse DIR     reuse this wheelhouse instead of building one
   --rounds N           rounds of the run (default 2)
+  --cpu MODEL          qemu CPU model (default cortex-a76, the Pi 5's core; cortex-a72 is the Pi 4's,
+                       on which torch 2.10.0's aarch64 wheel dies with SIGILL on import)
   --timeout S          seconds for boot 1, the install and the run (default 10800)
   --out DIR            where boot_test.{md,json} go (default docs/results of this checkout)
   -h, --help           this text
@@ -35,7 +37,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --workdir) WORKDIR="${2:?--workdir needs a directory}"; shift 2 ;;
     --cache) CACHE_ARGS=(--cache "${2:?--cache needs a directory}"); shift 2 ;;
-    --wheelhouse|--rounds|--timeout|--out) DRIVER+=("$1" "${2:?$1 needs a value}"); shift 2 ;;
+    --wheelhouse|--rounds|--timeout|--out|--cpu) DRIVER+=("$1" "${2:?$1 needs a value}"); shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument: $1" ;;
   esac
