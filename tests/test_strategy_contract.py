@@ -37,8 +37,10 @@ NAMES = list(STRATEGIES)
 
 def knobs(name: str) -> dict:
     """tau 2, and for a strategy that shares per-class knowledge a threshold the small, skewed
-    client datasets pass (FedHKD's hkd_nu), so that its knowledge travels."""
-    return {"tau": 2, **({"hkd_nu": 0.1} if "hkd_nu" in STRATEGIES[name].params else {})}
+    client datasets pass (FedHKD's hkd_nu), so that its knowledge travels; FCCL pretrains 2 passes."""
+    own = STRATEGIES[name].params
+    return {"tau": 2, **({"hkd_nu": 0.1} if "hkd_nu" in own else {}),
+            **({"fccl_pretrain_epochs": 2} if "fccl_pretrain_epochs" in own else {})}
 
 
 def wire(msg: Message) -> Message:
@@ -248,6 +250,8 @@ EXERCISES = {
     "fd": {"server": lambda s: s["fd_labels"] > 0 and s["fd_loss"] > 0},
     "fedproto": {"server": lambda s: s["proto_classes"] > 0 and "proto_loss" in s},
     "fedproto-public": {"server": lambda s: s["participation"] == 1.0 and "proto_loss" in s},
+    "fccl": {"server": lambda s: s["participation"] == 1.0 and s["loss_cc"] > 0},
+    "fccl-plus": {"server": lambda s: s["participation"] == 1.0 and s["loss_cc"] > 0 and s["loss_isl"] > 0},
     "cfd": {"server": lambda s: s["cfd_delta"] == 1.0 and "loss_kd" in s},  # round 2 delta-coded
     "mhat": {"server": lambda s: s["server_loss"] > 0 and s["loss_kd"] > 0},
 }
