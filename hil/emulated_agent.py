@@ -46,6 +46,10 @@ from fedal.protocol import (
 )
 from fedal.session import ClientSession, TaskRefused
 from fedal.strategies import STRATEGIES, StrategyParams, StrategySpec, get_strategy
+from fedal.strategies.cfd import LEVELS_KEY as CFD_LEVELS_KEY
+from fedal.strategies.cfd import NO_REF as CFD_NO_REF
+from fedal.strategies.cfd import TARGET_KEY as CFD_TARGET_KEY
+from fedal.strategies.cfd import CFDClient, check_levels, delta_encode, distillation_rows, quantize
 from fedal.strategies.fd import AVG_KEY as FD_AVG_KEY
 from fedal.strategies.fd import COUNT_KEY as FD_COUNT_KEY
 from fedal.strategies.fd import FDClient, read_teacher, rows_trained
@@ -452,6 +456,50 @@ class FDEmulation(EmulatedClient):
         return reply(task, {FD_AVG_KEY: avg, FD_COUNT_KEY: counts}, num_samples=self.num_samples, **stats)
 
 
+class CFDEmulation(EmulatedClient):
+    """CFDClient (cfd, mhat): softmax-like rows on the run's distillation rows quantized to cfd_bits,
+    delta-coded against this agent's last upload when the task names it as the server's
+    reference (else in full, ref -1); the target of a distill task checked as the real client does."""
+
+    PHASES = frozenset({"local_train", "distill"})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rows = distillation_rows(self.params, self.public_size)
+        self.ref_round, self.ref_levels = CFD_NO_REF, None
+
+    def _local_train(self, task: Message) -> Message:
+        p, k = self.params, self.num_classes
+        bits = int(p.cfd_bits or 16)
+        z = self.rng.normal(0, 1, (len(self.rows), k)) + 3.0 * np.eye(k)[(np.arange(len(self.rows)) + self.index) % k]
+        levels = quantize(np.exp(z) / np.exp(z).sum(axis=1, keepdims=True), bits)
+        server_ref, ref = int(task.meta.get("ref", CFD_NO_REF)), CFD_NO_REF
+        if p.cfd_delta and self.ref_levels is not None and server_ref == self.ref_round != CFD_NO_REF:
+            tensors, ref = delta_encode(levels, self.ref_levels), self.ref_round
+        else:
+            tensors = {CFD_LEVELS_KEY: levels}
+        self.ref_round, self.ref_levels = int(task.meta["round"]), levels
+        return reply(task, tensors, loss=self.loss(task), ref=ref)
+
+    def _distill(self, task: Message) -> Message:
+        p = self.params
+        target = task.tensors.get(CFD_TARGET_KEY)
+        if target is None:
+            raise ValueError(f"a distill task carries {CFD_TARGET_KEY}")
+        check_levels(target, (len(self.rows), self.num_classes), int(p.cfd_bits or 16), CFD_TARGET_KEY, slack=1.0)
+        self.count_applied(task)
+        if not p.lambda_kd:
+            return reply(task)
+        return reply(task, loss_kd=round(abs(float(self.rng.normal(0.8, 0.05))), 4))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "ref_round": self.ref_round, "ref_levels": self.ref_levels}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.ref_round, self.ref_levels = state["ref_round"], state["ref_levels"]
+
+
 class FedProtoEmulation(EmulatedClient):
     """FedProtoClient: per-class prototypes (proto/mean [K, d], zero rows for absent classes) and
     counts (proto/count [K], one class absent) up; the global prototypes taken from the task when
@@ -632,6 +680,7 @@ EMULATIONS: dict[type, type[EmulatedClient]] = {
     FedALClient: DistillationEmulation, LocalClient: LocalEmulation, FedAvgClient: FedAvgEmulation,
     FedHKDClient: FedHKDEmulation, FedAKDClient: FedAKDEmulation, FedDFClient: FedDFEmulation,
     FDClient: FDEmulation, FedProtoClient: FedProtoEmulation, FedProtoPublicClient: FedProtoPublicEmulation,
+    CFDClient: CFDEmulation,
 }
 
 

@@ -44,6 +44,7 @@ from hil.mosquitto import free_port
 
 RUN = "emu"
 K, P, B = 10, 200, 16
+PUBLIC_X = np.random.default_rng(0).normal(size=(P, 40)).astype(np.float32)  # for a server-side model (MHAT)
 
 
 class _Public(PublicSetSource):
@@ -61,7 +62,7 @@ def setup(strategy: str, n: int = 3, **agent_kwargs):
     spec = get_strategy(strategy)
     params = StrategyParams(public_batch_size=B, tau=2).resolve(spec.preset)
     ids = [f"c{i}" for i in range(n)]
-    server = spec.server(params, ids, ServerContext(K, P, seed=0))
+    server = spec.server(params, ids, ServerContext(K, P, seed=0, public_x=PUBLIC_X))
     agents = {cid: EmulatedAgent(RUN, cid, index=i, public=_Public(), **agent_kwargs) for i, cid in enumerate(ids)}
     for a in agents.values():
         assert a.on_message(a.manifest_topic, manifest(strategy, ids, params)) == []
@@ -118,9 +119,21 @@ def test_every_strategy_is_accepted_by_its_server_half(strategy):
         s = a.status()
         assert s["feedback_twice"] == [] and s["iterations_twice"] == []
     applied = sum(a.status()["feedback_applied"] for a in agents.values())
-    fed_back = sum(1 for _p, _i, _c, task, _r in log if "fbar" in task.tensors or "fd/teacher" in task.tensors
+    fed_back = sum(1 for _p, _i, _c, task, _r in log if {"fbar", "fd/teacher", "cfd/target"} & set(task.tensors)
                    or {"proto/global", "hbar"} & set(task.tensors) or (spec.homogeneous_models and _p == "train"))
     assert applied == fed_back and (applied > 0) == (strategy != "local")
+
+
+def test_cfd_uploads_are_delta_coded_after_the_first_round():
+    _spec, _params, _ids, server, agents = setup("cfd")
+    log: list = []
+    seq = run_round(server, agents, 0, 0, 0, log)
+    assert server.round_metrics()["cfd_delta"] == 0.0
+    run_round(server, agents, 1, 0, seq, log)
+    refs = [(r.meta["round"], r.meta["ref"], sorted(r.tensors)) for p, _i, _c, _t, r in log if p == "local_train"]
+    assert refs[:3] == [(0, -1, ["cfd/levels"])] * 3
+    assert {(rnd, ref) for rnd, ref, _ in refs[3:]} == {(1, 0)} and all("cfd/changed" in t for *_, t in refs[3:])
+    assert server.round_metrics()["cfd_delta"] == 1.0
 
 
 def test_fedhkd_knowledge_goes_both_ways():
@@ -176,7 +189,7 @@ def test_a_replayed_round_starts_from_the_round_start_state(strategy):
     first: list = []
     run_round(server, agents, 1, 0, seq, first)  # ... then it dies before saving round 1
 
-    resumed = get_strategy(strategy).server(params, ids, ServerContext(K, P, seed=0))
+    resumed = get_strategy(strategy).server(params, ids, ServerContext(K, P, seed=0, public_x=PUBLIC_X))
     resumed.load_state_dict(saved)
     again: list = []
     seq = run_round(resumed, agents, 1, 1, 0, again)
