@@ -83,6 +83,8 @@ def deploy(strategy: str, tmp: Path, rounds: int = 2, max_payload: int = 4096) -
         public_file = tmp / "public.npz"
         np.savez(public_file, x=toy_arrays(P, 99)[0])
     params = {"tau": 2, **({"public_batch_size": B} if spec.uses_public_set else {})}
+    if strategy == "cfd":  # 8 bits (levels of 1/255, still u1): two steps move some, so its deltas carry new levels
+        params["cfd_bits"] = 8
     cfg = CoordinatorConfig(
         run_id="doc", client_ids=CLIENTS, num_classes=K, public_file=public_file, state_dir=tmp / "state",
         run={"strategy": strategy, "rounds": rounds, "models": sorted(set(models)) if spec.homogeneous_models else None,
@@ -169,7 +171,7 @@ def toy_left_out(strategy: str, rounds: int = 2) -> list[tuple[str, str, Message
     for i, (cid, model) in enumerate(zip(CLIENTS, models_for(strategy))):
         x, y = toy_arrays(24, i)
         clients[cid] = spec.client(cid, build_model(model, INPUT, K), ArrayDataset(x, y, K, cid), public_x, params, seed=i)
-    server = spec.server(params, CLIENTS, ServerContext(num_classes=K, public_size=P, seed=0))
+    server = spec.server(params, CLIENTS, ServerContext(num_classes=K, public_size=P, seed=0, public_x=public_x))
     seen, seq = [], 0
     for r in range(rounds):
         phase, position = server.begin_round(r), 0
@@ -274,7 +276,10 @@ def check_message(strategy: str, cid: str, where: str, msg: Message, doc: dict, 
     for key, value in meta.items():
         assert type(value) in JSON_TYPES[doc_meta[key]], f"{where}: {key}={value!r} is not {doc_meta[key]}"
     state = model_state(strategy, cid)
-    symbols = {"B": B, "K": K, "P": P}
+    # D: CFD's distillation rows (cfd_public_rows unset: all P); C: its bitmap's bytes; m: the entries it marks
+    symbols = {"B": B, "K": K, "P": P, "D": P, "C": (P * K + 7) // 8}
+    if "cfd/changed" in msg.tensors:
+        symbols["m"] = int(np.unpackbits(msg.tensors["cfd/changed"]).sum())
     doc_tensors = {k.rstrip("?"): v for k, v in doc["tensors"].items()}
     names: dict[str, list[str]] = {}
     for name in msg.tensors:
