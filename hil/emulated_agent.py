@@ -44,12 +44,18 @@ from fedal.protocol import (
     split,
     topics,
 )
+from fedal.protocol.wire_dtype import decode_tensor, encode_tensor
 from fedal.session import ClientSession, TaskRefused
 from fedal.strategies import STRATEGIES, StrategyParams, StrategySpec, get_strategy
 from fedal.strategies.cfd import LEVELS_KEY as CFD_LEVELS_KEY
 from fedal.strategies.cfd import NO_REF as CFD_NO_REF
 from fedal.strategies.cfd import TARGET_KEY as CFD_TARGET_KEY
 from fedal.strategies.cfd import CFDClient, check_levels, delta_encode, distillation_rows, quantize
+from fedal.strategies.fccl import S_KEY as FCCL_S_KEY
+from fedal.strategies.fccl import SBAR_KEY as FCCL_SBAR_KEY
+from fedal.strategies.fccl import Z_KEY as FCCL_Z_KEY
+from fedal.strategies.fccl import ZBAR_KEY as FCCL_ZBAR_KEY
+from fedal.strategies.fccl import FCCLClient, FCCLPlusClient
 from fedal.strategies.fd import AVG_KEY as FD_AVG_KEY
 from fedal.strategies.fd import COUNT_KEY as FD_COUNT_KEY
 from fedal.strategies.fd import FDClient, read_teacher, rows_trained
@@ -663,6 +669,84 @@ class FedDFEmulation(DistillationEmulation):
         self.weights = dict(state["weights"])
 
 
+class FCCLEmulation(EmulatedClient):
+    """FCCLClient: batch-normalised logits (fccl/z [B, K]) up on each collaborate task, the mean
+    (fccl/zbar) applied on the next task of the round; local_pretrain in round 0; local_train
+    reports the round's collaborative loss (null without a step)."""
+
+    PHASES = frozenset({"local_pretrain", "collaborate", "local_train"})
+    PLUS = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pending: tuple[int, int] | None = None  # round, iteration of the last upload
+        self.round_diag: list[float] = []
+
+    def _local_pretrain(self, task: Message) -> Message:
+        return reply(task, loss=self.loss(task))
+
+    def _collaborate(self, task: Message) -> Message:
+        r, i = int(task.meta["round"]), int(task.meta["iteration"])
+        if FCCL_ZBAR_KEY in task.tensors:
+            self.apply_mean(task, r, i - 1)
+        elif i == 0:
+            self.round_diag = []
+        return reply(task, self.upload(r, i))
+
+    def _local_train(self, task: Message) -> Message:
+        if FCCL_ZBAR_KEY in task.tensors:
+            self.apply_mean(task, int(task.meta["round"]), (self.params.tau or 1) - 1)
+        loss_cc = float(np.mean(self.round_diag)) if self.round_diag else None
+        self.round_diag = []
+        diag: dict[str, Any] = {"loss_cc": loss_cc}
+        if self.PLUS:
+            diag["loss_isl"] = None if loss_cc is None else round(2 * loss_cc, 4)
+        return reply(task, loss=self.loss(task), **diag)
+
+    def rows(self, round_idx: int, iteration: int) -> int:
+        return public_rows(self.params.rows_seed or 0, round_idx, iteration, self.public_size,
+                           self.params.public_batch_size).size
+
+    def upload(self, round_idx: int, iteration: int) -> dict[str, np.ndarray]:
+        p, b = self.params, self.rows(round_idx, iteration)
+        z = self.rng.standard_normal((b, self.num_classes))
+        z = ((z - z.mean(axis=0)) / np.sqrt(z.var(axis=0) + 1e-8)).astype(np.float32)
+        out = encode_tensor(FCCL_Z_KEY, z, p.wire_dtype, p.wire_int8_scale)
+        if self.PLUS:  # cosine similarities of random features, the diagonal dropped
+            h = self.rng.standard_normal((b, 8))
+            h /= np.linalg.norm(h, axis=1, keepdims=True)
+            s = (h @ h.T)[~np.eye(b, dtype=bool)].reshape(b, b - 1).astype(np.float32)
+            out.update(encode_tensor(FCCL_S_KEY, s, p.wire_dtype, p.wire_int8_scale))
+        self.pending = (round_idx, iteration)
+        return out
+
+    def apply_mean(self, task: Message, round_idx: int, iteration: int) -> None:
+        if self.pending != (round_idx, iteration):
+            raise ValueError("an average for an iteration whose logits this client did not upload")
+        p, b = self.params, self.rows(round_idx, iteration)
+        decode_tensor(task.tensors, FCCL_ZBAR_KEY, p.wire_dtype, p.wire_int8_scale, (b, self.num_classes),
+                      p.max_abs_value)
+        if self.PLUS:
+            decode_tensor(task.tensors, FCCL_SBAR_KEY, p.wire_dtype, p.wire_int8_scale, (b, b - 1), p.max_abs_value)
+        self.pending = None
+        self.round_diag.append(round(abs(float(self.rng.normal(1.0, 0.1))), 4))
+        self.count_applied(task)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "pending": self.pending, "round_diag": list(self.round_diag)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.pending, self.round_diag = state["pending"], list(state["round_diag"])
+
+
+class FCCLPlusEmulation(FCCLEmulation):
+    """FCCLPlusClient: FCCL's messages with the instance similarities (fccl/s [B, B-1]) next to the logits."""
+
+    PHASES = frozenset({"collaborate", "local_train"})
+    PLUS = True
+
+
 def initial_weights(client: EmulatedClient) -> dict[str, np.ndarray]:
     """Seeded per client, apart from the stream of the answers."""
     return client.layout.initial(np.random.default_rng([client.seed, client.index, 0xA1]))
@@ -680,7 +764,7 @@ EMULATIONS: dict[type, type[EmulatedClient]] = {
     FedALClient: DistillationEmulation, LocalClient: LocalEmulation, FedAvgClient: FedAvgEmulation,
     FedHKDClient: FedHKDEmulation, FedAKDClient: FedAKDEmulation, FedDFClient: FedDFEmulation,
     FDClient: FDEmulation, FedProtoClient: FedProtoEmulation, FedProtoPublicClient: FedProtoPublicEmulation,
-    CFDClient: CFDEmulation,
+    CFDClient: CFDEmulation, FCCLClient: FCCLEmulation, FCCLPlusClient: FCCLPlusEmulation,
 }
 
 

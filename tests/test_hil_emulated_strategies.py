@@ -120,7 +120,7 @@ def test_every_strategy_is_accepted_by_its_server_half(strategy):
         assert s["feedback_twice"] == [] and s["iterations_twice"] == []
     applied = sum(a.status()["feedback_applied"] for a in agents.values())
     fed_back = sum(1 for _p, _i, _c, task, _r in log if {"fbar", "fd/teacher", "cfd/target"} & set(task.tensors)
-                   or {"proto/global", "hbar"} & set(task.tensors) or (spec.homogeneous_models and _p == "train"))
+                   or {"proto/global", "hbar", "fccl/zbar"} & set(task.tensors) or (spec.homogeneous_models and _p == "train"))
     assert applied == fed_back and (applied > 0) == (strategy != "local")
 
 

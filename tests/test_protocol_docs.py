@@ -265,6 +265,13 @@ def feature_width(strategy: str, cid: str) -> int:
         return int(model.features(torch.zeros(1, *INPUT)).shape[1])
 
 
+def dimension(text: str, symbols: dict[str, int]) -> int:
+    """One dimension of a documented shape: a number, a symbol, or a symbol minus a number (`B-1`)."""
+    name, _, minus = text.partition("-")
+    base = symbols[name.strip()] if name.strip() in symbols else int(name)
+    return base - int(minus) if minus else base
+
+
 def check_message(strategy: str, cid: str, where: str, msg: Message, doc: dict, transport: set[str]) -> dict[str, set]:
     """Compare one message with its catalogue entry; returns which optional names it holds."""
     meta = {k: v for k, v in msg.meta.items() if k not in COMMON | transport}
@@ -305,7 +312,7 @@ def check_message(strategy: str, cid: str, where: str, msg: Message, doc: dict, 
         dtype, shape = re.fullmatch(r"(\w+) \[(.*)\]", spec).groups()
         if "d" in shape:
             symbols["d"] = feature_width(strategy, cid)
-        want = tuple(symbols[s.strip()] if s.strip() in symbols else int(s) for s in shape.split(",") if s.strip())
+        want = tuple(dimension(s.strip(), symbols) for s in shape.split(",") if s.strip())
         arr = msg.tensors[group]
         assert wire_dtype(arr) == dtype and arr.shape == want, (
             f"{where}: {group} is {wire_dtype(arr)} {list(arr.shape)}, the doc says {spec}")

@@ -236,7 +236,9 @@ class FCCLClient(ClientHalf):
         if task.phase == "local_train":
             if ZBAR_KEY in task.tensors:
                 self.apply_average(task, task.integer("round"), (self.params.tau or 1) - 1)
-            diag = {k: float(np.mean(v)) for k, v in self.col_diag.items()}
+            # the round's collaborative losses, null where this client took no collaborative step
+            keys = ("loss_cc", "loss_isl") if self.PLUS else ("loss_cc",)
+            diag = {k: float(np.mean(self.col_diag[k])) if self.col_diag.get(k) else float("nan") for k in keys}
             self.col_diag.clear()
             loss = self.local_update(task.integer("steps", self.params.tau))
             return self.reply(task, None, loss=loss, **diag)
