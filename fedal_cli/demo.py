@@ -79,6 +79,9 @@ def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_por
         "run_id": RUN_ID, "client_ids": ids, "num_classes": data.num_classes, "public_file": str(public_file),
         "state_dir": str(workdir / "coordinator" / "state"), "broker": {"url": broker_url},
         "api": {"host": "127.0.0.1", "port": api_port},
+        # the coordinator shares this machine with its agents: the run's thread count, as each
+        # agent and `fedal simulate` use (torch's default spins idle threads against them)
+        "threads": config.threads,
         "run": json.loads(config.model_dump_json(exclude_none=True)),
     }
     coord_path = workdir / "coordinator" / "coordinator.toml"

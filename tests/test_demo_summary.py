@@ -23,3 +23,20 @@ def test_table_without_local_splits_has_no_own_column():
     table = summary_table(results({"client_acc": [0.5, 0.25], "mean_acc": 0.375, "min_acc": 0.25, "max_acc": 0.5}))
     assert "own acc" not in table and "own test splits" not in table
     assert table.splitlines()[-1] == "mean acc 0.3750 (min 0.2500, max 0.5000)"
+
+
+def test_the_demo_gives_its_coordinator_the_runs_thread_count(tmp_path):
+    """The demo's coordinator shares the machine with its agents: with torch's default thread
+    count its server-side steps spun against them (a FedAL transfer phase's compute went from
+    about 4 ms to up to 500 ms on 2 busy cores), so it gets the run's `threads` as they do."""
+    import tomllib
+
+    from coordinator.config import load_coordinator_config
+    from fedal.sim import load_config
+    from fedal_cli.demo import prepare_workspace
+
+    config = load_config(None, dict(strategy="fedmd", dataset="digits", clients=2, rounds=1, public_size=50, threads=3))
+    coord_path, agent_paths, _ = prepare_workspace(config.resolved(), tmp_path, "mqtt://127.0.0.1:1", 0)
+    assert tomllib.loads(coord_path.read_text())["threads"] == 3
+    assert load_coordinator_config(coord_path).threads == 3
+    assert all(tomllib.loads(p.read_text())["threads"] == 3 for p in agent_paths)
