@@ -251,3 +251,29 @@ def test_a_client_refuses_an_average_for_an_upload_it_did_not_make():
         client.handle(wrong)
     assert client.pending is not None  # a refused form leaves the upload waiting
     assert all(torch.equal(before[k], client.model.state_dict()[k]) for k in before)
+
+
+@pytest.mark.parametrize("wire_dtype", ["float16", "int8"])
+@pytest.mark.parametrize("strategy", ["fccl", "fccl-plus"])
+def test_reduced_precision_uploads_pass_the_normalisation_check(strategy, wire_dtype):
+    server, clients, _ = toy_federation(strategy, n_clients=3, k=K, tau=2, wire_dtype=wire_dtype,
+                                        **({"fccl_pretrain_epochs": 1} if strategy == "fccl" else {}))
+    for r in range(2):
+        rec = in_process(server, clients).run_round(r)
+        assert rec.get("rejected", 0) == 0 and rec["server"]["participation"] == 1.0
+        assert rec["server"]["loss_cc"] > 0
+
+
+def test_a_client_that_missed_local_pretrain_pretrains_before_its_first_local_update():
+    server, clients, _ = toy_federation("fccl", n_clients=2, k=K, tau=1, fccl_pretrain_epochs=1)
+    phase = server.begin_round(0)
+    assert phase.phase == "local_pretrain"
+    results = {"c0": clients["c0"].handle(phase.tasks["c0"])}  # c1's answer is lost
+    assert clients["c1"].intra is None
+    phase = server.collect(phase, results)
+    while phase is not None:
+        results = {cid: clients[cid].handle(task) for cid, task in phase.tasks.items()}
+        phase = server.collect(phase, results)
+    assert clients["c1"].intra is not None  # pretrained at local_train, then trained on
+    assert not all(torch.equal(clients["c1"].intra.state_dict()[k], clients["c1"].model.state_dict()[k])
+                   for k in clients["c1"].model.state_dict())
