@@ -114,3 +114,38 @@ def test_metadata_must_be_strict(meta):
 def test_encoding_refuses_non_finite_metadata():
     with pytest.raises(ValueError):
         encode(Message({"loss": float("nan")}))
+
+
+@pytest.mark.parametrize("per", ["row", "tensor"])
+def test_int8_scales_travel_inside_their_tensors_entry(per):
+    from fedal.protocol.wire_dtype import encode_tensor
+
+    x = np.random.default_rng(1).normal(size=(32, 10)).astype(np.float32)
+    tensors = encode_tensor("logits", x, "int8", per)
+    payload = encode(Message({"epoch": 0, "seq": 3}, tensors))
+    _, _, wire = msgpack.unpackb(payload)
+    assert list(wire) == ["logits"] and wire["logits"][0] == "i1" and len(wire["logits"]) == 4
+    assert len(wire["logits"][3]) == 4 * (32 if per == "row" else 1)
+    back = decode(payload).tensors
+    assert sorted(back) == ["logits", "logits.scale"]
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and np.array_equal(back[k], v)
+    assert len(payload) - 320 - (128 if per == "row" else 4) < 0.05 * 1280  # the int8 B = 32 block's overhead
+    # a float32 tensor's ".scale" companion (not a quantized pair) stays an entry of its own
+    plain = {"w": np.ones((2, 2), np.float32), "w.scale": np.ones(1, np.float32)}
+    assert sorted(msgpack.unpackb(encode(Message({}, plain)))[2]) == ["w", "w.scale"]
+
+
+@pytest.mark.parametrize("entry, needle", [
+    (["i1", [2, 2], b"\x00" * 4, b"\x00" * 3], "scale must be float32 bytes"),
+    (["i1", [2, 2], b"\x00" * 4, b"\x00" * 12], "scale must be float32 bytes"),
+    (["i1", [2, 2], b"\x00" * 4, "text"], "scale must be float32 bytes"),
+    (["f4", [1], b"\x00" * 4, b"\x00" * 4], "only int8 tensors with rows"),
+    (["i1", [], b"\x00", b"\x00" * 4], "only int8 tensors with rows"),
+])
+def test_malformed_packed_scales_are_refused(entry, needle):
+    with pytest.raises(EnvelopeError, match=needle):
+        decode(msgpack.packb([PROTOCOL_VERSION, {}, {"q": entry}]))
+    both = {"q": ["i1", [2, 2], b"\x00" * 4, b"\x00" * 4], "q.scale": ["f4", [1], b"\x00" * 4]}
+    with pytest.raises(EnvelopeError, match="sent as well"):
+        decode(msgpack.packb([PROTOCOL_VERSION, {}, both]))
