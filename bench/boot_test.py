@@ -241,7 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = tomllib.loads(agent_configs[pi].read_text())
         host_port = int(cfg["broker"]["url"].rsplit(":", 1)[1])
         coord = tomllib.loads(next((workdir / "run").glob("coordinator/coordinator.toml")).read_text())
-        cfg.update(data_file=f"{PI_STATE}/train.npz", test_file=f"{PI_STATE}/test.npz", workspace=PI_STATE)
+        # the public set goes on the card: the manifest's public_url names the coordinator's own
+        # loopback address, which is the guest's own loopback inside the VM
+        public = workdir / "run" / "coordinator" / "public.npz"
+        cfg.update(data_file=f"{PI_STATE}/train.npz", test_file=f"{PI_STATE}/test.npz", workspace=PI_STATE,
+                   public_file=f"{PI_STATE}/public.npz")
         cfg.pop("local_test_file", None)
         cfg["broker"]["url"] = f"mqtt://{GUEST_HOST}:1883"
         guest_cfg = workdir / "pi-agent.toml"
@@ -249,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         t = time.monotonic()
         flashed = subprocess.run(["bash", str(REPO / "firmware_scripts" / "flash.sh"), "--image", str(image), "--config",
                                   str(guest_cfg), "--wheelhouse", str(wheelhouse), "--hostname", pi, "--data",
-                                  str(ws / "train.npz"), "--data", str(ws / "test.npz")], capture_output=True, text=True)
+                                  str(ws / "train.npz"), "--data", str(ws / "test.npz"), "--data", str(public)],
+                                 capture_output=True, text=True)
         if flashed.returncode != 0:
             raise SystemExit(f"flash.sh failed: {flashed.stderr}")
         found["flash_s"] = round(time.monotonic() - t, 1)
