@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import urllib.request
 from pathlib import Path
 
 import tomli_w
@@ -36,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent_footprint import REPO, run_fleet  # noqa: E402
 from loopback_broker import loopback_broker  # noqa: E402
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+STARTED_AGENT = "Started fedal-agent.servic"  # systemd may cut the name short on the console
 GUEST_HOST = "10.0.2.100"  # the address the guest's broker and coordinator URLs name
 PI_STATE = "/var/lib/fedal-agent"
 MTOOLS = {**os.environ, "MTOOLS_SKIP_CHECK": "1", "MTOOLSRC": "/dev/null"}
@@ -94,8 +98,10 @@ class VM:
                                      start_new_session=True)
 
     def text(self) -> str:
+        """The console so far, without systemd's colours (its status lines also shorten unit names:
+        "Started fedal-agent.servic… (…)", so look for a prefix)."""
         try:
-            return self.console.read_text(errors="replace")
+            return ANSI.sub("", self.console.read_text(errors="replace"))
         except OSError:
             return ""
 
@@ -140,9 +146,18 @@ class VM:
             self.proc.wait(30)
 
 
+def run_state(api_port: int, run_id: str) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{api_port}/api/v1/runs/{run_id}", timeout=5) as resp:
+            return json.loads(resp.read())["state"]
+    except (OSError, ValueError, KeyError):  # the API is not up (yet): no state to act on
+        return None
+
+
 def vm_main(args) -> int:
     """The Pi as run_fleet's agent process: boot 1 (firstrun, then its reboot), then boot 2 until
-    SIGTERM, which presses the power button."""
+    the run is over (as an agent process exits at the end of a run) or SIGTERM; either presses
+    the power button."""
     forwards = json.loads(args.forwards)
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
@@ -153,8 +168,13 @@ def vm_main(args) -> int:
             vm = VM(args.vm, args.console_dir / f"boot{boot}.log", {int(k): v for k, v in forwards.items()},
                     args.memory, args.smp, args.cpu)
             log(f"boot {boot}: {' '.join(vm.command[3:])}")
+            polled = 0.0
             while vm.proc.poll() is None and not stop["flag"]:
                 time.sleep(1)
+                if boot == 2 and time.monotonic() - polled >= 10:
+                    polled = time.monotonic()
+                    if run_state(args.api_port, args.run_id) in ("finished", "failed", "stopped"):
+                        stop["flag"] = True
             times[f"boot{boot}_s"] = round(time.monotonic() - vm.started, 1)
             (args.console_dir / "times.json").write_text(json.dumps(times))
             if stop["flag"]:
@@ -190,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vm", type=Path, help=argparse.SUPPRESS)  # internal: the Pi process of the run
     ap.add_argument("--console-dir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--forwards", help=argparse.SUPPRESS)
+    ap.add_argument("--api-port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--run-id", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.vm:
         return vm_main(args)
@@ -262,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         log(flashed.stdout.strip())
         forwards = {1883: host_port, 8080: coord["api"]["port"]}
         command = [sys.executable, str(Path(__file__).resolve()), "--vm", str(image), "--console-dir", str(console),
-                   "--forwards", json.dumps(forwards), "--memory", str(args.memory), "--smp", str(args.smp), "--cpu", args.cpu]
+                   "--forwards", json.dumps(forwards), "--memory", str(args.memory), "--smp", str(args.smp), "--cpu", args.cpu,
+                   "--api-port", str(coord["api"]["port"]), "--run-id", coord["run_id"]]
         found["forwards"] = forwards
         return {pi: {"command": command, "env": {**os.environ}, "emulated": True, "final_dir": None}}
 
@@ -287,20 +310,20 @@ def main(argv: list[str] | None = None) -> int:
         if "error" not in report:
             vm = VM(image, console / "boot3.log", found["forwards"], args.memory, args.smp, args.cpu)
             try:
-                report["boot3_agent_started"] = vm.wait_for("Started fedal-agent.service", 1800)
+                report["boot3_agent_started"] = vm.wait_for(STARTED_AGENT, 1800)
                 report["boot3_powerdown"] = vm.powerdown()
             finally:
                 vm.kill()
     times = _times(console)
-    boots = {n: (console / f"boot{n}.log").read_text(errors="replace") if (console / f"boot{n}.log").exists() else ""
-             for n in (1, 2, 3)}
+    boots = {n: ANSI.sub("", (console / f"boot{n}.log").read_text(errors="replace")) if (console / f"boot{n}.log").exists()
+             else "" for n in (1, 2, 3)}
     firstrun_log = root_cmd(image, "cat /var/log/fedal-firstrun.log")
     report["checks"] = checks = {
         "boot1: firstrun.sh ran (kernel-command-line.service) and rebooted": "fedal firstrun: finished; rebooting" in firstrun_log,
         "firstrun.sh ran exactly once": firstrun_log.count("fedal firstrun: started") == 1,
         "boot2: installed offline from the wheelhouse": "installing offline from the wheelhouse" in boots[2],
         "boot2: self-check passed": "self-check passed" in boots[2],
-        "boot2: fedal-agent.service started": "Started fedal-agent.service" in boots[2],
+        "boot2: fedal-agent.service started": STARTED_AGENT in boots[2],
         "the Pi finished every round": report.get("pi", {}).get("last_round") == args.rounds,
         "payload gone from the boot partition": fat_read(image, "fedal/agent.toml") is None,
         "hook gone from cmdline.txt": "systemd.run" not in (fat_read(image, "cmdline.txt") or "systemd.run"),
