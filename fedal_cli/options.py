@@ -30,6 +30,8 @@ RUN_OPTIONS = [
     click.option("--train-splits", type=click.Choice(TRAIN_SPLIT_NAMES),
                  help="cinic10, celeba: train on the train split (default) or on train+valid."),
     click.option("--celeba-attribute", help="celeba: the binary attribute to predict (default Smiling)."),
+    click.option("--mnist1d-samples", type=click.IntRange(min=10),
+                 help="mnist1d: samples to generate, train and test together (default 12000)."),
     click.option("--samples-per-client", type=int, help="Private samples per client."),
     click.option("--public-size", type=int, help="Unlabeled public rows |P|."),
     click.option("--local-test-fraction", type=float, help="Share of each client's data kept as its local test split."),
@@ -43,7 +45,7 @@ RUN_OPTIONS = [
 ]
 
 RUN_FLAGS = ("strategy", "dataset", "data_dir", "clients", "partition", "alpha", "shift_c", "train_splits", "celeba_attribute",
-             "samples_per_client", "public_size",
+             "mnist1d_samples", "samples_per_client", "public_size",
              "local_test_fraction", "rounds", "tau", "seed", "models", "eval_every", "threads")
 
 

@@ -348,7 +348,7 @@ def test_build_federated_celeba_by_identity(tmp_path):
 def test_run_config_checks_the_dataset_options():
     cfg = load_config(None, {"dataset": "celeba", "data_dir": "/d", "partition": "identity"})
     assert cfg.celeba_attribute is None and cfg.resolved().celeba_attribute == "Smiling"
-    assert cfg.dataset_options() == {"train_splits": "train", "celeba_attribute": None}
+    assert cfg.dataset_options() == {"train_splits": "train", "celeba_attribute": None, "mnist1d_samples": None}
     cinic = load_config(None, {"dataset": "cinic10", "data_dir": "/d", "train_splits": "train+valid"})
     assert cinic.train_splits == "train+valid"
     assert load_config(None, {"dataset": "digits"}).resolved().celeba_attribute is None

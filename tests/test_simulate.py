@@ -71,6 +71,8 @@ def test_saved_config_reruns_identically(tmp_path):
         (["--strategy", "fedavg", "--models", "mlp,lenet5"], "one model"),
         (["--dataset", "cifar10"], "data_dir"),
         (["--config", "/nonexistent/run.toml"], "not found"),
+        (["--dataset", "digits", "--mnist1d-samples", "2000"], "'mnist1d' only"),
+        (["--mnist1d-samples", "5"], "mnist1d-samples"),
     ],
 )
 def test_cli_errors_exit_2_with_a_clear_message(args, needle, tmp_path):
@@ -143,3 +145,20 @@ def test_local_test_fraction_reports_each_clients_own_accuracy():
     assert load_config(None, {}).local_test_fraction == 0.0
     with pytest.raises(Exception, match="local_test_fraction"):
         load_config(None, dict(local_test_fraction=1.5))
+
+
+def test_mnist1d_size_is_a_parameter_written_with_the_results(tmp_path):
+    """MNIST-1D's generated size is a run setting: the default (12000) is written in the saved
+    config, another size changes the data the clients get, and the CLI flag sets it."""
+    base = dict(strategy="local", dataset="mnist1d", clients=2, rounds=1, public_size=100, seed=0)
+    default = simulate(load_config(None, base))
+    assert default["config"]["mnist1d_samples"] == 12000
+    small = simulate(load_config(None, {**base, "mnist1d_samples": 2000}))
+    assert small["config"]["mnist1d_samples"] == 2000
+    assert small["data"]["test_size"] < default["data"]["test_size"]
+    assert sum(small["data"]["client_sizes"]) < sum(default["data"]["client_sizes"])
+    proc = fedal("simulate", "--strategy", "local", "--clients", "2", "--rounds", "1", "--public-size", "100",
+                 "--mnist1d-samples", "2000", "--out", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["config"]["mnist1d_samples"] == 2000 and saved["data"] == small["data"]

@@ -19,7 +19,7 @@ import numpy as np
 
 from fedal.data.arrays import ArrayDataset
 
-__all__ = ["load_mnist1d", "load_digits", "default_cache_dir"]
+__all__ = ["MNIST1D_SAMPLES", "load_mnist1d", "load_digits", "default_cache_dir"]
 
 _CACHE_FORMAT = 1  # bump when the cached file layout changes
 
@@ -95,7 +95,10 @@ def _write_atomic(path: Path, arrays: dict[str, np.ndarray], key_json: str) -> N
         raise
 
 
-def load_mnist1d(num_samples: int = 12000, seed: int = 42,
+MNIST1D_SAMPLES = 12000  # the toolkit's default size of generated MNIST-1D (train and test together)
+
+
+def load_mnist1d(num_samples: int = MNIST1D_SAMPLES, seed: int = 42,
                  cache_dir: str | os.PathLike | None = None) -> tuple[ArrayDataset, ArrayDataset]:
     """MNIST-1D (train, test): x [n, 40] float32, 10 classes, the package's 80/20 split.
 

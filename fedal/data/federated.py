@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedal.data.arrays import ArrayDataset
-from fedal.data.embedded import load_digits, load_mnist1d
+from fedal.data.embedded import MNIST1D_SAMPLES, load_digits, load_mnist1d
 from fedal.data.files import load_cifar10_dir, load_mnist_dir, load_svhn_dir
 from fedal.data.image_files import TRAIN_SPLITS, load_celeba_dir, load_cinic10_dir
 from fedal.data.partition import PARTITIONERS, by_identity, label_histogram
@@ -55,8 +55,13 @@ class FederatedData:
     client_test_indices: list[np.ndarray] | None = None
 
 
-def check_dataset_options(dataset: str, train_splits: str = "train", celeba_attribute: str | None = None) -> None:
+def check_dataset_options(dataset: str, train_splits: str = "train", celeba_attribute: str | None = None,
+                          mnist1d_samples: int | None = None) -> None:
     """Refuse options the dataset does not have, before anything is read."""
+    if mnist1d_samples is not None and dataset != "mnist1d":
+        raise ValueError(f"mnist1d_samples applies to dataset 'mnist1d' only, not {dataset!r}")
+    if mnist1d_samples is not None and int(mnist1d_samples) < 10:
+        raise ValueError(f"mnist1d_samples must be at least 10 (one per class), got {mnist1d_samples}")
     if train_splits not in TRAIN_SPLITS:
         raise ValueError(f"train_splits must be one of {', '.join(TRAIN_SPLITS)}, got {train_splits!r}")
     if train_splits != "train" and dataset not in VALID_SPLIT_DATASETS:
@@ -67,22 +72,24 @@ def check_dataset_options(dataset: str, train_splits: str = "train", celeba_attr
 
 
 def load_dataset(dataset: str, data_dir=None, *, train_splits: str = "train",
-                 celeba_attribute: str | None = None) -> tuple[ArrayDataset, ArrayDataset]:
+                 celeba_attribute: str | None = None, mnist1d_samples: int | None = None) -> tuple[ArrayDataset, ArrayDataset]:
     """(train, test) for a name in DATASETS.
 
     The file datasets read from `data_dir`; for mnist1d, `data_dir` (if given) is where the
     generated arrays are cached instead of the default cache directory; digits ignores it.
     `train_splits` "train+valid" adds the published validation split to the training set
-    (cinic10, celeba); `celeba_attribute` is CelebA's binary task (None: Smiling).
+    (cinic10, celeba); `celeba_attribute` is CelebA's binary task (None: Smiling);
+    `mnist1d_samples` how many MNIST-1D samples to generate, train and test together (None:
+    MNIST1D_SAMPLES).
     """
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; choose one of: {', '.join(DATASETS)}")
-    check_dataset_options(dataset, train_splits, celeba_attribute)
+    check_dataset_options(dataset, train_splits, celeba_attribute, mnist1d_samples)
     if dataset in _FILE_DATASETS and data_dir is None:
         raise ValueError(f"dataset {dataset!r} is read from local files: pass data_dir "
                          f"(nothing is downloaded)")
     if dataset == "mnist1d":
-        return load_mnist1d(cache_dir=data_dir)
+        return load_mnist1d(MNIST1D_SAMPLES if mnist1d_samples is None else int(mnist1d_samples), cache_dir=data_dir)
     if dataset == "digits":
         return load_digits()
     if dataset == "mnist":
@@ -104,7 +111,8 @@ def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-
                     public_size: int = 1000, seed: int = 0,
                     data_dir: str | os.PathLike | None = None,
                     local_test_fraction: float = 0.0, shift_c: float = 5.0, *,
-                    train_splits: str = "train", celeba_attribute: str | None = None) -> FederatedData:
+                    train_splits: str = "train", celeba_attribute: str | None = None,
+                    mnist1d_samples: int | None = None) -> FederatedData:
     """Load `dataset` and split it into `num_clients` clients plus a public set.
 
     `alpha` is the Dirichlet concentration of the chosen partition (alpha of the FedAL paper's
@@ -119,7 +127,7 @@ def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-
     by features; `shift_c` is Algorithm 2's C, and they use half the pool unless
     `samples_per_client` is given (then num_clients * samples_per_client in all).
     "identity" (celeba only) deals whole celebrity identities to clients, as LEAF does; see
-    `fedal.data.partition.by_identity`. `train_splits` and `celeba_attribute`: see `load_dataset`.
+    `fedal.data.partition.by_identity`. `train_splits`, `celeba_attribute`, `mnist1d_samples`: see `load_dataset`.
     Same arguments -> identical arrays.
     """
     if dataset not in DATASETS:
@@ -133,7 +141,8 @@ def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-
         raise ValueError(f"num_clients must be at least 1, got {num_clients}")
     if not 0.0 <= float(local_test_fraction) < 1.0:
         raise ValueError(f"local_test_fraction must lie in [0, 1), got {local_test_fraction}")
-    train, test = load_dataset(dataset, data_dir, train_splits=train_splits, celeba_attribute=celeba_attribute)
+    train, test = load_dataset(dataset, data_dir, train_splits=train_splits, celeba_attribute=celeba_attribute,
+                               mnist1d_samples=mnist1d_samples)
 
     public_seq, partition_seq, local_test_seq = seed_streams(seed)
     public_idx, remaining = split_public_indices(len(train), public_size,
@@ -193,10 +202,12 @@ def seed_streams(seed: int) -> list[np.random.SeedSequence]:
 
 
 def public_set(dataset: str, public_size: int, seed: int, data_dir: str | os.PathLike | None = None, *,
-               train_splits: str = "train", celeba_attribute: str | None = None) -> np.ndarray:
+               train_splits: str = "train", celeba_attribute: str | None = None,
+               mnist1d_samples: int | None = None) -> np.ndarray:
     """The public set `build_federated` holds out for these settings, without partitioning:
     what a coordinator serves when a run names only its dataset."""
-    train, _ = load_dataset(dataset, data_dir, train_splits=train_splits, celeba_attribute=celeba_attribute)
+    train, _ = load_dataset(dataset, data_dir, train_splits=train_splits, celeba_attribute=celeba_attribute,
+                               mnist1d_samples=mnist1d_samples)
     public_idx, _ = split_public_indices(len(train), public_size, np.random.default_rng(seed_streams(seed)[0]))
     return np.ascontiguousarray(train.x[public_idx])
 

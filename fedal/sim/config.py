@@ -51,6 +51,8 @@ class RunConfig(BaseModel):
     shift_c: float = Field(5.0, gt=0, description="covariate-shift partitions: C = delta^T Sigma^-1 delta (paper: 2, 5, 10)")
     train_splits: str = Field("train", description="cinic10, celeba: train, or train+valid to add the validation split")
     celeba_attribute: str | None = Field(None, description="celeba: the binary attribute to predict (default Smiling)")
+    mnist1d_samples: int | None = Field(None, ge=10, description="mnist1d: samples generated, train and test together "
+                                        "(default 12000)")
     samples_per_client: int | None = Field(None, ge=1, description="None: an equal share of what is left")
     public_size: int = Field(1000, ge=1)
     local_test_fraction: float = Field(0.0, ge=0.0, lt=1.0,
@@ -115,12 +117,13 @@ class RunConfig(BaseModel):
         if self.partition == "identity" and self.dataset != "celeba":
             raise ValueError(f"partition 'identity' deals celebrity identities to clients and needs dataset 'celeba', "
                              f"not {self.dataset!r}")
-        check_dataset_options(self.dataset, self.train_splits, self.celeba_attribute)
+        check_dataset_options(self.dataset, self.train_splits, self.celeba_attribute, self.mnist1d_samples)
         return self
 
     def dataset_options(self) -> dict[str, Any]:
         """The loader's options of this run's dataset, for load_dataset, build_federated and public_set."""
-        return {"train_splits": self.train_splits, "celeba_attribute": self.celeba_attribute}
+        return {"train_splits": self.train_splits, "celeba_attribute": self.celeba_attribute,
+                "mnist1d_samples": self.mnist1d_samples}
 
     def resolved_models(self) -> list[str]:
         if self.models:
@@ -150,6 +153,10 @@ class RunConfig(BaseModel):
             from fedal.data.federated import DEFAULT_CELEBA_ATTRIBUTE
 
             update["celeba_attribute"] = DEFAULT_CELEBA_ATTRIBUTE
+        if self.dataset == "mnist1d" and self.mnist1d_samples is None:  # the size, written with the results
+            from fedal.data.embedded import MNIST1D_SAMPLES
+
+            update["mnist1d_samples"] = MNIST1D_SAMPLES
         return self.model_copy(update=update)
 
 
