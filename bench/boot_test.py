@@ -65,7 +65,8 @@ def fat_read(image: Path, name: str) -> str | None:
 
 def root_cmd(image: Path, command: str) -> str:
     _, root = partitions(image)
-    return subprocess.run(["debugfs", "-R", command, f"{image}?offset={root}"], capture_output=True, text=True).stdout
+    # -c (read-only, bitmaps not read): a guest that had to be killed leaves them inconsistent
+    return subprocess.run(["debugfs", "-c", "-R", command, f"{image}?offset={root}"], capture_output=True, text=True).stdout
 
 
 def root_exists(image: Path, path: str) -> bool:
@@ -121,21 +122,24 @@ class VM:
         except subprocess.TimeoutExpired:
             return None
 
-    def powerdown(self, timeout_s: float = 50) -> str:
-        """The power button (QMP system_powerdown), then a kill if the guest does not halt."""
-        if self.proc.poll() is not None:
-            return "exited"
-        try:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.settimeout(10)
-                s.connect(str(self.qmp))
-                s.recv(4096)
-                for cmd in ("qmp_capabilities", "system_powerdown"):
-                    s.sendall(json.dumps({"execute": cmd}).encode() + b"\n")
+    def powerdown(self, timeout_s: float = 180) -> str:
+        """The power button (QMP system_powerdown), pressed again every 20 s (a press before
+        systemd-logind listens is lost), then a kill if the guest does not halt."""
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.settimeout(10)
+                    s.connect(str(self.qmp))
                     s.recv(4096)
-        except OSError as exc:
-            log(f"QMP failed ({exc}); killing qemu")
-        if self.wait_exit(timeout_s) is not None:
+                    for cmd in ("qmp_capabilities", "system_powerdown"):
+                        s.sendall(json.dumps({"execute": cmd}).encode() + b"\n")
+                        s.recv(4096)
+            except OSError as exc:
+                log(f"QMP: {exc}")
+            if self.wait_exit(min(20.0, max(1.0, deadline - time.monotonic()))) is not None:
+                return "powered off"
+        if self.proc.poll() is not None:
             return "powered off"
         self.kill()
         return "killed"
@@ -311,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             vm = VM(image, console / "boot3.log", found["forwards"], args.memory, args.smp, args.cpu)
             try:
                 report["boot3_agent_started"] = vm.wait_for(STARTED_AGENT, 1800)
+                vm.wait_for(" login:", 600)  # booted to the end: the power button is handled
                 report["boot3_powerdown"] = vm.powerdown()
             finally:
                 vm.kill()
