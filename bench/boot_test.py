@@ -381,6 +381,17 @@ def render(r: dict) -> str:
         "|---|---|",
     ]
     lines += [f"| {k} | {'ok' if v else 'FAILED'} |" for k, v in r.get("checks", {}).items()]
+    check = r.get("self_check") or {}
+    if check:
+        lines += ["", f"The device's self-check (in the install): torch {check.get('torch')}, onnxruntime {check.get('onnxruntime')}, "
+                      f"ONNX max abs diff {check.get('onnx_max_abs_diff')}, {check.get('seconds')} s under emulation."]
+    lines += [
+        "",
+        "With `--cpu cortex-a72` (the Pi 4's core) the same boot gets as far as the install's self-check, which dies",
+        "with `Illegal instruction` at `import torch`: torch 2.10.0's aarch64 wheel from PyPI needs more than ARMv8.0",
+        "(also under qemu-user with cortex-a72 and cortex-a53; fine with cortex-a76, neoverse-n1, max;",
+        "pytorch/pytorch#176993). The offline install then stops without retrying (exit 3), as designed.",
+    ]
     return "\n".join(lines) + "\n"
 
 
