@@ -1,7 +1,7 @@
 """Export-only rewrite of 1-D convolution stacks as 2-D ones of unit height.
 
 Why: onnxruntime's CPU provider runs a 1-D `Conv` through its generic path (im2col + one small
-GEMM per sample and layer): with the zoo's short signals (length 40 -> 19 -> 9 -> 4) each GEMM is
+GEMM per sample and layer): with the zoo's short signals (length 40 -> 20 -> 5 after pooling) each GEMM is
 tiny, so `cnn1d`/`cnn1d_wide` ran 1.5-2.5x *slower* than torch eager on a batch of 1000. A 2-D
 `Conv` whose input channel count is a multiple of the MLAS NCHWc block (8 with AVX2, 16 with
 AVX-512; NEON builds that have NCHWc kernels use their own) is instead rewritten by
@@ -9,7 +9,7 @@ onnxruntime's NchwcTransformer into `NchwcConv` nodes: blocked channel layout ke
 whole conv stack, direct convolution kernels, bias and ReLU fused. So the exported graph gets
 `Conv2d(kernel (1, k))` on `[B, C, 1, L]` instead of `Conv1d(kernel k)` on `[B, C, L]`, and the
 channels *between* two such convolutions are zero-padded up to a multiple of `channel_multiple`
-(`cnn1d`: 25 -> 32) so every convolution after the first qualifies; `export_onnx` pads only where
+(`cnn1d`: 24 -> 32) so every convolution after the first qualifies; `export_onnx` pads only where
 the local onnxruntime has NCHWc kernels (`nchwc_available`), since elsewhere it would only add work.
 
 Both changes compute the same function: a unit-height 2-D convolution/pooling is the 1-D one,
@@ -226,7 +226,7 @@ def _factory(m: nn.Module) -> dict:
 def _pad_channels(run: list[nn.Module], multiple: int) -> None:
     """Zero-pad the channels flowing from one ungrouped Conv2d to the next one in `run`.
 
-    Only counts above `multiple` are padded (25 -> 32 costs 64% more multiply-adds in the next
+    Only counts above `multiple` are padded (24 -> 32 costs 33% more multiply-adds in the next
     layer but turns onnxruntime's per-sample im2col path into its blocked kernels; 6 -> 16 would
     mostly add work). Everything between the two convolutions is per-channel, so the padded
     channels carry values that the next convolution multiplies by zero weights.

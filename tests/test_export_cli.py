@@ -91,13 +91,13 @@ def test_1d_model_channel_multiple_for_the_target_device(tmp_path):
     result = _export("--model", "cnn1d", "--input-shape", "40", "--num-classes", "10", "--out", "plain.onnx",
                      "--channel-multiple", "0", "--check", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert _conv_in_channels(tmp_path / "plain.onnx") == [[25, 1, 1, 5], [25, 25, 1, 5], [25, 25, 1, 5]]
+    assert _conv_in_channels(tmp_path / "plain.onnx") == [[24, 1, 1, 5], [48, 24, 1, 3]]
     assert json.loads((tmp_path / "plain.onnx.json").read_text())["conv1d_channel_multiple"] == 0
 
     result = _export("--model", "cnn1d", "--input-shape", "40", "--num-classes", "10", "--out", "padded.onnx",
                      "--channel-multiple", "16", "--check", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert [w[1] for w in _conv_in_channels(tmp_path / "padded.onnx")] == [1, 32, 32]
+    assert [w[1] for w in _conv_in_channels(tmp_path / "padded.onnx")] == [1, 32]
     assert json.loads((tmp_path / "padded.onnx.json").read_text())["conv1d_channel_multiple"] == 16
 
     result = _export("--model", "mlp", "--input-shape", "40", "--num-classes", "10", "--out", "mlp.onnx",

@@ -53,11 +53,11 @@ def test_1d_models_export_2d_convs_with_block_aligned_channels(name, shape, tmp_
     model = build_model(name, shape, 10)
     path = export_onnx(model, _x(shape, 3), tmp_path / "m.onnx")
     weights = _conv_weights(path)
-    assert len(weights) == 3
+    assert len(weights) == 2
     assert all(len(w) == 4 and w[2] == 1 for w in weights), weights  # [out, in, 1, k]: no 1-D Conv
     # channels feeding a conv from a conv are padded to the block; the last conv keeps its count
     assert all(w[1] % CHANNEL_MULTIPLE == 0 for w in weights[1:]), weights
-    assert weights[-1][0] == model.backbone[-3].out_channels
+    assert weights[-1][0] == [m for m in model.backbone if isinstance(m, nn.Conv1d)][-1].out_channels
 
     for batch in (1, 32, 1000):
         assert check_parity(model, path, _x(shape, batch, seed=batch), atol=1e-4) <= 1e-4
@@ -70,12 +70,12 @@ def test_onnxruntime_runs_every_conv_as_nchwc(name, shape, tmp_path):
     model = build_model(name, shape, 10)
     ops = _optimised_ops(export_onnx(model, _x(shape, 3), tmp_path / "m.onnx"), tmp_path)
     convs = [(d, op) for d, op in ops if "Conv" in op]
-    assert convs == [("com.microsoft.nchwc", "Conv")] * 3, ops
+    assert convs == [("com.microsoft.nchwc", "Conv")] * 2, ops
 
     # the old 1-D graph is what was slow: per-sample im2col FusedConv, no NCHWc node at all
     old = _optimised_ops(export_onnx(model, _x(shape, 3), tmp_path / "old.onnx", conv1d_as_2d=False), tmp_path)
     assert not any(d == "com.microsoft.nchwc" for d, _ in old), old
-    assert [len(w) for w in _conv_weights(tmp_path / "old.onnx")] == [3, 3, 3]
+    assert [len(w) for w in _conv_weights(tmp_path / "old.onnx")] == [3, 3]
 
 
 @pytest.mark.skipif(not X86, reason="NCHWc kernels are always compiled in on x86-64 only")
@@ -85,7 +85,7 @@ def test_node_times_profiles_the_graph_that_runs(tmp_path):
     path = export_onnx(model, _x((40,), 3), tmp_path / "m.onnx")
     rows = node_times(path, _x((40,), 64).numpy(), runs=3)
     convs = [r for r in rows if r["op"] == "Conv"]
-    assert len(convs) == 3 and all(r["domain"] == "com.microsoft.nchwc" for r in convs)
+    assert len(convs) == 2 and all(r["domain"] == "com.microsoft.nchwc" for r in convs)
     assert all(r["ms"] > 0 for r in convs) and sum(r["share"] for r in rows) == pytest.approx(1, abs=0.01)
     assert [r["ms"] for r in rows] == sorted((r["ms"] for r in rows), reverse=True)
     assert convs[0]["inputs"][0][0] == 64
@@ -173,8 +173,8 @@ def test_padded_channels_stay_exact_zeros():
     run = next(m for m in lift_1d_to_2d(model).modules() if isinstance(m, Lifted2d))
     h = _x((40,), 8).flatten(1)[:, None, None, :]
     with torch.no_grad():
-        h = run.layers[1](run.layers[0](h))  # first conv + ReLU: 25 real + 7 padded channels
-    assert h.shape[1] == 32 and torch.count_nonzero(h[:, 25:]) == 0 and torch.count_nonzero(h[:, :25]) > 0
+        h = run.layers[1](run.layers[0](h))  # first conv + ReLU: 24 real + 8 padded channels
+    assert h.shape[1] == 32 and torch.count_nonzero(h[:, 24:]) == 0 and torch.count_nonzero(h[:, :24]) > 0
 
 
 def test_channels_are_padded_only_where_onnxruntime_has_nchwc(tmp_path, monkeypatch):
@@ -184,17 +184,17 @@ def test_channels_are_padded_only_where_onnxruntime_has_nchwc(tmp_path, monkeypa
     monkeypatch.setattr(layout, "nchwc_available", lambda: False)
     monkeypatch.setattr("export.onnx_export.nchwc_available", lambda: False)
     path = export_onnx(model, _x((40,), 3), tmp_path / "plain.onnx")
-    assert _conv_weights(path) == [[25, 1, 1, 5], [25, 25, 1, 5], [25, 25, 1, 5]]
+    assert _conv_weights(path) == [[24, 1, 1, 5], [48, 24, 1, 3]]
     assert check_parity(model, path, _x((40,), 9), atol=1e-4) <= 1e-4
     forced = export_onnx(model, _x((40,), 3), tmp_path / "forced.onnx", channel_multiple=16)
-    assert [w[1] for w in _conv_weights(forced)] == [1, 32, 32]
+    assert [w[1] for w in _conv_weights(forced)] == [1, 32]
 
 
 def test_channel_multiple_must_not_be_negative():
     with pytest.raises(ValueError, match="channel_multiple"):
         lift_1d_to_2d(build_model("cnn1d", (40,), 10), channel_multiple=-1)
     no_pad = lift_1d_to_2d(build_model("cnn1d", (40,), 10), channel_multiple=0)
-    assert {m.out_channels for m in no_pad.modules() if isinstance(m, nn.Conv2d)} == {25}
+    assert {m.out_channels for m in no_pad.modules() if isinstance(m, nn.Conv2d)} == {24, 48}
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "static"])

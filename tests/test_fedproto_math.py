@@ -262,10 +262,10 @@ def test_simulate_takes_models_of_one_width_and_refuses_mixed_widths():
     from fedal.sim.config import ConfigError
 
     config = load_config(None, dict(strategy="fedproto", dataset="mnist1d", clients=2, rounds=1)).resolved()
-    assert config.models == ["mlp", "cnn1d"]
+    assert config.models == ["mlp", "cnn1d_wide"]
     _, clients, _ = build_run(config)
     assert {c.feature_dim for c in clients.values()} == {100}
     mixed = load_config(None, dict(strategy="fedproto-public", dataset="mnist1d", clients=2, rounds=1,
-                                   models=["mlp", "cnn1d_wide"])).resolved()
-    with pytest.raises(ConfigError, match="one feature width on every client.*'cnn1d_wide': 256"):
+                                   models=["mlp", "cnn1d"])).resolved()
+    with pytest.raises(ConfigError, match="one feature width on every client.*'cnn1d': 240"):
         build_run(mixed)

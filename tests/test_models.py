@@ -44,8 +44,8 @@ CASES = [
 ]
 EXPECTED_FEATURE_DIM = {
     "mlp": 100,
-    "cnn1d": 100,
-    "cnn1d_wide": 256,
+    "cnn1d": 240,
+    "cnn1d_wide": 100,
     "lenet5": 84,
     "smallcnn": 64,
     "wrn10_1": 64,
@@ -157,7 +157,7 @@ def test_models_for_input():
     assert models_for_input((3, 32, 31)) == small
     assert models_for_input((3, 32, 32)) == small + ["wrn10_1", "wrn16_1", "resnet18"]
     assert models_for_input((1, 4, 4)) == ["mlp"]
-    assert models_for_input((10,)) == ["mlp"]  # too short for the conv stack
+    assert models_for_input((7,)) == ["mlp"]  # too short for the conv stack
     assert models_for_input((2, 40)) == ["mlp"]  # multi-channel signal: only the MLP fits
 
 
@@ -179,7 +179,7 @@ def test_unknown_name_lists_valid_names():
     [
         ("cnn1d", (3, 32, 32), r"\(L,\) or \(1, L\)", "resnet18"),
         ("cnn1d_wide", (2, 40), r"\(L,\) or \(1, L\)", "mlp"),
-        ("cnn1d", (10,), "L >= 15", "mlp"),
+        ("cnn1d", (7,), "L >= 8", "mlp"),
         ("lenet5", (40,), r"\(C, H, W\)", "cnn1d"),
         ("smallcnn", (1, 4, 4), "H, W >= 8", "mlp"),
         ("wrn16_1", (40,), r"\(C, H, W\)", "cnn1d_wide"),

@@ -42,8 +42,8 @@ __all__ = [
 
 _BUILDERS: dict[str, Callable[[Sequence[int], int], SplitModel]] = {
     "mlp": MLP,
-    "cnn1d": partial(CNN1D, channels=25, name="cnn1d"),
-    "cnn1d_wide": partial(CNN1D, channels=64, name="cnn1d_wide"),
+    "cnn1d": partial(CNN1D, channels=(24, 48), name="cnn1d"),
+    "cnn1d_wide": partial(CNN1D, channels=(32, 64), hidden=100, name="cnn1d_wide"),
     "lenet5": LeNet5,
     "smallcnn": SmallCNN,
     "wrn10_1": partial(WideResNet, depth=10, widen_factor=1),

@@ -31,8 +31,8 @@ DEFAULT_MODELS = {
 # choice they get the first of the dataset's defaults.
 DEFAULT_SINGLE_MODEL = {dataset: models[0] for dataset, models in DEFAULT_MODELS.items()}
 # Strategies that need one feature width (FedProto) without a models choice: the defaults of the
-# first default's width (mnist1d: mlp and cnn1d, 100 features at length 40), else that model alone.
-SAME_WIDTH_MODELS = {"mnist1d": ["mlp", "cnn1d"]}
+# first default's width (mnist1d: mlp and cnn1d_wide, 100 features), else that model alone.
+SAME_WIDTH_MODELS = {"mnist1d": ["mlp", "cnn1d_wide"]}
 
 
 class ConfigError(ValueError):
