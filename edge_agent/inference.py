@@ -39,7 +39,12 @@ class OnnxInference:
     def name(self) -> str:
         return "onnxruntime" if self.use_onnx else "torch"
 
-    def snapshot(self, model: torch.nn.Module) -> Frozen:
+    def snapshot(self, model: torch.nn.Module, reuse: Frozen | None = None) -> Frozen:
+        """Exported afresh every time (the weights changed); `reuse` is accepted as TorchInference
+        takes it, its module overwritten only while it runs on torch (an onnxruntime snapshot's
+        module is the file's source, so it is never written to)."""
+        if self.use_onnx is False:
+            return self.torch.snapshot(model, reuse)
         frozen = frozen_copy(model)
         return Frozen(frozen, self._onnx_predictor(frozen))
 

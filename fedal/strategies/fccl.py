@@ -342,7 +342,7 @@ class FCCLClient(ClientHalf):
 
         batches = local_batches(len(self.y_train), p, steps, self.generator)
         losses = [s["loss"] for s in minibatch_steps(self.model, self.optimizer, batches, step)]
-        self.inter = self.inference.snapshot(self.model)
+        self.inter = self.inference.snapshot(self.model, reuse=self.inter)
         return float(np.mean(losses)) if losses else 0.0
 
     # -- persistence -----------------------------------------------------------------------------

@@ -212,7 +212,7 @@ class FedALClient(ClientHalf):
         """Stage 1: CE + lambda_lf_loc * KL(p(theta_ref_loc) || p), theta_ref_loc = round start."""
         p = self.params
         self.transfer_diag.clear()  # a new round: what an interrupted transfer stage left is not reported
-        self.ref_loc = self.inference.snapshot(self.model) if p.lambda_lf_loc > 0 else None
+        self.ref_loc = self.inference.snapshot(self.model, reuse=self.ref_loc) if p.lambda_lf_loc > 0 else None
         n = len(self.y_train)
 
         def step(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -232,7 +232,7 @@ class FedALClient(ClientHalf):
 
     def snapshot_ref_glo(self) -> None:
         """theta_ref_glo: the model the transfer stage starts from."""
-        self.ref_glo = self.inference.snapshot(self.model) if self.params.lambda_lf_glo > 0 else None
+        self.ref_glo = self.inference.snapshot(self.model, reuse=self.ref_glo) if self.params.lambda_lf_glo > 0 else None
 
     def _upload_logits(self, round_idx: int, iteration: int) -> dict[str, np.ndarray]:
         """The logits on the public rows of (round, iteration), as the result's tensors in the run's wire form."""

@@ -16,11 +16,28 @@ import torch
 Predictor = Callable[[torch.Tensor], torch.Tensor]
 
 
-def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+def frozen_copy(model: torch.nn.Module, into: torch.nn.Module | None = None) -> torch.nn.Module:
+    """An eval-mode, gradient-free copy of `model`. With `into` (an earlier copy of a model of the
+    same class and shapes) the weights are copied into its tensors instead: a snapshot taken
+    every round then costs a tensor copy, not a deepcopy of the whole module."""
+    if into is not None and _same_layout(model, into):
+        target = into.state_dict(keep_vars=True)  # the live parameters and buffers
+        with torch.no_grad():
+            for name, value in model.state_dict().items():
+                target[name].copy_(value)
+        return into
     ref = copy.deepcopy(model).eval()
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
+
+
+def _same_layout(model: torch.nn.Module, other: torch.nn.Module) -> bool:
+    if type(model) is not type(other):
+        return False
+    mine, theirs = model.state_dict(), other.state_dict()
+    return mine.keys() == theirs.keys() and all(
+        mine[k].shape == theirs[k].shape and mine[k].dtype == theirs[k].dtype for k in mine)
 
 
 class Frozen:
@@ -48,7 +65,11 @@ class TorchInference:
 
     name = "torch"
 
-    def snapshot(self, model: torch.nn.Module) -> Frozen:
+    def snapshot(self, model: torch.nn.Module, reuse: Frozen | None = None) -> Frozen:
+        """A frozen copy of `model`; `reuse`, a snapshot this backend made before that is no longer
+        needed, is overwritten in place (same weights as a fresh copy, no allocation)."""
+        if reuse is not None and reuse._predict is None:
+            return Frozen(frozen_copy(model, into=reuse.module))
         return Frozen(frozen_copy(model))
 
     @torch.no_grad()
