@@ -55,15 +55,18 @@ def run_options(func):
     return func
 
 
-# faults of the in-process transport: `fedal simulate` only (a deployment has real ones)
+# the in-process transport's faults and execution: `fedal simulate` only (a deployment has real faults)
 FAULT_OPTIONS = [
     click.option("--dropout", type=click.FloatRange(0.0, 1.0, max_open=True),
                  help="Each client misses each phase with this probability (seeded)."),
     click.option("--stragglers", type=click.FloatRange(0.0, 1.0),
                  help="This fraction of clients answers after the phase deadline every k-th phase."),
     click.option("--straggle-every", type=click.IntRange(min=1), help="k for --stragglers (default 2)."),
+    click.option("--vectorize/--no-vectorize", default=None,
+                 help="Run clients of one architecture as one stacked model where the strategy allows "
+                      "(fedal, fedmd, fedmd-lf); the others one by one. Default off."),
 ]
-FAULT_FLAGS = ("dropout", "stragglers", "straggle_every")
+FAULT_FLAGS = ("dropout", "stragglers", "straggle_every", "vectorize")
 
 
 def fault_options(func):

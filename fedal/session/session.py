@@ -22,6 +22,13 @@ from fedal.strategies import ClientHalf
 log = logging.getLogger("fedal.session")
 
 
+class NewTask:
+    """ClientSession.admit's answer for a task that is new and is to be computed."""
+
+
+NEW_TASK = NewTask()
+
+
 class TaskRefused(ValueError):
     """A task this session will not apply (wrong address, no epoch/seq, a step it cannot take)."""
 
@@ -83,6 +90,17 @@ class ClientSession:
     def on_task(self, task: Message) -> bytes | None:
         """The encoded result to send for `task` (new, or the cached one for a repeat), or None
         for a task to ignore (stale, another instance). Raises TaskRefused for a bad task."""
+        early = self.admit(task)
+        if not isinstance(early, NewTask):
+            return early
+        self.prepare(task)
+        return self.answer(task, self.compute(task))
+
+    # on_task in its steps, for a transport that computes a group of clients' tasks at once
+    # (vectorized simulation): admit and prepare each, compute together, answer each.
+    def admit(self, task: Message) -> bytes | NewTask | None:
+        """NEW_TASK for a task to compute; else what on_task returns without computing (None,
+        or the cached result of a repeat). Raises TaskRefused for a bad task."""
         meta = task.meta  # addressed by its topic: the transport delivers only this client's tasks
         if meta.get("instance") != self.instance:
             self.counters["stale"] += 1  # e.g. queued by the broker for an earlier run under this id
@@ -101,20 +119,34 @@ class ClientSession:
         if problem is not None:  # e.g. feedback of absurd magnitude: never trained on
             raise TaskRefused(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {problem[1]}",
                               problem[0])
-        step = (task.phase, meta.get("iteration"))
-        try:
-            self._replay_guard(meta.get("round"), step)
-            result = self.evaluate(task) if task.phase == "evaluate" else self.client.handle(task)
-        except Exception as exc:  # a task this client cannot apply is refused, not fatal
-            raise TaskRefused(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {exc}",
-                              getattr(exc, "kind", "task")) from exc
-        self.round_steps.add(step)  # taken: a repeat of it means the round is replayed (a refused one is not)
+        return NEW_TASK
+
+    def prepare(self, task: Message) -> None:
+        """The replay guard for an admitted task, before it is computed."""
+        self._refusing(task, lambda: self._replay_guard(task.meta.get("round"), (task.phase, task.meta.get("iteration"))))
+
+    def compute(self, task: Message) -> Message:
+        """The client half's result for an admitted, prepared task."""
+        return self._refusing(task, lambda: self.evaluate(task) if task.phase == "evaluate" else self.client.handle(task))
+
+    def answer(self, task: Message, result: Message) -> bytes:
+        """Record `result` as the answer to `task` and encode it for the wire."""
+        ikey = (int(task.meta["epoch"]), int(task.meta["seq"]))  # type: ignore[arg-type]  # admitted: ints
+        self.round_steps.add((task.phase, task.meta.get("iteration")))  # taken: a repeat means a replayed round
         wire = encode(wire_result(result, ikey))
         self.last_key, self.last_result = ikey, wire
         if self.store is not None:
             self.store.after_task(self)
         self.counters["tasks"] += 1
         return wire
+
+    def _refusing(self, task: Message, work: Callable[[], Any]) -> Any:
+        try:
+            return work()
+        except Exception as exc:  # a task this client cannot apply is refused, not fatal
+            meta = task.meta
+            raise TaskRefused(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {exc}",
+                              getattr(exc, "kind", "task")) from exc
 
     def _replay_guard(self, round_no: Any, step: tuple[str, Any]) -> None:
         if round_no != self.round_no:  # the round's first task: remember where it started

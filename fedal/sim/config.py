@@ -67,6 +67,8 @@ class RunConfig(BaseModel):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="simulation: each client misses each phase with this probability")
     stragglers: float = Field(0.0, ge=0.0, le=1.0, description="simulation: this fraction of clients answers after the deadline")
     straggle_every: int = Field(2, ge=1, description="simulation: stragglers are late every k-th phase")
+    vectorize: bool = Field(False, description="simulation: clients of one architecture run as one stacked model "
+                            "where the strategy allows (fedal/strategies/stacked.py)")
     strategy_params: StrategyParams = Field(default_factory=StrategyParams)
 
     @field_validator("strategy")

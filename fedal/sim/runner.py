@@ -82,7 +82,8 @@ def simulated_engine(config: RunConfig, data, clients: dict, server):
 
     faults = Faults(config.dropout, config.stragglers, config.straggle_every, seed=config.seed)
     return in_process_engine(server, clients, phase_kinds=spec.phases, rounds=config.rounds,
-                             eval_every=config.eval_every, tests=tests, faults=faults, global_metrics=global_metrics)
+                             eval_every=config.eval_every, tests=tests, faults=faults, global_metrics=global_metrics,
+                             vectorize=config.vectorize)
 
 
 def simulate(config: RunConfig, progress: ProgressFn | None = None) -> dict[str, Any]:

@@ -3,13 +3,25 @@ client half, preset, phases and their kind, its own parameters); registering one
 
 from __future__ import annotations
 
-from fedal.strategies import cfd, fccl, fd, fedakd, fedal, fedavg, feddf, fedhkd, fedmd, fedproto, local
+from collections.abc import Callable, Sequence
+
+from fedal.protocol import Message
+from fedal.strategies import cfd, fccl, fd, fedakd, fedal, fedavg, feddf, fedhkd, fedmd, fedproto, local, stacked_fedal
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
 from fedal.strategies.params import StrategyParams
 
 MODULES = (fedal, fedmd, local, fedavg, fedhkd, feddf, fedakd, fd, fedproto, cfd, fccl)  # one line per strategy module
 STRATEGIES: dict[str, StrategySpec] = {spec.name: spec for module in MODULES for spec in module.SPECS}
 STRATEGY_NAMES = tuple(STRATEGIES)
+
+
+# vectorized simulation: client halves that can step as a group of one architecture, by exact class
+GROUP_STEPS = dict(stacked_fedal.GROUP_STEPS)
+
+
+def group_step(client: ClientHalf) -> Callable[[Sequence, Sequence[Message]], list[Message]] | None:
+    """The stacked step for `client`'s class (fedal/strategies/stacked.py), if it has one."""
+    return GROUP_STEPS.get(type(client))
 
 
 def get_strategy(name: str) -> StrategySpec:
@@ -30,4 +42,5 @@ __all__ = [
     "StrategyParams",
     "StrategySpec",
     "get_strategy",
+    "group_step",
 ]

@@ -69,6 +69,24 @@ def rows_key(params: StrategyParams) -> int:
     return 0 if params.rows_seed is None else params.rows_seed
 
 
+# -- a client's losses, shared by the per-client path and the vectorized one (stacked_fedal.py) --
+def local_loss(p: StrategyParams, logits: torch.Tensor, y: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
+    """Stage 1 (eq. 7): CE + lambda_lf_loc * KL(p(theta_ref_loc) || p)."""
+    loss = F.cross_entropy(logits, y)
+    if ref is not None:
+        loss = loss + p.lambda_lf_loc * kl_to_student(ref, logits, p.temperature_lf)
+    return loss
+
+
+def transfer_terms(p: StrategyParams, f: torch.Tensor, target: torch.Tensor,
+                   ref: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stage 2's distillation terms (eq. 8 without the adversarial one, which arrives as a
+    gradient): lambda_kd * KL(softmax(target) || p_n) and lambda_lf_glo * KL(p(theta_ref_glo) || p_n)."""
+    kd = p.lambda_kd * kl_to_student(target, f, p.temperature_kd)
+    lf = None if ref is None else p.lambda_lf_glo * kl_to_student(ref, f, p.temperature_lf)
+    return kd, lf
+
+
 class FedALServer(ServerHalf):
     def __init__(self, params: StrategyParams, client_ids: list[str], context: ServerContext):
         super().__init__(params, client_ids, context)
@@ -217,13 +235,8 @@ class FedALClient(ClientHalf):
 
         def step(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
             x = self.x_train[idx]
-            logits = self.model(x)
-            loss = F.cross_entropy(logits, self.y_train[idx])
-            if self.ref_loc is not None:
-                with torch.no_grad():
-                    ref = self.ref_loc(x)
-                loss = loss + p.lambda_lf_loc * kl_to_student(ref, logits, p.temperature_lf)
-            return loss, {}
+            ref = None if self.ref_loc is None else self.ref_loc(x)
+            return local_loss(p, self.model(x), self.y_train[idx], ref), {}
 
         # tau batches, each drawn afresh (ClientHalf.sample_batch's draw)
         batches = (torch.randperm(n, generator=self.generator)[: min(p.batch_size, n)] for _ in range(steps))
@@ -275,13 +288,11 @@ class FedALClient(ClientHalf):
         own = torch.from_numpy(wire_round(f.detach().numpy(), p.wire_dtype, p.wire_int8_scale))
         target = self.kd_target(fbar, own, task.integer("n_avg", 1))
 
-        loss = p.lambda_kd * kl_to_student(target, f, p.temperature_kd)
-        diag = {"loss_kd": loss.item(), "gnorm_kd": p.lambda_kd * kl_grad_wrt_student(target, f, p.temperature_kd).norm().item()}
-        if self.ref_glo is not None:
-            with torch.no_grad():
-                ref = self.ref_glo(x)
-            loss = loss + p.lambda_lf_glo * kl_to_student(ref, f, p.temperature_lf)
-            diag["gnorm_lf"] = p.lambda_lf_glo * kl_grad_wrt_student(ref, f, p.temperature_lf).norm().item()
+        ref = None if self.ref_glo is None else self.ref_glo(x)
+        loss, lf = transfer_terms(p, f, target, ref)
+        diag = self.transfer_norms(loss, f, target, ref)
+        if lf is not None:
+            loss = loss + lf
 
         self.optimizer.zero_grad()
         if g is not None:
@@ -293,6 +304,15 @@ class FedALClient(ClientHalf):
         else:
             loss.backward()
         self.optimizer.step()
+        return diag
+
+    def transfer_norms(self, kd: torch.Tensor, f: torch.Tensor, target: torch.Tensor,
+                       ref: torch.Tensor | None) -> dict[str, float]:
+        """The distillation terms' diagnostics: the KD loss and both terms' gradient norms."""
+        p = self.params
+        diag = {"loss_kd": kd.item(), "gnorm_kd": p.lambda_kd * kl_grad_wrt_student(target, f, p.temperature_kd).norm().item()}
+        if ref is not None:
+            diag["gnorm_lf"] = p.lambda_lf_glo * kl_grad_wrt_student(ref, f, p.temperature_lf).norm().item()
         return diag
 
     def kd_target(self, fbar: torch.Tensor, own: torch.Tensor, n_avg: int) -> torch.Tensor:

@@ -1,0 +1,159 @@
+"""FedAL's client half (fedal.py) for a group of clients of one architecture at once.
+
+The same two stages as `FedALClient.handle`, each client with its own data, batches, weights,
+Adam moments and feedback, computed as one stacked model (stacked.py). The losses are
+fedal.py's own functions (`local_loss`, `transfer_terms`), applied per client under `vmap`.
+What the per-client path keeps as the uploaded logits' autograd graph is recomputed here from
+the same weights when the feedback arrives. Everything that can refuse a task is checked
+before anything changes, so a refused group runs client by client from an untouched state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from fedal.protocol import Message
+from fedal.protocol.wire_dtype import encode_tensor, wire_round
+from fedal.strategies.base import ClientHalf
+from fedal.strategies.fedal import FedALClient, local_loss, logits_iteration, rows_key, transfer_terms
+from fedal.strategies.public_rows import public_rows
+from fedal.strategies.stacked import NotStackable, StackedModels
+
+
+def handle_group(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> list[Message]:
+    """`FedALClient.handle` for every client of the group: each one's result for its task, all
+    tasks of one phase, round and iteration. Raises NotStackable, with nothing changed, where
+    the clients must run one by one."""
+    p = clients[0].params
+    if any(c.params != p for c in clients):
+        raise NotStackable("the clients' strategy parameters differ")
+    phase = tasks[0].phase
+    if phase == "local_train":
+        diags, stack = _local_train(clients, tasks)
+    elif phase == "transfer":
+        diags, stack = _transfer(clients, tasks)
+    else:
+        raise NotStackable(f"phase {phase!r} runs client by client")
+    return _replies(clients, tasks, diags, stack)
+
+
+Diagnostics = list[dict[str, float]]
+
+
+def _local_train(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple[Diagnostics, StackedModels]:
+    p = clients[0].params
+    steps = {t.integer("steps", p.tau) for t in tasks}
+    rows = {min(p.batch_size, len(c.y_train)) for c in clients}
+    if len(steps) != 1 or len(rows) != 1:
+        raise NotStackable("the clients take different numbers of steps or batch sizes")
+    stack = StackedModels([c.model for c in clients], [c.optimizer for c in clients])
+    for c in clients:  # as FedALClient.local_steps: a new round, the round-start reference
+        c.transfer_diag.clear()
+        c.ref_loc = c.inference.snapshot(c.model, reuse=c.ref_loc) if p.lambda_lf_loc > 0 else None
+    ref = stack.frozen() if p.lambda_lf_loc > 0 else None
+    b = rows.pop()
+    losses = []
+    for _ in range(steps.pop()):
+        idx = [torch.randperm(len(c.y_train), generator=c.generator)[:b] for c in clients]
+        x = torch.stack([c.x_train[i] for c, i in zip(clients, idx)])
+        y = torch.stack([c.y_train[i] for c, i in zip(clients, idx)])
+        if ref is None:
+            per = stack.per_client(lambda prm, x, y: local_loss(p, stack.one(prm, x), y, None), stack.params, x, y)
+        else:
+            with torch.no_grad():
+                ref_logits = stack.forward(ref, x)
+            per = stack.per_client(lambda prm, x, y, r: local_loss(p, stack.one(prm, x), y, r), stack.params, x, y,
+                                   ref_logits)
+        stack.step(per.sum())
+        losses.append(per.detach())
+    stack.write_back()
+    for c in clients:
+        c.snapshot_ref_glo()
+    mean = torch.stack(losses).mean(dim=0).tolist() if losses else [0.0] * len(clients)
+    return [{"loss": float(v)} for v in mean], stack
+
+
+def _transfer(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple[Diagnostics, StackedModels]:
+    p = clients[0].params
+    # everything that may refuse the task, before anything changes
+    if any("fbar" not in t.tensors for t in tasks):
+        raise NotStackable("a client without feedback this iteration")
+    fbar, grads = [], []
+    for c, t in zip(clients, tasks):
+        pend = c.pending
+        if pend is None or (pend["round"], pend["iteration"]) != (t.meta["round"], t.meta["iteration"]):
+            raise NotStackable("feedback for an iteration whose logits this client did not upload")
+        try:
+            fbar.append(c.received(t, "fbar"))
+            grads.append(c.received(t, "grad") if "grad" in t.tensors and p.lambda_adv > 0 else None)
+        except ValueError as exc:
+            raise NotStackable(str(exc)) from exc
+    if len({g is None for g in grads}) != 1 or any(c.public_x is None for c in clients):
+        raise NotStackable("the clients' feedback differs in kind")
+    x = torch.stack([c.public_x[c.pending["indices"]] for c in clients])  # type: ignore[index]
+    stack = StackedModels([c.model for c in clients], [c.optimizer for c in clients])
+    f = stack.forward(stack.params, x)  # the uploaded logits, recomputed from the same weights
+    if any(fb.shape != f.shape[1:] or (g is not None and g.shape != f.shape[1:]) for fb, g in zip(fbar, grads)):
+        raise NotStackable("feedback of another shape than the logits")
+
+    targets = []
+    for k, (c, t) in enumerate(zip(clients, tasks)):
+        c.pending = None
+        own = torch.from_numpy(wire_round(f[k].detach().numpy(), p.wire_dtype, p.wire_int8_scale))
+        targets.append(c.kd_target(fbar[k], own, t.integer("n_avg", 1)))
+    target = torch.stack(targets)
+    ref = None
+    if p.lambda_lf_glo > 0 and all(c.ref_glo is not None for c in clients):
+        frozen = {n: torch.stack([dict(c.ref_glo.module.named_parameters())[n] for c in clients])
+                  for n in stack.names}
+        with torch.no_grad():
+            ref = stack.forward(frozen, x)
+    kd, lf = _terms(stack, transfer_terms, p, f, target, ref)
+    loss = kd.sum() if lf is None else (kd + lf).sum()
+    diags = [c.transfer_norms(kd[k], f[k], target[k], None if ref is None else ref[k]) for k, c in enumerate(clients)]
+    if grads[0] is not None:
+        adv = torch.stack([p.lambda_adv * g / f.shape[1] for g in grads if g is not None])
+        for k, d in enumerate(diags):
+            d["gnorm_adv"] = adv[k].norm().item()
+        loss = loss + (f * adv).sum()
+    stack.step(loss)
+    stack.write_back()
+    return [c.transfer_diagnostics(d, last=t.integer("iteration") + 1 >= p.tau)
+            for c, t, d in zip(clients, tasks, diags)], stack
+
+
+def _terms(stack: StackedModels, transfer_terms, p, f: torch.Tensor, target: torch.Tensor,
+           ref: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if ref is None:
+        return stack.per_client(lambda f, t: transfer_terms(p, f, t, None)[0], f, target), None
+    kd, lf = stack.per_client(lambda f, t, r: transfer_terms(p, f, t, r), f, target, ref)
+    return kd, lf
+
+
+def _replies(clients: Sequence[FedALClient], tasks: Sequence[Message], diags: Diagnostics,
+             stack: StackedModels) -> list[Message]:
+    """As FedALClient.handle ends: each reply with the logits that open the next iteration."""
+    p = clients[0].params
+    t0 = tasks[0]
+    nxt = logits_iteration(t0.phase, t0.integer("iteration"), p.tau or 1)
+    uploads: list[dict[str, np.ndarray]] = [{} for _ in clients]
+    if nxt is not None:
+        round_idx = t0.integer("round")
+        idx = [torch.from_numpy(public_rows(rows_key(p), round_idx, nxt, len(c.public_x), p.public_batch_size))  # type: ignore[arg-type]
+               for c in clients]
+        with torch.no_grad():
+            logits = stack.forward(stack.params, torch.stack([c.public_x[i] for c, i in zip(clients, idx)]))  # type: ignore[index]
+        for k, c in enumerate(clients):
+            # no graph kept: the feedback step recomputes these logits from the same weights
+            c.pending = {"round": round_idx, "iteration": nxt, "indices": idx[k]}
+            uploads[k] = encode_tensor("logits", logits[k].numpy().astype(np.float32), p.wire_dtype, p.wire_int8_scale)
+    return [c.reply(t, up, **d) for c, t, up, d in zip(clients, tasks, uploads, diags)]
+
+
+# The client halves this module steps as a group (their exact class: a subclass may handle more).
+GROUP_STEPS: dict[type[ClientHalf], Callable[[Sequence, Sequence[Message]], list[Message]]] = {
+    FedALClient: handle_group,
+}

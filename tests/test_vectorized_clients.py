@@ -1,0 +1,99 @@
+"""Vectorized clients (`vectorize`): clients of one architecture as one stacked model give the
+per-client path's numbers, up to float summation order, step for step; whatever cannot be
+stacked runs client by client, unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedal.sim import build_run, load_config, simulate, simulated_engine
+from fedal.strategies.stacked import NotStackable, StackedModels
+from tests.helpers import without_timings
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _config(strategy: str, vectorize: bool, **extra):
+    base = dict(strategy=strategy, dataset="mnist1d", clients=4, samples_per_client=120, public_size=200,
+                models=["mlp", "cnn1d"], rounds=2, seed=3, vectorize=vectorize, mnist1d_samples=2000)
+    return load_config(None, {**base, **extra}).resolved()
+
+
+def _engine(strategy: str, vectorize: bool, **extra):
+    config = _config(strategy, vectorize, **extra)
+    data, clients, server = build_run(config)
+    return simulated_engine(config, data, clients, server), clients, data
+
+
+def _assert_close_clients(a: dict, b: dict, atol: float) -> None:
+    for cid in a:
+        for (name, p), q in zip(a[cid].model.named_parameters(), b[cid].model.parameters()):
+            assert torch.allclose(p, q, atol=atol, rtol=0), (cid, name, (p - q).abs().max().item())
+
+
+@pytest.mark.parametrize("strategy", ["fedal", "fedmd", "fedmd-lf"])
+def test_every_phase_equals_the_per_client_step(strategy):
+    """Each phase of a round (local training, each transfer iteration) from the same state."""
+    per_engine, per_clients, data = _engine(strategy, False)
+    vec_engine, vec_clients, _ = _engine(strategy, True)
+    for r in range(2):
+        per_engine.run_round(r)
+        vec_engine.run_round(r)
+        _assert_close_clients(per_clients, vec_clients, atol=1e-5)
+        x = torch.from_numpy(data.public_x[:64])
+        for cid in per_clients:  # outputs on the public set, per client
+            assert torch.allclose(per_clients[cid].predict(x), vec_clients[cid].predict(x), atol=1e-5, rtol=0)
+            per_state, vec_state = per_clients[cid].optimizer.state_dict(), vec_clients[cid].optimizer.state_dict()
+            for k, st in per_state["state"].items():
+                assert float(st["step"]) == float(vec_state["state"][k]["step"])
+                assert torch.allclose(st["exp_avg_sq"], vec_state["state"][k]["exp_avg_sq"], atol=1e-7, rtol=1e-4)
+    assert vec_engine.transport.stacked_tasks > 0 and per_engine.transport.stacked_tasks == 0
+
+
+def test_a_simulation_gives_the_per_client_results():
+    per = simulate(_config("fedal", False, rounds=3))
+    vec = simulate(_config("fedal", True, rounds=3))
+    assert vec["config"]["vectorize"] is True
+    for a, b in zip(per["rounds"], vec["rounds"]):
+        assert a["bytes_up"] == b["bytes_up"] and a["bytes_down"] == b["bytes_down"]
+        for x, y in zip(a["client_acc"], b["client_acc"]):
+            assert abs(x - y) <= 1 / 400  # at most one test row of 400 flips
+    for key in ("disc_loss", "disc_acc"):
+        assert per["rounds"][-1]["server"][key] == pytest.approx(vec["rounds"][-1]["server"][key], abs=1e-4)
+
+
+def test_strategies_without_a_group_step_run_client_by_client_unchanged():
+    per = simulate(_config("fedproto", False, models=["mlp"]))
+    vec = simulate(_config("fedproto", True, models=["mlp"]))
+    assert without_timings(per)["rounds"] == without_timings(vec)["rounds"]
+
+
+def test_a_group_that_cannot_be_stacked_runs_client_by_client():
+    """Power-law client sizes with a batch of 100: clients below 100 rows take smaller batches,
+    so their group is not stacked; the one mlp pair that shares a batch size still is."""
+    extra = dict(partition="pow", samples_per_client=120, strategy_params={"batch_size": 100})
+    engine, clients, _ = _engine("fedal", True, **extra)
+    per_engine, per_clients, _ = _engine("fedal", False, **extra)
+    assert sorted(len(c.y_train) for c in clients.values()) == [57, 76, 116, 231]
+    engine.run_round(0)
+    per_engine.run_round(0)
+    _assert_close_clients(per_clients, clients, atol=1e-5)
+    # local training ran client by client (batch sizes differ in both architecture groups); the
+    # transfer iterations, on public batches of one size, were stacked
+    tau = clients["c00"].params.tau
+    assert engine.transport.stacked_tasks == 4 * tau
+
+
+def test_stacking_refuses_what_it_cannot_do():
+    from fedal.models import build_model
+    from fedal.strategies import optim
+
+    a, b = build_model("mlp", (40,), 10), build_model("cnn1d", (40,), 10)
+    with pytest.raises(NotStackable, match="architecture"):
+        StackedModels([a, b], [optim.Adam(a.parameters()), optim.Adam(b.parameters())])
+    c = build_model("mlp", (40,), 10)
+    with pytest.raises(NotStackable, match="Adam"):
+        StackedModels([a, c], [optim.Adam(a.parameters()), optim.SGD(c.parameters(), lr=0.1)])
+    with pytest.raises(NotStackable, match="settings"):
+        StackedModels([a, c], [optim.Adam(a.parameters(), lr=1e-3), optim.Adam(c.parameters(), lr=1e-2)])
