@@ -51,9 +51,9 @@ class StackedModels:
         self.models, self.optimizers = list(models), list(optimizers)
         self.base = models[0]
         self.names = [n for n, _ in self.base.named_parameters()]
+        self.own = [dict(m.named_parameters()) for m in models]  # each client's live parameters
         self.params: Params = {
-            n: torch.stack([dict(m.named_parameters())[n].detach() for m in models]).requires_grad_(True)
-            for n in self.names}
+            n: torch.stack([own[n].detach() for own in self.own]).requires_grad_(True) for n in self.names}
         self.optimizer = self._stacked_adam()
 
     def _stacked_adam(self) -> torch.optim.Optimizer:
@@ -101,8 +101,7 @@ class StackedModels:
 
     def write_back(self) -> None:
         with torch.no_grad():
-            for i, (model, opt) in enumerate(zip(self.models, self.optimizers)):
-                own = dict(model.named_parameters())
+            for i, (own, opt) in enumerate(zip(self.own, self.optimizers)):
                 for name in self.names:
                     own[name].copy_(self.params[name][i])
                     state = self.optimizer.state.get(self.params[name])
@@ -112,9 +111,7 @@ class StackedModels:
                                                 "exp_avg_sq": state["exp_avg_sq"][i].clone()}
 
 
-def load_frozen(module: torch.nn.Module, params: Params, index: int) -> None:
-    """Client `index`'s slice of a stacked snapshot into its own frozen module (in place)."""
-    own = dict(module.named_parameters())
-    with torch.no_grad():
-        for name, value in params.items():
-            own[name].copy_(value[index])
+def stack_modules(modules: Sequence[torch.nn.Module], names: Sequence[str]) -> Params:
+    """The parameters `names` of same-layout modules (frozen references), stacked, no gradient."""
+    own = [dict(m.named_parameters()) for m in modules]
+    return {n: torch.stack([o[n].detach() for o in own]) for n in names}

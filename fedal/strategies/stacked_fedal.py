@@ -20,7 +20,7 @@ from fedal.protocol.wire_dtype import encode_tensor, wire_round
 from fedal.strategies.base import ClientHalf
 from fedal.strategies.fedal import FedALClient, local_loss, logits_iteration, rows_key, transfer_terms
 from fedal.strategies.public_rows import public_rows
-from fedal.strategies.stacked import NotStackable, StackedModels
+from fedal.strategies.stacked import NotStackable, StackedModels, stack_modules
 
 
 def handle_group(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> list[Message]:
@@ -107,8 +107,7 @@ def _transfer(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple
     target = torch.stack(targets)
     ref = None
     if p.lambda_lf_glo > 0 and all(c.ref_glo is not None for c in clients):
-        frozen = {n: torch.stack([dict(c.ref_glo.module.named_parameters())[n] for c in clients])
-                  for n in stack.names}
+        frozen = stack_modules([c.ref_glo.module for c in clients], stack.names)
         with torch.no_grad():
             ref = stack.forward(frozen, x)
     kd, lf = _terms(stack, transfer_terms, p, f, target, ref)
