@@ -12,6 +12,7 @@ docs/results/accuracy.md, docs/results/accuracy.json and a PNG of accuracy vs lo
     python bench/accuracy.py --suite feddf   # FedDF-AL vs FedDF vs FedAL (bench/accuracy_feddf.py)
     python bench/accuracy.py --suite wire    # FedAL, FedMD: wire_dtype float32/float16/int8 (bench/accuracy_wire.py)
     python bench/accuracy.py --suite baselines  # FedAL vs the paper's black-box baselines (bench/accuracy_baselines.py)
+    python bench/accuracy.py --suite vectorize  # FedAL, FedMD: vectorized clients vs per-client (bench/accuracy_vectorize.py)
 
 Each run's results JSON is kept in --cache, so an interrupted benchmark resumes.
 """
@@ -172,7 +173,7 @@ def plot(results: dict, seeds: list[int], path: Path) -> None:
 
 # Other algorithms' comparisons, each in its own module next to this one: --suite NAME runs it.
 SUITES = {"fedal": None, "fedhkd": "accuracy_fedhkd", "fedakd": "accuracy_fedakd", "feddf": "accuracy_feddf",
-          "wire": "accuracy_wire", "baselines": "accuracy_baselines"}
+          "wire": "accuracy_wire", "baselines": "accuracy_baselines", "vectorize": "accuracy_vectorize"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                          "feddf: FedDF-AL vs FedDF vs FedAL (bench/accuracy_feddf.py); "
                          "wire: FedAL and FedMD with wire_dtype float32 / float16 / int8 (bench/accuracy_wire.py); "
                          "baselines: FedAL, FedMD, FedProto, CFD/MHAT, FCCL(+), FD, Local at alpha 5/2/1 "
-                         "(bench/accuracy_baselines.py)")
+                         "(bench/accuracy_baselines.py); "
+                         "vectorize: FedAL, FedMD vectorized vs per-client (bench/accuracy_vectorize.py)")
     ap.add_argument("--steps", type=int, default=600, help="local SGD steps per client (all strategies)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma list of {list(SETTINGS)}")
