@@ -59,6 +59,8 @@ def _check_run_id(v: str) -> str:
 def _check_no_simulated_faults(v: RunConfig) -> RunConfig:
     if v.dropout or v.stragglers:
         raise ValueError("dropout and stragglers are faults of the simulation; a deployment has real ones")
+    if v.vectorize:
+        raise ValueError("vectorize stacks simulated clients in one process; in a deployment each client is a device")
     return v
 
 

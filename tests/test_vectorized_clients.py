@@ -97,3 +97,32 @@ def test_stacking_refuses_what_it_cannot_do():
         StackedModels([a, c], [optim.Adam(a.parameters()), optim.SGD(c.parameters(), lr=0.1)])
     with pytest.raises(NotStackable, match="settings"):
         StackedModels([a, c], [optim.Adam(a.parameters(), lr=1e-3), optim.Adam(c.parameters(), lr=1e-2)])
+
+
+def test_a_deployment_refuses_vectorize(tmp_path):
+    from coordinator.config import CoordinatorConfig, RunSpec
+    from coordinator.run import Run
+
+    with pytest.raises(ValueError, match="each client is a device"):
+        CoordinatorConfig(run_id="r", client_ids=["a", "b"], state_dir=tmp_path,
+                          run={"strategy": "fedal", "dataset": "digits", "vectorize": True})
+    with pytest.raises(ValueError, match="each client is a device"):
+        RunSpec(run_id="r", client_ids=["a", "b"], run={"strategy": "fedal", "vectorize": True})
+    cfg = CoordinatorConfig(run_id="r", client_ids=["a", "b"], state_dir=tmp_path, run={"strategy": "fedal"})
+    cfg.run.vectorize = True
+    with pytest.raises(ValueError, match="each client is a device"):
+        Run(cfg)
+
+
+def test_simulate_cli_takes_vectorize(tmp_path):
+    from click.testing import CliRunner
+
+    from fedal_cli.main import cli
+
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(cli, ["simulate", "--strategy", "fedmd", "--clients", "3", "--rounds", "1",
+                                      "--vectorize", "--mnist1d-samples", "1000", "--public-size", "200", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    import json
+
+    assert json.loads(out.read_text())["config"]["vectorize"] is True
