@@ -94,6 +94,8 @@ def summarise(results: dict, steps: int, seeds: list[int]) -> tuple[str, dict]:
         "Adam lr 1e-3, batch 32, public batch 32, tau = 5 (FedMD: tau = 1, the paper's setting), all lambdas 1,",
         "E = 1, E_d = 2, discriminator MLP 32-256 with Adam 1e-4, leave-one-out KD target. Accuracy = each",
         "client's model on the common test set, averaged over clients; mean ± std over seeds.",
+        "Models: mlp (40-100-100, 15k parameters), cnn1d (conv 24 k5 + max-pool 2, conv 48 k3 + max-pool 4, 6k),",
+        "cnn1d_wide (conv 32 k5 + max-pool 2, conv 64 k3 + max-pool 4, hidden 100, 40k).",
         "",
     ]
     summary: dict = {}
@@ -149,6 +151,23 @@ def summarise(results: dict, steps: int, seeds: list[int]) -> tuple[str, dict]:
     return "\n".join(lines), summary
 
 
+def before_after(summary: dict, before_path: Path) -> str:
+    """Final mean accuracy against an earlier report of this benchmark (its accuracy.json), per
+    setting and strategy, for the settings both have: what a change to the toolkit moved."""
+    before = json.loads(before_path.read_text())
+    lines = [f"## Before / after: final mean accuracy against `{before_path.as_posix()}`", "",
+             f"Before: {before.get('note', 'the earlier report')}.", "",
+             "| setting | strategy | before | after | change (points) |", "|---|---|---|---|---:|"]
+    for setting, strategies in summary.items():
+        for strategy, now in strategies.items():
+            old = before["summary"].get(setting, {}).get(strategy)
+            if old is None:
+                continue
+            change = 100 * (statistics.mean(now["final"]) - statistics.mean(old["final"]))
+            lines.append(f"| {setting} | {strategy} | {mean_std(old['final'])} | {mean_std(now['final'])} | {change:+.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(results: dict, seeds: list[int], path: Path) -> None:
     import matplotlib
 
@@ -199,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--cache", default="runs/bench-accuracy")
     ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--before", help="an earlier accuracy.json of this benchmark: add a before/after table")
     args = ap.parse_args(argv)
     settings = [s for s in args.settings.split(",") if s]
     strategies = [s for s in args.strategies.split(",") if s]
@@ -218,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                                 Path(args.cache) / f"{st}-{s}-s{seed}-{args.steps}.json") for st, s, seed in jobs],
                               args.workers)
     text, summary = summarise(results, args.steps, seeds)
+    if args.before:
+        text += "\n" + before_after(summary, Path(args.before))
     text += f"\nWall time of this benchmark run: {time.perf_counter() - started:.0f} s with {args.workers} workers.\n"
     (out / "accuracy.md").write_text(text)
     (out / "accuracy.json").write_text(json.dumps({"steps": args.steps, "seeds": seeds, "settings": SETTINGS,
