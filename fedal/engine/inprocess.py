@@ -23,7 +23,7 @@ import heapq
 import itertools
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,14 +59,23 @@ class Faults:
         return self.dropout > 0 or self.stragglers > 0
 
 
-class InProcessTransport(Transport):
-    def __init__(self, run_id: str, sessions: Mapping[str, ClientSession], phases: PhaseSettings,
-                 phase_kinds: Mapping[str, str], faults: Faults | None = None, vectorize: bool = False):
+# a task sent and not yet computed: (client, task, (client, epoch, seq), faulted, its payload)
+Pending = tuple[str, Message, tuple[str, int, int], bool, bytes]
+
+
+class SimulatedTransport(Transport):
+    """The simulated clock, the seeded faults and the arrival queue; computing the tasks is the
+    subclass's (`_compute`): here in this process, or elsewhere (fedal/sim/ray_backend.py).
+
+    Tasks are computed when the engine next waits (`receive`), all that were sent since, in the
+    order they were sent; the clock does not move in between, so this is the same as computing
+    each at once."""
+
+    def __init__(self, run_id: str, client_ids: Sequence[str], phases: PhaseSettings,
+                 phase_kinds: Mapping[str, str], faults: Faults | None = None):
         self.run_id = run_id
-        self.vectorize = vectorize
-        self._waiting: list[tuple[str, Message, tuple[str, int, int], bool]] = []  # vectorize: not yet computed
-        self.stacked_tasks = 0  # tasks computed in a stacked group
-        self.sessions = dict(sessions)
+        self.client_ids = list(client_ids)
+        self._waiting: list[Pending] = []
         self.settings = phases
         self.phase_kinds = dict(phase_kinds)
         self.faults = faults or Faults()
@@ -75,7 +84,7 @@ class InProcessTransport(Transport):
         self._order = itertools.count()
         rng = np.random.default_rng([self.faults.seed, 0xD40])
         self._drop_rng = np.random.default_rng([self.faults.seed, 0xD0F])
-        ids = sorted(self.sessions)
+        ids = sorted(self.client_ids)
         n_late = int(round(self.faults.stragglers * len(ids)))
         self.stragglers = {ids[i] for i in rng.permutation(len(ids))[:n_late]}
         self._dropped: dict[tuple[str, int, int], bool] = {}
@@ -83,8 +92,12 @@ class InProcessTransport(Transport):
         self.dropped = 0
         self.late = 0
 
+    def _compute(self, items: list[Pending]) -> list[bytes | None]:
+        """Each task's encoded result, None for one that gets no answer (stale; lost)."""
+        raise NotImplementedError
+
     def start(self, should_stop: Callable[[], bool] | threading.Event) -> bool:
-        for cid in self.sessions:
+        for cid in self.client_ids:
             self._arrive(0.0, Arrival("status", cid, self.run_id, json.dumps({"state": "online", "ts": 0.0}).encode()))
         return True
 
@@ -98,24 +111,27 @@ class InProcessTransport(Transport):
         task = decode(payload)
         key = (client_id, int(task.meta["epoch"]), int(task.meta["seq"]))  # type: ignore[arg-type]
         if task.phase == "evaluate":  # a measurement, not part of the run: never faulted
-            return self._deliver(client_id, task, key, len(payload), faulted=False)
+            return self._deliver(client_id, task, key, payload, faulted=False)
         if key not in self._dropped:  # decided once per client and phase, in sending order
             self._dropped[key] = bool(self.faults.dropout and self._drop_rng.random() < self.faults.dropout)
             self.dropped += self._dropped[key]
         if self._dropped[key]:
             return len(payload)
-        return self._deliver(client_id, task, key, len(payload), faulted=True)
+        return self._deliver(client_id, task, key, payload, faulted=True)
 
-    def _deliver(self, client_id: str, task: Message, key: tuple[str, int, int], size: int, faulted: bool) -> int:
+    def _deliver(self, client_id: str, task: Message, key: tuple[str, int, int], payload: bytes, faulted: bool) -> int:
         if self._busy_until.get(key, -1.0) > self.clock:
-            return size  # a straggler still working on this task: the re-send waits in its inbox
-        if self.vectorize and group_step(self.sessions[client_id].client) is not None \
-                and all(w[0] != client_id for w in self._waiting):
-            self._waiting.append((client_id, task, key, faulted))
-            return size
-        self._flush()
-        self._settle(client_id, task, key, faulted, self.sessions[client_id].on_task(task))
-        return size
+            return len(payload)  # a straggler still working on this task: the re-send waits in its inbox
+        if any(w[0] == client_id for w in self._waiting):
+            self._flush()  # a client takes its tasks one after the other
+        self._waiting.append((client_id, task, key, faulted, payload))
+        return len(payload)
+
+    def _flush(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        if waiting:
+            for (client_id, task, key, faulted, _), result in zip(waiting, self._compute(waiting)):
+                self._settle(client_id, task, key, faulted, result)
 
     def _settle(self, client_id: str, task: Message, key: tuple[str, int, int], faulted: bool,
                 result: bytes | None) -> None:
@@ -130,36 +146,6 @@ class InProcessTransport(Transport):
                 self.late += 1
             self._arrive(at, Arrival("result", client_id, self.run_id, result, wire_bytes=len(result)))
 
-    def _flush(self) -> None:
-        """Compute the waiting tasks: stackable groups together, everything else one by one."""
-        waiting, self._waiting = self._waiting, []
-        groups: dict[tuple, list[tuple[str, Message, tuple[str, int, int], bool]]] = {}
-        for item in waiting:
-            client_id, task, key, faulted = item
-            session = self.sessions[client_id]
-            verdict = session.admit(task)
-            if not isinstance(verdict, NewTask):  # stale, or a repeat answered from the cache
-                self._settle(client_id, task, key, faulted, verdict)
-                continue
-            session.prepare(task)
-            client = session.client
-            group = (type(client), task.phase, task.meta.get("round"), task.meta.get("iteration"), layout_key(client.model))
-            groups.setdefault(group, []).append(item)
-        for items in groups.values():
-            sessions = [self.sessions[client_id] for client_id, *_ in items]
-            tasks = [task for _, task, *_ in items]
-            try:
-                if len(items) < 2:
-                    raise NotStackable("a group of one")
-                step = group_step(sessions[0].client)
-                assert step is not None  # only such clients wait
-                results = step([s.client for s in sessions], tasks)
-                self.stacked_tasks += len(items)
-            except NotStackable:  # nothing was changed: client by client, as without vectorize
-                results = [s.compute(task) for s, task in zip(sessions, tasks)]
-            for s, (client_id, task, key, faulted), result in zip(sessions, items, results):
-                self._settle(client_id, task, key, faulted, s.answer(task, result))
-
     def receive(self, timeout_s: float) -> Arrival | None:
         self._flush()
         if self._queue and self._queue[0][0] <= self.clock + timeout_s:
@@ -171,6 +157,61 @@ class InProcessTransport(Transport):
 
     def _arrive(self, at: float, arrival: Arrival) -> None:
         heapq.heappush(self._queue, (at, next(self._order), arrival))
+
+
+class InProcessTransport(SimulatedTransport):
+    """Client sessions in this process, called directly."""
+
+    def __init__(self, run_id: str, sessions: Mapping[str, ClientSession], phases: PhaseSettings,
+                 phase_kinds: Mapping[str, str], faults: Faults | None = None, vectorize: bool = False):
+        super().__init__(run_id, list(sessions), phases, phase_kinds, faults)
+        self.sessions = dict(sessions)
+        self.vectorize = vectorize
+        self.stacked_tasks = 0  # tasks computed in a stacked group
+
+    def _compute(self, items: list[Pending]) -> list[bytes | None]:
+        results, stacked = compute_tasks(self.sessions, [(cid, task) for cid, task, *_ in items], self.vectorize)
+        self.stacked_tasks += stacked
+        return results
+
+
+def compute_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[str, Message]],
+                  vectorize: bool = False) -> tuple[list[bytes | None], int]:
+    """Each task's encoded result through its client's session (None: stale), in order, and how
+    many were computed in stacked groups. With `vectorize`, the new tasks of clients whose half has
+    a group step run together per (class, phase, round, iteration, architecture); a group the step
+    refuses (NotStackable: nothing changed) and everything else run one by one."""
+    results: list[bytes | None] = [None] * len(items)
+    groups: dict[tuple, list[int]] = {}
+    for k, (client_id, task) in enumerate(items):
+        session = sessions[client_id]
+        verdict = session.admit(task)
+        if not isinstance(verdict, NewTask):  # stale, or a repeat answered from the cache
+            results[k] = verdict
+            continue
+        session.prepare(task)
+        client = session.client
+        if not vectorize or group_step(client) is None:
+            results[k] = session.answer(task, session.compute(task))
+            continue
+        group = (type(client), task.phase, task.meta.get("round"), task.meta.get("iteration"), layout_key(client.model))
+        groups.setdefault(group, []).append(k)
+    stacked = 0
+    for ks in groups.values():
+        group_sessions = [sessions[items[k][0]] for k in ks]
+        tasks = [items[k][1] for k in ks]
+        try:
+            if len(ks) < 2:
+                raise NotStackable("a group of one")
+            step = group_step(group_sessions[0].client)
+            assert step is not None  # only such clients are grouped
+            answers = step([s.client for s in group_sessions], tasks)
+            stacked += len(ks)
+        except NotStackable:  # nothing was changed: client by client, as without vectorize
+            answers = [s.compute(task) for s, task in zip(group_sessions, tasks)]
+        for k, s, task, answer in zip(ks, group_sessions, tasks, answers):
+            results[k] = s.answer(task, answer)
+    return results, stacked
 
 
 def in_process_engine(server: ServerHalf, clients: Mapping[str, ClientHalf], *, phase_kinds: Mapping[str, str],
