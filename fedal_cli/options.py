@@ -65,8 +65,16 @@ FAULT_OPTIONS = [
     click.option("--vectorize/--no-vectorize", default=None,
                  help="Run clients of one architecture as one stacked model where the strategy allows "
                       "(fedal, fedmd, fedmd-lf); the others one by one. Default off."),
+    click.option("--backend", type=click.Choice(["inprocess", "ray"]),
+                 help="Where client halves run: this process (default) or Ray actors (the `ray` extra)."),
+    click.option("--ray-address", help="ray backend: a cluster to join (auto, ray://host:port); default: start a "
+                 "local instance."),
+    click.option("--ray-actors", type=click.IntRange(min=1), help="ray backend: actors hosting the clients "
+                 "(default: as many as the cluster's CPUs fit --client-resources)."),
+    click.option("--client-resources", help="ray backend: each actor's resources, e.g. 'num_cpus=1,num_gpus=0.25'."),
 ]
-FAULT_FLAGS = ("dropout", "stragglers", "straggle_every", "vectorize")
+FAULT_FLAGS = ("dropout", "stragglers", "straggle_every", "vectorize", "backend", "ray_address", "ray_actors",
+               "client_resources")
 
 
 def fault_options(func):

@@ -18,7 +18,8 @@ from fedal_cli.options import config_from_flags, fault_options, run_options
 @click.option("--out", type=click.Path(dir_okay=False), default="results.json", show_default=True, help="Results JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Also write accuracy vs round as a PNG.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def simulate_cmd(config_path, out, plot, quiet, **flags) -> None:
+@click.option("--verbose", is_flag=True, help="Let the Ray backend's own logs through.")
+def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
     """Run a federated simulation in this process and write its results."""
     from fedal.sim.runner import simulate
 
@@ -31,7 +32,10 @@ def simulate_cmd(config_path, out, plot, quiet, **flags) -> None:
         bar.update(1)
 
     try:
-        results = simulate(config, progress)
+        results = simulate(config, progress, verbose=verbose)
+    except ImportError as exc:
+        raise click.ClickException(f"{exc}: the ray backend needs the `ray` extra (pip install 'fedal-edge[ray]')") \
+            from None
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None
     finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -39,6 +39,26 @@ class ConfigError(ValueError):
     """A config that cannot describe a run; the message says what to change."""
 
 
+def parse_resources(text: str | dict | None) -> dict[str, float]:
+    """'num_cpus=1,num_gpus=0.25' (or a dict) -> {'num_cpus': 1.0, 'num_gpus': 0.25}, per actor."""
+    if text is None or text == "":
+        return {"num_cpus": 1.0}
+    pairs = text.items() if isinstance(text, dict) else (p.split("=", 1) for p in text.split(",") if p.strip())
+    out: dict[str, float] = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ConfigError(f"client_resources: expected name=value pairs such as 'num_cpus=1,num_gpus=0.25', got {text!r}")
+        name, value = str(pair[0]).strip(), pair[1]
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"client_resources: {name} must be a number, got {value!r}") from None
+        if number < 0:
+            raise ConfigError(f"client_resources: {name} must not be negative, got {number}")
+        out[name] = number
+    return out
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -69,7 +89,21 @@ class RunConfig(BaseModel):
     straggle_every: int = Field(2, ge=1, description="simulation: stragglers are late every k-th phase")
     vectorize: bool = Field(False, description="simulation: clients of one architecture run as one stacked model "
                             "where the strategy allows (fedal/strategies/stacked.py)")
+    backend: Literal["inprocess", "ray"] = Field("inprocess", description="simulation: where client halves run: this "
+                                                 "process, or Ray actors (docs/simulation.md)")
+    ray_address: str | None = Field(None, description="ray backend: a cluster to join (auto, ray://host:port); "
+                                    "none starts a local instance")
+    ray_actors: int | None = Field(None, ge=1, description="ray backend: actors hosting the clients (default: as many "
+                                   "as the cluster's CPUs fit client_resources)")
+    client_resources: str | None = Field(None, description="ray backend: resources of each actor, e.g. "
+                                         "'num_cpus=1,num_gpus=0.25' (default num_cpus=1)")
     strategy_params: StrategyParams = Field(default_factory=StrategyParams)
+
+    @field_validator("client_resources")
+    @classmethod
+    def _client_resources(cls, v: str | None) -> str | None:
+        parse_resources(v)
+        return v
 
     @field_validator("strategy")
     @classmethod

@@ -1,0 +1,80 @@
+"""A run's parts from its RunConfig: the federated data, the client halves (any subset, as every
+process that hosts clients builds its own), the server half. Deterministic for a config."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fedal.data import build_federated
+from fedal.models import build_model
+from fedal.sim.config import ConfigError, RunConfig
+from fedal.strategies import ServerContext, get_strategy
+
+
+def client_ids(n: int) -> list[str]:
+    width = max(2, len(str(n - 1)))
+    return [f"c{i:0{width}d}" for i in range(n)]
+
+
+def client_seed(run_seed: int, index: int) -> int:
+    return run_seed * 100_003 + index + 1
+
+
+def build_run(config: RunConfig):
+    """Data, client halves and server half for `config` (already resolved)."""
+    data = build_data(config)
+    ids = client_ids(config.clients)
+    clients = build_clients(config, data, range(config.clients))
+    return data, clients, build_server(config, data, ids)
+
+
+def build_data(config: RunConfig):
+    """The federated data of `config`: deterministic from it, so any process can build it."""
+    return build_federated(
+        config.dataset,
+        num_clients=config.clients,
+        partition=config.partition,
+        alpha=config.alpha,
+        samples_per_client=config.samples_per_client,
+        public_size=config.public_size,
+        seed=config.seed,
+        data_dir=config.data_dir,
+        local_test_fraction=config.local_test_fraction,
+        shift_c=config.shift_c,
+        **config.dataset_options(),
+    )
+
+
+def build_clients(config: RunConfig, data, indices, public_x: np.ndarray | None = None) -> dict:
+    """The client halves with these indices (models seeded per client, as every process builds
+    them); `public_x`: the public inputs to give them, if not `data`'s own."""
+    spec = get_strategy(config.strategy)
+    params = config.strategy_params
+    ids = client_ids(config.clients)
+    models = config.resolved_models()
+    clients = {}
+    widths: dict[str, int] = {}  # per model its feature width (FedProto needs one)
+    for i in indices:
+        name = models[i % len(models)]
+        torch.manual_seed(client_seed(config.seed, i))
+        model = build_model(name, data.input_shape, data.num_classes)
+        widths[name] = model.feature_dim
+        public = (data.public_x if public_x is None else public_x) if spec.uses_public_set else None
+        clients[ids[i]] = spec.client(ids[i], model, data.clients[i], public, params, seed=client_seed(config.seed, i))
+    if spec.same_feature_dim and len(set(widths.values())) > 1:
+        raise ConfigError(f"strategy {config.strategy!r} needs one feature width on every client; the models' are "
+                          f"{widths}: choose models of one width (--models)")
+    return clients
+
+
+def build_server(config: RunConfig, data, ids: list[str]):
+    context = ServerContext(num_classes=data.num_classes, public_size=len(data.public_x), seed=config.seed,
+                            public_x=data.public_x)
+    return get_strategy(config.strategy).server(config.strategy_params, ids, context)
+
+
+def client_tests(data, index: int) -> tuple:
+    """Client `index`'s common and local test sets, for the evaluate phase."""
+    local = data.client_tests[index]
+    return data.test, local if len(local) else None

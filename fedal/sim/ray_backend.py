@@ -1,0 +1,258 @@
+"""`fedal simulate --backend ray`: client halves in Ray actors, the round engine in the driver.
+
+Each actor hosts a group of clients (their sessions, halves and private partitions, which it
+builds itself from the run config: the driver ships no data at all). The public set comes out of
+the same deterministic build in every actor, checked against the driver's by its content hash,
+so nothing is put into Ray's object store for it. The engine, the server half and the simulated clock stay in the
+driver: `RayTransport` is the in-process transport's clock and faults (SimulatedTransport) with
+the computing done by the actors, all of a phase's tasks at once, each actor its clients' in the
+order sent. So a Ray run gives the in-process run's numbers.
+
+An actor keeps each client's round-start state in a snapshot file (the session's store). When an
+actor dies, the tasks it held get no answer (counted), Ray restarts it, and the restarted actor
+loads its clients from their last round-start snapshots: the engine closes the round by its
+quorum rules, re-sends, and the clients take part again from the next round on.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedal.engine.inprocess import Faults, Pending, SimulatedTransport, compute_tasks
+from fedal.engine.rounds import RoundEngine
+from fedal.engine.settings import PhaseSettings
+from fedal.protocol import decode
+from fedal.session import ClientSession, TaskRefused, evaluation_reply
+from fedal.sim.build import build_clients, build_data, client_ids, client_tests
+from fedal.sim.config import ConfigError, RunConfig, parse_resources
+
+log = logging.getLogger("fedal.sim.ray")
+
+
+class SnapshotStore:
+    """A client's round-start state in a file: what a restarted actor resumes from."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def save_round_start(self, round_no: Any, client_state: dict[str, Any]) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        torch.save({"round": round_no, "state": client_state}, tmp)
+        os.replace(tmp, self.path)
+
+    def load_round_start(self) -> tuple[Any, dict[str, Any]] | None:
+        if not self.path.exists():
+            return None
+        saved = torch.load(self.path, weights_only=False)
+        return saved["round"], saved["state"]
+
+    def after_task(self, session: ClientSession) -> None:
+        return None
+
+
+class ClientGroup:
+    """A Ray actor's clients: built from the run config, each behind its own session."""
+
+    def __init__(self, config: dict, indices: list[int], snapshot_dir: str, run_id: str):
+        cfg = RunConfig(**config).resolved()
+        torch.set_num_threads(cfg.threads)
+        data = build_data(cfg)  # this actor's clients' partitions and the public set, built here
+        self.public_hash = data.public_hash
+        clients = build_clients(cfg, data, indices)
+        self.vectorize = cfg.vectorize
+        self.restored = 0
+        self.sessions: dict[str, ClientSession] = {}
+        for i, (cid, client) in zip(indices, clients.items()):
+            test, local_test = client_tests(data, i)
+            store = SnapshotStore(Path(snapshot_dir) / f"{cid}.pt")
+            session = ClientSession(run_id, cid, client, instance=run_id, store=store,
+                                    evaluate=functools.partial(evaluation_reply, client, test=test, local_test=local_test))
+            start = store.load_round_start()
+            if start is not None:  # a restart: back to the last round start
+                client.load_state_dict(start[1])
+                session.restore(None, None, start[0], set())
+                self.restored += 1
+            self.sessions[cid] = session
+
+    def ready(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "restored": self.restored, "public_hash": self.public_hash}
+
+    def on_tasks(self, items: list[tuple[str, bytes]]) -> list[tuple[bytes | None, str | None]]:
+        """Each task's encoded result (None: stale) and, for a task refused, why."""
+        out: list[tuple[bytes | None, str | None]] = []
+        for cid, payload in items:  # one by one, so one refusal costs only its own task
+            try:
+                results, _ = compute_tasks(self.sessions, [(cid, decode(payload))], self.vectorize)
+                out.append((results[0], None))
+            except TaskRefused as exc:
+                out.append((None, f"{exc.kind}: {exc}"))
+        return out
+
+    def on_group(self, items: list[tuple[str, bytes]]) -> list[tuple[bytes | None, str | None]]:
+        """All tasks together (vectorized groups); falls back to one by one if one is refused."""
+        try:
+            results, _ = compute_tasks(self.sessions, [(cid, decode(p)) for cid, p in items], self.vectorize)
+            return [(r, None) for r in results]
+        except TaskRefused:
+            return self.on_tasks(items)
+
+
+class RayTransport(SimulatedTransport):
+    def __init__(self, run_id: str, client_ids: Sequence[str], actors: dict[str, Any], phases: PhaseSettings,
+                 phase_kinds: dict[str, str], faults: Faults | None = None):
+        super().__init__(run_id, client_ids, phases, phase_kinds, faults)
+        self.actors = actors  # client id -> the actor hosting it
+        self.counters: Counter[str] = Counter()
+
+    def _compute(self, items: list[Pending]) -> list[bytes | None]:
+        import ray
+
+        by_actor: dict[Any, list[int]] = {}
+        for k, (cid, *_rest) in enumerate(items):
+            by_actor.setdefault(self.actors[cid], []).append(k)
+        calls = {actor: actor.on_group.remote([(items[k][0], items[k][4]) for k in ks]) for actor, ks in by_actor.items()}
+        results: list[bytes | None] = [None] * len(items)
+        for actor, ref in calls.items():
+            try:
+                answers = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:  # the actor died: its tasks get no answer
+                self.counters["actor_failures"] += 1
+                self.counters["lost_tasks"] += len(by_actor[actor])
+                log.warning("an actor died with %d tasks (%s); Ray restarts it from its clients' round-start "
+                            "snapshots", len(by_actor[actor]), type(exc).__name__)
+                continue
+            for k, (result, refused) in zip(by_actor[actor], answers):
+                results[k] = result
+                if refused is not None:
+                    self.counters["refused_tasks"] += 1
+                    log.info("client %s refused %s: %s", items[k][0], items[k][1].phase, refused)
+        return results
+
+
+def start_ray(address: str | None, num_cpus: int | None, verbose: bool) -> bool:
+    """Join `address` or start a local instance on loopback; True if this call started it."""
+    if not address:  # a local instance: every Ray process on 127.0.0.1 (read when ray is imported)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": verbose,
+                               "logging_level": logging.INFO if verbose else logging.ERROR}
+    if address:
+        ray.init(address=address, **options)
+    else:
+        ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", **options)
+    return True
+
+
+class RayClients:
+    """The actors of one run and what it takes to end them (and the snapshots) afterwards."""
+
+    def __init__(self, config: RunConfig, data, run_id: str = "sim", address: str | None = None,
+                 actors: int | None = None, resources: dict[str, float] | None = None, verbose: bool = False):
+        import ray
+
+        self.started = start_ray(address, None, verbose)
+        resources = resources or {"num_cpus": 1.0}
+        n_actors = actors or max(1, int(ray.cluster_resources().get("CPU", 1) // max(resources.get("num_cpus", 1), 1e-9)))
+        n_actors = max(1, min(n_actors, config.clients))
+        self.snapshot_dir = tempfile.mkdtemp(prefix="fedal-ray-snapshots-")
+        ids = client_ids(config.clients)
+        remote: Any = ray.remote(max_restarts=-1, max_task_retries=0)(ClientGroup)
+        cpus = resources.get("num_cpus", 1.0)
+        gpus = resources.get("num_gpus", 0.0)
+        custom = {k: v for k, v in resources.items() if k not in ("num_cpus", "num_gpus")}
+        cfg = config.model_dump(mode="json")
+        self.handles: list[Any] = []
+        self.actor_of: dict[str, Any] = {}
+        for a in range(n_actors):
+            indices = list(range(a, config.clients, n_actors))
+            handle = remote.options(num_cpus=cpus, num_gpus=gpus, resources=custom or None).remote(
+                cfg, indices, self.snapshot_dir, run_id)
+            self.handles.append(handle)
+            for i in indices:
+                self.actor_of[ids[i]] = handle
+        ready = ray.get([h.ready.remote() for h in self.handles])
+        self.pids = [r["pid"] for r in ready]
+        if any(r["public_hash"] != data.public_hash for r in ready):  # a worker node with other data files
+            self.close()
+            raise ConfigError("a Ray actor built another public set than the driver (different dataset files on "
+                              "its node?); every node needs the same data")
+
+    def restored(self) -> int:
+        """Clients the actors brought back from a snapshot (after Ray restarted them)."""
+        import ray
+
+        return sum(r["restored"] for r in ray.get([h.ready.remote() for h in self.handles]))
+
+    def close(self) -> None:
+        import ray
+
+        for handle in self.handles:
+            ray.kill(handle, no_restart=True)
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        if self.started:
+            ray.shutdown()
+
+
+def ray_engine(config: RunConfig, data, server, phase_kinds: dict[str, str], clients: RayClients,
+               global_metrics=None) -> RoundEngine:
+    phases = PhaseSettings()
+    faults = Faults(config.dropout, config.stragglers, config.straggle_every, seed=config.seed)
+    ids = list(server.client_ids)
+    transport = RayTransport("sim", ids, clients.actor_of, phases, phase_kinds, faults)
+    engine = RoundEngine(server, transport, run_id="sim", phases=phases, phase_kinds=phase_kinds,
+                         rounds=config.rounds, eval_every=config.eval_every, global_metrics=global_metrics,
+                         instance="sim")
+    transport.start(lambda: False)
+    engine.wait_for_clients(phases.start_timeout_s)
+    return engine
+
+
+def ray_run(config: RunConfig, global_metrics_of, verbose: bool = False):
+    """(data, server half, engine, close) of a Ray-backed simulation of `config` (resolved); call
+    close() at the end, whatever happened: it ends the actors (and Ray, if started here) and
+    returns what the backend did, for the results."""
+    from fedal.sim.build import build_server
+    from fedal.strategies import get_strategy
+
+    data = build_data(config)
+    build_clients(config, data, _one_per_model(config))  # refuses models of mixed feature widths early
+    ids = client_ids(config.clients)
+    server = build_server(config, data, ids)
+    clients = RayClients(config, data, address=config.ray_address, actors=config.ray_actors,
+                         resources=parse_resources(config.client_resources), verbose=verbose)
+    try:
+        engine = ray_engine(config, data, server, dict(get_strategy(config.strategy).phases), clients,
+                            global_metrics=global_metrics_of(config, data, server))
+    except BaseException:
+        clients.close()
+        raise
+
+    def close() -> dict[str, Any]:
+        transport = engine.transport
+        info = {"name": "ray", "actors": len(clients.handles), **dict(getattr(transport, "counters", {}))}
+        try:
+            info["restored_clients"] = clients.restored()
+        finally:
+            clients.close()
+        return info
+
+    return data, server, engine, close
+
+
+def _one_per_model(config: RunConfig) -> list[int]:
+    models = config.resolved_models()
+    return list(range(min(len(models), config.clients)))
+

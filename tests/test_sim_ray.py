@@ -1,0 +1,146 @@
+"""The Ray backend: client halves in Ray actors, the engine in the driver, the same numbers as the
+in-process per-client path; an actor that dies is restarted from its clients' round-start
+snapshots and the run finishes. A local Ray instance on loopback with 2 CPUs, started here."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is imported: loopback only
+ray = pytest.importorskip("ray")
+
+from fedal.sim import load_config, simulate  # noqa: E402
+from fedal.sim.config import ConfigError, parse_resources  # noqa: E402
+from tests.helpers import without_timings  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+             logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def _config(strategy: str, **extra):
+    base = dict(strategy=strategy, dataset="mnist1d", clients=5, samples_per_client=100, public_size=150,
+                rounds=2, seed=4, mnist1d_samples=2000, ray_actors=2)
+    if strategy in ("fedal", "fedmd"):
+        base["models"] = ["mlp", "cnn1d"]
+    return load_config(None, {**base, **extra})
+
+
+def _same(a: dict, b: dict) -> None:
+    a, b = without_timings(a), without_timings(b)
+    assert a["rounds"] == b["rounds"]
+    assert a["final"] == b["final"] and a["data"] == b["data"] and a["clients"] == b["clients"]
+
+
+@pytest.mark.parametrize("strategy", ["fedal", "fedmd", "fedavg"])
+def test_ray_gives_the_in_process_results(strategy):
+    local = simulate(_config(strategy))
+    remote = simulate(_config(strategy, backend="ray"))
+    _same(local, remote)
+    assert remote["backend"] == {"name": "ray", "actors": 2, "restored_clients": 0}
+    assert remote["config"]["backend"] == "ray" and "backend" not in local
+
+
+def test_faults_work_on_ray_too():
+    faults = dict(dropout=0.2, stragglers=0.4, rounds=3)
+    local = simulate(_config("fedal", **faults))
+    remote = simulate(_config("fedal", backend="ray", **faults))
+    _same(local, remote)
+    assert remote["deployment"] == local["deployment"] and local["deployment"]["faults"]["dropped_tasks"] > 0
+
+
+def test_vectorized_clients_in_actors():
+    per_client = simulate(_config("fedal", clients=6))
+    remote = simulate(_config("fedal", clients=6, backend="ray", vectorize=True))
+    for x, y in zip(per_client["final"]["client_acc"], remote["final"]["client_acc"]):
+        assert abs(x - y) <= 2 / 400
+
+
+def test_a_killed_actor_is_restarted_from_snapshots_and_the_run_finishes():
+    from fedal.sim.ray_backend import ray_run
+    from fedal.sim.runner import global_metrics_of
+
+    config = _config("fedal", rounds=3).resolved()
+    config = config.model_copy(update={"backend": "ray"})
+    data, server, engine, close = ray_run(config, global_metrics_of)
+    try:
+        engine.run_round(0)
+        actor = engine.transport.actors["c00"]
+        os.kill(ray.get(actor.ready.remote())["pid"], signal.SIGKILL)  # its worker process dies
+        records = [engine.run_round(r) for r in (1, 2)]
+    finally:
+        info = close()
+    assert info["actor_failures"] >= 1 and info["lost_tasks"] >= 1
+    assert info["restored_clients"] >= 2  # c00's actor hosts c00, c02, c04: back from their round-0 snapshots
+    # the engine re-sent the lost tasks and the restarted actor answered them: no client missed a phase
+    assert all(p["participation"] == 1.0 for r in records for p in r["phases"].values())
+    assert "mean_acc" in records[-1] and all(a is not None for a in records[-1]["client_acc"])
+
+
+def test_client_resources_are_parsed_and_bad_ones_refused():
+    assert parse_resources("num_cpus=1,num_gpus=0.25") == {"num_cpus": 1.0, "num_gpus": 0.25}
+    assert parse_resources(None) == {"num_cpus": 1.0}
+    for bad in ("num_cpus", "num_cpus=x", "num_gpus=-1"):
+        with pytest.raises(ConfigError, match="client_resources"):
+            parse_resources(bad)
+    with pytest.raises(ValueError, match="client_resources"):
+        load_config(None, {"client_resources": "cpus=many"})
+
+
+def test_an_actor_killed_mid_round_misses_the_rest_of_it_and_the_round_closes_by_quorum():
+    """Killed during the transfer stage: the tasks it held are lost (counted), the phase closes at its
+    deadline by quorum (0.5) with the other clients, its clients come back at their round start and
+    take part again."""
+    from fedal.sim.ray_backend import ray_run
+    from fedal.sim.runner import global_metrics_of
+
+    config = _config("fedal", rounds=2).resolved().model_copy(update={"backend": "ray"})
+    data, server, engine, close = ray_run(config, global_metrics_of)
+    transport = engine.transport
+    compute, killed = transport._compute, []
+
+    def kill_then_compute(items):
+        if not killed and any(task.phase == "transfer" and task.integer("iteration") == 2 for _, task, *_ in items):
+            pid = ray.get(transport.actors["c00"].ready.remote())["pid"]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        return compute(items)
+
+    transport._compute = kill_then_compute
+    try:
+        first = engine.run_round(0)
+        second = engine.run_round(1)
+    finally:
+        info = close()
+    assert killed and info["actor_failures"] >= 1 and info["lost_tasks"] >= 1 and info["restored_clients"] >= 2
+    assert first["phases"]["transfer"]["participation"] < 1.0  # closed at the deadline, by quorum
+    assert all(p["participation"] == 1.0 for p in second["phases"].values())  # all back the next round
+    assert all(a is not None for a in second["client_acc"])
+
+
+def test_a_client_group_answers_refused_tasks_with_the_reason(tmp_path):
+    """What an actor does with a task its client cannot apply (feedback for logits it never
+    uploaded, as after a restart): no result, the reason, and the other tasks still answered."""
+    from fedal.protocol import Message, encode
+    from fedal.sim.ray_backend import ClientGroup
+
+    config = _config("fedal").resolved()
+    group = ClientGroup(config.model_dump(mode="json"), [0, 2], str(tmp_path), "sim")
+    meta = {"instance": "sim", "epoch": 0, "seq": 1, "round": 0, "iteration": 0}
+    fbar = np.zeros((config.strategy_params.public_batch_size, 10), dtype=np.float32)
+    bad = Message({**meta, "phase": "transfer", "n_avg": 2}, {"fbar": fbar})
+    good = Message({**meta, "phase": "local_train", "steps": 1})
+    out = group.on_group([("c00", encode(bad)), ("c02", encode(good))])
+    assert out[0][0] is None and "did not upload" in out[0][1]
+    assert out[1][0] is not None and out[1][1] is None
+    assert (tmp_path / "c02.pt").exists()  # the round-start snapshot a restart resumes from
