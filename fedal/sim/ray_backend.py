@@ -85,7 +85,10 @@ class ClientGroup:
             self.sessions[cid] = session
 
     def ready(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "restored": self.restored, "public_hash": self.public_hash}
+        import resource
+
+        return {"pid": os.getpid(), "restored": self.restored, "public_hash": self.public_hash,
+                "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
     def on_tasks(self, items: list[tuple[str, bytes]]) -> list[tuple[bytes | None, str | None]]:
         """Each task's encoded result (None: stale) and, for a task refused, why."""
