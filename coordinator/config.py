@@ -61,6 +61,9 @@ def _check_no_simulated_faults(v: RunConfig) -> RunConfig:
         raise ValueError("dropout and stragglers are faults of the simulation; a deployment has real ones")
     if v.vectorize:
         raise ValueError("vectorize stacks simulated clients in one process; in a deployment each client is a device")
+    if v.backend != "inprocess":
+        raise ValueError(f"backend {v.backend!r} is where a simulation runs its clients; in a deployment each client "
+                         "is a device")
     return v
 
 

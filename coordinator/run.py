@@ -53,8 +53,9 @@ class Run:
             raise ValueError("a run needs client_ids")
         if config.run.dropout or config.run.stragglers:
             raise ValueError("dropout and stragglers are faults of the simulation; a deployment has real ones")
-        if config.run.vectorize:
-            raise ValueError("vectorize stacks simulated clients in one process; in a deployment each client is a device")
+        if config.run.vectorize or config.run.backend != "inprocess":
+            raise ValueError("vectorize and backend are how a simulation runs its clients; in a deployment each "
+                             "client is a device")
         self.cfg = config
         self.origin = origin
         self.run_config = config.run.model_copy(update={"clients": len(config.client_ids)}).resolved()

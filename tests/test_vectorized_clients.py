@@ -108,6 +108,8 @@ def test_a_deployment_refuses_vectorize(tmp_path):
                           run={"strategy": "fedal", "dataset": "digits", "vectorize": True})
     with pytest.raises(ValueError, match="each client is a device"):
         RunSpec(run_id="r", client_ids=["a", "b"], run={"strategy": "fedal", "vectorize": True})
+    with pytest.raises(ValueError, match="each client is a device"):
+        RunSpec(run_id="r", client_ids=["a", "b"], run={"strategy": "fedal", "backend": "ray"})
     cfg = CoordinatorConfig(run_id="r", client_ids=["a", "b"], state_dir=tmp_path, run={"strategy": "fedal"})
     cfg.run.vectorize = True
     with pytest.raises(ValueError, match="each client is a device"):
