@@ -185,15 +185,15 @@ def compute_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[s
     groups: dict[tuple, list[int]] = {}
     for k, (client_id, task) in enumerate(items):
         session = sessions[client_id]
+        if not vectorize or group_step(session.client) is None:
+            results[k] = session.on_task(task)
+            continue
+        client = session.client
         verdict = session.admit(task)
         if not isinstance(verdict, NewTask):  # stale, or a repeat answered from the cache
             results[k] = verdict
             continue
         session.prepare(task)
-        client = session.client
-        if not vectorize or group_step(client) is None:
-            results[k] = session.answer(task, session.compute(task))
-            continue
         group = (type(client), task.phase, task.meta.get("round"), task.meta.get("iteration"), layout_key(client.model))
         groups.setdefault(group, []).append(k)
     stacked = 0
