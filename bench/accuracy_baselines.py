@@ -246,8 +246,9 @@ def summarise(results: dict, steps: int, seeds: list[int]) -> tuple[str, dict, l
         "Adam lr 1e-3, batch 32, public batch 32 for every method; each method's own hyperparameters are its",
         "preset's (docs/algorithms.md) except where the budget table says otherwise. Models are assigned",
         "round-robin: mlp, cnn1d, cnn1d_wide where the method allows different models; FedProto and",
-        "FedProto-public need one feature width on every client (StrategySpec.same_feature_dim) and run mlp and",
-        "cnn1d (both 100 features), the toolkit's default for them. No method here needs identical models.",
+        "FedProto-public need one feature width on every client (StrategySpec.same_feature_dim) and run "
+        f"{' and '.join(SAME_WIDTH_MODELS['mnist1d'])}",
+        "(100 features each), the toolkit's default for them. No method here needs identical models.",
         "Accuracy = each client's model on the common test set, mean over clients; mean ± std over seeds.",
         "",
         "## Budget: how each method's local steps are counted",
@@ -398,8 +399,11 @@ def reading(summary: dict, comps: list[dict]) -> list[str]:
                          + "; ".join(f"{a} > {b} ({', '.join(where)})" for (a, b), where in flipped.items()) + ".")
     if max((len(v["seeds"]) for per in summary.values() for v in per.values()), default=0) < 2:
         lines.append("- One seed only: no spread, so no difference here can be told from seed noise.")
-    lines += ["", "Interpretation: not yet written (this report's numbers come first).", ""]
     return lines
+
+
+# What follows this line in the report is written by hand and kept when the benchmark rewrites it.
+MARKER = "<!-- hand-written below this line; kept when bench/accuracy_baselines.py rewrites the file -->"
 
 
 def plot(results: dict, seeds: list[int], path: Path) -> None:
@@ -465,7 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     run_s = sum(res["timings"]["wall_seconds"] for per in results.values() for res in per.values())
     text += (f"\nWall time of this benchmark run: {time.perf_counter() - started:.0f} s with {args.workers} workers; the "
              f"{len(jobs)} runs' own wall times (cached ones included) add up to {run_s:.0f} s.\n")
-    (out / "accuracy_baselines.md").write_text(text)
+    report = out / "accuracy_baselines.md"
+    kept = report.read_text().split(MARKER, 1)[1] if report.exists() and MARKER in report.read_text() \
+        else "\n\nInterpretation: not yet written (this report's numbers come first).\n"
+    report.write_text(text + "\n" + MARKER + kept)
     (out / "accuracy_baselines.json").write_text(json.dumps(
         {"steps": args.steps, "seeds": seeds, "settings": SETTINGS, "params": PARAMS, "fd_tau": FD_TAU,
          "fccl_pretrain_share": FCCL_PRETRAIN_SHARE, "paper_names": PAPER_NAMES, "paper": PAPER_TABLES,
