@@ -49,8 +49,12 @@ COMMON = {"phase", "round", "iteration"}  # sent in tasks only: a result's are i
 
 
 def models_for(strategy: str) -> list[str]:
-    """Mixed architectures where the strategy allows them (FedDF: a group of two and one alone)."""
-    return ["mlp"] * 3 if get_strategy(strategy).homogeneous_models else ["mlp", "cnn1d", "mlp"]
+    """Mixed architectures where the strategy allows them (FedDF: a group of two and one alone;
+    FedProto: two of one feature width)."""
+    spec = get_strategy(strategy)
+    if spec.homogeneous_models:
+        return ["mlp"] * 3
+    return ["mlp", "cnn1d_wide" if spec.same_feature_dim else "cnn1d", "mlp"]
 
 
 def toy_arrays(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -291,11 +291,11 @@ class WireSpy:
 
 def parity_config(name: str):
     """A tiny run: one model where the strategy averages parameters, else two (mlp, lenet5, mlp:
-    two groups for FedDF; mlp, cnn1d on MNIST-1D where the features must have one width);
+    two groups for FedDF; mlp, cnn1d_wide on MNIST-1D where the features must have one width);
     per-class Dirichlet for unequal data sizes; local test splits for personal accuracies and CF."""
     models, dataset = (["mlp"] if STRATEGIES[name].homogeneous_models else ["mlp", "lenet5"]), "digits"
-    if STRATEGIES[name].same_feature_dim:  # two architectures of one feature width (100 at length 40)
-        models, dataset = ["mlp", "cnn1d"], "mnist1d"
+    if STRATEGIES[name].same_feature_dim:  # two architectures of one feature width (100)
+        models, dataset = ["mlp", "cnn1d_wide"], "mnist1d"
     return load_config(None, dict(strategy=name, dataset=dataset, clients=3, rounds=2, public_size=60, seed=3,
                                   models=models, partition="dirichlet-class", alpha=1.0, local_test_fraction=0.25,
                                   eval_every=1, **knobs(name)))
