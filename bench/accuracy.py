@@ -240,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     text, summary = summarise(results, args.steps, seeds)
     if args.before:
         text += "\n" + before_after(summary, Path(args.before))
-    text += f"\nWall time of this benchmark run: {time.perf_counter() - started:.0f} s with {args.workers} workers.\n"
+    run_s = sum(res["timings"]["wall_seconds"] for per in results.values() for res in per.values())
+    text += (f"\nWall time of this benchmark run: {time.perf_counter() - started:.0f} s with {args.workers} workers; the "
+             f"{len(jobs)} runs' own wall times (cached ones included) add up to {run_s:.0f} s.\n")
     (out / "accuracy.md").write_text(text)
     (out / "accuracy.json").write_text(json.dumps({"steps": args.steps, "seeds": seeds, "settings": SETTINGS,
                                                     "summary": summary}, indent=2))
