@@ -7,6 +7,7 @@ function is a partial Fisher-Yates shuffle driven by SHA-256, so any language re
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -15,7 +16,13 @@ import numpy as np
 def public_rows(key: int, round_idx: int, iteration: int, public_size: int, batch: int) -> np.ndarray:
     """min(batch, public_size) distinct rows of 0..public_size-1, the same on every machine:
     step k swaps position k with k + (first 8 bytes of SHA-256("fedal-rows/key/round/iteration/k"),
-    little-endian) mod (public_size - k), and takes what lands at k."""
+    little-endian) mod (public_size - k), and takes what lands at k. A fresh array each call (a
+    simulation's clients and server ask for the same rows: they are computed once)."""
+    return _rows(int(key), int(round_idx), int(iteration), int(public_size), int(batch)).copy()
+
+
+@functools.lru_cache(maxsize=64)
+def _rows(key: int, round_idx: int, iteration: int, public_size: int, batch: int) -> np.ndarray:
     if public_size < 1 or batch < 1:
         raise ValueError(f"public rows need a public set and a batch, got {public_size} rows and batch {batch}")
     prefix = f"fedal-rows/{key}/{round_idx}/{iteration}/".encode()
