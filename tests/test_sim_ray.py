@@ -51,6 +51,29 @@ def test_ray_gives_the_in_process_results(strategy):
     assert remote["config"]["backend"] == "ray" and "backend" not in local
 
 
+@pytest.mark.parametrize("strategy", ["fedal", "fedmd", "fedavg"])
+def test_ray_clients_end_with_the_in_process_outputs(strategy):
+    """Not only the reported numbers: every client's final outputs on the public set agree."""
+    from fedal.sim.ray_backend import ray_run
+    from fedal.sim.runner import global_metrics_of
+    from tests.helpers import simulated_run
+
+    config = _config(strategy).resolved()
+    data, local_clients, _ = simulated_run(config)
+    _, _, engine, close = ray_run(config.model_copy(update={"backend": "ray"}), global_metrics_of)
+    try:
+        for r in range(config.rounds):
+            engine.run_round(r)
+        remote = {}
+        for handle in set(engine.transport.actors.values()):
+            remote.update(ray.get(handle.outputs.remote(data.public_x)))
+    finally:
+        close()
+    assert sorted(remote) == sorted(local_clients)
+    for cid, client in local_clients.items():
+        assert np.max(np.abs(remote[cid] - client.predict(data.public_x).numpy())) <= 1e-6, cid
+
+
 def test_faults_work_on_ray_too():
     faults = dict(dropout=0.2, stragglers=0.4, rounds=3)
     local = simulate(_config("fedal", **faults))

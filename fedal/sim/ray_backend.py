@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedal.engine.inprocess import Faults, Pending, SimulatedTransport, compute_tasks
@@ -89,6 +90,10 @@ class ClientGroup:
 
         return {"pid": os.getpid(), "restored": self.restored, "public_hash": self.public_hash,
                 "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+    def outputs(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        """Each hosted client's current outputs on `x` (to compare a run with another)."""
+        return {cid: s.client.predict(x).numpy() for cid, s in self.sessions.items()}
 
     def on_tasks(self, items: list[tuple[str, bytes]]) -> list[tuple[bytes | None, str | None]]:
         """Each task's encoded result (None: stale) and, for a task refused, why."""
