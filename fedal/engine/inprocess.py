@@ -23,6 +23,7 @@ import heapq
 import itertools
 import json
 import threading
+from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,9 +93,9 @@ class SimulatedTransport(Transport):
         self.dropped = 0
         self.late = 0
 
+    @abstractmethod
     def _compute(self, items: list[Pending]) -> list[bytes | None]:
         """Each task's encoded result, None for one that gets no answer (stale; lost)."""
-        raise NotImplementedError
 
     def start(self, should_stop: Callable[[], bool] | threading.Event) -> bool:
         for cid in self.client_ids:
