@@ -234,8 +234,16 @@ def in_process_engine(server: ServerHalf, clients: Mapping[str, ClientHalf], *, 
         sessions[cid] = ClientSession(run_id, cid, client, instance=run_id,
                                       evaluate=functools.partial(evaluation_reply, client, test=test, local_test=local_test))
     transport = InProcessTransport(run_id, sessions, phases, phase_kinds, faults, vectorize=vectorize)
-    engine = RoundEngine(server, transport, run_id=run_id, phases=phases, phase_kinds=phase_kinds, rounds=rounds,
-                         eval_every=eval_every, global_metrics=global_metrics, instance=run_id)
+    return simulated_round_engine(server, transport, phases, phase_kinds, rounds, eval_every, global_metrics)
+
+
+def simulated_round_engine(server: ServerHalf, transport: SimulatedTransport, phases: PhaseSettings,
+                           phase_kinds: Mapping[str, str], rounds: int, eval_every: int | None,
+                           global_metrics: Callable[[dict[str, Any]], dict[str, Any]] | None) -> RoundEngine:
+    """The round engine over a simulated transport, started, every client online."""
+    engine = RoundEngine(server, transport, run_id=transport.run_id, phases=phases, phase_kinds=phase_kinds,
+                         rounds=rounds, eval_every=eval_every, global_metrics=global_metrics,
+                         instance=transport.run_id)
     transport.start(lambda: False)
     engine.wait_for_clients(phases.start_timeout_s)
     return engine

@@ -26,9 +26,6 @@ class NewTask:
     """ClientSession.admit's answer for a task that is new and is to be computed."""
 
 
-NEW_TASK = NewTask()
-
-
 class TaskRefused(ValueError):
     """A task this session will not apply (wrong address, no epoch/seq, a step it cannot take)."""
 
@@ -99,7 +96,7 @@ class ClientSession:
     # on_task in its steps, for a transport that computes a group of clients' tasks at once
     # (vectorized simulation): admit and prepare each, compute together, answer each.
     def admit(self, task: Message) -> bytes | NewTask | None:
-        """NEW_TASK for a task to compute; else what on_task returns without computing (None,
+        """A NewTask for a task to compute; else what on_task returns without computing (None,
         or the cached result of a repeat). Raises TaskRefused for a bad task."""
         meta = task.meta  # addressed by its topic: the transport delivers only this client's tasks
         if meta.get("instance") != self.instance:
@@ -119,7 +116,7 @@ class ClientSession:
         if problem is not None:  # e.g. feedback of absurd magnitude: never trained on
             raise TaskRefused(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {problem[1]}",
                               problem[0])
-        return NEW_TASK
+        return NewTask()
 
     def prepare(self, task: Message) -> None:
         """The replay guard for an admitted task, before it is computed."""

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedal.engine.inprocess import Faults, Pending, SimulatedTransport, compute_tasks
+from fedal.engine.inprocess import Faults, Pending, SimulatedTransport, compute_tasks, simulated_round_engine
 from fedal.engine.rounds import RoundEngine
 from fedal.engine.settings import PhaseSettings
 from fedal.protocol import decode
@@ -220,12 +220,8 @@ def ray_engine(config: RunConfig, data, server, phase_kinds: dict[str, str], cli
     faults = Faults(config.dropout, config.stragglers, config.straggle_every, seed=config.seed)
     ids = list(server.client_ids)
     transport = RayTransport("sim", ids, clients.actor_of, phases, phase_kinds, faults)
-    engine = RoundEngine(server, transport, run_id="sim", phases=phases, phase_kinds=phase_kinds,
-                         rounds=config.rounds, eval_every=config.eval_every, global_metrics=global_metrics,
-                         instance="sim")
-    transport.start(lambda: False)
-    engine.wait_for_clients(phases.start_timeout_s)
-    return engine
+    return simulated_round_engine(server, transport, phases, phase_kinds, config.rounds, config.eval_every,
+                                  global_metrics)
 
 
 def ray_run(config: RunConfig, global_metrics_of, verbose: bool = False):

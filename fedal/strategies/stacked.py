@@ -48,7 +48,7 @@ class StackedModels:
             raise NotStackable("models with buffers (BatchNorm) run client by client")
         if any(isinstance(layer, torch.nn.modules.dropout._DropoutNd) for m in models for layer in m.modules()):
             raise NotStackable("models with dropout run client by client (their randomness is per client)")
-        self.models, self.optimizers = list(models), list(optimizers)
+        self.optimizers = list(optimizers)
         self.base = models[0]
         self.names = [n for n, _ in self.base.named_parameters()]
         self.own = [dict(m.named_parameters()) for m in models]  # each client's live parameters
@@ -89,10 +89,6 @@ class StackedModels:
     def per_client(self, fn: Callable[..., torch.Tensor], *stacked: Any) -> torch.Tensor:
         """`fn(*slices)` for every client, vmapped: each argument stacked along its first axis."""
         return vmap(fn)(*stacked)
-
-    def frozen(self) -> Params:
-        """A stacked snapshot of the current weights (the LF references)."""
-        return {n: p.detach().clone() for n, p in self.params.items()}
 
     def step(self, loss: torch.Tensor) -> None:
         self.optimizer.zero_grad()

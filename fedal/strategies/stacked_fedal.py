@@ -53,7 +53,7 @@ def _local_train(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tu
     for c in clients:  # as FedALClient.local_steps: a new round, the round-start reference
         c.transfer_diag.clear()
         c.ref_loc = c.inference.snapshot(c.model, reuse=c.ref_loc) if p.lambda_lf_loc > 0 else None
-    ref = stack.frozen() if p.lambda_lf_loc > 0 else None
+    ref = stack_modules([c.ref_loc.module for c in clients], stack.names) if p.lambda_lf_loc > 0 else None
     b = rows.pop()
     losses = []
     for _ in range(steps.pop()):
