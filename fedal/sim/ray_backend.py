@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedal.atomic import torch_save_atomic
 from fedal.engine.inprocess import Faults, Pending, SimulatedTransport, compute_tasks, simulated_round_engine
 from fedal.engine.rounds import RoundEngine
 from fedal.engine.settings import PhaseSettings
@@ -47,9 +48,7 @@ class SnapshotStore:
         self.path = path
 
     def save_round_start(self, round_no: Any, client_state: dict[str, Any]) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        torch.save({"round": round_no, "state": client_state}, tmp)
-        os.replace(tmp, self.path)
+        torch_save_atomic({"round": round_no, "state": client_state}, self.path)
 
     def load_round_start(self) -> tuple[Any, dict[str, Any]] | None:
         if not self.path.exists():
