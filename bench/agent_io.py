@@ -110,7 +110,7 @@ class SideBySide:
             wires[name] = agent.apply_task(payload)
             self.kernel[(name, rnd, phase)] += wchar() - before
         first, *rest = wires.values()
-        if any(w != first for w in rest):
+        if any((w and w.payload) != (first and first.payload) for w in rest):
             raise AssertionError(f"the agents answered task {phase} r{rnd} differently")
         return first
 

@@ -15,7 +15,7 @@ from collections import Counter
 from coordinator.bus import CoordinatorBus
 from coordinator.config import CoordinatorBrokerSettings
 from fedal.engine import Arrival, Transport
-from fedal.protocol import EnvelopeError, Reassembler, topics
+from fedal.protocol import EnvelopeError, Packet, Reassembler, topics
 
 
 class MqttTransport(Transport):
@@ -38,8 +38,8 @@ class MqttTransport(Transport):
     def now(self) -> float:
         return time.monotonic()
 
-    def send(self, client_id: str, payload: bytes) -> int:
-        return self.bus.publish_task(client_id, payload)
+    def send(self, client_id: str, packet: Packet) -> int:
+        return self.bus.publish_task(client_id, packet.payload)
 
     def publish_manifest(self, payload: bytes) -> None:
         self.bus.publish_manifest(payload)

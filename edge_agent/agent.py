@@ -41,7 +41,7 @@ from edge_agent.mqtt_link import MqttLink
 from edge_agent.public_set import PublicSetError, load_public_set
 from fedal.data import ArrayDataset
 from fedal.models import build_model
-from fedal.protocol import EnvelopeError, ManifestError, Message, Reassembler, RunManifest, decode, encode
+from fedal.protocol import EnvelopeError, ManifestError, Message, Packet, Reassembler, RunManifest, decode, encode
 from fedal.protocol.chunking import is_chunk
 from fedal.session import ClientSession, TaskRefused, evaluation_reply
 from fedal.strategies import StrategyParams, get_strategy
@@ -274,7 +274,7 @@ class Agent:
         self.client.load_state_dict(state["client"])
         self.session.restore(
             tuple(state["last_key"]) if state.get("last_key") else None,
-            bytes(state["last_result"].numpy().tobytes()) if state.get("last_result") is not None else None,
+            Packet(payload=bytes(state["last_result"].numpy().tobytes())) if state.get("last_result") is not None else None,
             state.get("round"), {tuple(s) for s in state.get("round_steps", [])})
 
     def _restore(self, state: dict[str, Any]) -> None:
@@ -317,7 +317,7 @@ class Agent:
                     wire = session.on_task(decode(rec.payload))
                 except (EnvelopeError, TaskRefused) as exc:
                     raise ReplayDiverged(f"journal task {rec.key} is refused on replay: {exc}") from exc
-                if wire is None or session.last_key != rec.key or hashlib.sha256(wire).hexdigest() != rec.result_sha256:
+                if wire is None or session.last_key != rec.key or hashlib.sha256(wire.payload).hexdigest() != rec.result_sha256:
                     raise ReplayDiverged(f"replaying journal task {rec.key} did not reproduce its published result")
         finally:
             self.replaying = False
@@ -335,10 +335,10 @@ class Agent:
     def _on_task(self, payload: bytes) -> None:
         wire = self.apply_task(payload)
         if wire is not None:
-            self.link.publish_result(wire)
+            self.link.publish_result(wire.payload)
             self.crash.reached("after_publish")
 
-    def apply_task(self, payload: bytes) -> bytes | None:
+    def apply_task(self, payload: bytes) -> Packet | None:
         """The result to send for one received task payload (None: nothing to send), with the
         durable writes of the configured durability done before it is returned."""
         try:
@@ -432,7 +432,7 @@ class Agent:
                 raise RuntimeError("a task was applied without its envelope to journal")
             assert session.last_key is not None and session.last_result is not None
             self._count("journal", self.journal.append(session.last_key, self._payload,
-                                                       hashlib.sha256(session.last_result).hexdigest()))
+                                                       hashlib.sha256(session.last_result.payload).hexdigest()))
             self.crash.reached("after_journal")
 
     def _save_checkpoint(self, round_start: Any) -> None:
@@ -450,7 +450,7 @@ class Agent:
                 "round_start": round_start,  # its client state is this round's start (the replay guard's)
                 "client": self.client.state_dict(),
                 "last_key": list(s.last_key) if s.last_key else None,
-                "last_result": torch.frombuffer(bytearray(s.last_result), dtype=torch.uint8) if s.last_result else None,
+                "last_result": torch.frombuffer(bytearray(s.last_result.payload), dtype=torch.uint8) if s.last_result else None,
                 "round": s.round_no,
                 "round_steps": sorted([list(step) for step in s.round_steps], key=repr),
             },

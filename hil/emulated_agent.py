@@ -988,7 +988,7 @@ class EmulatedAgent:
         except TaskRefused as exc:
             self._reject(str(exc))
             return []
-        return [] if wire is None else self._publish_result(wire)
+        return [] if wire is None else self._publish_result(wire.payload)
 
     def _publish_result(self, wire: bytes) -> list[Publish]:
         return [Publish(self.result_topic, part) for part in split(wire, self.max_payload)]

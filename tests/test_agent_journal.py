@@ -47,7 +47,7 @@ class ThroughAgent:
             assert self.agent.apply_task(part) is None  # a chunk: nothing to answer yet
         wire = self.agent.apply_task(parts[-1])
         self.payloads.append(payload)
-        self.wires.append(wire)
+        self.wires.append(None if wire is None else wire.payload)  # the bytes it published
         if self.on_applied is not None:
             self.on_applied(payload, wire)
         return wire
@@ -90,7 +90,7 @@ def assert_same(a, b, where: str = "state") -> None:
 
 def session_fields(agent: Agent) -> tuple:
     s = agent.session
-    return s.last_key, s.last_result, s.round_no, s.round_steps
+    return s.last_key, s.last_result.payload if s.last_result else None, s.round_no, s.round_steps
 
 
 def test_journal_drops_a_torn_tail_and_ignores_a_stale_journal(tmp_path):
@@ -170,10 +170,10 @@ def test_a_restarted_agent_reaches_exactly_the_state_after_every_task(strategy, 
 
 def test_a_redelivered_task_after_a_restart_is_answered_from_the_replayed_cache(tmp_path, one_torch_thread):
     agent, through = run_hosted("fedal", tmp_path / "ws", rounds=2)
-    last_payload, last_wire = through.payloads[-1], agent.session.last_result
+    last_payload, last_wire = through.payloads[-1], agent.session.last_result.payload
     restarted = make_agent(tmp_path / "ws")
     restarted.host(fresh_client("fedal"), "sim")
-    assert restarted.apply_task(last_payload) == last_wire
+    assert restarted.apply_task(last_payload).payload == last_wire
     assert restarted.counters["duplicates"] == 1 and restarted.counters["tasks"] == 0
 
 
@@ -228,7 +228,7 @@ def test_a_failed_journal_write_sends_nothing_and_rejoins_from_disk(tmp_path, on
     agent.host(fresh_client("fedal"), "sim")
     assert_same(agent.client.state_dict(), before)
     assert session_fields(agent) == fields
-    assert agent.apply_task(next_payload) == ref_through.wires[len(through.payloads)]  # as if nothing failed
+    assert agent.apply_task(next_payload).payload == ref_through.wires[len(through.payloads)]  # as if nothing failed
 
 
 def test_journal_bytes_per_round_are_one_checkpoint_plus_the_rounds_tasks(tmp_path, one_torch_thread):

@@ -135,8 +135,8 @@ class NoTransport(Transport):
     def start(self, should_stop) -> bool:
         return True
 
-    def send(self, client_id: str, payload: bytes) -> int:
-        return len(payload)
+    def send(self, client_id: str, packet) -> int:
+        return packet.size
 
     def receive(self, timeout_s: float) -> Arrival | None:
         return None

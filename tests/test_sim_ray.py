@@ -154,7 +154,7 @@ def test_an_actor_killed_mid_round_misses_the_rest_of_it_and_the_round_closes_by
 def test_a_client_group_answers_refused_tasks_with_the_reason(tmp_path):
     """What an actor does with a task its client cannot apply (feedback for logits it never
     uploaded, as after a restart): no result, the reason, and the other tasks still answered."""
-    from fedal.protocol import Message, encode
+    from fedal.protocol import Message
     from fedal.sim.ray_backend import ClientGroup
 
     config = _config("fedal").resolved()
@@ -163,7 +163,7 @@ def test_a_client_group_answers_refused_tasks_with_the_reason(tmp_path):
     fbar = np.zeros((config.strategy_params.public_batch_size, 10), dtype=np.float32)
     bad = Message({**meta, "phase": "transfer", "n_avg": 2}, {"fbar": fbar})
     good = Message({**meta, "phase": "local_train", "steps": 1})
-    out = group.on_group([("c00", encode(bad)), ("c02", encode(good))])
+    out = group.on_group([("c00", bad), ("c02", good)])
     assert out[0][0] is None and "did not upload" in out[0][1]
     assert out[1][0] is not None and out[1][1] is None
     assert (tmp_path / "c02.pt").exists()  # the round-start snapshot a restart resumes from

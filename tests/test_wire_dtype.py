@@ -195,7 +195,7 @@ def test_the_session_refuses_a_task_the_client_half_cannot_read():
     session = ClientSession("r", "c0", clients["c0"], "inst", evaluate=lambda t: t)
     phase = server.begin_round(0)
     ident = {"run": "r", "client": "c0", "instance": "inst", "epoch": 0}
-    up = decode(session.on_task(Message({**phase.tasks["c0"].meta, **ident, "seq": 1}, phase.tasks["c0"].tensors)))
+    up = session.on_task(Message({**phase.tasks["c0"].meta, **ident, "seq": 1}, phase.tasks["c0"].tensors)).received()
     assert up.tensors["logits"].dtype == np.float16
     task = server.collect(phase, {"c0": up, "c1": clients["c1"].handle(phase.tasks["c1"])}).tasks["c0"]
     assert task.tensors["fbar"].dtype == np.float16

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from fedal.protocol import Message
+from fedal.protocol import Message, Packet
 from fedal.strategies import PhaseTasks
 
 
@@ -31,7 +31,7 @@ class ClientInfo:
 class PhaseState:
     phase: PhaseTasks
     key: tuple[int, int]
-    payloads: dict[str, bytes]
+    packets: dict[str, Packet]  # each client's task
     pending: set[str]
     started: float  # on the transport's clock
     wall_started: float  # epoch seconds, to compare with the timestamps clients put in their status

@@ -1,8 +1,9 @@
 """The in-process transport: client sessions called directly, on a simulated clock.
 
-Every task and result still crosses the wire envelope (encode, then decode), so the bytes
-counted are those a deployment sends and a strategy cannot rely on anything that would not
-survive the wire. Time is simulated: a client answers at once unless a fault says otherwise,
+Every task and result crosses the wire as a Packet: the receiver gets what decoding it would
+give (the envelope's checks, its own copy of every tensor), so a strategy cannot rely on
+anything that would not survive the wire, and the bytes counted are those a deployment sends,
+computed from the tensor sizes instead of encoding. Time is simulated: a client answers at once unless a fault says otherwise,
 and a deadline passes without anyone waiting for it. Faults (seeded, reproducible):
 - dropout P: each client misses each phase with probability P (its task and every re-send of
   it are lost), as a device that is offline for that phase;
@@ -34,7 +35,7 @@ from fedal.data import ArrayDataset
 from fedal.engine.rounds import RoundEngine
 from fedal.engine.settings import PhaseSettings
 from fedal.engine.transport import Arrival, Transport
-from fedal.protocol import Message, decode
+from fedal.protocol import Message, Packet
 from fedal.session import ClientSession, NewTask, evaluation_reply
 from fedal.strategies import ClientHalf, ServerHalf, group_step
 from fedal.strategies.stacked import NotStackable, layout_key
@@ -60,8 +61,8 @@ class Faults:
         return self.dropout > 0 or self.stragglers > 0
 
 
-# a task sent and not yet computed: (client, task, (client, epoch, seq), faulted, its payload)
-Pending = tuple[str, Message, tuple[str, int, int], bool, bytes]
+# a task sent and not yet computed: (client, task as received, (client, epoch, seq), faulted)
+Pending = tuple[str, Message, tuple[str, int, int], bool]
 
 
 class SimulatedTransport(Transport):
@@ -94,8 +95,8 @@ class SimulatedTransport(Transport):
         self.late = 0
 
     @abstractmethod
-    def _compute(self, items: list[Pending]) -> list[bytes | None]:
-        """Each task's encoded result, None for one that gets no answer (stale; lost)."""
+    def _compute(self, items: list[Pending]) -> list[Packet | None]:
+        """Each task's result, None for one that gets no answer (stale; lost)."""
 
     def start(self, should_stop: Callable[[], bool] | threading.Event) -> bool:
         for cid in self.client_ids:
@@ -108,34 +109,34 @@ class SimulatedTransport(Transport):
     def exhausted(self) -> bool:
         return not self._queue and not self._waiting
 
-    def send(self, client_id: str, payload: bytes) -> int:
-        task = decode(payload)
-        key = (client_id, int(task.meta["epoch"]), int(task.meta["seq"]))  # type: ignore[arg-type]
-        if task.phase == "evaluate":  # a measurement, not part of the run: never faulted
-            return self._deliver(client_id, task, key, payload, faulted=False)
+    def send(self, client_id: str, packet: Packet) -> int:
+        meta = packet.message.meta  # the engine's own: epoch and seq are ints
+        key = (client_id, int(meta["epoch"]), int(meta["seq"]))  # type: ignore[arg-type]
+        if packet.message.phase == "evaluate":  # a measurement, not part of the run: never faulted
+            return self._deliver(client_id, packet, key, faulted=False)
         if key not in self._dropped:  # decided once per client and phase, in sending order
             self._dropped[key] = bool(self.faults.dropout and self._drop_rng.random() < self.faults.dropout)
             self.dropped += self._dropped[key]
         if self._dropped[key]:
-            return len(payload)
-        return self._deliver(client_id, task, key, payload, faulted=True)
+            return packet.size
+        return self._deliver(client_id, packet, key, faulted=True)
 
-    def _deliver(self, client_id: str, task: Message, key: tuple[str, int, int], payload: bytes, faulted: bool) -> int:
+    def _deliver(self, client_id: str, packet: Packet, key: tuple[str, int, int], faulted: bool) -> int:
         if self._busy_until.get(key, -1.0) > self.clock:
-            return len(payload)  # a straggler still working on this task: the re-send waits in its inbox
+            return packet.size  # a straggler still working on this task: the re-send waits in its inbox
         if any(w[0] == client_id for w in self._waiting):
             self._flush()  # a client takes its tasks one after the other
-        self._waiting.append((client_id, task, key, faulted, payload))
-        return len(payload)
+        self._waiting.append((client_id, packet.received(), key, faulted))
+        return packet.size
 
     def _flush(self) -> None:
         waiting, self._waiting = self._waiting, []
         if waiting:
-            for (client_id, task, key, faulted, _), result in zip(waiting, self._compute(waiting)):
+            for (client_id, task, key, faulted), result in zip(waiting, self._compute(waiting)):
                 self._settle(client_id, task, key, faulted, result)
 
     def _settle(self, client_id: str, task: Message, key: tuple[str, int, int], faulted: bool,
-                result: bytes | None) -> None:
+                result: Packet | None) -> None:
         """A computed result arrives: now, or after the deadline for a straggler."""
         if result is not None:
             at = self.clock
@@ -145,7 +146,7 @@ class SimulatedTransport(Transport):
                 at += (self.settings.train_deadline_s if train else self.settings.deadline_s) + 1.0
                 self._busy_until[key] = at
                 self.late += 1
-            self._arrive(at, Arrival("result", client_id, self.run_id, result, wire_bytes=len(result)))
+            self._arrive(at, Arrival("result", client_id, self.run_id, wire_bytes=result.size, message=result.received()))
 
     def receive(self, timeout_s: float) -> Arrival | None:
         self._flush()
@@ -170,19 +171,19 @@ class InProcessTransport(SimulatedTransport):
         self.vectorize = vectorize
         self.stacked_tasks = 0  # tasks computed in a stacked group
 
-    def _compute(self, items: list[Pending]) -> list[bytes | None]:
+    def _compute(self, items: list[Pending]) -> list[Packet | None]:
         results, stacked = compute_tasks(self.sessions, [(cid, task) for cid, task, *_ in items], self.vectorize)
         self.stacked_tasks += stacked
         return results
 
 
 def compute_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[str, Message]],
-                  vectorize: bool = False) -> tuple[list[bytes | None], int]:
-    """Each task's encoded result through its client's session (None: stale), in order, and how
+                  vectorize: bool = False) -> tuple[list[Packet | None], int]:
+    """Each task's result through its client's session (None: stale), in order, and how
     many were computed in stacked groups. With `vectorize`, the new tasks of clients whose half has
     a group step run together per (class, phase, round, iteration, architecture); a group the step
     refuses (NotStackable: nothing changed) and everything else run one by one."""
-    results: list[bytes | None] = [None] * len(items)
+    results: list[Packet | None] = [None] * len(items)
     groups: dict[tuple, list[int]] = {}
     for k, (client_id, task) in enumerate(items):
         session = sessions[client_id]

@@ -25,7 +25,7 @@ from fedal.engine.health import validate_health
 from fedal.engine.results import evaluation_summary
 from fedal.engine.settings import PhaseSettings
 from fedal.engine.transport import Arrival, Transport
-from fedal.protocol import EnvelopeError, Message, answering, decode, encode
+from fedal.protocol import EnvelopeError, Message, Packet, answering, decode, encode
 from fedal.strategies import InvalidResult, PhaseTasks, ServerHalf
 
 log = logging.getLogger("fedal.engine")
@@ -174,20 +174,20 @@ class RoundEngine:
                 self.held_before = None
         self.seq += 1
         key = (self.epoch, self.seq)
-        payloads = {}
+        packets = {}
         for cid, task in phase.tasks.items():
             # addressed by its topic; the instance tells a fresh start of the run from an earlier one
             meta = {**task.meta, "instance": self.instance, "epoch": key[0], "seq": key[1]}
-            payloads[cid] = encode(Message(meta, task.tensors))
-        state = PhaseState(phase, key, payloads, set(phase.tasks), started=self.transport.now(),
+            packets[cid] = Packet(Message(meta, task.tensors))  # encoded once, where a link needs bytes
+        state = PhaseState(phase, key, packets, set(phase.tasks), started=self.transport.now(),
                            wall_started=time.time(), compute_s=compute_s)
         wall_from = time.monotonic() if computed_from is None else computed_from
         with self.lock:
             self.current = state
         self.notify("phase", phase=phase.phase, round=phase.round + 1, iteration=phase.iteration,
                     clients=len(phase.tasks))
-        for cid, payload in payloads.items():
-            self._send(cid, payload)
+        for cid, packet in packets.items():
+            self._send(cid, packet)
         train = self.phase_kinds.get(phase.phase) == "train"
         deadline = state.started + (self.settings.train_deadline_s if train else self.settings.deadline_s)
         need = math.ceil(self.settings.quorum * len(phase.tasks))
@@ -203,7 +203,7 @@ class RoundEngine:
                 last_resend = now
                 for cid in sorted(state.pending):
                     if self.clients[cid].online:
-                        self._send(cid, payloads[cid])
+                        self._send(cid, packets[cid])
         state.wall_s = time.monotonic() - wall_from
         with self.lock:
             self.current = None  # closed: a late answer is stale, a client back online gets no old task
@@ -222,8 +222,8 @@ class RoundEngine:
         if arrival is not None:
             self.handle(arrival)
 
-    def _send(self, cid: str, payload: bytes) -> None:
-        sent = self.transport.send(cid, payload)
+    def _send(self, cid: str, packet: Packet) -> None:
+        sent = self.transport.send(cid, packet)
         with self.lock:
             self.clients[cid].bytes_down += sent
 
@@ -250,7 +250,7 @@ class RoundEngine:
                 cur = self.current
                 if cur is not None:
                     for cid in sorted(cur.pending):
-                        self._send(cid, cur.payloads[cid])
+                        self._send(cid, cur.packets[cid])
             return
         if arrival.kind == "invalid":
             self.reject(arrival.client if arrival.client in self.clients else None, arrival.reason, arrival.reject_kind)
@@ -282,7 +282,7 @@ class RoundEngine:
             self.notify("client", client=cid, online=info.online)
         cur = self.current
         if info.online and not was_online and cur is not None and cid in cur.pending and ts >= cur.wall_started:
-            self._send(cid, cur.payloads[cid])  # connected after the task went out: send it again
+            self._send(cid, cur.packets[cid])  # connected after the task went out: send it again
 
     def _health(self, cid: str, raw: Any) -> dict[str, Any]:
         """The usable part of a status's `health`; what is left out is counted (`health_ignored`),

@@ -1,6 +1,6 @@
 """What the round engine needs from a way of reaching clients, and nothing more.
 
-A transport carries encoded tasks out and hands back what arrives: results, status changes,
+A transport carries tasks out and hands back what arrives: results, status changes,
 its own reconnects, and input it could not even attribute (a bad topic). It also owns the clock
 that deadlines are measured on, so a simulation can let deadlines pass without waiting.
 """
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from fedal.protocol import Message
+from fedal.protocol import Message, Packet
 
 ArrivalKind = Literal["result", "status", "connected", "invalid"]
 
@@ -37,8 +37,8 @@ class Transport(ABC):
         """Connect (as long as it takes); False if `should_stop()` became true first."""
 
     @abstractmethod
-    def send(self, client_id: str, payload: bytes) -> int:
-        """Send one encoded task; returns the bytes that crossed the link."""
+    def send(self, client_id: str, packet: Packet) -> int:
+        """Send one task (a real link sends `packet.payload`); returns the bytes that crossed the link."""
 
     @abstractmethod
     def receive(self, timeout_s: float) -> Arrival | None:

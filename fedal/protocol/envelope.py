@@ -37,6 +37,21 @@ class EnvelopeError(ValueError):
 
 
 def encode(message: Message) -> bytes:
+    return msgpack.packb(_wire_object(message, with_data=True), use_bin_type=True)
+
+
+def _wire_object(message: Message, with_data: bool) -> list[Any]:
+    """The MessagePack object of `message`; without data, each tensor's bytes are left empty
+    (what wire_size counts around)."""
+    meta = _wire_meta(message)
+    packed = _packed_scales(message.tensors)
+    inside = {scale_name(name) for name in packed}  # travel within their tensor's entry
+    tensors = {name: _pack_tensor(name, arr, message.tensors[scale_name(name)] if name in packed else None, with_data)
+               for name, arr in message.tensors.items() if name not in inside}
+    return [PROTOCOL_VERSION, meta, tensors]
+
+
+def _wire_meta(message: Message) -> dict[str, Any]:
     meta: dict[str, Any] = {}
     for key, value in message.meta.items():
         if key in LONG_KEYS:
@@ -44,11 +59,7 @@ def encode(message: Message) -> bytes:
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"meta {key}={value!r} is not a finite number")
         meta[SHORT_KEYS.get(key, key)] = value
-    packed = _packed_scales(message.tensors)
-    inside = {scale_name(name) for name in packed}  # travel within their tensor's entry
-    tensors = {name: _pack_tensor(name, arr, message.tensors[scale_name(name)] if name in packed else None)
-               for name, arr in message.tensors.items() if name not in inside}
-    return msgpack.packb([PROTOCOL_VERSION, meta, tensors], use_bin_type=True)
+    return meta
 
 
 def _packed_scales(tensors: dict[str, np.ndarray]) -> set[str]:
@@ -64,17 +75,22 @@ def _packed_scales(tensors: dict[str, np.ndarray]) -> set[str]:
     return out
 
 
-def _pack_tensor(name: str, arr: np.ndarray, scale: np.ndarray | None = None) -> list[Any]:
+def _pack_tensor(name: str, arr: np.ndarray, scale: np.ndarray | None = None, with_data: bool = True) -> list[Any]:
+    a = _wire_array(name, arr)
+    entry = [a.dtype.str[1:], list(a.shape), np.ascontiguousarray(a).tobytes() if with_data else b""]
+    if scale is not None:
+        entry.append(np.ascontiguousarray(scale, dtype="<f4").tobytes() if with_data else b"")
+    return entry
+
+
+def _wire_array(name: str, arr: np.ndarray) -> np.ndarray:
+    """`arr` as it travels: a dtype with a wire code, little-endian."""
     a = np.asarray(arr)
-    code = a.dtype.str[1:]
-    if code not in DTYPES or a.dtype.kind not in "fiub":
+    if a.dtype.str[1:] not in DTYPES or a.dtype.kind not in "fiub":
         raise ValueError(f"tensor {name!r}: dtype {a.dtype} has no wire code")
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
-    entry = [code, list(a.shape), np.ascontiguousarray(a).tobytes()]
-    if scale is not None:
-        entry.append(np.ascontiguousarray(scale, dtype="<f4").tobytes())
-    return entry
+    return a
 
 
 def decode(payload: bytes) -> Message:
@@ -145,5 +161,31 @@ def _tensor(name: str, spec: Any) -> np.ndarray:
 
 
 def wire_size(message: Message) -> int:
-    """Bytes this message would occupy on the wire (payload only, before MQTT framing)."""
-    return len(encode(message))
+    """Bytes `message` occupies on the wire (payload only, before MQTT framing), equal to
+    len(encode(message)) without copying a tensor: the envelope around empty tensors, plus each
+    tensor's bytes and the longer MessagePack bin header they need."""
+    skeleton = len(msgpack.packb(_wire_object(message, with_data=False), use_bin_type=True))
+    packed = _packed_scales(message.tensors)
+    inside = {scale_name(name) for name in packed}
+    sizes = [np.asarray(arr).nbytes for name, arr in message.tensors.items() if name not in inside]
+    sizes += [4 * np.asarray(message.tensors[scale_name(name)]).size for name in packed]  # float32, in the entry
+    return skeleton + sum(n + _bin_header(n) - _bin_header(0) for n in sizes)
+
+
+def _bin_header(n: int) -> int:
+    return 2 if n < 1 << 8 else 3 if n < 1 << 16 else 5
+
+
+def carried(message: Message) -> Message:
+    """What a receiver decodes from encode(message), without encoding it: the same checks on the
+    way out and in (meta through MessagePack itself, which is cheap), the tensors copied in the
+    dtype they arrive in. A simulated link passes this and counts wire_size(message)."""
+    raw = msgpack.unpackb(msgpack.packb(_wire_meta(message), use_bin_type=True), raw=False, strict_map_key=True,
+                          **_UNPACK_LIMITS)
+    tensors: dict[str, np.ndarray] = {}
+    for name, arr in message.tensors.items():
+        a = _wire_array(name, arr)
+        if a.ndim > MAX_NDIM:
+            raise EnvelopeError(f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} non-negative integers")
+        tensors[name] = np.array(a, dtype=a.dtype.newbyteorder("="), copy=True)
+    return Message(_meta(raw), tensors)

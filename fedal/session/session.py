@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from fedal.data import ArrayDataset
-from fedal.protocol import TASK_CONTEXT, Message, encode, tensor_problem
+from fedal.protocol import TASK_CONTEXT, Message, Packet, tensor_problem
 from fedal.strategies import ClientHalf
 
 log = logging.getLogger("fedal.session")
@@ -76,16 +76,16 @@ class ClientSession:
         self.store = store
         self.counters: Counter[str] = Counter() if counters is None else counters  # shared with the owner's
         self.last_key: tuple[int, int] | None = None
-        self.last_result: bytes | None = None
+        self.last_result: Packet | None = None
         self.round_no: Any = None
         self.round_steps: set[tuple[str, Any]] = set()
 
-    def restore(self, last_key: tuple[int, int] | None, last_result: bytes | None, round_no: Any,
+    def restore(self, last_key: tuple[int, int] | None, last_result: Packet | None, round_no: Any,
                 round_steps: set[tuple[str, Any]]) -> None:
         self.last_key, self.last_result, self.round_no, self.round_steps = last_key, last_result, round_no, round_steps
 
-    def on_task(self, task: Message) -> bytes | None:
-        """The encoded result to send for `task` (new, or the cached one for a repeat), or None
+    def on_task(self, task: Message) -> Packet | None:
+        """The result to send for `task` (new, or the cached one for a repeat), or None
         for a task to ignore (stale, another instance). Raises TaskRefused for a bad task."""
         early = self.admit(task)
         if not isinstance(early, NewTask):
@@ -95,7 +95,7 @@ class ClientSession:
 
     # on_task in its steps, for a transport that computes a group of clients' tasks at once
     # (vectorized simulation): admit and prepare each, compute together, answer each.
-    def admit(self, task: Message) -> bytes | NewTask | None:
+    def admit(self, task: Message) -> Packet | NewTask | None:
         """A NewTask for a task to compute; else what on_task returns without computing (None,
         or the cached result of a repeat). Raises TaskRefused for a bad task."""
         meta = task.meta  # addressed by its topic: the transport delivers only this client's tasks
@@ -126,11 +126,12 @@ class ClientSession:
         """The client half's result for an admitted, prepared task."""
         return self._refusing(task, lambda: self.evaluate(task) if task.phase == "evaluate" else self.client.handle(task))
 
-    def answer(self, task: Message, result: Message) -> bytes:
-        """Record `result` as the answer to `task` and encode it for the wire."""
+    def answer(self, task: Message, result: Message) -> Packet:
+        """Record `result` as the answer to `task`, as it goes on the wire (encoded where a link
+        needs the bytes: Packet)."""
         ikey = (int(task.meta["epoch"]), int(task.meta["seq"]))  # type: ignore[arg-type]  # admitted: ints
         self.round_steps.add((task.phase, task.meta.get("iteration")))  # taken: a repeat means a replayed round
-        wire = encode(wire_result(result, ikey))
+        wire = Packet.of(wire_result(result, ikey))
         self.last_key, self.last_result = ikey, wire
         if self.store is not None:
             self.store.after_task(self)

@@ -33,7 +33,7 @@ from fedal.atomic import torch_save_atomic
 from fedal.engine.inprocess import Faults, Pending, SimulatedTransport, compute_tasks, simulated_round_engine
 from fedal.engine.rounds import RoundEngine
 from fedal.engine.settings import PhaseSettings
-from fedal.protocol import decode
+from fedal.protocol import Message, Packet
 from fedal.session import ClientSession, TaskRefused, evaluation_reply
 from fedal.sim.build import build_clients, build_data, client_ids, client_tests
 from fedal.sim.config import ConfigError, RunConfig, parse_resources
@@ -94,21 +94,21 @@ class ClientGroup:
         """Each hosted client's current outputs on `x` (to compare a run with another)."""
         return {cid: s.client.predict(x).numpy() for cid, s in self.sessions.items()}
 
-    def on_tasks(self, items: list[tuple[str, bytes]]) -> list[tuple[bytes | None, str | None]]:
-        """Each task's encoded result (None: stale) and, for a task refused, why."""
-        out: list[tuple[bytes | None, str | None]] = []
-        for cid, payload in items:  # one by one, so one refusal costs only its own task
+    def on_tasks(self, items: list[tuple[str, Message]]) -> list[tuple[Packet | None, str | None]]:
+        """Each task's result (None: stale) and, for a task refused, why."""
+        out: list[tuple[Packet | None, str | None]] = []
+        for cid, task in items:  # one by one, so one refusal costs only its own task
             try:
-                results, _ = compute_tasks(self.sessions, [(cid, decode(payload))], self.vectorize)
+                results, _ = compute_tasks(self.sessions, [(cid, task)], self.vectorize)
                 out.append((results[0], None))
             except TaskRefused as exc:
                 out.append((None, f"{exc.kind}: {exc}"))
         return out
 
-    def on_group(self, items: list[tuple[str, bytes]]) -> list[tuple[bytes | None, str | None]]:
+    def on_group(self, items: list[tuple[str, Message]]) -> list[tuple[Packet | None, str | None]]:
         """All tasks together (vectorized groups); falls back to one by one if one is refused."""
         try:
-            results, _ = compute_tasks(self.sessions, [(cid, decode(p)) for cid, p in items], self.vectorize)
+            results, _ = compute_tasks(self.sessions, items, self.vectorize)
             return [(r, None) for r in results]
         except TaskRefused:
             return self.on_tasks(items)
@@ -121,14 +121,14 @@ class RayTransport(SimulatedTransport):
         self.actors = actors  # client id -> the actor hosting it
         self.counters: Counter[str] = Counter()
 
-    def _compute(self, items: list[Pending]) -> list[bytes | None]:
+    def _compute(self, items: list[Pending]) -> list[Packet | None]:
         import ray
 
         by_actor: dict[Any, list[int]] = {}
         for k, (cid, *_rest) in enumerate(items):
             by_actor.setdefault(self.actors[cid], []).append(k)
-        calls = {actor: actor.on_group.remote([(items[k][0], items[k][4]) for k in ks]) for actor, ks in by_actor.items()}
-        results: list[bytes | None] = [None] * len(items)
+        calls = {actor: actor.on_group.remote([items[k][:2] for k in ks]) for actor, ks in by_actor.items()}
+        results: list[Packet | None] = [None] * len(items)
         for actor, ref in calls.items():
             try:
                 answers = ray.get(ref)

@@ -20,24 +20,24 @@ def frozen_copy(model: torch.nn.Module, into: torch.nn.Module | None = None) -> 
     """An eval-mode, gradient-free copy of `model`. With `into` (an earlier copy of a model of the
     same class and shapes) the weights are copied into its tensors instead: a snapshot taken
     every round then costs a tensor copy, not a deepcopy of the whole module."""
-    if into is not None and _same_layout(model, into):
-        target = into.state_dict(keep_vars=True)  # the live parameters and buffers
-        with torch.no_grad():
-            for name, value in model.state_dict().items():
-                target[name].copy_(value)
-        return into
+    if into is not None:
+        src, dst = _tensors(model), _tensors(into)
+        if type(model) is type(into) and len(src) == len(dst) and all(
+                a.shape == b.shape and a.dtype == b.dtype for a, b in zip(src, dst)):
+            with torch.no_grad():
+                for a, b in zip(src, dst):
+                    b.copy_(a)
+            return into
     ref = copy.deepcopy(model).eval()
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
 
 
-def _same_layout(model: torch.nn.Module, other: torch.nn.Module) -> bool:
-    if type(model) is not type(other):
-        return False
-    mine, theirs = model.state_dict(), other.state_dict()
-    return mine.keys() == theirs.keys() and all(
-        mine[k].shape == theirs[k].shape and mine[k].dtype == theirs[k].dtype for k in mine)
+def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters and buffers in the module's own order (the same for two modules of one class
+    and layout); cheaper to walk than a state_dict, which a snapshot every round would build."""
+    return [*model.parameters(), *model.buffers()]
 
 
 class Frozen:
