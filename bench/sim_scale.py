@@ -52,7 +52,7 @@ for r in range(1, 1 + spec["rounds"]):
     times.append(time.perf_counter() - t0)
 if spec["variant"] == "ray":
     handles = engine.transport.actors.values()
-    workers = sum(x["max_rss_mb"] for x in ray.get([h.ready.remote() for h in set(handles)]))
+    workers = sum(x["max_rss_mb"] for x in ray.get([h.ready.remote(engine.transport.public) for h in set(handles)]))
     close()
     ray.shutdown()
 print(json.dumps({"seconds": times, "driver_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

@@ -66,7 +66,7 @@ def test_ray_clients_end_with_the_in_process_outputs(strategy):
             engine.run_round(r)
         remote = {}
         for handle in set(engine.transport.actors.values()):
-            remote.update(ray.get(handle.outputs.remote(data.public_x)))
+            remote.update(ray.get(handle.outputs.remote(engine.transport.public, data.public_x)))
     finally:
         close()
     assert sorted(remote) == sorted(local_clients)
@@ -99,7 +99,7 @@ def test_a_killed_actor_is_restarted_from_snapshots_and_the_run_finishes():
     try:
         engine.run_round(0)
         actor = engine.transport.actors["c00"]
-        os.kill(ray.get(actor.ready.remote())["pid"], signal.SIGKILL)  # its worker process dies
+        os.kill(ray.get(actor.ready.remote(engine.transport.public))["pid"], signal.SIGKILL)  # its worker process dies
         records = [engine.run_round(r) for r in (1, 2)]
     finally:
         info = close()
@@ -134,7 +134,7 @@ def test_an_actor_killed_mid_round_misses_the_rest_of_it_and_the_round_closes_by
 
     def kill_then_compute(items):
         if not killed and any(task.phase == "transfer" and task.integer("iteration") == 2 for _, task, *_ in items):
-            pid = ray.get(transport.actors["c00"].ready.remote())["pid"]
+            pid = ray.get(transport.actors["c00"].ready.remote(transport.public))["pid"]
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
         return compute(items)
@@ -155,15 +155,36 @@ def test_a_client_group_answers_refused_tasks_with_the_reason(tmp_path):
     """What an actor does with a task its client cannot apply (feedback for logits it never
     uploaded, as after a restart): no result, the reason, and the other tasks still answered."""
     from fedal.protocol import Message
+    from fedal.sim.build import build_data
     from fedal.sim.ray_backend import ClientGroup
 
     config = _config("fedal").resolved()
     group = ClientGroup(config.model_dump(mode="json"), [0, 2], str(tmp_path), "sim")
+    public = [ray.put(build_data(config).public_x)]
     meta = {"instance": "sim", "epoch": 0, "seq": 1, "round": 0, "iteration": 0}
     fbar = np.zeros((config.strategy_params.public_batch_size, 10), dtype=np.float32)
     bad = Message({**meta, "phase": "transfer", "n_avg": 2}, {"fbar": fbar})
     good = Message({**meta, "phase": "local_train", "steps": 1})
-    out = group.on_group([("c00", bad), ("c02", good)])
+    out = group.on_group(public, [("c00", bad), ("c02", good)])
     assert out[0][0] is None and "did not upload" in out[0][1]
     assert out[1][0] is not None and out[1][1] is None
     assert (tmp_path / "c02.pt").exists()  # the round-start snapshot a restart resumes from
+
+
+def test_actors_take_the_public_set_from_the_object_store(tmp_path):
+    """The driver puts the public set into the store once; the clients an actor builds use that
+    copy (marked here so it differs from what the actor's own build would give), read-only and
+    shared, while the content hash the driver checks is the one of the actor's own dataset files."""
+    from fedal.data import content_hash
+    from fedal.sim.build import build_data
+    from fedal.sim.ray_backend import ClientGroup
+
+    config = _config("fedmd").resolved()
+    data = build_data(config)
+    marked = data.public_x + 1.0
+    group = ClientGroup(config.model_dump(mode="json"), [1, 3], str(tmp_path), "sim")
+    report = group.ready([ray.put(marked)])
+    assert report["public_hash"] == data.public_hash != content_hash(marked)
+    for session in group.sessions.values():
+        public = session.client.public_x.numpy()
+        assert np.array_equal(public, marked)

@@ -1,9 +1,10 @@
 """`fedal simulate --backend ray`: client halves in Ray actors, the round engine in the driver.
 
 Each actor hosts a group of clients (their sessions, halves and private partitions, which it
-builds itself from the run config: the driver ships no data at all). The public set comes out of
-the same deterministic build in every actor, checked against the driver's by its content hash,
-so nothing is put into Ray's object store for it. The engine, the server half and the simulated clock stay in the
+builds itself from the run config: the driver ships no private data at all). The public set is
+put into Ray's object store once by the driver and read from there by every actor (one shared,
+read-only copy per node); what an actor builds from its node's dataset files is checked against
+the driver's by the public set's content hash. The engine, the server half and the simulated clock stay in the
 driver: `RayTransport` is the in-process transport's clock and faults (SimulatedTransport) with
 the computing done by the actors, all of a phase's tasks at once, each actor its clients' in the
 order sent. So a Ray run gives the in-process run's numbers.
@@ -61,21 +62,45 @@ class SnapshotStore:
 
 
 class ClientGroup:
-    """A Ray actor's clients: built from the run config, each behind its own session."""
+    """A Ray actor's clients: built from the run config, each behind its own session.
+
+    The public set comes from Ray's object store (put there once by the driver; on one node every
+    actor reads the same shared, read-only copy). Its reference rides along with each call, nested
+    in a list (`public`), instead of being a constructor argument: Ray warns about every
+    restartable actor whose constructor arguments live in the object store (ray#53727). So the
+    clients are built on the first call, also after a restart."""
 
     def __init__(self, config: dict, indices: list[int], snapshot_dir: str, run_id: str):
-        cfg = RunConfig(**config).resolved()
-        torch.set_num_threads(cfg.threads)
-        data = build_data(cfg)  # this actor's clients' partitions and the public set, built here
-        self.public_hash = data.public_hash
-        clients = build_clients(cfg, data, indices)
-        self.vectorize = cfg.vectorize
+        self.config = config
+        self.indices = indices
+        self.snapshot_dir = snapshot_dir
+        self.run_id = run_id
+        self.vectorize = bool(config.get("vectorize"))
         self.restored = 0
+        self.public_hash = ""
         self.sessions: dict[str, ClientSession] = {}
-        for i, (cid, client) in zip(indices, clients.items()):
+
+    def _build(self, public: list[Any]) -> None:
+        """The sessions, once: this actor's partitions built here, the public set from the store."""
+        if self.sessions:
+            return
+        import warnings
+
+        import ray
+
+        cfg = RunConfig(**self.config).resolved()
+        torch.set_num_threads(cfg.threads)
+        data = build_data(cfg)  # this actor's clients' partitions (the driver ships no data at all)
+        self.public_hash = data.public_hash  # built from this node's files: checked against the driver's
+        public_x = ray.get(public[0])
+        data.public_x = public_x  # the store's copy only: the one built here is freed
+        with warnings.catch_warnings():  # the store's array is read-only, and nothing writes to the public set
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            clients = build_clients(cfg, data, self.indices, public_x=public_x)
+        for i, (cid, client) in zip(self.indices, clients.items()):
             test, local_test = client_tests(data, i)
-            store = SnapshotStore(Path(snapshot_dir) / f"{cid}.pt")
-            session = ClientSession(run_id, cid, client, instance=run_id, store=store,
+            store = SnapshotStore(Path(self.snapshot_dir) / f"{cid}.pt")
+            session = ClientSession(self.run_id, cid, client, instance=self.run_id, store=store,
                                     evaluate=functools.partial(evaluation_reply, client, test=test, local_test=local_test))
             start = store.load_round_start()
             if start is not None:  # a restart: back to the last round start
@@ -84,18 +109,21 @@ class ClientGroup:
                 self.restored += 1
             self.sessions[cid] = session
 
-    def ready(self) -> dict[str, Any]:
+    def ready(self, public: list[Any]) -> dict[str, Any]:
         import resource
 
+        self._build(public)
         return {"pid": os.getpid(), "restored": self.restored, "public_hash": self.public_hash,
                 "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
-    def outputs(self, x: np.ndarray) -> dict[str, np.ndarray]:
+    def outputs(self, public: list[Any], x: np.ndarray) -> dict[str, np.ndarray]:
         """Each hosted client's current outputs on `x` (to compare a run with another)."""
+        self._build(public)
         return {cid: s.client.predict(x).numpy() for cid, s in self.sessions.items()}
 
-    def on_tasks(self, items: list[tuple[str, Message]]) -> list[tuple[Packet | None, str | None]]:
+    def on_tasks(self, public: list[Any], items: list[tuple[str, Message]]) -> list[tuple[Packet | None, str | None]]:
         """Each task's result (None: stale) and, for a task refused, why."""
+        self._build(public)
         out: list[tuple[Packet | None, str | None]] = []
         for cid, task in items:  # one by one, so one refusal costs only its own task
             try:
@@ -105,20 +133,22 @@ class ClientGroup:
                 out.append((None, f"{exc.kind}: {exc}"))
         return out
 
-    def on_group(self, items: list[tuple[str, Message]]) -> list[tuple[Packet | None, str | None]]:
+    def on_group(self, public: list[Any], items: list[tuple[str, Message]]) -> list[tuple[Packet | None, str | None]]:
         """All tasks together (vectorized groups); falls back to one by one if one is refused."""
+        self._build(public)
         try:
             results, _ = compute_tasks(self.sessions, items, self.vectorize)
             return [(r, None) for r in results]
         except TaskRefused:
-            return self.on_tasks(items)
+            return self.on_tasks(public, items)
 
 
 class RayTransport(SimulatedTransport):
-    def __init__(self, run_id: str, client_ids: Sequence[str], actors: dict[str, Any], phases: PhaseSettings,
-                 phase_kinds: dict[str, str], faults: Faults | None = None):
+    def __init__(self, run_id: str, client_ids: Sequence[str], actors: dict[str, Any], public: list[Any],
+                 phases: PhaseSettings, phase_kinds: dict[str, str], faults: Faults | None = None):
         super().__init__(run_id, client_ids, phases, phase_kinds, faults)
         self.actors = actors  # client id -> the actor hosting it
+        self.public = public  # [the public set's object ref], for every call (ClientGroup)
         self.counters: Counter[str] = Counter()
 
     def _compute(self, items: list[Pending]) -> list[Packet | None]:
@@ -127,7 +157,7 @@ class RayTransport(SimulatedTransport):
         by_actor: dict[Any, list[int]] = {}
         for k, (cid, *_rest) in enumerate(items):
             by_actor.setdefault(self.actors[cid], []).append(k)
-        calls = {actor: actor.on_group.remote([items[k][:2] for k in ks]) for actor, ks in by_actor.items()}
+        calls = {actor: actor.on_group.remote(self.public, [items[k][:2] for k in ks]) for actor, ks in by_actor.items()}
         results: list[Packet | None] = [None] * len(items)
         for actor, ref in calls.items():
             try:
@@ -175,6 +205,7 @@ class RayClients:
         n_actors = actors or max(1, int(ray.cluster_resources().get("CPU", 1) // max(resources.get("num_cpus", 1), 1e-9)))
         n_actors = max(1, min(n_actors, config.clients))
         self.snapshot_dir = tempfile.mkdtemp(prefix="fedal-ray-snapshots-")
+        self.public = [ray.put(data.public_x)]  # once; every actor reads it from the store
         ids = client_ids(config.clients)
         remote: Any = ray.remote(max_restarts=-1, max_task_retries=0)(ClientGroup)
         cpus = resources.get("num_cpus", 1.0)
@@ -190,7 +221,7 @@ class RayClients:
             self.handles.append(handle)
             for i in indices:
                 self.actor_of[ids[i]] = handle
-        ready = ray.get([h.ready.remote() for h in self.handles])
+        ready = ray.get([h.ready.remote(self.public) for h in self.handles])
         self.pids = [r["pid"] for r in ready]
         if any(r["public_hash"] != data.public_hash for r in ready):  # a worker node with other data files
             self.close()
@@ -201,7 +232,7 @@ class RayClients:
         """Clients the actors brought back from a snapshot (after Ray restarted them)."""
         import ray
 
-        return sum(r["restored"] for r in ray.get([h.ready.remote() for h in self.handles]))
+        return sum(r["restored"] for r in ray.get([h.ready.remote(self.public) for h in self.handles]))
 
     def close(self) -> None:
         import ray
@@ -218,7 +249,7 @@ def ray_engine(config: RunConfig, data, server, phase_kinds: dict[str, str], cli
     phases = PhaseSettings()
     faults = Faults(config.dropout, config.stragglers, config.straggle_every, seed=config.seed)
     ids = list(server.client_ids)
-    transport = RayTransport("sim", ids, clients.actor_of, phases, phase_kinds, faults)
+    transport = RayTransport("sim", ids, clients.actor_of, clients.public, phases, phase_kinds, faults)
     return simulated_round_engine(server, transport, phases, phase_kinds, config.rounds, config.eval_every,
                                   global_metrics)
 
