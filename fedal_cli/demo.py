@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from fedal import procs, workspace
 from fedal.data import build_federated
+from fedal.engine.results import privacy_line
 from fedal.ports import free_port
 from fedal.sim.config import RunConfig
 from fedal.sim.fairness import fairness_line
@@ -198,6 +199,8 @@ def summary_table(results: dict) -> str:
         lines.append(fairness_line(final))
     if global_model_line(final):  # FedAvg-type strategies: the aggregated model, evaluated by the coordinator
         lines.append(global_model_line(final))
+    if privacy_line(results):
+        lines.append(privacy_line(results))
     return "\n".join(lines)
 
 

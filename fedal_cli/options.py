@@ -42,11 +42,22 @@ RUN_OPTIONS = [
                  f"its first alone for {', '.join(n for n, s in STRATEGIES.items() if s.homogeneous_models)})."),
     click.option("--eval-every", type=int, help="Evaluate every k rounds."),
     click.option("--threads", type=int, help="torch threads per process."),
+    click.option("--dp-noise-multiplier", type=click.FloatRange(min=0),
+                 help="Differential privacy: noise multiplier sigma of DP-SGD on the private data (docs/privacy.md)."),
+    click.option("--dp-max-grad-norm", type=click.FloatRange(min=0, min_open=True),
+                 help="Differential privacy: per-sample gradient clipping norm C (default 1.0)."),
+    click.option("--dp-delta", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+                 help="Differential privacy: the delta every client's epsilon is stated at (default 1e-5)."),
+    click.option("--dp-epsilon-budget", type=click.FloatRange(min=0, min_open=True),
+                 help="Differential privacy: a client stops training on its private data before exceeding this epsilon."),
+    click.option("--dp-target-epsilon", type=click.FloatRange(min=0, min_open=True),
+                 help="Differential privacy: calibrate the noise so the run's planned steps reach this epsilon."),
 ]
 
 RUN_FLAGS = ("strategy", "dataset", "data_dir", "clients", "partition", "alpha", "shift_c", "train_splits", "celeba_attribute",
              "mnist1d_samples", "samples_per_client", "public_size",
-             "local_test_fraction", "rounds", "tau", "seed", "models", "eval_every", "threads")
+             "local_test_fraction", "rounds", "tau", "seed", "models", "eval_every", "threads", "dp_noise_multiplier",
+             "dp_max_grad_norm", "dp_delta", "dp_epsilon_budget", "dp_target_epsilon")
 
 
 def run_options(func):

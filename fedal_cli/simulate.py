@@ -34,8 +34,9 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
     try:
         results = simulate(config, progress, verbose=verbose)
     except ImportError as exc:
-        raise click.ClickException(f"{exc}: the ray backend needs the `ray` extra (pip install 'fedal-edge[ray]')") \
-            from None
+        extra = "privacy" if exc.name == "opacus" else "ray"
+        needs = "differential privacy needs" if extra == "privacy" else "the ray backend needs"
+        raise click.ClickException(f"{exc}: {needs} the `{extra}` extra (pip install 'fedal-edge[{extra}]')") from None
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None
     finally:
@@ -50,6 +51,10 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
         from fedal.sim.fairness import fairness_line
 
         click.echo(fairness_line(final))
+    from fedal.engine.results import privacy_line
+
+    if privacy_line(results):
+        click.echo(privacy_line(results))
     from fedal.strategies.global_model import global_model_line
 
     if global_model_line(final):  # FedAvg-type strategies: the aggregated model, personal accuracy

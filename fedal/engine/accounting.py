@@ -24,6 +24,8 @@ class ClientInfo:
     bytes_down: int = 0
     last_acc: float | None = None
     last_local_acc: float | None = None
+    epsilon: float | None = None  # differential privacy: the epsilon it last reported (at the run's delta)
+    dp_exhausted: bool = False  # it reported that more private training would exceed its epsilon_budget
     health: dict[str, Any] | None = None  # the last valid fields of its status's `health` (fedal/engine/health.py)
 
 

@@ -36,8 +36,41 @@ def build_results(config: dict[str, Any], data: dict[str, Any], clients: list[di
     import torch  # the version only; the engine itself computes nothing with torch
 
     out: dict[str, Any] = {"config": config, "data": data, "clients": clients, "rounds": records, "final": final}
+    privacy = privacy_summary(config, [c["id"] for c in clients], records)
+    if privacy is not None:
+        out["privacy"] = privacy
     if deployment is not None:
         out["deployment"] = deployment
     out["environment"] = {"fedal": __version__, "torch": torch.__version__, "python": platform.python_version()}
     out["timings"] = {"wall_seconds": round(wall_seconds, 3)}
     return out
+
+
+def privacy_summary(config: dict[str, Any], client_ids: list[str], records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Each client's epsilon after every round (null before it first reported), at the run's
+    delta, and the clients that stopped training privately at their budget; None without privacy."""
+    settings = (config.get("strategy_params") or {}).get("privacy")
+    rounds = [r for r in records if "privacy" in r]
+    if settings is None or not rounds:
+        return None
+    per_client = {cid: [r["privacy"]["epsilon"][i] for r in rounds] for i, cid in enumerate(client_ids)}
+    final = {cid: eps[-1] for cid, eps in per_client.items()}
+    known = [e for e in final.values() if e is not None]
+    return {
+        "delta": settings.get("delta"), "noise_multiplier": settings.get("noise_multiplier"),
+        "max_grad_norm": settings.get("max_grad_norm"), "epsilon_budget": settings.get("epsilon_budget"),
+        "rounds": [r["round"] for r in rounds], "epsilon": per_client, "final_epsilon": final,
+        "max_epsilon": max(known) if known else None, "exhausted": rounds[-1]["privacy"]["exhausted"],
+    }
+
+
+def privacy_line(results: dict[str, Any]) -> str | None:
+    """One line on the privacy spent, for a terminal; None for a run without privacy."""
+    privacy = results.get("privacy")
+    if not privacy or privacy.get("max_epsilon") is None:
+        return None
+    line = f"differential privacy: epsilon up to {privacy['max_epsilon']:.3g} per client at delta {privacy['delta']:g}"
+    if privacy.get("exhausted"):
+        line += (f"; {len(privacy['exhausted'])} client(s) stopped training on private data at epsilon_budget "
+                 f"{privacy['epsilon_budget']:g}: {', '.join(privacy['exhausted'])}")
+    return line

@@ -126,6 +126,9 @@ class RoundEngine:
         record: dict[str, Any] = {"round": r + 1, "bytes_up": up1 - up0, "bytes_down": down1 - down0}
         if self.eval_every is not None and ((r + 1) % self.eval_every == 0 or r + 1 == self.rounds):
             record.update(self._evaluate(r, stats))
+        privacy = self._privacy()
+        if privacy:
+            record["privacy"] = privacy
         record["rejected"] = len(self.round_rejects)
         record["server"] = self.server.round_metrics()
         record["phases"] = stats.summary()
@@ -134,6 +137,16 @@ class RoundEngine:
             self.pause_points.remove(point)
             log.warning("phases.pause_at: round %d had no phase matching %s; it never paused the run", r + 1, point.label())
         return record
+
+    def _privacy(self) -> dict[str, Any] | None:
+        """Each client's epsilon as it last reported it (clients that train with differential
+        privacy report it with every training result), and who stopped at its budget."""
+        with self.lock:
+            eps = [self.clients[c].epsilon for c in self.client_ids]
+            exhausted = [c for c in self.client_ids if self.clients[c].dp_exhausted]
+        if all(e is None for e in eps):
+            return None
+        return {"epsilon": eps, "exhausted": exhausted}
 
     def _evaluate(self, r: int, stats: PhaseStats) -> dict[str, Any]:
         tasks = {cid: Message({"phase": "evaluate", "round": r, "iteration": 0}) for cid in self.client_ids}
@@ -331,6 +344,7 @@ class RoundEngine:
             if cur.phase.phase == "evaluate":
                 self._validate_evaluation(cur.phase, cid, msg)
             else:
+                self._validate_privacy(msg)
                 self.server.validate(cur.phase, cid, msg)
         except InvalidResult as exc:
             # it stays pending: a valid answer may still come (the phase's deadline decides)
@@ -342,6 +356,9 @@ class RoundEngine:
                                 f"{type(exc).__name__}: {exc}") from exc
         with self.lock:
             cur.results[cid] = msg
+            if msg.meta.get("epsilon") is not None:
+                info.epsilon = float(msg.meta["epsilon"])  # type: ignore[arg-type]  # validated
+            info.dp_exhausted = info.dp_exhausted or msg.meta.get("dp_exhausted") is True
             cur.latencies.append(self.transport.now() - cur.started)
             cur.pending.discard(cid)
             info.answered += 1
@@ -350,6 +367,15 @@ class RoundEngine:
             info.online = True  # a valid answer proves it, should its retained "online" status have been lost
         if came_online:
             self.notify("client", client=cid, online=True)
+
+    @staticmethod
+    def _validate_privacy(msg: Message) -> None:
+        eps, exhausted = msg.meta.get("epsilon"), msg.meta.get("dp_exhausted")
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps)
+                                or eps < 0):
+            raise InvalidResult(f"epsilon {eps!r} is not a non-negative number", kind="privacy")
+        if exhausted is not None and not isinstance(exhausted, bool):
+            raise InvalidResult(f"dp_exhausted {exhausted!r} is not a boolean", kind="privacy")
 
     @staticmethod
     def _validate_evaluation(phase: PhaseTasks, cid: str, msg: Message) -> None:

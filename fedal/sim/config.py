@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fedal.strategies import STRATEGY_NAMES, StrategyParams, get_strategy
+from fedal.strategies import STRATEGIES, STRATEGY_NAMES, StrategyParams, get_strategy
 from fedal.strategies.params import COMMON_PARAMS
 
 DATASET_NAMES = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn", "cinic10", "celeba")
@@ -33,6 +33,9 @@ DEFAULT_SINGLE_MODEL = {dataset: models[0] for dataset, models in DEFAULT_MODELS
 # Strategies that need one feature width (FedProto) without a models choice: the defaults of the
 # first default's width (mnist1d: mlp and cnn1d_wide, 100 features), else that model alone.
 SAME_WIDTH_MODELS = {"mnist1d": ["mlp", "cnn1d_wide"]}
+# the --dp-* flags and the [privacy] keys they set
+PRIVACY_FLAGS = {"dp_noise_multiplier": "noise_multiplier", "dp_max_grad_norm": "max_grad_norm", "dp_delta": "delta",
+                 "dp_epsilon_budget": "epsilon_budget", "dp_target_epsilon": "target_epsilon"}
 
 
 class ConfigError(ValueError):
@@ -142,6 +145,10 @@ class RunConfig(BaseModel):
         if unknown:
             raise ValueError(f"unknown model(s) {unknown}; valid choices: {', '.join(MODEL_NAMES)}")
         spec = get_strategy(self.strategy)
+        if self.strategy_params.privacy is not None and "privacy" not in spec.params:
+            private = ", ".join(n for n, s in STRATEGIES.items() if "privacy" in s.params)
+            raise ValueError(f"strategy {self.strategy!r} has no differentially private training yet; privacy "
+                             f"settings apply to: {private}")
         foreign = self.strategy_params.foreign(spec.params, spec.preset)
         if foreign:
             raise ValueError(f"strategy_params {', '.join(foreign)} do not apply to strategy {self.strategy!r}; its "
@@ -202,10 +209,18 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     data: dict[str, Any] = {}
     if path is not None:
         data = _read_config_file(Path(path))
+    if "privacy" in data:  # the [privacy] table: travels with the strategy parameters to every device
+        privacy = data.pop("privacy")
+        data.setdefault("strategy_params", {})["privacy"] = privacy
     for key, value in (overrides or {}).items():
         if value is None:
             continue
-        if key in StrategyParams.model_fields:
+        if key in PRIVACY_FLAGS:
+            params = data.setdefault("strategy_params", {})
+            if not isinstance(params.get("privacy"), dict):
+                params["privacy"] = {}
+            params["privacy"][PRIVACY_FLAGS[key]] = value
+        elif key in StrategyParams.model_fields:
             data.setdefault("strategy_params", {})[key] = value
         else:
             data[key] = value

@@ -20,8 +20,9 @@ GROUP_STEPS = dict(stacked_fedal.GROUP_STEPS)
 
 
 def group_step(client: ClientHalf) -> Callable[[Sequence, Sequence[Message]], list[Message]] | None:
-    """The stacked step for `client`'s class (fedal/strategies/stacked.py), if it has one."""
-    return GROUP_STEPS.get(type(client))
+    """The stacked step for `client`'s class (fedal/strategies/stacked.py), if it has one; none
+    for a client that trains with differential privacy (per-sample clipping runs per client)."""
+    return None if client.private is not None else GROUP_STEPS.get(type(client))
 
 
 def get_strategy(name: str) -> StrategySpec:

@@ -11,12 +11,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from fedal.data import ArrayDataset
+from fedal.privacy import PrivateTraining, dp_compatible, require_opacus
 from fedal.protocol import Message, tensor_problem
 from fedal.protocol.message import Scalar
 from fedal.strategies import optim
@@ -108,7 +109,13 @@ class ServerHalf(ABC):
 
 
 class ClientHalf(ABC):
-    """Runs on the device. Owns the private model, its optimizer and the private data."""
+    """Runs on the device. Owns the private model, its optimizer and the private data.
+
+    With `params.privacy`, the half trains on its private data with DP-SGD (`self.private`,
+    fedal/privacy/): a strategy whose client half has named its private steps and passes them
+    through `self.private` says so with `private_steps = True`; any other refuses the setting."""
+
+    private_steps: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -120,6 +127,14 @@ class ClientHalf(ABC):
         seed: int,
     ):
         self.client_id = client_id
+        self.private: PrivateTraining | None = None
+        if params.privacy is not None:
+            if not self.private_steps:
+                raise ValueError(f"{type(self).__name__} has no differentially private training: a run with privacy "
+                                 "settings cannot use it")
+            require_opacus()  # before anything: a device without it refuses the run
+            model = dp_compatible(model, f"{client_id}'s model")
+            self.private = PrivateTraining(params.privacy, len(train), params.batch_size, seed=int(seed) * 7919 + 0xD9)
         self.model = model
         self.train_data = train
         self.params = params
@@ -155,16 +170,23 @@ class ClientHalf(ABC):
     def state_dict(self) -> dict[str, Any]:
         """Live references, like torch's state_dict: serialise it (the agent's checkpoint) or
         deep-copy it before training goes on. Not copying keeps the per-phase checkpoint cheap."""
-        return {
+        state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "generator": self.generator.get_state(),
         }
+        if self.private is not None:  # the privacy spent so far lives with the client's state
+            state["privacy"] = self.private.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"])
+        if self.private is not None:
+            if "privacy" not in state:
+                raise ValueError("a state saved without differential privacy does not load into a private client")
+            self.private.load_state_dict(state["privacy"])
 
 
 def make_optimizer(params: StrategyParams, parameters) -> torch.optim.Optimizer:

@@ -18,12 +18,15 @@ FedDF-AL and FedDF (feddf.py) put a per-architecture parameter average before th
 from __future__ import annotations
 
 import copy
+import logging
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedal.privacy import PrivacyBudgetExhausted
 from fedal.protocol import Message
 from fedal.protocol.wire_dtype import WireDtypeError, decode_tensor, encode_tensor, wire_round
 from fedal.strategies import optim
@@ -37,9 +40,11 @@ from fedal.strategies.training import minibatch_steps
 
 PRESET = {"tau": 5, "lambda_kd": 1.0, "lambda_adv": 1.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}
 # the phases of a round and their kind: "train" phases get the training deadline
+log = logging.getLogger("fedal.strategies.fedal")
+
 PHASES = {"local_train": "train", "transfer": "exchange"}
 # its own knobs, besides params.COMMON_PARAMS
-PARAMS = DISTILLATION_PARAMS
+PARAMS = DISTILLATION_PARAMS + ("privacy",)  # stage 1 is its only step on private data (docs/privacy.md)
 
 
 def logits_iteration(phase: str, iteration: int, tau: int) -> int | None:
@@ -197,6 +202,8 @@ class FedALServer(ServerHalf):
 
 
 class FedALClient(ClientHalf):
+    private_steps = True  # stage 1 goes through self.private; stage 2 and the uploads are post-processing
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ref_loc: Frozen | None = None
@@ -206,7 +213,7 @@ class FedALClient(ClientHalf):
 
     def handle(self, task: Message) -> Message:
         if task.phase == "local_train":
-            diag = {"loss": self._local_train(task)}
+            diag = self._local_train(task)
         elif task.phase == "transfer":
             diag = self._apply_feedback(task) if "fbar" in task.tensors else {}
             diag = self.transfer_diagnostics(diag, last=task.integer("iteration") + 1 >= self.params.tau)
@@ -221,10 +228,25 @@ class FedALClient(ClientHalf):
     def transfer_diagnostics(self, diag: dict[str, float], last: bool) -> dict[str, float]:
         return round_diagnostics(self.transfer_diag, diag, last)
 
-    def _local_train(self, task: Message) -> float:
-        loss = self.local_steps(task.integer("steps", self.params.tau))
+    def _local_train(self, task: Message) -> dict[str, Any]:
+        steps = task.integer("steps", self.params.tau)
+        if self.private is None:
+            diag: dict[str, Any] = {"loss": self.local_steps(steps)}
+        else:  # the loss on private rows is not released; the privacy spent is
+            diag = {"dp_exhausted": not self.private_local_steps(steps), "epsilon": self.private.epsilon()}
         self.snapshot_ref_glo()
-        return loss
+        return diag
+
+    def private_local_steps(self, steps: int) -> bool:
+        """Stage 1 with DP-SGD; False when the steps would exceed the epsilon budget (none taken:
+        the client goes on sharing what its model, differentially private so far, computes on the
+        public set, which costs no privacy)."""
+        try:
+            self.local_steps(steps)
+            return True
+        except PrivacyBudgetExhausted as exc:
+            log.info("%s trains no more on its private data: %s", self.client_id, exc)
+            return False
 
     def local_steps(self, steps: int) -> float:
         """Stage 1: CE + lambda_lf_loc * KL(p(theta_ref_loc) || p), theta_ref_loc = round start."""
@@ -238,9 +260,13 @@ class FedALClient(ClientHalf):
             ref = None if self.ref_loc is None else self.ref_loc(x)
             return local_loss(p, self.model(x), self.y_train[idx], ref), {}
 
-        # tau batches, each drawn afresh (ClientHalf.sample_batch's draw)
-        batches = (torch.randperm(n, generator=self.generator)[: min(p.batch_size, n)] for _ in range(steps))
-        losses = [s["loss"] for s in minibatch_steps(self.model, self.optimizer, batches, step)]
+        if self.private is not None:  # Poisson-sampled batches, clipped and noised (fedal/privacy/)
+            self.private.check_budget(steps)
+            batches: Iterable[torch.Tensor] = self.private.batches(steps)
+        else:  # tau batches, each drawn afresh (ClientHalf.sample_batch's draw)
+            batches = (torch.randperm(n, generator=self.generator)[: min(p.batch_size, n)] for _ in range(steps))
+        done = minibatch_steps(self.model, self.optimizer, batches, step, private=self.private)
+        losses = [s["loss"] for s in done if "loss" in s]
         return float(np.mean(losses)) if losses else 0.0
 
     def snapshot_ref_glo(self) -> None:

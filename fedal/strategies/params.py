@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fedal.privacy.settings import PrivacyParams
 from fedal.protocol.validation import DEFAULT_MAX_ABS_VALUE
 from fedal.protocol.wire_dtype import FLOAT16_MAX
 
@@ -143,6 +144,11 @@ class StrategyParams(BaseModel):
     )
     akd_confidence: float = Field(
         0.0, ge=0, lt=1, description="FedAKD extension: also require this predicted-class probability (0: off)"
+    )
+
+    privacy: PrivacyParams | None = Field(
+        None, description="differentially private training on the private data (fedal/privacy/, docs/privacy.md); "
+        "unset: none"
     )
 
     @model_validator(mode="after")

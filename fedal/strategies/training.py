@@ -8,25 +8,37 @@ and noise) would plug in, so strategies never implement either themselves.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 
 import torch
+
+from fedal.privacy import PrivateTraining
 
 StepLoss = Callable[[torch.Tensor], "tuple[torch.Tensor, dict[str, float]]"]
 
 
 def minibatch_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable[torch.Tensor],
-                    step_loss: StepLoss, clip_norm: float | None = None) -> list[dict[str, float]]:
-    """One optimizer step per batch of row indices; `step_loss(idx)` returns the loss to minimise
-    and any diagnostics. Returns each step's diagnostics with its `loss` (callers aggregate)."""
+                    step_loss: StepLoss, clip_norm: float | None = None,
+                    private: PrivateTraining | None = None) -> list[dict[str, float]]:
+    """One optimizer step per batch of row indices; `step_loss(idx)` returns the mean loss over
+    those rows and any diagnostics. Returns each step's diagnostics with its `loss` (callers
+    aggregate). With `private` (rows of private data, batches from `private.batches`), each step
+    is DP-SGD: per-sample gradients clipped, summed and noised (fedal/privacy/training.py); an
+    empty batch is a step of noise alone."""
     model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
     steps = []
-    for idx in batches:
-        loss, stats = step_loss(idx)
-        optimizer.zero_grad()
-        loss.backward()
-        if clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=clip_norm)
-        optimizer.step()
-        steps.append({**stats, "loss": loss.item()})
+    with private.per_sample(model) if private is not None else contextlib.nullcontext():
+        for idx in batches:
+            optimizer.zero_grad()
+            loss, stats = step_loss(idx) if len(idx) else (None, {})
+            if loss is not None:
+                loss.backward()
+            if private is not None:
+                private.privatize(params, len(idx))
+            elif clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=clip_norm)
+            optimizer.step()
+            steps.append({**stats, "loss": loss.item()} if loss is not None else dict(stats))
     return steps

@@ -1,0 +1,45 @@
+"""One client's privacy ledger: every DP-SGD step it took, composed by Opacus's accountant."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+
+class PrivacyAccountant:
+    """Opacus's RDP (or PRV) accountant over the (noise multiplier, sample rate, steps) history;
+    checkpointed with the client (state_dict), so a restarted device keeps its spent budget."""
+
+    def __init__(self, kind: str = "rdp"):
+        from opacus.accountants import create_accountant
+
+        self.kind = kind
+        self._accountant = create_accountant(kind)
+
+    def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
+        for _ in range(steps):
+            self._accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+
+    def epsilon(self, delta: float) -> float:
+        if not self._accountant.history:
+            return 0.0
+        return float(self._accountant.get_epsilon(delta=delta))
+
+    def epsilon_after(self, noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
+        """The epsilon this client would have after `steps` more steps (nothing is spent)."""
+        trial = PrivacyAccountant(self.kind)
+        trial._accountant.history = copy.deepcopy(self._accountant.history)
+        trial.step(noise_multiplier, sample_rate, steps)
+        return trial.epsilon(delta)
+
+    @property
+    def steps(self) -> int:
+        return int(sum(n for _, _, n in self._accountant.history))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "history": [list(h) for h in self._accountant.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["kind"] != self.kind:
+            raise ValueError(f"a {state['kind']} accountant's state does not load into a {self.kind} accountant")
+        self._accountant.history = [tuple(h) for h in state["history"]]

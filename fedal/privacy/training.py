@@ -1,0 +1,149 @@
+"""DP-SGD for a client's steps on its private data (Abadi et al. 2016, as Opacus runs it).
+
+The one training loop (fedal/strategies/training.py) calls in here when a client trains
+privately. Each step draws its batch by Poisson sampling (every private sample joins with probability
+q = batch_size / n, the sampling the accountant assumes), computes every sample's gradient
+(Opacus's GradSampleModule hooks, attached for these steps only), clips each to max_grad_norm C,
+sums them, adds Gaussian noise of std sigma * C to the sum and divides by the expected batch size
+q * n; then the client's own optimizer steps. The noise comes from the client's own seeded
+generator, checkpointed with it, so a simulation and a deployment draw the same noise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from fedal.privacy.accountant import PrivacyAccountant
+from fedal.privacy.settings import PrivacyParams
+
+log = logging.getLogger("fedal.privacy")
+
+class PrivacyUnavailable(ValueError):
+    """This installation cannot apply privacy settings (Opacus, the `privacy` extra, is missing):
+    a device refuses such a run rather than train without the privacy it promises."""
+
+
+def require_opacus() -> None:
+    try:
+        import opacus  # noqa: F401
+    except ImportError as exc:
+        raise PrivacyUnavailable(f"the run asks for differential privacy and this installation cannot apply it: "
+                                 f"{exc} (install the `privacy` extra: pip install 'fedal-edge[privacy]')") from None
+
+
+class PrivacyBudgetExhausted(Exception):
+    """The steps asked for would take this client past its epsilon_budget: none was taken."""
+
+
+def dp_compatible(model: torch.nn.Module, name: str = "model") -> torch.nn.Module:
+    """`model`, or a variant Opacus can train per sample: BatchNorm mixes the samples of a batch,
+    so it is replaced by GroupNorm (Opacus's ModuleValidator.fix), with a message."""
+    from opacus.validators import ModuleValidator
+
+    problems = ModuleValidator.validate(model, strict=False)
+    if not problems:
+        return model
+    fixed = ModuleValidator.fix(model)
+    left = ModuleValidator.validate(fixed, strict=False)
+    if left:
+        raise ValueError(f"{name} cannot be trained with differential privacy: {'; '.join(map(str, left))}")
+    log.warning("%s: %s; using its DP-compatible variant (BatchNorm -> GroupNorm)", name,
+                "; ".join(sorted({type(p).__name__ + ': ' + str(p).split(':')[-1].strip() for p in problems})))
+    return fixed
+
+
+class PrivateTraining:
+    """One client's DP-SGD: its sampling, its noise, its accountant."""
+
+    def __init__(self, params: PrivacyParams, n: int, batch_size: int, seed: int):
+        if n < 1:
+            raise ValueError("differentially private training needs private samples")
+        require_opacus()
+        self.params = params
+        self.n = n
+        self.sample_rate = min(1.0, batch_size / n)
+        self.expected_batch = self.sample_rate * n
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self.accountant = PrivacyAccountant(params.accountant)
+        self.refused_steps = 0  # steps not taken because of the budget
+
+    @property
+    def sigma(self) -> float:
+        return self.params.sigma
+
+    def epsilon(self) -> float:
+        return self.accountant.epsilon(self.params.delta)
+
+    def affordable(self, steps: int) -> bool:
+        """Whether `steps` more steps keep this client within its epsilon_budget."""
+        budget = self.params.epsilon_budget
+        if budget is None or steps == 0:
+            return True
+        return self.accountant.epsilon_after(self.sigma, self.sample_rate, steps, self.params.delta) <= budget
+
+    def batches(self, steps: int) -> list[torch.Tensor]:
+        """Poisson-sampled row indices for `steps` steps (a batch may be empty)."""
+        return [torch.nonzero(torch.rand(self.n, generator=self.generator) < self.sample_rate).flatten()
+                for _ in range(steps)]
+
+    def check_budget(self, steps: int) -> None:
+        """PrivacyBudgetExhausted, before anything changes, if `steps` more steps would exceed the budget."""
+        if not self.affordable(steps):
+            self.refused_steps += steps
+            raise PrivacyBudgetExhausted(f"{steps} more steps would exceed epsilon_budget "
+                                         f"{self.params.epsilon_budget:g} (epsilon now {self.epsilon():.4g})")
+
+    @contextlib.contextmanager
+    def per_sample(self, model: torch.nn.Module) -> Iterator[None]:
+        """Per-sample gradients of `model` inside (Opacus's hooks, removed on the way out: the
+        model is left as it was). The training loop's backward then fills `grad_sample`."""
+        from opacus import GradSampleModule
+
+        gsm = GradSampleModule(model, loss_reduction="mean")  # the losses are batch means
+        try:
+            with warnings.catch_warnings():  # inputs need no gradient: the hook fires on outputs, as meant
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                yield
+        finally:
+            gsm._close()
+
+    def privatize(self, params: list[torch.nn.Parameter], batch: int) -> None:
+        """After the backward of a batch of `batch` rows: each parameter's gradient becomes the
+        clipped per-sample sum plus noise, over the expected batch size; the step is accounted."""
+        if batch:
+            # Opacus's hooks put each parameter's per-sample gradients on it (none: the loss does not use it)
+            found = [getattr(p, "grad_sample", None) for p in params]
+            per_sample = [g if g is not None else torch.zeros(batch, *p.shape) for g, p in zip(found, params)]
+            summed = clipped_sum(per_sample, self.params.max_grad_norm)
+        else:  # an empty Poisson batch: the step is noise alone
+            summed = [torch.zeros_like(p) for p in params]
+        std = self.sigma * self.params.max_grad_norm
+        for p, s in zip(params, summed):
+            noise = torch.normal(0.0, std, size=p.shape, generator=self.generator) if std > 0 else 0.0
+            p.grad = (s + noise) / self.expected_batch
+            setattr(p, "grad_sample", None)  # noqa: B010  (an attribute of Opacus's, not torch's)
+        self.accountant.step(self.sigma, self.sample_rate)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state(), "accountant": self.accountant.state_dict(),
+                "refused_steps": self.refused_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.accountant.load_state_dict(state["accountant"])
+        self.refused_steps = int(state.get("refused_steps", 0))
+
+
+def clipped_sum(grad_samples: list[torch.Tensor], max_norm: float) -> list[torch.Tensor]:
+    """Sum over the batch of each sample's gradient scaled to L2 norm at most `max_norm`, the norm
+    taken over all of the sample's parameters together (Opacus's flat clipping)."""
+    batch = grad_samples[0].shape[0]
+    norms = torch.stack([g.reshape(batch, -1).norm(dim=1) for g in grad_samples], dim=1).norm(dim=1)
+    factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return [torch.einsum("i,i...->...", factor, g) for g in grad_samples]

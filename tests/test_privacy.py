@@ -1,0 +1,258 @@
+"""Differentially private training (fedal/privacy/): the DP-SGD step against per-sample clipping
+by hand, the accountant against an independent one, the budget, seeded noise, checkpoints, the
+settings, and what reaches the results."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedal.privacy import (
+    PrivacyAccountant,
+    PrivacyBudgetExhausted,
+    PrivacyParams,
+    PrivacyUnavailable,
+    PrivateTraining,
+    dp_compatible,
+)
+from fedal.protocol import Message
+from fedal.sim import load_config, simulate
+from fedal.sim.config import ConfigError
+from fedal.strategies.training import minibatch_steps
+from tests.helpers import TinyNet, toy_dataset, toy_federation
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _by_hand(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, clip: float,
+             expected_batch: float) -> list[torch.Tensor]:
+    """Sum over the batch of each sample's gradient, clipped to `clip` in L2 over all parameters,
+    over the expected batch size: DP-SGD's gradient without noise, one sample at a time."""
+    params = list(model.parameters())
+    total = [torch.zeros_like(p) for p in params]
+    for i in idx.tolist():
+        grads = torch.autograd.grad(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), params)
+        norm = torch.sqrt(sum((g**2).sum() for g in grads))
+        scale = min(1.0, clip / (float(norm) + 1e-6))
+        total = [t + scale * g for t, g in zip(total, grads)]
+    return [t / expected_batch for t in total]
+
+
+@pytest.mark.parametrize("clip", [0.05, 1.0, 100.0])  # every sample clipped, some, none
+def test_a_dp_step_without_noise_is_per_sample_clipping_by_hand(clip):
+    data = toy_dataset(n=60, seed=3)
+    x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
+    torch.manual_seed(0)
+    model = TinyNet()
+    reference = copy.deepcopy(model)
+    private = PrivateTraining(PrivacyParams(noise_multiplier=0.0, max_grad_norm=clip), n=60, batch_size=12, seed=5)
+    idx = PrivateTraining(private.params, n=60, batch_size=12, seed=5).batches(1)[0]  # the batch it will draw
+    assert 0 < len(idx) < 60
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    minibatch_steps(model, optimizer, private.batches(1), lambda i: (F.cross_entropy(model(x[i]), y[i]), {}),
+                    private=private)
+    want = _by_hand(reference, x, y, idx, clip, private.expected_batch)
+    for before, after, g in zip(reference.parameters(), model.parameters(), want):
+        torch.testing.assert_close(before.detach() - after.detach(), g, atol=1e-6, rtol=1e-5)
+    assert not any(hasattr(p, "grad_sample") and p.grad_sample is not None for p in model.parameters())
+    assert all(len(m._forward_hooks) == 0 and len(m._backward_hooks) == 0 for m in model.modules())  # left as it was
+
+
+def test_noise_is_the_documented_gaussian_and_seeded():
+    """With a zero loss the step is noise alone: std sigma * C / (q n), the same for the same seed."""
+    params = PrivacyParams(noise_multiplier=2.0, max_grad_norm=0.5)
+
+    def noise_step(seed: int) -> torch.Tensor:
+        model = torch.nn.Linear(400, 50, bias=False)
+        torch.nn.init.zeros_(model.weight)
+        private = PrivateTraining(params, n=100, batch_size=10, seed=seed)
+        x = torch.zeros(100, 400)
+        minibatch_steps(model, torch.optim.SGD(model.parameters(), lr=1.0), private.batches(1),
+                        lambda i: ((model(x[i]) ** 2).mean() * 0, {}), private=private)
+        return -model.weight.detach()
+
+    a, b, c = noise_step(1), noise_step(1), noise_step(2)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert abs(float(a.std()) - 2.0 * 0.5 / 10.0) < 0.003  # 20 000 draws
+    assert abs(float(a.mean())) < 0.003
+
+
+@pytest.mark.parametrize("q, sigma, steps, delta", [(0.05, 1.1, 100, 1e-5), (0.01, 0.8, 1000, 1e-5),
+                                                    (0.2, 2.0, 30, 1e-6), (1.0, 4.0, 10, 1e-5)])
+def test_the_accountant_agrees_with_an_independent_one(q, sigma, steps, delta):
+    """Google's dp_accounting, at the same RDP orders: equal up to its own numerics."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant
+    from opacus.accountants import RDPAccountant
+
+    ours = PrivacyAccountant("rdp")
+    ours.step(sigma, q, steps)
+    reference = rdp_privacy_accountant.RdpAccountant(orders=RDPAccountant.DEFAULT_ALPHAS)
+    reference.compose(dp_event.SelfComposedDpEvent(
+        dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps))
+    assert ours.steps == steps
+    assert ours.epsilon(delta) == pytest.approx(reference.get_epsilon(delta), rel=1e-3)
+
+
+def test_the_accountant_of_the_plain_gaussian_mechanism_is_the_closed_form():
+    """q = 1: T steps of noise sigma have RDP T a / (2 sigma^2); Opacus converts with
+    eps = min_a rdp(a) + log((a-1)/a) - (log delta + log a) / (a - 1) (Balle et al. 2020)."""
+    from opacus.accountants import RDPAccountant
+
+    sigma, steps, delta = 3.0, 20, 1e-5
+    accountant = PrivacyAccountant()
+    accountant.step(sigma, 1.0, steps)
+    closed = min(steps * a / (2 * sigma**2) + math.log((a - 1) / a) - (math.log(delta) + math.log(a)) / (a - 1)
+                 for a in RDPAccountant.DEFAULT_ALPHAS)
+    assert accountant.epsilon(delta) == pytest.approx(closed, rel=1e-9)
+
+
+def test_the_budget_refuses_steps_before_taking_any():
+    private = PrivateTraining(PrivacyParams(noise_multiplier=1.0, epsilon_budget=4.0), n=300, batch_size=32, seed=0)
+    model = TinyNet(d_in=6)
+    x, y = torch.zeros(300, 6), torch.zeros(300, dtype=torch.long)
+    taken = 0
+    with pytest.raises(PrivacyBudgetExhausted, match="epsilon_budget 4"):
+        while True:
+            private.check_budget(5)
+            minibatch_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), private.batches(5),
+                            lambda i: (F.cross_entropy(model(x[i]), y[i]), {}), private=private)
+            taken += 5
+    assert taken > 0 and private.accountant.steps == taken and private.refused_steps == 5
+    assert private.epsilon() <= 4.0 < private.accountant.epsilon_after(1.0, private.sample_rate, 5, 1e-5)
+
+
+def test_fedal_trains_privately_only_on_its_private_data_and_reports_epsilon_not_loss():
+    privacy = {"noise_multiplier": 1.0, "max_grad_norm": 1.0}
+    server, clients, params = toy_federation("fedal", tau=3, privacy=privacy)
+    client = clients["c0"]
+    assert client.private is not None and client.private.sample_rate == pytest.approx(32 / 40)
+    phase = server.begin_round(0)
+    result = client.handle(Message({**phase.tasks["c0"].meta}))
+    assert client.private.accountant.steps == 3  # stage 1: tau DP-SGD steps
+    assert "loss" not in result.meta and result.meta["dp_exhausted"] is False
+    assert result.meta["epsilon"] == pytest.approx(client.private.epsilon()) and result.meta["epsilon"] > 0
+    results = {cid: c.handle(Message({**phase.tasks[cid].meta})) for cid, c in clients.items() if cid != "c0"}
+    transfer = server.collect(phase, {"c0": result, **results})
+    client.handle(transfer.tasks["c0"])
+    assert client.private.accountant.steps == 3  # stage 2 is on the public set: post-processing, no cost
+
+
+def test_the_privacy_state_is_checkpointed_with_the_client():
+    _, clients, _ = toy_federation("fedal", tau=2, privacy={"noise_multiplier": 0.7})
+    a = clients["c0"]
+    a.local_steps(4)
+    state = copy.deepcopy(a.state_dict())
+    _, again, _ = toy_federation("fedal", tau=2, privacy={"noise_multiplier": 0.7})
+    b = again["c0"]
+    b.load_state_dict(state)
+    assert b.private.accountant.steps == 4 and b.private.epsilon() == a.private.epsilon()
+    a.local_steps(2)
+    b.local_steps(2)  # the same sampling and noise from here on
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(p, q)
+    _, plain, _ = toy_federation("fedal", tau=2)
+    with pytest.raises(ValueError, match="without differential privacy"):
+        b.load_state_dict(plain["c0"].state_dict())
+
+
+def test_batchnorm_models_get_a_groupnorm_variant_with_a_message(caplog):
+    from fedal.models import build_model
+
+    model = build_model("wrn10_1", (3, 32, 32), 10)
+    assert any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    with caplog.at_level(logging.WARNING, logger="fedal.privacy"):
+        fixed = dp_compatible(model, "c3's model")
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in fixed.modules())
+    assert any(isinstance(m, torch.nn.GroupNorm) for m in fixed.modules())
+    assert "c3's model" in caplog.text and "GroupNorm" in caplog.text
+    assert fixed(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    mlp = build_model("mlp", (40,), 10)
+    assert dp_compatible(mlp) is mlp
+
+
+def _dp_config(**extra):
+    base = dict(strategy="fedal", dataset="mnist1d", clients=3, samples_per_client=120, public_size=100, rounds=3,
+                tau=2, seed=2, mnist1d_samples=1000, models=["mlp"])
+    return load_config(None, {**base, **extra})
+
+
+def test_a_client_over_its_budget_stops_training_privately_and_the_run_finishes():
+    results = simulate(_dp_config(dp_noise_multiplier=1.0, dp_epsilon_budget=5.0))
+    privacy = results["privacy"]
+    assert privacy["rounds"] == [1, 2, 3] and len(results["rounds"]) == 3 and "mean_acc" in results["final"]
+    assert sorted(privacy["exhausted"]) == ["c00", "c01", "c02"]  # each stops before going past 5
+    for eps in privacy["epsilon"].values():
+        assert eps[0] > 0 and all(e <= 5.0 for e in eps) and eps == sorted(eps)
+        assert eps[-1] == eps[-2]  # nothing spent once stopped
+    assert privacy["max_epsilon"] == max(privacy["final_epsilon"].values()) <= 5.0
+    # the others' phases still close with every client: it goes on sharing its (private) model's logits
+    assert all(p["participation"] == 1.0 for r in results["rounds"] for p in r["phases"].values())
+
+
+def test_the_same_seed_gives_the_same_private_run_and_noise_changes_it():
+    a = simulate(_dp_config(dp_noise_multiplier=0.8, rounds=2))
+    b = simulate(_dp_config(dp_noise_multiplier=0.8, rounds=2))
+    c = simulate(_dp_config(dp_noise_multiplier=0.8, rounds=2, seed=3))
+    assert a["final"] == b["final"] and a["privacy"] == b["privacy"]
+    assert a["final"]["client_acc"] != c["final"]["client_acc"]
+    assert a["config"]["strategy_params"]["privacy"]["noise_multiplier"] == 0.8  # saved with the results
+
+
+def test_privacy_settings_from_the_config_file_and_flags(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('strategy = "fedmd"\n[privacy]\nnoise_multiplier = 1.3\ndelta = 1e-6\n')
+    config = load_config(path, {"dp_max_grad_norm": 0.5, "dp_epsilon_budget": 8.0})
+    privacy = config.strategy_params.privacy
+    assert (privacy.noise_multiplier, privacy.delta, privacy.max_grad_norm, privacy.epsilon_budget) == (1.3, 1e-6, 0.5, 8.0)
+    with pytest.raises(ConfigError, match="noise_multiplier or target_epsilon"):
+        load_config(None, {"dp_delta": 1e-6})
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(None, {"dp_noise_multiplier": 1.0, "dp_target_epsilon": 3.0})
+    with pytest.raises(ConfigError, match="has no differentially private training yet.*fedal, fedmd, fedmd-lf"):
+        load_config(None, {"strategy": "fedavg", "dp_noise_multiplier": 1.0})
+
+
+def test_a_client_half_without_private_steps_refuses_privacy():
+    with pytest.raises(ValueError, match="no differentially private training"):
+        toy_federation("fedavg", privacy={"noise_multiplier": 1.0})
+
+
+def test_without_opacus_a_device_refuses_the_run(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_opacus(name, *args, **kwargs):
+        if name == "opacus" or name.startswith("opacus."):
+            raise ModuleNotFoundError("No module named 'opacus'", name="opacus")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_opacus)
+    with pytest.raises(PrivacyUnavailable, match="privacy. extra"):
+        toy_federation("fedal", privacy={"noise_multiplier": 1.0})
+
+
+def test_the_engine_refuses_a_malformed_epsilon_and_counts_it():
+    from tests.helpers import in_process
+
+    server, clients, _ = toy_federation("fedal", tau=1, privacy={"noise_multiplier": 1.0})
+    bad = clients["c1"]
+    handle = bad.handle
+
+    def lying(task):
+        result = handle(task)
+        return result.with_meta(epsilon=-1.0) if task.phase == "local_train" else result
+
+    bad.handle = lying
+    engine = in_process(server, clients)
+    record = engine.run_round(0)
+    assert engine.reject_reasons["privacy"] >= 1 and record["rejected"] >= 1
+    assert record["privacy"]["epsilon"][1] is None and all(e > 0 for i, e in enumerate(record["privacy"]["epsilon"]) if i != 1)
+    assert np.isfinite(record["privacy"]["epsilon"][0])
