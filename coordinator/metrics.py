@@ -56,6 +56,10 @@ class RunCollector(Collector):
         flags = GaugeMetricFamily("fedal_client_health_flag", "per client: 1 while its last health report is flagged "
                                   "(under_voltage, throttled: now; hot, low_memory, low_disk: the coordinator's "
                                   "health settings)", labels=["run", "client", "flag"])
+        epsilon = GaugeMetricFamily("fedal_client_privacy_epsilon", "per client: the differential-privacy epsilon it "
+                                    "last reported, at the run's delta (runs with privacy)", labels=["run", "client"])
+        exhausted = GaugeMetricFamily("fedal_client_privacy_exhausted", "per client: 1 once it stopped training on its "
+                                      "private data at the run's epsilon_budget", labels=["run", "client"])
         versions = InfoMetricFamily("fedal_client_software", "per client: the software versions and board it reports",
                                     labels=["run", "client"])
         for snap in snaps:
@@ -75,6 +79,10 @@ class RunCollector(Collector):
             for name, fam in per_client.items():
                 for cid, c in clients.items():
                     fam.add_metric([run, cid], float(c[name]))
+            for cid, c in clients.items():
+                if c.get("epsilon") is not None:
+                    epsilon.add_metric([run, cid], float(c["epsilon"]))
+                    exhausted.add_metric([run, cid], 1.0 if c.get("dp_exhausted") else 0.0)
             for cid, c in clients.items():
                 reported = c.get("health") or {}
                 if not reported:
@@ -102,6 +110,7 @@ class RunCollector(Collector):
         yield lat
         yield from (g for g in health.values() if g.samples)
         yield flags
+        yield from (g for g in (epsilon, exhausted) if g.samples)
         yield versions
 
 

@@ -256,3 +256,19 @@ def test_the_engine_refuses_a_malformed_epsilon_and_counts_it():
     assert engine.reject_reasons["privacy"] >= 1 and record["rejected"] >= 1
     assert record["privacy"]["epsilon"][1] is None and all(e > 0 for i, e in enumerate(record["privacy"]["epsilon"]) if i != 1)
     assert np.isfinite(record["privacy"]["epsilon"][0])
+
+
+@pytest.mark.parametrize("strategy", ["fedal", "fedmd"])
+def test_a_private_deployment_over_mqtt_gives_the_simulations_numbers(strategy, embedded_broker, tmp_path):
+    """Seeded sampling and noise: `fedal demo` (coordinator and agents as processes, over a broker)
+    gives the simulation's accuracies and every client's epsilon after every round."""
+    from fedal_cli.demo import run_demo
+
+    config = load_config(None, dict(strategy=strategy, dataset="digits", clients=3, rounds=2, tau=2, public_size=100,
+                                    seed=1, dp_noise_multiplier=1.1, dp_max_grad_norm=0.8))
+    deployed = run_demo(config, tmp_path / "demo", broker=embedded_broker, quiet=True, timeout_s=300)
+    simulated = simulate(config)
+    assert deployed["final"]["client_acc"] == simulated["final"]["client_acc"]
+    assert deployed["privacy"] == simulated["privacy"] and deployed["privacy"]["max_epsilon"] > 0
+    for cid in (c["id"] for c in deployed["clients"]):
+        assert deployed["deployment"]["clients"][cid]["epsilon"] == simulated["privacy"]["final_epsilon"][cid]

@@ -18,6 +18,9 @@ async function api(path) {
 }
 
 const fmt = {
+  // differential privacy: the epsilon a client last reported; "(stopped)" once it reached its budget
+  epsilon: (c) => (c.epsilon === null || c.epsilon === undefined ? "–"
+                   : c.epsilon.toFixed(2) + (c.dp_exhausted ? " (stopped)" : "")),
   acc: (v) => (v === null || v === undefined ? "–" : (100 * v).toFixed(1) + " %"),
   time: (t) => (t ? new Date(t * 1000).toLocaleTimeString() : "–"),
   bytes: (b) => (b === null || b === undefined ? "–" : b >= 2 ** 30 ? (b / 2 ** 30).toFixed(1) + " GiB"
@@ -115,7 +118,7 @@ async function refresh() {
   fillTable("clients", clients.map(([cid, c]) => ({
     dataset: { client: cid },
     cells: [cid, { text: c.online ? "online" : "offline", cls: c.online ? "online" : "offline" }, fmt.time(c.last_seen),
-            c.answered, c.late, c.rejected, fmt.acc(c.last_acc), fmt.acc(c.last_local_acc),
+            c.answered, c.late, c.rejected, fmt.acc(c.last_acc), fmt.acc(c.last_local_acc), fmt.epsilon(c),
             fmt.temp(c.health?.cpu_temp_c), fmt.bytes(c.health?.mem_available_bytes), fmt.bytes(c.health?.disk_free_bytes),
             healthCell(c)],
   })));
