@@ -215,6 +215,8 @@ def test_privacy_settings_from_the_config_file_and_flags(tmp_path):
         load_config(None, {"dp_delta": 1e-6})
     with pytest.raises(ConfigError, match="not both"):
         load_config(None, {"dp_noise_multiplier": 1.0, "dp_target_epsilon": 3.0})
+    planned = load_config(None, {"dp_target_epsilon": 3.0, "rounds": 7, "tau": 4}).resolved()
+    assert planned.strategy_params.privacy.planned_steps == 28  # rounds x tau private steps
     with pytest.raises(ConfigError, match="has no differentially private training yet.*fedal, fedmd, fedmd-lf"):
         load_config(None, {"strategy": "fedavg", "dp_noise_multiplier": 1.0})
 
@@ -258,17 +260,30 @@ def test_the_engine_refuses_a_malformed_epsilon_and_counts_it():
     assert np.isfinite(record["privacy"]["epsilon"][0])
 
 
-@pytest.mark.parametrize("strategy", ["fedal", "fedmd"])
-def test_a_private_deployment_over_mqtt_gives_the_simulations_numbers(strategy, embedded_broker, tmp_path):
+@pytest.mark.parametrize("strategy, privacy", [("fedal", {"dp_noise_multiplier": 1.1, "dp_max_grad_norm": 0.8}),
+                                               ("fedmd", {"dp_target_epsilon": 6.0})])
+def test_a_private_deployment_over_mqtt_gives_the_simulations_numbers(strategy, privacy, embedded_broker, tmp_path):
     """Seeded sampling and noise: `fedal demo` (coordinator and agents as processes, over a broker)
     gives the simulation's accuracies and every client's epsilon after every round."""
     from fedal_cli.demo import run_demo
 
     config = load_config(None, dict(strategy=strategy, dataset="digits", clients=3, rounds=2, tau=2, public_size=100,
-                                    seed=1, dp_noise_multiplier=1.1, dp_max_grad_norm=0.8))
+                                    seed=1, **privacy))
     deployed = run_demo(config, tmp_path / "demo", broker=embedded_broker, quiet=True, timeout_s=300)
     simulated = simulate(config)
     assert deployed["final"]["client_acc"] == simulated["final"]["client_acc"]
     assert deployed["privacy"] == simulated["privacy"] and deployed["privacy"]["max_epsilon"] > 0
     for cid in (c["id"] for c in deployed["clients"]):
         assert deployed["deployment"]["clients"][cid]["epsilon"] == simulated["privacy"]["final_epsilon"][cid]
+
+
+def test_a_target_epsilon_calibrates_each_clients_noise_to_reach_it_at_the_end():
+    """Clients of different sizes sample at different rates: each gets its own noise, and every
+    one ends the run at the target (within Opacus's calibration tolerance), never above it."""
+    results = simulate(_dp_config(dp_target_epsilon=4.0, partition="pow",
+                                  samples_per_client=None, mnist1d_samples=900))
+    assert results["config"]["strategy_params"]["privacy"]["planned_steps"] == 6
+    sizes = results["data"]["client_sizes"]
+    assert len(set(sizes)) > 1
+    for eps in results["privacy"]["final_epsilon"].values():
+        assert 3.95 <= eps <= 4.0

@@ -19,7 +19,11 @@ class PrivacyParams(BaseModel):
     epsilon_budget: float | None = Field(
         None, gt=0, description="a client whose epsilon would exceed this stops training on its private data")
     target_epsilon: float | None = Field(
-        None, gt=0, description="calibrate noise_multiplier so that the run's planned steps reach this epsilon")
+        None, gt=0, description="instead of noise_multiplier: each client calibrates its own noise so that its "
+        "epsilon reaches this after the run's planned steps (its sampling rate depends on its data size)")
+    planned_steps: int | None = Field(
+        None, ge=1, description="private steps a client takes over the whole run, for target_epsilon (the run sets "
+        "it: rounds x local steps per round)")
     accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus accountant: RDP, or the tighter PRV")
 
     @model_validator(mode="after")
@@ -31,8 +35,19 @@ class PrivacyParams(BaseModel):
                              "from the target)")
         return self
 
-    @property
-    def sigma(self) -> float:
-        if self.noise_multiplier is None:
-            raise ValueError("noise_multiplier is not calibrated yet (target_epsilon is set)")
-        return self.noise_multiplier
+    def sigma_for(self, sample_rate: float) -> float:
+        """The noise multiplier of a client sampling at `sample_rate`: the one set, or the one its
+        planned steps need to end at target_epsilon (Opacus's calibration, within 0.01)."""
+        if self.noise_multiplier is not None:
+            return self.noise_multiplier
+        if self.planned_steps is None or self.target_epsilon is None:
+            raise ValueError("target_epsilon needs planned_steps (the run's rounds x local steps per round)")
+        import warnings
+
+        from opacus.accountants.utils import get_noise_multiplier
+
+        with warnings.catch_warnings():  # a bound from the largest RDP order: still a valid (looser) bound
+            warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+            return float(get_noise_multiplier(target_epsilon=self.target_epsilon, target_delta=self.delta,
+                                              sample_rate=sample_rate, steps=self.planned_steps,
+                                              accountant=self.accountant))

@@ -71,11 +71,12 @@ class PrivateTraining:
         self.expected_batch = self.sample_rate * n
         self.generator = torch.Generator().manual_seed(int(seed))
         self.accountant = PrivacyAccountant(params.accountant)
+        self._sigma = params.sigma_for(self.sample_rate)
         self.refused_steps = 0  # steps not taken because of the budget
 
     @property
     def sigma(self) -> float:
-        return self.params.sigma
+        return self._sigma
 
     def epsilon(self) -> float:
         return self.accountant.epsilon(self.params.delta)
