@@ -287,3 +287,10 @@ def test_a_target_epsilon_calibrates_each_clients_noise_to_reach_it_at_the_end()
     assert len(set(sizes)) > 1
     for eps in results["privacy"]["final_epsilon"].values():
         assert 3.95 <= eps <= 4.0
+
+
+def test_a_private_client_does_not_report_its_own_test_splits_accuracy():
+    results = simulate(_dp_config(dp_noise_multiplier=1.0, rounds=1, local_test_fraction=0.2))
+    assert "client_local_acc" not in results["final"] and "mean_acc" in results["final"]
+    plain = simulate(_dp_config(rounds=1, local_test_fraction=0.2))
+    assert "client_local_acc" in plain["final"]

@@ -48,8 +48,12 @@ class SessionStore(Protocol):
 def evaluation_reply(client: ClientHalf, task: Message, test: ArrayDataset | None,
                      local_test: ArrayDataset | None) -> Message:
     """Accuracy on the common test set and on this device's own test split, where provisioned:
-    numbers only, so the coordinator can show progress without seeing data or the model."""
+    numbers only, so the coordinator can show progress without seeing data or the model. A client
+    that trains with differential privacy does not report its own split's accuracy: that split is
+    private data, and the accountant does not cover it (docs/privacy.md)."""
     report: dict[str, Any] = {}
+    if client.private is not None:  # its own test split is private data, which no accountant covers
+        local_test = None
     for key, data in (("", test), ("local_", local_test)):
         if data is not None and len(data):
             report[f"{key}acc"] = client.evaluate(data.x, data.y)
