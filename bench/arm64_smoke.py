@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--public-size", type=int, default=200)
     ap.add_argument("--arm64-client", type=int, default=1, help="index of the emulated client (1: the 1D CNN)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for the run (the install not counted)")
+    ap.add_argument("--privacy", type=float, metavar="SIGMA", help="run with differential privacy at this noise "
+                    "multiplier; the agent is installed with install-agent.sh --privacy (writes arm64_smoke_privacy.*)")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     args = ap.parse_args(argv)
     if not 0 <= args.arm64_client < args.clients:
@@ -202,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     config = load_config(None, dict(strategy=args.strategy, dataset="mnist1d", clients=args.clients, rounds=args.rounds,
                                     tau=args.tau, samples_per_client=args.samples_per_client,
-                                    public_size=args.public_size, seed=0, eval_every=1))
+                                    public_size=args.public_size, seed=0, eval_every=1,
+                                    dp_noise_multiplier=args.privacy))
+    name = "arm64_smoke_privacy" if args.privacy is not None else "arm64_smoke"
     arm_cid = client_ids(args.clients)[args.arm64_client]
     chroot = shutil.which("chroot") or "/usr/sbin/chroot"
     python = f"{args.venv}/bin/python"
@@ -221,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
         log(f"install-agent.sh in the arm64 userland (config and data of {arm_cid})")
         extra = ["--torch-index", args.torch_index] if args.torch_index else []
+        if args.privacy is not None:
+            extra.append("--privacy")
         found["install_s"] = install_agent(rootfs, args.source, pi_config, [ws / "train.npz", ws / "test.npz"], extra,
                                            workdir / "install-agent.log", args.pip_cert)
         found["venv"] = venv_report(rootfs, args.venv)
@@ -266,23 +272,27 @@ def main(argv: list[str] | None = None) -> int:
         "install_seconds": round(found["install_s"], 1),
         "settings": {"strategy": args.strategy, "dataset": "mnist1d", "clients": args.clients, "rounds": args.rounds,
                      "tau": args.tau, "samples_per_client": args.samples_per_client, "public_size": args.public_size,
-                     "arm64_client": arm_cid, "torch_index": args.torch_index or "PyPI"},
+                     "arm64_client": arm_cid, "torch_index": args.torch_index or "PyPI",
+                     "privacy": None if args.privacy is None else {"noise_multiplier": args.privacy}},
         "run": {"wall_s": round(wall, 1), "completed_rounds": len(results["rounds"]),
                 "final_mean_acc": results["final"].get("mean_acc"),
-                "rejected": results.get("deployment", {}).get("counters", {}).get("rejected", 0)},
+                "rejected": results.get("deployment", {}).get("counters", {}).get("rejected", 0),
+                "epsilon": (results.get("privacy") or {}).get("final_epsilon")},
         "agents": rows,
         "torch_compat": compat,
         "arm64_artifacts": sorted(p.name for p in final_dir.iterdir()) if final_dir.is_dir() else [],
         "emulated_baselines": {"python -c pass": found["base_pass"], "python -c 'import torch'": found["base_torch"]},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "arm64_smoke.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     md = render(report)
-    (args.out / "arm64_smoke.md").write_text(md + kept_reading(args.out / "arm64_smoke.md"))
+    (args.out / f"{name}.md").write_text(md + kept_reading(args.out / f"{name}.md"))
     print(f"venv size: {venv['mb']} MB ({args.venv}, torch {venv['torch']}, CUDA packages: {venv['cuda_packages'] or 'none'})")
     print(f"arm64 agent {arm_cid} ({arm['model']}): peak RSS {arm['peak_rss_mb']} MB under qemu-user, "
           f"online after {arm['online_s']} s, completed round {arm['last_round']} of {args.rounds}, exit {arm['exit']}")
-    print(f"results: {args.out / 'arm64_smoke.md'}")
+    if args.privacy is not None:
+        print(f"differential privacy (sigma {args.privacy:g}): epsilon per client {report['run']['epsilon']}")
+    print(f"results: {args.out / (name + '.md')}")
     return 0 if ok else 1
 
 
@@ -336,7 +346,10 @@ def render(r: dict) -> str:
         _self_check_line(v.get("self_check")),
         f"- run: {s['strategy']} on MNIST-1D, {s['clients']} clients ({s['samples_per_client']} rows each, public set "
         f"{s['public_size']}), {s['rounds']} rounds, tau = {s['tau']}; client {s['arm64_client']} is the arm64 agent, "
-        f"the others run natively next to it; coordinator and Mosquitto on the host's loopback",
+        f"the others run natively next to it; coordinator and Mosquitto on the host's loopback"
+        + ("" if not s.get("privacy") else f"; **differential privacy** on (DP-SGD, noise multiplier "
+           f"{s['privacy']['noise_multiplier']:g}, the agent installed with `--privacy`): epsilon per client at the "
+           f"end {run.get('epsilon')}"),
         f"- result: {'**passed**' if r['ok'] else '**FAILED**'}: {run['completed_rounds']} rounds ({run['wall_s']} s of rounds), "
         f"final mean accuracy {run['final_mean_acc']}, rejected messages {run['rejected']}",
         f"- arm64 agent's final artifacts: {', '.join(r['arm64_artifacts']) or 'none'}",

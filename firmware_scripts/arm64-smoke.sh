@@ -29,6 +29,8 @@ Usage: arm64-smoke.sh [options]
   --rounds N           rounds of the run (default 2)
   --clients N          clients, one of them emulated (default 3)
   --strategy NAME      strategy (default fedal)
+  --privacy SIGMA      train with differential privacy at this noise multiplier; the agent is
+                       installed with the privacy extra (writes arm64_smoke_privacy.{md,json})
   --out DIR            where arm64_smoke.{md,json} go (default docs/results of this checkout)
   --keep               keep the run's workspace (printed at the end)
   -h, --help           this text
@@ -57,7 +59,7 @@ while [ $# -gt 0 ]; do
     --fresh-venv) FRESH_VENV=1; shift ;;
     --build-only) BUILD_ONLY=1; shift ;;
     --prereqs-only) PREREQS_ONLY=1; shift ;;
-    --torch-index|--rounds|--clients|--strategy)
+    --torch-index|--rounds|--clients|--strategy|--privacy)
       DRIVER_ARGS+=("$1" "${2:?$1 needs a value}"); shift 2 ;;
     --out) OUT="${2:?--out needs a directory}"; shift 2 ;;
     --keep) KEEP=1; shift ;;

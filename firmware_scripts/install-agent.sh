@@ -21,6 +21,8 @@ Usage: install-agent.sh --config agent.toml [options]
   --wheelhouse DIR      install offline from this wheelhouse (`fedal fleet wheelhouse`): pip install
                         --no-index --find-links DIR, no package index contacted; the agent wheel is
                         the wheelhouse's unless --wheel or --source is given
+  --privacy             also install the `privacy` extra (Opacus): runs with differential privacy need
+                        it, and an agent without it refuses them
   --arch ARCH           skip detection: aarch64 or x86_64 (also FEDAL_ARCH)
   --python PY           interpreter for the virtualenv (default: python3, needs >= 3.11)
   --root DIR            install below DIR instead of / (staging, tests; also DESTDIR)
@@ -46,7 +48,7 @@ UNIT_DIR=/etc/systemd/system
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 
 CONFIG="" CA="" WHEEL="" SOURCE="" TORCH_INDEX="" TORCH_INDEX_SET=0 TORCH_VERSION="" WHEELHOUSE=""
-ARCH="${FEDAL_ARCH:-}" PY=python3 ROOT="${DESTDIR:-}" PIP_CMD="" SKIP_PIP=0 NO_START=0 PRINT=0 DRY=0
+ARCH="${FEDAL_ARCH:-}" PY=python3 ROOT="${DESTDIR:-}" PIP_CMD="" SKIP_PIP=0 NO_START=0 PRINT=0 DRY=0 EXTRAS=agent
 DATA=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -58,6 +60,7 @@ while [ $# -gt 0 ]; do
     --torch-index) TORCH_INDEX="${2:?--torch-index needs a URL}"; TORCH_INDEX_SET=1; shift 2 ;;
     --torch-version) TORCH_VERSION="${2:?--torch-version needs a version}"; shift 2 ;;
     --wheelhouse) WHEELHOUSE="${2:?--wheelhouse needs a directory}"; shift 2 ;;
+    --privacy) EXTRAS=agent,privacy; shift ;;
     --arch) ARCH="${2:?--arch needs a value}"; shift 2 ;;
     --python) PY="${2:?--python needs an interpreter}"; shift 2 ;;
     --root) ROOT="${2:?--root needs a directory}"; shift 2 ;;
@@ -306,15 +309,15 @@ if [ "$SKIP_PIP" -eq 1 ]; then
   say "skipped pip (--skip-pip): the agent is not installed into $VENV"
 else
   if [ -n "$WHEEL" ]; then
-    spec="${WHEEL}[agent]"
+    spec="${WHEEL}[${EXTRAS}]"
     origin="wheel $(sha256sum "$WHEEL" | cut -d' ' -f1)"
   else
-    spec="${SOURCE}[agent]"
+    spec="${SOURCE}[${EXTRAS}]"
     origin="source $(cd "$SOURCE" && find . \( -name .git -o -name build -o -name runs -o -name __pycache__ -o -name '*.egg-info' \) -prune \
       -o -type f \( -name '*.py' -o -name '*.toml' \) -print0 | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)"
   fi
   stamp="$ROOT$VENV/.fedal-install"
-  printf '%s\nconstraints %s\n' "$origin" "$(sha256sum <"$TMP/constraints.txt" | cut -d' ' -f1)" >"$TMP/stamp"
+  printf '%s\nextras %s\nconstraints %s\n' "$origin" "$EXTRAS" "$(sha256sum <"$TMP/constraints.txt" | cut -d' ' -f1)" >"$TMP/stamp"
   if [ -f "$stamp" ] && cmp -s "$TMP/stamp" "$stamp"; then
     :  # this exact agent with these constraints is installed already
   else

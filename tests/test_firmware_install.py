@@ -166,6 +166,21 @@ def pins(text: str) -> dict[str, Requirement]:
     return {r.name.lower(): r for r in reqs}
 
 
+def test_privacy_installs_the_privacy_extra_and_switching_reinstalls(tmp_path, inputs):
+    root = tmp_path / "root"
+    base_root(root)
+    args = ["--root", str(root), "--config", str(inputs / "agent.toml"), "--wheel",
+            str(inputs / "fedal_edge-0.1.0-py3-none-any.whl"), "--pip", str(inputs / "fake-pip")]
+    assert install(*args).returncode == 0
+    private = install(*args, "--privacy")
+    assert private.returncode == 0, private.stderr + private.stdout
+    specs = [call[-1] for call in pip_calls(inputs)]
+    assert specs == [f"{inputs}/fedal_edge-0.1.0-py3-none-any.whl[agent]",
+                     f"{inputs}/fedal_edge-0.1.0-py3-none-any.whl[agent,privacy]"]  # a new install, not "nothing changed"
+    assert install(*args, "--privacy").returncode == 0 and len(pip_calls(inputs)) == 2  # the same again: nothing
+    assert "opacus==1.6.0" in install("--print-constraints", arch="aarch64").stdout
+
+
 def test_constraints_per_architecture():
     arm = install("--print-constraints", arch="aarch64")
     assert arm.returncode == 0, arm.stderr
