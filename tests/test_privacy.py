@@ -294,3 +294,43 @@ def test_a_private_client_does_not_report_its_own_test_splits_accuracy():
     assert "client_local_acc" not in results["final"] and "mean_acc" in results["final"]
     plain = simulate(_dp_config(rounds=1, local_test_fraction=0.2))
     assert "client_local_acc" in plain["final"]
+
+
+# -- private statistics: the Gaussian mechanism over a clipped norm ------------------------------
+
+def test_a_private_statistics_sensitivity_is_bounded_by_its_clipping_on_worst_case_inputs():
+    """Neighbouring datasets (one sample added), the added sample as extreme as it gets: the
+    release before noise moves by at most sqrt(2) C, and by exactly that for a huge sample."""
+    from fedal.privacy.statistics import clipped_class_sums, sensitivity
+
+    rng = np.random.default_rng(0)
+    clip, k = 0.7, 5
+    values = torch.from_numpy(rng.normal(scale=3.0, size=(50, 8)))
+    labels = torch.from_numpy(rng.integers(0, k, 50))
+    base = clipped_class_sums(values, labels, k, clip)
+    worst = 0.0
+    for extreme in (torch.full((1, 8), 1e30), torch.full((1, 8), -1e30), torch.zeros(1, 8), values[:1] * 1e6,
+                    torch.from_numpy(rng.normal(size=(1, 8)))):
+        for label in range(k):
+            grown = clipped_class_sums(torch.cat([values, extreme]), torch.cat([labels, torch.tensor([label])]), k, clip)
+            moved = float((grown - base).norm())
+            assert moved <= sensitivity(clip) + 1e-9
+            worst = max(worst, moved)
+    assert worst == pytest.approx(sensitivity(clip))  # the bound is reached: it is the sensitivity
+    shrunk = clipped_class_sums(values[1:], labels[1:], k, clip)  # one sample removed
+    assert float((shrunk - base).norm()) <= sensitivity(clip) + 1e-9
+
+
+def test_private_class_means_without_noise_are_the_clipped_means_and_with_noise_are_accounted():
+    from fedal.privacy.statistics import private_class_means
+
+    values = torch.tensor([[0.3, 0.4], [0.0, 0.5], [3.0, 4.0], [0.1, 0.1]], dtype=torch.float64)
+    labels = torch.tensor([0, 0, 1, 3])
+    means, counts = private_class_means(values, labels, 4, clip=1.0, sigma=0.0, generator=torch.Generator())
+    np.testing.assert_allclose(means, [[0.15, 0.45], [0.6, 0.8], [0, 0], [0.1, 0.1]], atol=1e-7)  # [3, 4] clipped to norm 1
+    assert counts.tolist() == [2, 1, 0, 1] and counts.dtype == np.int64 and means.dtype == np.float32
+    private = PrivateTraining(PrivacyParams(noise_multiplier=2.0), n=40, batch_size=8, seed=1)
+    private.release_class_means(values, labels, 4)
+    reference = PrivacyAccountant()
+    reference.step(2.0, 1.0)
+    assert private.epsilon() == reference.epsilon(1e-5) > 0

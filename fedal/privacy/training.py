@@ -17,10 +17,12 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedal.privacy.accountant import PrivacyAccountant
 from fedal.privacy.settings import PrivacyParams
+from fedal.privacy.statistics import private_class_means
 
 log = logging.getLogger("fedal.privacy")
 
@@ -81,23 +83,30 @@ class PrivateTraining:
     def epsilon(self) -> float:
         return self.accountant.epsilon(self.params.delta)
 
-    def affordable(self, steps: int) -> bool:
-        """Whether `steps` more steps keep this client within its epsilon_budget."""
+    def affordable(self, steps: int, releases: int = 0) -> bool:
+        """Whether `steps` more steps and `releases` more private statistics keep this client
+        within its epsilon_budget."""
         budget = self.params.epsilon_budget
-        if budget is None or steps == 0:
+        if budget is None or steps + releases == 0:
             return True
-        return self.accountant.epsilon_after(self.sigma, self.sample_rate, steps, self.params.delta) <= budget
+        trial = PrivacyAccountant(self.accountant.kind)
+        trial.load_state_dict(self.accountant.state_dict())
+        trial.step(self.sigma, self.sample_rate, steps)
+        trial.step(self.sigma, 1.0, releases)
+        return trial.epsilon(self.params.delta) <= budget
 
     def batches(self, steps: int) -> list[torch.Tensor]:
         """Poisson-sampled row indices for `steps` steps (a batch may be empty)."""
         return [torch.nonzero(torch.rand(self.n, generator=self.generator) < self.sample_rate).flatten()
                 for _ in range(steps)]
 
-    def check_budget(self, steps: int) -> None:
-        """PrivacyBudgetExhausted, before anything changes, if `steps` more steps would exceed the budget."""
-        if not self.affordable(steps):
+    def check_budget(self, steps: int, releases: int = 0) -> None:
+        """PrivacyBudgetExhausted, before anything changes, if `steps` more steps (and `releases`
+        more private statistics) would exceed the budget."""
+        if not self.affordable(steps, releases):
             self.refused_steps += steps
-            raise PrivacyBudgetExhausted(f"{steps} more steps would exceed epsilon_budget "
+            raise PrivacyBudgetExhausted(f"{steps} more steps"
+                                         f"{f' and {releases} statistics' if releases else ''} would exceed epsilon_budget "
                                          f"{self.params.epsilon_budget:g} (epsilon now {self.epsilon():.4g})")
 
     @contextlib.contextmanager
@@ -130,6 +139,15 @@ class PrivateTraining:
             p.grad = (s + noise) / self.expected_batch
             setattr(p, "grad_sample", None)  # noqa: B010  (an attribute of Opacus's, not torch's)
         self.accountant.step(self.sigma, self.sample_rate)
+
+    def release_class_means(self, values: torch.Tensor, labels: torch.Tensor, num_classes: int,
+                            clip: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """Per-class means and counts of private `values` through the Gaussian mechanism (same
+        noise multiplier as the training steps, fedal/privacy/statistics.py), accounted as one step
+        at sample rate 1."""
+        out = private_class_means(values, labels, num_classes, clip, self.sigma, self.generator)
+        self.accountant.step(self.sigma, 1.0)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"generator": self.generator.get_state(), "accountant": self.accountant.state_dict(),
