@@ -217,7 +217,7 @@ def test_privacy_settings_from_the_config_file_and_flags(tmp_path):
         load_config(None, {"dp_noise_multiplier": 1.0, "dp_target_epsilon": 3.0})
     planned = load_config(None, {"dp_target_epsilon": 3.0, "rounds": 7, "tau": 4}).resolved()
     assert planned.strategy_params.privacy.planned_steps == 28  # rounds x tau private steps
-    with pytest.raises(ConfigError, match="has no differentially private training yet.*fedal, fedmd, fedmd-lf"):
+    with pytest.raises(ConfigError, match="has no differentially private training yet.*fedal, fedmd, fedmd-lf.*fd"):
         load_config(None, {"strategy": "fedavg", "dp_noise_multiplier": 1.0})
 
 
@@ -334,3 +334,27 @@ def test_private_class_means_without_noise_are_the_clipped_means_and_with_noise_
     reference = PrivacyAccountant()
     reference.step(2.0, 1.0)
     assert private.epsilon() == reference.epsilon(1e-5) > 0
+
+
+def test_fd_trains_privately_and_sends_its_per_label_means_through_the_gaussian_mechanism():
+    server, clients, params = toy_federation("fd", tau=4, privacy={"noise_multiplier": 1.0})
+    phase = server.begin_round(0)
+    results = {cid: c.handle(phase.tasks[cid]) for cid, c in clients.items()}
+    for cid, client in clients.items():
+        assert client.private.accountant.steps == 4 + 1  # four DP-SGD steps and one release at rate 1
+        result = results[cid]
+        assert "loss" not in result.meta and "ce" not in result.meta and result.meta["epsilon"] > 0
+        server.validate(phase, cid, result)  # noisy means, made probability rows again, pass the server's checks
+    nxt = server.begin_round(1) if server.collect(phase, results) is None else None
+    assert nxt is not None and any("fd/teacher" in t.tensors for t in nxt.tasks.values())
+    spent = clients["c0"].private.epsilon()
+    reference = PrivacyAccountant()
+    reference.step(1.0, clients["c0"].private.sample_rate, 4)
+    reference.step(1.0, 1.0)
+    assert spent == pytest.approx(reference.epsilon(1e-5))
+
+
+def test_a_private_fd_run_finishes_and_reports_epsilon():
+    results = simulate(_dp_config(strategy="fd", tau=3, dp_noise_multiplier=1.5, rounds=2))
+    assert results["privacy"]["max_epsilon"] > 0 and len(results["rounds"]) == 2
+    assert all(r["rejected"] == 0 for r in results["rounds"])

@@ -19,6 +19,8 @@ mean by its count; no teacher before the first uploads (round 1 trains on cross-
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,17 +28,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedal.privacy import PrivacyBudgetExhausted
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerHalf, StrategySpec
 from fedal.strategies.local import local_batches
 from fedal.strategies.training import minibatch_steps
+
+log = logging.getLogger("fedal.strategies.fd")
 
 # the paper's n = 250 local iterations per global iteration; its batch size 64 is `batch_size`
 PRESET = {"tau": 250, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
 # the phases of a round and their kind: "train" phases get the training deadline
 PHASES = {"local_train": "train"}
 # its own knobs, besides params.COMMON_PARAMS
-PARAMS = ("local_epochs", "fd_beta", "fd_exclude_own", "fd_weighting")
+PARAMS = ("local_epochs", "fd_beta", "fd_exclude_own", "fd_weighting", "privacy")
 
 AVG_KEY, COUNT_KEY = "fd/avg", "fd/count"  # up: per-label mean softmax output [K, K], counts [K]
 TEACHER_KEY, MASK_KEY = "fd/teacher", "fd/mask"  # down: per-label teacher [K, K], which labels have one [K]
@@ -96,6 +101,10 @@ def local_average(sums: torch.Tensor, counts: torch.Tensor) -> np.ndarray:
 
 
 class FDClient(ClientHalf):
+    # local training goes through self.private; the per-label means, computed from private data,
+    # through its Gaussian mechanism (private_train)
+    private_steps = True
+
     def __init__(self, client_id, model, train, public_x, params, seed):
         super().__init__(client_id, model, train, public_x, params, seed)
         self.num_classes = int(train.num_classes)
@@ -104,10 +113,38 @@ class FDClient(ClientHalf):
         if task.phase != "local_train":
             raise ValueError(f"unknown phase {task.phase!r}")
         teacher = read_teacher(task.tensors, self.num_classes)
-        stats, avg, counts = self.train(task.integer("steps", self.params.tau), teacher)
+        steps = task.integer("steps", self.params.tau)
+        if self.private is not None:
+            stats, avg, counts = self.private_train(steps, teacher)
+        else:
+            stats, avg, counts = self.train(steps, teacher)
         return self.reply(task, {AVG_KEY: avg, COUNT_KEY: counts}, num_samples=len(self.y_train), **stats)
 
-    def train(self, steps: int, teacher: Teacher | None) -> tuple[dict[str, float], np.ndarray, np.ndarray]:
+    def private_train(self, steps: int, teacher: Teacher | None) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+        """With differential privacy: DP-SGD steps, then the per-label means of the trained
+        model's outputs over the whole private set through the Gaussian mechanism (the outputs
+        of the training steps themselves are not released), rows made probability vectors again
+        (post-processing). Over budget: no step and no statistic (every count 0)."""
+        assert self.private is not None
+        k = self.num_classes
+        try:
+            self.private.check_budget(steps, releases=1)
+        except PrivacyBudgetExhausted as exc:
+            log.info("%s trains no more on its private data: %s", self.client_id, exc)
+            return ({"dp_exhausted": True, "epsilon": self.private.epsilon()}, np.zeros((k, k), np.float32),
+                    np.zeros(k, np.int64))
+        self.train(steps, teacher, batches=self.private.batches(steps))
+        with torch.no_grad():
+            probs = F.softmax(self.predict(self.x_train), dim=1)
+        avg, counts = self.private.release_class_means(probs, self.y_train, k, clip=1.0)
+        avg = np.clip(avg, 0.0, None)
+        total = avg.sum(axis=1, keepdims=True)
+        avg = np.where((counts > 0)[:, None] & (total > 0), avg / np.where(total > 0, total, 1.0), 0.0)
+        counts = np.where(avg.sum(axis=1) > 0, counts, 0)  # a label whose noisy mean vanished: left out
+        return {"dp_exhausted": False, "epsilon": self.private.epsilon()}, avg.astype(np.float32), counts
+
+    def train(self, steps: int, teacher: Teacher | None,
+              batches: Iterable[torch.Tensor] | None = None) -> tuple[dict[str, float], np.ndarray, np.ndarray]:
         """Local's minibatches on CE + fd_beta * distillation term, summing each step's softmax
         outputs per label as it goes. With no teacher, or fd_beta = 0, the term is not computed:
         the steps are then exactly Local's."""
@@ -127,8 +164,9 @@ class FDClient(ClientHalf):
             term = distillation_term(logits, y, teacher)
             return ce + beta * term, {"ce": ce.item(), "fd_loss": term.item()}
 
-        batches = local_batches(len(self.y_train), self.params, steps, self.generator)
-        done = minibatch_steps(self.model, self.optimizer, batches, step)
+        if batches is None:
+            batches = local_batches(len(self.y_train), self.params, steps, self.generator)
+        done = [s for s in minibatch_steps(self.model, self.optimizer, batches, step, private=self.private) if s]
         keys = ("loss", "ce", "fd_loss") if use else ("loss", "ce")
         stats = {key: float(np.mean([s[key] for s in done])) if done else 0.0 for key in keys}
         return stats, local_average(sums, counts), counts.numpy().copy()
@@ -193,7 +231,7 @@ class FDServer(ServerHalf):
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise InvalidResult(f"a local_train result must report an integer num_samples > 0, got {n!r}")
         most = rows_trained(self.params, int(self.params.tau or 0), n)
-        if int(counts.sum()) > most:
+        if self.params.privacy is None and int(counts.sum()) > most:  # noisy counts (privacy) have no such bound
             raise InvalidResult(f"{COUNT_KEY} adds up to {int(counts.sum())}, more than the {most} rows a round trains on")
         seen = counts > 0
         if (avg[~seen] != 0).any():
