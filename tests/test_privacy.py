@@ -216,7 +216,7 @@ def test_privacy_settings_from_the_config_file_and_flags(tmp_path):
     with pytest.raises(ConfigError, match="not both"):
         load_config(None, {"dp_noise_multiplier": 1.0, "dp_target_epsilon": 3.0})
     planned = load_config(None, {"dp_target_epsilon": 3.0, "rounds": 7, "tau": 4}).resolved()
-    assert planned.strategy_params.privacy.planned_steps == 28  # rounds x tau private steps
+    assert planned.strategy_params.privacy.planned_rounds == 7
     with pytest.raises(ConfigError, match="has no differentially private training yet.*fedal, fedmd, fedmd-lf.*fd"):
         load_config(None, {"strategy": "fedavg", "dp_noise_multiplier": 1.0})
 
@@ -282,7 +282,7 @@ def test_a_target_epsilon_calibrates_each_clients_noise_to_reach_it_at_the_end()
     one ends the run at the target (within Opacus's calibration tolerance), never above it."""
     results = simulate(_dp_config(dp_target_epsilon=4.0, partition="pow",
                                   samples_per_client=None, mnist1d_samples=900))
-    assert results["config"]["strategy_params"]["privacy"]["planned_steps"] == 6
+    assert results["config"]["strategy_params"]["privacy"]["planned_rounds"] == 3
     sizes = results["data"]["client_sizes"]
     assert len(set(sizes)) > 1
     for eps in results["privacy"]["final_epsilon"].values():
@@ -358,3 +358,27 @@ def test_a_private_fd_run_finishes_and_reports_epsilon():
     results = simulate(_dp_config(strategy="fd", tau=3, dp_noise_multiplier=1.5, rounds=2))
     assert results["privacy"]["max_epsilon"] > 0 and len(results["rounds"]) == 2
     assert all(r["rejected"] == 0 for r in results["rounds"])
+
+
+def test_fedproto_trains_privately_and_sends_noisy_clipped_prototypes():
+    from fedal.strategies.local import local_step_count
+
+    privacy = {"noise_multiplier": 1.0, "statistic_clip": 2.0}
+    server, clients, params = toy_federation("fedproto", privacy=privacy)
+    phase = server.begin_round(0)
+    results = {cid: c.handle(phase.tasks[cid]) for cid, c in clients.items()}
+    for cid, client in clients.items():
+        steps = local_step_count(params, int(params.tau), len(client.y_train))  # local_epochs passes
+        assert client.private.accountant.steps == steps + 1 and steps > 1
+        assert "loss" not in results[cid].meta and results[cid].meta["epsilon"] > 0
+        server.validate(phase, cid, results[cid])
+    assert server.collect(phase, results) is None and server.mask is not None
+
+
+@pytest.mark.parametrize("strategy", ["fd", "fedproto"])
+def test_target_epsilon_counts_the_private_statistics_too(strategy):
+    """Calibrated for its steps and its one release a round: every client ends at the target."""
+    models = ["mlp"] if strategy == "fd" else ["mlp", "cnn1d_wide"]
+    results = simulate(_dp_config(strategy=strategy, tau=3, dp_target_epsilon=3.0, rounds=2, models=models))
+    for eps in results["privacy"]["final_epsilon"].values():
+        assert 2.95 <= eps <= 3.0

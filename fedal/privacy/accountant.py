@@ -17,8 +17,15 @@ class PrivacyAccountant:
         self._accountant = create_accountant(kind)
 
     def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
-        for _ in range(steps):
-            self._accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+        """`steps` steps of (noise multiplier, sample rate), merged into the last entry of the
+        history when it has the same two, as Opacus's own step() does one step at a time."""
+        if steps <= 0:
+            return
+        history = self._accountant.history
+        if history and history[-1][:2] == (noise_multiplier, sample_rate):
+            history[-1] = (noise_multiplier, sample_rate, history[-1][2] + steps)
+        else:
+            history.append((noise_multiplier, sample_rate, steps))
 
     def epsilon(self, delta: float) -> float:
         if not self._accountant.history:

@@ -20,11 +20,13 @@ class PrivacyParams(BaseModel):
         None, gt=0, description="a client whose epsilon would exceed this stops training on its private data")
     target_epsilon: float | None = Field(
         None, gt=0, description="instead of noise_multiplier: each client calibrates its own noise so that its "
-        "epsilon reaches this after the run's planned steps (its sampling rate depends on its data size)")
-    planned_steps: int | None = Field(
-        None, ge=1, description="private steps a client takes over the whole run, for target_epsilon (the run sets "
-        "it: rounds x local steps per round)")
+        "epsilon reaches this after the run's planned rounds (its sampling rate and steps depend on its data size)")
+    planned_rounds: int | None = Field(
+        None, ge=1, description="rounds the run plans, for target_epsilon (the run sets it)")
     accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus accountant: RDP, or the tighter PRV")
+    statistic_clip: float = Field(
+        1.0, gt=0, description="private statistics (FedProto's prototypes): each sample's feature vector is clipped "
+        "to this L2 norm before the per-class sums are noised (FD's softmax rows have norm <= 1 and use 1)")
 
     @model_validator(mode="after")
     def _noise_or_target(self) -> PrivacyParams:
@@ -35,19 +37,31 @@ class PrivacyParams(BaseModel):
                              "from the target)")
         return self
 
-    def sigma_for(self, sample_rate: float) -> float:
-        """The noise multiplier of a client sampling at `sample_rate`: the one set, or the one its
-        planned steps need to end at target_epsilon (Opacus's calibration, within 0.01)."""
+    def sigma_for(self, sample_rate: float, steps_per_round: int, releases_per_round: int = 0) -> float:
+        """The noise multiplier of a client sampling at `sample_rate`, taking `steps_per_round`
+        DP-SGD steps and `releases_per_round` private statistics a round: the one set, or the
+        smallest that keeps its epsilon after the planned rounds at or below target_epsilon
+        (bisection to within 0.01 of it)."""
         if self.noise_multiplier is not None:
             return self.noise_multiplier
-        if self.planned_steps is None or self.target_epsilon is None:
-            raise ValueError("target_epsilon needs planned_steps (the run's rounds x local steps per round)")
-        import warnings
+        if self.planned_rounds is None or self.target_epsilon is None:
+            raise ValueError("target_epsilon needs planned_rounds (the run's rounds)")
+        from fedal.privacy.accountant import PrivacyAccountant
 
-        from opacus.accountants.utils import get_noise_multiplier
+        rounds, target = self.planned_rounds, self.target_epsilon
 
-        with warnings.catch_warnings():  # a bound from the largest RDP order: still a valid (looser) bound
-            warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-            return float(get_noise_multiplier(target_epsilon=self.target_epsilon, target_delta=self.delta,
-                                              sample_rate=sample_rate, steps=self.planned_steps,
-                                              accountant=self.accountant))
+        def epsilon(sigma: float) -> float:
+            trial = PrivacyAccountant(self.accountant)
+            trial.step(sigma, sample_rate, steps_per_round * rounds)  # composition: the order does not matter
+            trial.step(sigma, 1.0, releases_per_round * rounds)
+            return trial.epsilon(self.delta)
+
+        low, high = 0.0, 1.0
+        while epsilon(high) > target:
+            low, high = high, 2 * high
+            if high > 1e4:
+                raise ValueError(f"no noise multiplier reaches target_epsilon {target:g}")
+        while epsilon(high) < target - 0.01 and high - low > 1e-4:
+            mid = (low + high) / 2
+            low, high = (mid, high) if epsilon(mid) > target else (low, mid)
+        return high

@@ -63,7 +63,8 @@ def dp_compatible(model: torch.nn.Module, name: str = "model") -> torch.nn.Modul
 class PrivateTraining:
     """One client's DP-SGD: its sampling, its noise, its accountant."""
 
-    def __init__(self, params: PrivacyParams, n: int, batch_size: int, seed: int):
+    def __init__(self, params: PrivacyParams, n: int, batch_size: int, seed: int, steps_per_round: int = 1,
+                 releases_per_round: int = 0):
         if n < 1:
             raise ValueError("differentially private training needs private samples")
         require_opacus()
@@ -73,7 +74,7 @@ class PrivateTraining:
         self.expected_batch = self.sample_rate * n
         self.generator = torch.Generator().manual_seed(int(seed))
         self.accountant = PrivacyAccountant(params.accountant)
-        self._sigma = params.sigma_for(self.sample_rate)
+        self._sigma = params.sigma_for(self.sample_rate, steps_per_round, releases_per_round)
         self.refused_steps = 0  # steps not taken because of the budget
 
     @property

@@ -192,10 +192,8 @@ class RunConfig(BaseModel):
         if params.rows_seed is None and "rows_seed" in spec.params:  # the public rows follow the run's seed
             params = params.model_copy(update={"rows_seed": self.seed})
         privacy = params.privacy
-        if privacy is not None and privacy.target_epsilon is not None and privacy.planned_steps is None:
-            # the FedAL family trains tau private steps per round (its local_train task)
-            params = params.model_copy(update={"privacy": privacy.model_copy(
-                update={"planned_steps": self.rounds * (params.tau or 1)})})
+        if privacy is not None and privacy.target_epsilon is not None and privacy.planned_rounds is None:
+            params = params.model_copy(update={"privacy": privacy.model_copy(update={"planned_rounds": self.rounds})})
         update: dict[str, Any] = {"strategy_params": params, "models": self.resolved_models()}
         if self.dataset == "celeba" and self.celeba_attribute is None:
             from fedal.data.federated import DEFAULT_CELEBA_ATTRIBUTE

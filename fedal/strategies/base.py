@@ -134,7 +134,9 @@ class ClientHalf(ABC):
                                  "settings cannot use it")
             require_opacus()  # before anything: a device without it refuses the run
             model = dp_compatible(model, f"{client_id}'s model")
-            self.private = PrivateTraining(params.privacy, len(train), params.batch_size, seed=int(seed) * 7919 + 0xD9)
+            steps, releases = self.private_plan(params, len(train))
+            self.private = PrivateTraining(params.privacy, len(train), params.batch_size, seed=int(seed) * 7919 + 0xD9,
+                                           steps_per_round=steps, releases_per_round=releases)
         self.model = model
         self.train_data = train
         self.params = params
@@ -147,6 +149,12 @@ class ClientHalf(ABC):
 
     @abstractmethod
     def handle(self, task: Message) -> Message: ...
+
+    @classmethod
+    def private_plan(cls, params: StrategyParams, n: int) -> tuple[int, int]:
+        """(DP-SGD steps, private statistics) a round of this half takes on `n` private samples:
+        what target_epsilon calibrates the noise for. A half with private steps says it."""
+        raise NotImplementedError(f"{cls.__name__} has no private steps")
 
     def reply(self, task: Message, tensors: dict[str, np.ndarray] | None = None, **meta: Any) -> Message:
         base: dict[str, Scalar] = {k: task.meta[k] for k in ("phase", "round", "iteration") if k in task.meta}

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from fedal.privacy import PrivacyBudgetExhausted
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerHalf, StrategySpec
-from fedal.strategies.local import local_batches
+from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.training import minibatch_steps
 
 log = logging.getLogger("fedal.strategies.fd")
@@ -105,6 +105,10 @@ class FDClient(ClientHalf):
     # through its Gaussian mechanism (private_train)
     private_steps = True
 
+    @classmethod
+    def private_plan(cls, params, n: int) -> tuple[int, int]:
+        return local_step_count(params, int(params.tau or 1), n), 1  # and the per-label means
+
     def __init__(self, client_id, model, train, public_x, params, seed):
         super().__init__(client_id, model, train, public_x, params, seed)
         self.num_classes = int(train.num_classes)
@@ -128,12 +132,12 @@ class FDClient(ClientHalf):
         assert self.private is not None
         k = self.num_classes
         try:
-            self.private.check_budget(steps, releases=1)
+            self.private.check_budget(local_step_count(self.params, steps, len(self.y_train)), releases=1)
         except PrivacyBudgetExhausted as exc:
             log.info("%s trains no more on its private data: %s", self.client_id, exc)
             return ({"dp_exhausted": True, "epsilon": self.private.epsilon()}, np.zeros((k, k), np.float32),
                     np.zeros(k, np.int64))
-        self.train(steps, teacher, batches=self.private.batches(steps))
+        self.train(steps, teacher, batches=self.private.batches(local_step_count(self.params, steps, len(self.y_train))))
         with torch.no_grad():
             probs = F.softmax(self.predict(self.x_train), dim=1)
         avg, counts = self.private.release_class_means(probs, self.y_train, k, clip=1.0)

@@ -20,19 +20,24 @@ docs/algorithms.md (FedProto) has the equations, defaults and the choices where 
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedal.privacy import PrivacyBudgetExhausted
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
 from fedal.strategies.fedal import logits_iteration, rows_key
-from fedal.strategies.local import local_batches
+from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.params import StrategyParams
 from fedal.strategies.public_rows import public_rows
 from fedal.strategies.training import minibatch_steps
+
+log = logging.getLogger("fedal.strategies.fedproto")
 
 # the paper: lambda = 1 for MNIST and FEMNIST (0.1 for CIFAR-10), the authors' code's default `ld`
 PRESET = {"tau": 5, "local_epochs": 1, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0,
@@ -44,6 +49,7 @@ PHASES = {"local_train": "train"}
 PUBLIC_PHASES = {"local_train": "train", "transfer": "exchange"}
 # their own knobs, besides params.COMMON_PARAMS
 PARAMS = ("local_epochs", "proto_lambda", "proto_weighting")
+PRIVATE_PARAMS = PARAMS + ("privacy",)  # fedproto: DP-SGD, and its prototypes through the Gaussian mechanism
 PUBLIC_PARAMS = ("proto_lambda", "public_batch_size", "rows_seed", "kd_target")
 
 # tensor names: prototypes and counts up, global prototypes and their mask down (private);
@@ -152,7 +158,8 @@ class FedProtoServer(ServerHalf):
         if counts.dtype != np.int64 or counts.shape != (k,) or (counts < 0).any():
             raise InvalidResult(f"{COUNT_KEY} must be int64[{k}] and non-negative")
         n = result.meta.get("num_samples")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or counts.sum() > n:
+        noisy = self.params.privacy is not None  # counts through the Gaussian mechanism may exceed n
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (counts.sum() > n and not noisy):
             raise InvalidResult(f"num_samples {n!r} must be an integer > 0 and at least the class counts' sum")
         try:
             check_width(PROTO_KEY, protos, self.feature_dim)
@@ -188,6 +195,12 @@ class FedProtoServer(ServerHalf):
 
 
 class FedProtoClient(ClientHalf):
+    private_steps = True  # local training through self.private, the prototypes through its Gaussian mechanism
+
+    @classmethod
+    def private_plan(cls, params: StrategyParams, n: int) -> tuple[int, int]:
+        return local_step_count(params, int(params.tau or 1), n), 1  # and the prototypes
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         features_of(self.model)
@@ -198,9 +211,34 @@ class FedProtoClient(ClientHalf):
         if task.phase != "local_train":
             raise ValueError(f"unknown phase {task.phase!r}")
         glob = self.global_prototypes(task)
-        stats = self.train(task.integer("steps", self.params.tau), glob)
-        protos, counts = local_prototypes(self.model, self.x_train, self.y_train, self.num_classes)
+        steps = task.integer("steps", self.params.tau)
+        if self.private is not None:
+            stats, protos, counts = self.private_train(steps, glob)
+        else:
+            stats = self.train(steps, glob)
+            protos, counts = local_prototypes(self.model, self.x_train, self.y_train, self.num_classes)
         return self.reply(task, {PROTO_KEY: protos, COUNT_KEY: counts}, num_samples=len(self.y_train), **stats)
+
+    def private_train(self, steps: int, glob) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+        """With differential privacy: DP-SGD steps, then the prototypes (per-class mean features
+        over the private set, each feature clipped to statistic_clip) through the Gaussian
+        mechanism. Over budget: no step and no prototype (every count 0)."""
+        assert self.private is not None and self.params.privacy is not None
+        try:
+            self.private.check_budget(local_step_count(self.params, steps, len(self.y_train)), releases=1)
+        except PrivacyBudgetExhausted as exc:
+            log.info("%s trains no more on its private data: %s", self.client_id, exc)
+            return ({"dp_exhausted": True, "epsilon": self.private.epsilon()},
+                    np.zeros((self.num_classes, self.feature_dim), np.float32), np.zeros(self.num_classes, np.int64))
+        self.train(steps, glob, batches=self.private.batches(local_step_count(self.params, steps, len(self.y_train))))
+        was = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            h = torch.cat([self.model.features(self.x_train[i : i + 1024]) for i in range(0, len(self.x_train), 1024)])
+        self.model.train(was)
+        protos, counts = self.private.release_class_means(h, self.y_train, self.num_classes,
+                                                          clip=self.params.privacy.statistic_clip)
+        return {"dp_exhausted": False, "epsilon": self.private.epsilon()}, protos, counts
 
     def global_prototypes(self, task: Message) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The task's global prototypes and mask; ValueError (the task is refused) where they do
@@ -218,7 +256,8 @@ class FedProtoClient(ClientHalf):
             return None
         return torch.from_numpy(np.array(protos)), torch.from_numpy(mask.astype(bool))
 
-    def train(self, steps: int, glob: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, float]:
+    def train(self, steps: int, glob: tuple[torch.Tensor, torch.Tensor] | None,
+              batches: Iterable[torch.Tensor] | None = None) -> dict[str, float]:
         """Local's batches (tau steps, or local_epochs passes) on CE + proto_lambda * L_R; plain CE,
         step for step `local`'s, while there are no global prototypes or proto_lambda is 0."""
         lam = float(self.params.proto_lambda or 0.0)
@@ -234,8 +273,9 @@ class FedProtoClient(ClientHalf):
             dist = proto_distance(h, y, glob[0], glob[1])
             return ce + lam * dist, {"ce": ce.item(), "proto_loss": dist.item()}
 
-        batches = local_batches(len(self.y_train), self.params, steps, self.generator)
-        done = minibatch_steps(self.model, self.optimizer, batches, step)
+        if batches is None:
+            batches = local_batches(len(self.y_train), self.params, steps, self.generator)
+        done = [s for s in minibatch_steps(self.model, self.optimizer, batches, step, private=self.private) if s]
         keys = ("loss", "ce", "proto_loss") if use else ("loss",)
         return {k: float(np.mean([s[k] for s in done])) if done else 0.0 for k in keys}
 
@@ -385,7 +425,7 @@ class FedProtoPublicClient(ClientHalf):
 
 
 SPECS = (
-    StrategySpec("fedproto", FedProtoServer, FedProtoClient, PRESET, PHASES, PARAMS, same_feature_dim=True),
+    StrategySpec("fedproto", FedProtoServer, FedProtoClient, PRESET, PHASES, PRIVATE_PARAMS, same_feature_dim=True),
     StrategySpec("fedproto-public", FedProtoPublicServer, FedProtoPublicClient, PUBLIC_PRESET, PUBLIC_PHASES,
                  PUBLIC_PARAMS, uses_public_set=True, same_feature_dim=True),
 )

@@ -46,6 +46,17 @@ def train_steps(client: ClientHalf, steps: int) -> float:
     return float(np.mean(losses)) if losses else 0.0
 
 
+def local_step_count(params, steps: int, n: int) -> int:
+    """How many batches local_batches yields: `steps`, or local_epochs passes of batch_size rows
+    (a last batch of one row joins the one before). Under differential privacy the same number
+    of Poisson-sampled batches is drawn (each row joins with rate batch_size / n)."""
+    epochs = int(getattr(params, "local_epochs", 0) or 0)
+    if epochs <= 0:
+        return steps
+    b = params.batch_size
+    return epochs * max(1, n // b + (1 if n % b > 1 else 0))
+
+
 def local_batches(n: int, params, steps: int, generator: torch.Generator):
     """Row indices of one round's local minibatches over `n` samples.
 
