@@ -218,12 +218,13 @@ def test_privacy_settings_from_the_config_file_and_flags(tmp_path):
     planned = load_config(None, {"dp_target_epsilon": 3.0, "rounds": 7, "tau": 4}).resolved()
     assert planned.strategy_params.privacy.planned_rounds == 7
     with pytest.raises(ConfigError, match="has no differentially private training yet.*fedal, fedmd, fedmd-lf.*fd"):
-        load_config(None, {"strategy": "fedavg", "dp_noise_multiplier": 1.0})
+        load_config(None, {"strategy": "fedhkd", "dp_noise_multiplier": 1.0})
 
 
 def test_a_client_half_without_private_steps_refuses_privacy():
-    with pytest.raises(ValueError, match="no differentially private training"):
-        toy_federation("fedavg", privacy={"noise_multiplier": 1.0})
+    for strategy in ("fedhkd", "feddf", "cfd"):  # subclasses of private halves too
+        with pytest.raises(ValueError, match="no differentially private training"):
+            toy_federation(strategy, privacy={"noise_multiplier": 1.0})
 
 
 def test_without_opacus_a_device_refuses_the_run(monkeypatch):
@@ -382,3 +383,17 @@ def test_target_epsilon_counts_the_private_statistics_too(strategy):
     results = simulate(_dp_config(strategy=strategy, tau=3, dp_target_epsilon=3.0, rounds=2, models=models))
     for eps in results["privacy"]["final_epsilon"].values():
         assert 2.95 <= eps <= 3.0
+
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "local"])
+def test_weight_sharing_and_local_only_runs_train_privately(strategy):
+    """FedAvg sends weights after DP-SGD (the init weights saw no data); Local only reports its epsilon."""
+    results = simulate(_dp_config(strategy=strategy, tau=3, dp_noise_multiplier=1.2, rounds=2))
+    eps = results["privacy"]["epsilon"]
+    assert all(e[0] > 0 and e[1] > e[0] for e in eps.values()) and len(results["rounds"]) == 2
+    assert all("local_loss" not in r["server"] for r in results["rounds"])  # no private loss reached the server
+    if strategy == "fedavg":
+        assert results["final"]["global_acc"] is not None
+    plain = simulate(_dp_config(strategy=strategy, tau=3, rounds=2))
+    assert "privacy" not in plain and any("local_loss" in r["server"] for r in plain["rounds"])

@@ -43,7 +43,7 @@ class PrivacyBudgetExhausted(Exception):
     """The steps asked for would take this client past its epsilon_budget: none was taken."""
 
 
-def dp_compatible(model: torch.nn.Module, name: str = "model") -> torch.nn.Module:
+def dp_compatible(model: torch.nn.Module, name: str = "model", announce: bool = True) -> torch.nn.Module:
     """`model`, or a variant Opacus can train per sample: BatchNorm mixes the samples of a batch,
     so it is replaced by GroupNorm (Opacus's ModuleValidator.fix), with a message."""
     from opacus.validators import ModuleValidator
@@ -55,7 +55,7 @@ def dp_compatible(model: torch.nn.Module, name: str = "model") -> torch.nn.Modul
     left = ModuleValidator.validate(fixed, strict=False)
     if left:
         raise ValueError(f"{name} cannot be trained with differential privacy: {'; '.join(map(str, left))}")
-    log.warning("%s: %s; using its DP-compatible variant (BatchNorm -> GroupNorm)", name,
+    log.log(logging.WARNING if announce else logging.DEBUG, "%s: %s; using its DP-compatible variant (BatchNorm -> GroupNorm)", name,
                 "; ".join(sorted({type(p).__name__ + ': ' + str(p).split(':')[-1].strip() for p in problems})))
     return fixed
 

@@ -15,13 +15,13 @@ import torch
 
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerHalf, StrategySpec
-from fedal.strategies.local import train_steps
+from fedal.strategies.local import local_step_count, train_report
 
 PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
 # the phases of a round and their kind: "train" phases get the training deadline
 PHASES = {"init": "exchange", "train": "train"}
 # its own knobs, besides params.COMMON_PARAMS
-PARAMS = ("local_epochs",)
+PARAMS = ("local_epochs", "privacy")
 
 
 def weighted_average(states: list[dict[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:
@@ -114,13 +114,21 @@ class FedAvgServer(ServerHalf):
 
 
 class FedAvgClient(ClientHalf):
+    # local training goes through train_steps' private path: the weights it sends are DP-SGD's;
+    # the init weights are the random initialisation, which saw no data
+    private_steps = True
+
+    @classmethod
+    def private_plan(cls, params, n: int) -> tuple[int, int]:
+        return local_step_count(params, int(params.tau or 1), n), 0
+
     def handle(self, task: Message) -> Message:
         if task.phase == "init":
             return self.reply(task, model_to_numpy(self.model))
         if task.phase == "train":
             load_numpy_into(self.model, task.tensors)
-            loss = train_steps(self, task.integer("steps", self.params.tau))
-            return self.reply(task, model_to_numpy(self.model), loss=loss, num_samples=len(self.y_train))
+            report = train_report(self, task.integer("steps", self.params.tau))
+            return self.reply(task, model_to_numpy(self.model), num_samples=len(self.y_train), **report)
         raise ValueError(f"unknown phase {task.phase!r}")
 
 

@@ -166,6 +166,8 @@ class FedDFServer(FedALServer):
 
 
 class FedDFClient(FedALClient):
+    private_steps = False  # not yet: its weights and public-set steps are not routed (docs/privacy.md)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.arch = architecture_tag(self.model)

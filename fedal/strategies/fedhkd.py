@@ -131,6 +131,10 @@ def knowledge_terms(model, h: torch.Tensor, y: torch.Tensor, knowledge: Knowledg
 
 
 class FedHKDClient(FedAvgClient):
+    # not yet: its knowledge terms are batch-level and its per-class statistics are not routed
+    # through the Gaussian mechanism (docs/privacy.md)
+    private_steps = False
+
     def __init__(self, client_id, model, train, public_x, params, seed):
         super().__init__(client_id, model, train, public_x, params, seed)
         if not (hasattr(model, "features") and hasattr(model, "head")):

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from fedal.models import build_model
+from fedal.privacy import dp_compatible
 from fedal.strategies.base import ServerHalf
 from fedal.strategies.fedavg import load_numpy_into
 from fedal.strategies.frozen import TorchInference
@@ -28,7 +29,9 @@ def global_accuracy(server: ServerHalf, model_name: str, num_classes: int, x: np
     weights = server.global_model()
     if weights is None or len(y) == 0:
         return None
-    model = build_model(model_name, tuple(np.asarray(x).shape[1:]), num_classes)
+    model: torch.nn.Module = build_model(model_name, tuple(np.asarray(x).shape[1:]), num_classes)
+    if server.params.privacy is not None:  # the clients' DP-compatible variant (BatchNorm -> GroupNorm)
+        model = dp_compatible(model, "the global model", announce=False)  # the clients announced it
     load_numpy_into(model, weights)
     with torch_threads(threads):
         pred = TorchInference().predict(model, np.ascontiguousarray(x, dtype=np.float32)).argmax(dim=1).numpy()

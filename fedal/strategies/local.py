@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedal.privacy import PrivacyBudgetExhausted
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf, PhaseTasks, ServerHalf, StrategySpec
 from fedal.strategies.training import minibatch_steps
+
+log = logging.getLogger("fedal.strategies.local")
 
 PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
 # the phases of a round and their kind: "train" phases get the training deadline
 PHASES = {"local_train": "train"}
 # its own knobs, besides params.COMMON_PARAMS
-PARAMS = ("local_epochs",)
+PARAMS = ("local_epochs", "privacy")
 
 
 class LocalServer(ServerHalf):
@@ -29,21 +36,50 @@ class LocalServer(ServerHalf):
 
 
 class LocalClient(ClientHalf):
+    private_steps = True  # its only step on private data goes through train_steps' private path
+
+    @classmethod
+    def private_plan(cls, params, n: int) -> tuple[int, int]:
+        return local_step_count(params, int(params.tau or 1), n), 0
+
     def handle(self, task: Message) -> Message:
         if task.phase != "local_train":
             raise ValueError(f"unknown phase {task.phase!r}")
-        return self.reply(task, loss=train_steps(self, task.integer("steps", self.params.tau)))
+        return self.reply(task, **train_report(self, task.integer("steps", self.params.tau)))
 
 
 def train_steps(client: ClientHalf, steps: int) -> float:
     """Plain cross-entropy minibatch steps on the client's private data; returns the mean loss.
-    With `local_epochs` > 0 these are that many passes over the data instead of `steps`."""
+    With `local_epochs` > 0 these are that many passes over the data instead of `steps`. With
+    differential privacy (client.private) as many DP-SGD steps on Poisson-sampled batches;
+    PrivacyBudgetExhausted, before any step, when they would exceed the budget."""
     def step(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         return F.cross_entropy(client.model(client.x_train[idx]), client.y_train[idx]), {}
 
-    batches = local_batches(len(client.y_train), client.params, steps, client.generator)
-    losses = [s["loss"] for s in minibatch_steps(client.model, client.optimizer, batches, step)]
+    n = len(client.y_train)
+    if client.private is not None:
+        count = local_step_count(client.params, steps, n)
+        client.private.check_budget(count)
+        batches: Iterable[torch.Tensor] = client.private.batches(count)
+    else:
+        batches = local_batches(n, client.params, steps, client.generator)
+    done = minibatch_steps(client.model, client.optimizer, batches, step, private=client.private)
+    losses = [s["loss"] for s in done if "loss" in s]
     return float(np.mean(losses)) if losses else 0.0
+
+
+def train_report(client: ClientHalf, steps: int) -> dict[str, Any]:
+    """train_steps, and what a result reports of it: the loss, or with differential privacy the
+    privacy spent (the loss on private rows is not released) and whether the budget stopped it."""
+    if client.private is None:
+        return {"loss": train_steps(client, steps)}
+    try:
+        train_steps(client, steps)
+        exhausted = False
+    except PrivacyBudgetExhausted as exc:
+        log.info("%s trains no more on its private data: %s", client.client_id, exc)
+        exhausted = True
+    return {"dp_exhausted": exhausted, "epsilon": client.private.epsilon()}
 
 
 def local_step_count(params, steps: int, n: int) -> int:
