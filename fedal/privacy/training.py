@@ -55,8 +55,9 @@ def dp_compatible(model: torch.nn.Module, name: str = "model", announce: bool = 
     left = ModuleValidator.validate(fixed, strict=False)
     if left:
         raise ValueError(f"{name} cannot be trained with differential privacy: {'; '.join(map(str, left))}")
-    log.log(logging.WARNING if announce else logging.DEBUG, "%s: %s; using its DP-compatible variant (BatchNorm -> GroupNorm)", name,
-                "; ".join(sorted({type(p).__name__ + ': ' + str(p).split(':')[-1].strip() for p in problems})))
+    what = "; ".join(sorted({type(p).__name__ + ": " + str(p).split(":")[-1].strip() for p in problems}))
+    log.log(logging.WARNING if announce else logging.DEBUG,
+            "%s: %s; using its DP-compatible variant (BatchNorm -> GroupNorm)", name, what)
     return fixed
 
 
