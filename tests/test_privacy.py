@@ -397,3 +397,10 @@ def test_weight_sharing_and_local_only_runs_train_privately(strategy):
         assert results["final"]["global_acc"] is not None
     plain = simulate(_dp_config(strategy=strategy, tau=3, rounds=2))
     assert "privacy" not in plain and any("local_loss" in r["server"] for r in plain["rounds"])
+
+
+def test_vectorized_clients_train_privately_one_by_one():
+    """Per-sample clipping runs per client: --vectorize with privacy gives the per-client run."""
+    a = simulate(_dp_config(dp_noise_multiplier=1.0, rounds=2, models=["mlp", "cnn1d"]))
+    b = simulate(_dp_config(dp_noise_multiplier=1.0, rounds=2, models=["mlp", "cnn1d"], vectorize=True))
+    assert a["final"] == b["final"] and a["privacy"] == b["privacy"]
