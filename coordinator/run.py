@@ -120,7 +120,7 @@ class Run:
         return RunManifest(
             run_id=self.cfg.run_id,
             strategy=self.run_config.strategy,
-            strategy_params=self.run_config.strategy_params.model_dump(mode="json"),
+            strategy_params=self.run_config.strategy_params.manifest_dict(),
             num_classes=self.cfg.num_classes,
             clients=self.client_ids,
             rounds=self.run_config.rounds,

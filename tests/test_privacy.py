@@ -404,3 +404,12 @@ def test_vectorized_clients_train_privately_one_by_one():
     a = simulate(_dp_config(dp_noise_multiplier=1.0, rounds=2, models=["mlp", "cnn1d"]))
     b = simulate(_dp_config(dp_noise_multiplier=1.0, rounds=2, models=["mlp", "cnn1d"], vectorize=True))
     assert a["final"] == b["final"] and a["privacy"] == b["privacy"]
+
+
+def test_the_manifest_carries_privacy_only_for_a_private_run():
+    plain = load_config(None, {}).resolved().strategy_params.manifest_dict()
+    private = load_config(None, {"dp_noise_multiplier": 1.0}).resolved().strategy_params.manifest_dict()
+    assert "privacy" not in plain and private["privacy"]["noise_multiplier"] == 1.0
+    from fedal.strategies import StrategyParams
+
+    assert StrategyParams(**private).privacy.noise_multiplier == 1.0  # what the agent builds from it

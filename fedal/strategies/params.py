@@ -159,6 +159,15 @@ class StrategyParams(BaseModel):
                              f"max_abs_value {self.max_abs_value:g} must not exceed it")
         return self
 
+    def manifest_dict(self) -> dict:
+        """What the run manifest carries: every field, except `privacy` in a run without it, so an
+        agent from before privacy existed joins a plain run as before, and refuses a private one
+        (an unknown key) instead of training without the privacy it promises."""
+        out = self.model_dump(mode="json")
+        if out.get("privacy") is None:
+            out.pop("privacy", None)
+        return out
+
     def resolve(self, preset: dict) -> StrategyParams:
         """Fill unset fields from `preset`; fields the user set win."""
         values = self.model_dump()
