@@ -405,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples-per-client", type=int, default=700, help="MNIST-1D rows per client (the demo's)")
     ap.add_argument("--public-size", type=int, default=1000)
     ap.add_argument("--datasets", default=",".join(ZOO), help=f"comma-separated subset of {','.join(ZOO)}")
+    ap.add_argument("--privacy", type=float, default=1.0, metavar="SIGMA",
+                    help="also run the MNIST-1D agents with differential privacy at this noise multiplier (0: not)")
     ap.add_argument("--out", default=str(REPO / "docs" / "results"))
     ap.add_argument("--json", action="store_true", help="print the JSON report instead of the markdown")
     args = ap.parse_args(argv)
@@ -423,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "agent_footprint.json").write_text(json.dumps(report, indent=2) + "\n")
-    md = render(report)
+    md = render({**report, "out": out})
     (out / "agent_footprint.md").write_text(md + kept_reading(out / "agent_footprint.md"))
     print(json.dumps(report, indent=2) if args.json else md)
     return 0
@@ -458,6 +460,22 @@ def measure(args, datasets: list[str], workdir: Path) -> dict:
     }
     size = install_size()
     cnn = next((r for r in rows if r["model"] == "cnn1d"), {"training_rss_mb": None})
+    if args.privacy > 0 and "mnist1d" in datasets:  # the same agents training with DP-SGD
+        with loopback_broker(workdir) as (broker, broker_name):
+            models = ZOO["mnist1d"]
+            config = load_config(None, dict(strategy=args.strategy, dataset="mnist1d", clients=len(models), models=models,
+                                            rounds=args.rounds, tau=args.tau, public_size=args.public_size, seed=0,
+                                            eval_every=1, samples_per_client=args.samples_per_client,
+                                            dp_noise_multiplier=args.privacy))
+            log(f"mnist1d with differential privacy (sigma {args.privacy:g}): {', '.join(models)}")
+            agents, _ = run_fleet(config, workdir / "mnist1d-dp", broker, progress=log)
+            for a in agents:
+                rows.append({"dataset": "mnist1d", "privacy": args.privacy, "model": a.model,
+                             "rss_online_mb": mib(a.rss_online_kib), "training_rss_mb": mib(a.run_rss_kib),
+                             "training_anon_mb": mib(a.run_anon_kib), "peak_rss_mb": mib(a.peak_rss_kib),
+                             "online_s": None if a.online_s is None else round(a.online_s, 2),
+                             "final_acc": a.final_acc, "last_round": a.last_round, "exit": a.returncode})
+    private_closure = set(dependency_closure(extras=("agent", "privacy"))) - set(dependency_closure())
     report = {
         "machine": {"arch": platform.machine(), "python": platform.python_version(), "torch": torch.__version__,
                     "cores": os.cpu_count(), "broker": broker_name},
@@ -467,7 +485,8 @@ def measure(args, datasets: list[str], workdir: Path) -> dict:
         "agents": rows,
         "baselines_mb": baselines,
         "install": {"total_mb": round(size["total_bytes"] / 2**20, 1),
-                    "by_distribution_mb": {k: round(v / 2**20, 2) for k, v in size["by_distribution"].items()}},
+                    "by_distribution_mb": {k: round(v / 2**20, 2) for k, v in size["by_distribution"].items()},
+                    "privacy_extra_mb": {name: round(distribution_bytes(name) / 2**20, 2) for name in sorted(private_closure)}},
         "goal": {"cnn1d_training_rss_mb_max": GOAL_MB, "cnn1d_training_rss_mb": cnn["training_rss_mb"],
                  "met": cnn["training_rss_mb"] is not None and cnn["training_rss_mb"] <= GOAL_MB},
     }
@@ -507,7 +526,8 @@ def render(r: dict) -> str:
     ]
     for a in r["agents"]:
         acc = "-" if a["final_acc"] is None else f"{a['final_acc']:.3f}"
-        lines.append(f"| {a['dataset']} | {a['model']} | {a['rss_online_mb']} | {a['training_rss_mb']} | "
+        model = a["model"] + (f" (DP, sigma {a['privacy']:g})" if a.get("privacy") else "")
+        lines.append(f"| {a['dataset']} | {model} | {a['rss_online_mb']} | {a['training_rss_mb']} | "
                      f"{a['training_anon_mb']} | {a['peak_rss_mb']} | {a['online_s']} | {acc} | {a['exit']} |")
     g = r["goal"]
     lines += [
@@ -531,7 +551,32 @@ def render(r: dict) -> str:
         lines.append(f"| {name} | {size} |")
     if len(items) > 12:
         lines.append(f"| {len(items) - 12} more | {round(sum(v for _, v in items[12:]), 2)} |")
+    extra = r["install"].get("privacy_extra_mb") or {}
+    if extra:
+        lines += ["", f"The `privacy` extra (differential privacy, docs/privacy.md) adds {round(sum(extra.values()), 1)} MB: "
+                  + ", ".join(f"{k} {v} MB" for k, v in extra.items()) + "."]
+    lines += privacy_on_arm64(Path(r.get("out", REPO / "docs" / "results")))
     return "\n".join(lines) + "\n"
+
+
+def privacy_on_arm64(out: Path) -> list[str]:
+    """The emulated Pi's agent with and without differential privacy (firmware_scripts/arm64-smoke.sh
+    and its --privacy run), from their reports, where both exist."""
+    try:
+        plain, private = (json.loads((out / f"{n}.json").read_text()) for n in ("arm64_smoke", "arm64_smoke_privacy"))
+    except (OSError, ValueError):
+        return []
+    rows = []
+    for label, rep in (("without privacy", plain), (f"DP-SGD, sigma {private['settings']['privacy']['noise_multiplier']:g}",
+                                                      private)):
+        arm = next(a for a in rep["agents"] if a["client"] == rep["settings"]["arm64_client"])
+        rows.append(f"| {label} | {arm['model']} | {arm['training_rss_mb']} | {arm['training_rss_without_qemu_mb']} | "
+                    f"{arm['peak_rss_mb']} | {rep['venv']['mb']} | {arm['last_round']} of {rep['settings']['rounds']} |")
+    return ["", "On the emulated 64-bit Pi (firmware_scripts/arm64-smoke.sh, arm64 Debian bookworm under qemu-user, "
+            "torch 2.10.0; [arm64_smoke.md](arm64_smoke.md), [arm64_smoke_privacy.md](arm64_smoke_privacy.md)), the "
+            "agent without and with differential privacy:", "",
+            "| run | model | RSS training (MB) | same without qemu's share (MB) | peak RSS (MB) | venv (MB) | rounds |",
+            "|---|---|---|---|---|---|---|", *rows]
 
 
 if __name__ == "__main__":
