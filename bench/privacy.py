@@ -2,11 +2,15 @@
 differential privacy and at several epsilons: a membership-inference attack against FedAL and
 FedMD on MNIST-1D, and the clients' accuracy, side by side (the privacy-utility curve).
 
-The attack follows the model-reconstruction route of the attacks on federated distillation (an
-honest-but-curious server that keeps every client's logits on the public set): the coordinator
-distils a surrogate of each client's private model from the (public rows, logits) pairs that
-client uploaded over the last rounds of the run, then scores candidate samples by the surrogate's
-loss on them (Yeom et al.'s loss attack: a lower loss means "member"). Adapted to FedAL's protocol:
+Which attack: an honest-but-curious coordinator that keeps every client's logits on the public
+set rebuilds each client's model from them (the model-reconstruction threat against federated
+distillation) and runs the loss-threshold membership attack of Yeom et al. (2018) on the
+rebuilt model. This is not a reimplementation of a specific published attack on federated
+distillation, such as Shi et al.'s (arXiv 2502.08001). It is the simplest attack of that family,
+built from what FedAL's coordinator receives. The coordinator distils a surrogate of each
+client's private model from the (public rows, logits) pairs that client uploaded over the last
+rounds of the run, then scores candidate samples by the surrogate's loss on them (lower loss:
+"member"). Adapted to FedAL's protocol:
 the rows of each upload are known to the coordinator (it names them, docs/protocol.md), the
 client's architecture is not (the surrogate is a fixed MLP). Candidates per client: its private
 training samples (members) and as many held-out test samples with the same label counts
