@@ -218,11 +218,11 @@ def test_privacy_settings_from_the_config_file_and_flags(tmp_path):
     planned = load_config(None, {"dp_target_epsilon": 3.0, "rounds": 7, "tau": 4}).resolved()
     assert planned.strategy_params.privacy.planned_rounds == 7
     with pytest.raises(ConfigError, match="has no differentially private training yet.*fedal, fedmd, fedmd-lf.*fd"):
-        load_config(None, {"strategy": "fedhkd", "dp_noise_multiplier": 1.0})
+        load_config(None, {"strategy": "fedakd", "dp_noise_multiplier": 1.0})
 
 
 def test_a_client_half_without_private_steps_refuses_privacy():
-    for strategy in ("fedhkd", "feddf", "cfd"):  # subclasses of private halves too
+    for strategy in ("feddf", "cfd"):  # a subclass of a private half too
         with pytest.raises(ValueError, match="no differentially private training"):
             toy_federation(strategy, privacy={"noise_multiplier": 1.0})
 
@@ -413,3 +413,41 @@ def test_the_manifest_carries_privacy_only_for_a_private_run():
     from fedal.strategies import StrategyParams
 
     assert StrategyParams(**private).privacy.noise_multiplier == 1.0  # what the agent builds from it
+
+
+def test_fedhkd_adds_its_head_term_as_a_public_term_unclipped_and_unnoised():
+    """The head term reads only the server's knowledge: with the private part clipped to nothing
+    and no noise, a step moves the head by exactly lambda * its gradient (SGD, lr 1)."""
+    from fedal.strategies.fedhkd import Knowledge, head_term
+
+    privacy = {"noise_multiplier": 0.0, "max_grad_norm": 1e-12}
+    _, clients, params = toy_federation("fedhkd", privacy=privacy, hkd_lambda=0.7, hkd_gamma=0.0, optimizer="sgd",
+                                        lr=1.0, local_epochs=0)
+    client = clients["c0"]
+    rng = np.random.default_rng(0)
+    knowledge = Knowledge(rng.normal(size=(4, 8)).astype(np.float32),
+                          np.full((4, 4), 0.25, np.float32), np.array([True, True, False, True]))
+    reference = copy.deepcopy(client.model)
+    want = torch.autograd.grad(0.7 * head_term(reference, knowledge, params), list(reference.net[2].parameters()))
+    features_before = [p.detach().clone() for p in client.model.net[0].parameters()]
+    client._private_steps(client.private.batches(1), knowledge, 0.7, 0.0)
+    for before, after, g in zip(reference.net[2].parameters(), client.model.net[2].parameters(), want):
+        torch.testing.assert_close(before.detach() - after.detach(), g, atol=1e-6, rtol=1e-5)
+    for before, after in zip(features_before, client.model.net[0].parameters()):
+        torch.testing.assert_close(before, after.detach(), atol=1e-9, rtol=0)  # the private part: clipped to ~0
+
+
+def test_fedhkd_trains_privately_and_releases_its_knowledge_through_the_gaussian_mechanism():
+    from fedal.strategies.local import local_step_count
+
+    results = simulate(_dp_config(strategy="fedhkd", tau=3, dp_noise_multiplier=1.5, rounds=2, models=["mlp"]))
+    assert results["privacy"]["max_epsilon"] > 0 and all(r["rejected"] == 0 for r in results["rounds"])
+    server, clients, params = toy_federation("fedhkd", tau=3, privacy={"noise_multiplier": 1.5}, local_epochs=0)
+    phase = server.begin_round(0)
+    while phase.phase != "train":  # FedAvg's init: the first client's initial weights
+        phase = server.collect(phase, {cid: clients[cid].handle(t) for cid, t in phase.tasks.items()})
+    results = {cid: c.handle(phase.tasks[cid]) for cid, c in clients.items()}
+    for cid, client in clients.items():
+        assert client.private.accountant.steps == local_step_count(params, 3, len(client.y_train)) + 2
+        server.validate(phase, cid, results[cid])
+        assert "loss" not in results[cid].meta and results[cid].meta["epsilon"] > 0

@@ -77,6 +77,7 @@ class PrivateTraining:
         self.accountant = PrivacyAccountant(params.accountant)
         self._sigma = params.sigma_for(self.sample_rate, steps_per_round, releases_per_round)
         self.refused_steps = 0  # steps not taken because of the budget
+        self._gsm: Any = None  # Opacus's GradSampleModule while per_sample() is open
 
     @property
     def sigma(self) -> float:
@@ -117,13 +118,28 @@ class PrivateTraining:
         model is left as it was). The training loop's backward then fills `grad_sample`."""
         from opacus import GradSampleModule
 
-        gsm = GradSampleModule(model, loss_reduction="mean")  # the losses are batch means
+        gsm = self._gsm = GradSampleModule(model, loss_reduction="mean")  # the losses are batch means
         try:
             with warnings.catch_warnings():  # inputs need no gradient: the hook fires on outputs, as meant
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
                 yield
         finally:
+            self._gsm = None
             gsm._close()
+
+    @contextlib.contextmanager
+    def public_term(self) -> Iterator[None]:
+        """Inside: the forward and backward of a loss term that touches no private data (FedHKD's
+        head term on the server's knowledge). Per-sample hooks are off, so its gradient joins the
+        noised one as it is: public information, neither clipped nor noised."""
+        gsm = self._gsm
+        if gsm is not None:
+            gsm.disable_hooks()
+        try:
+            yield
+        finally:
+            if gsm is not None:
+                gsm.enable_hooks()
 
     def privatize(self, params: list[torch.nn.Parameter], batch: int) -> None:
         """After the backward of a batch of `batch` rows: each parameter's gradient becomes the

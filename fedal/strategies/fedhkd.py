@@ -16,6 +16,8 @@ client order with classes kept from earlier rounds.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,19 +25,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedal.privacy import PrivacyBudgetExhausted
 from fedal.protocol import Message, tensor_problem
 from fedal.strategies.base import InvalidResult, PhaseTasks, StrategySpec
 from fedal.strategies.fedavg import PHASES as PHASES  # FedAvg's round, knowledge added to its messages
 from fedal.strategies.fedavg import FedAvgClient, FedAvgServer, load_numpy_into, model_to_numpy
-from fedal.strategies.local import local_batches
+from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.params import StrategyParams
 from fedal.strategies.training import minibatch_steps
+
+log = logging.getLogger("fedal.strategies.fedhkd")
 
 PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0,
           "hkd_lambda": 0.05, "hkd_gamma": 0.05}
 # its own knobs, besides params.COMMON_PARAMS
 PARAMS = ("local_epochs", "hkd_preset", "hkd_lambda", "hkd_gamma", "hkd_temperature", "hkd_sigma", "hkd_nu",
-          "hkd_zeta", "hkd_official_noise_std", "hkd_official_grad_clip")
+          "hkd_zeta", "hkd_official_noise_std", "hkd_official_grad_clip", "privacy")
 
 # Tensor names of the knowledge; state_dict keys are dotted module paths and never hold "/".
 H_KEY, Q_KEY, COUNT_KEY, MASK_KEY = "hkd/h", "hkd/q", "hkd/count", "hkd/mask"
@@ -115,25 +120,39 @@ def knowledge_terms(model, h: torch.Tensor, y: torch.Tensor, knowledge: Knowledg
     elementwise-mean KL(Q || softmax(G(H)/T)) and elementwise-mean squared error (rows of
     absent classes add 0, as the authors' code makes them their own target).
     """
+    return head_term(model, knowledge, params), feature_term(h, y, knowledge, params)
+
+
+def head_term(model, knowledge: Knowledge, params: StrategyParams) -> torch.Tensor:
+    """G on the global features of the present classes against their soft predictions: it reads no
+    sample of the batch (with differential privacy: a public term, fedal/privacy/training.py)."""
     present = torch.from_numpy(knowledge.mask)
     big_h = torch.from_numpy(knowledge.h)[present]
     big_q = torch.from_numpy(knowledge.q)[present]
     logits = model.head(big_h) / params.hkd_temperature
+    if params.hkd_preset == "paper":
+        return (F.softmax(logits, dim=1) - big_q).norm(dim=1).mean()
+    return F.kl_div(F.log_softmax(logits, dim=1), big_q, reduction="sum") / big_q.numel()  # torch's "mean"
+
+
+def feature_term(h: torch.Tensor, y: torch.Tensor, knowledge: Knowledge, params: StrategyParams) -> torch.Tensor:
+    """R(x) of each sample against its class's global feature: a mean over the batch's samples."""
+    present = torch.from_numpy(knowledge.mask)
     rows = present[y]
     target = torch.from_numpy(knowledge.h)[y[rows]]
     if params.hkd_preset == "paper":
-        head = (F.softmax(logits, dim=1) - big_q).norm(dim=1).mean()
-        feature = (h[rows] - target).norm(dim=1).sum() / len(y)
-    else:
-        head = F.kl_div(F.log_softmax(logits, dim=1), big_q, reduction="sum") / big_q.numel()  # torch's "mean"
-        feature = (h[rows] - target).pow(2).sum() / h.numel()
-    return head, feature
+        return (h[rows] - target).norm(dim=1).sum() / len(y)
+    return (h[rows] - target).pow(2).sum() / h.numel()
 
 
 class FedHKDClient(FedAvgClient):
-    # not yet: its knowledge terms are batch-level and its per-class statistics are not routed
-    # through the Gaussian mechanism (docs/privacy.md)
-    private_steps = False
+    # DP-SGD on CE + the feature term, the head term (no private data) added as public; the
+    # per-class features and soft predictions through the Gaussian mechanism (private_knowledge)
+    private_steps = True
+
+    @classmethod
+    def private_plan(cls, params, n: int) -> tuple[int, int]:
+        return local_step_count(params, int(params.tau or 1), n), 2  # and two statistics
 
     def __init__(self, client_id, model, train, public_x, params, seed):
         super().__init__(client_id, model, train, public_x, params, seed)
@@ -150,20 +169,70 @@ class FedHKDClient(FedAvgClient):
         knowledge = Knowledge.from_tensors(task.tensors)
         if knowledge is not None and not knowledge.mask.any():
             knowledge = None
-        stats = self.train(task.integer("steps", self.params.tau), knowledge)
-        h, q, counts = extract_knowledge(self.model, self.x_train, self.y_train, self.num_classes, self.params,
-                                         self.noise_generator)
+        steps = task.integer("steps", self.params.tau)
+        if self.private is not None:
+            stats, (h, q, counts) = self.private_train(steps, knowledge)
+        else:
+            stats = self.train(steps, knowledge)
+            h, q, counts = extract_knowledge(self.model, self.x_train, self.y_train, self.num_classes, self.params,
+                                             self.noise_generator)
         tensors = {**model_to_numpy(self.model), H_KEY: h, Q_KEY: q, COUNT_KEY: counts}
         return self.reply(task, tensors, num_samples=len(self.y_train), shared_classes=int((counts > 0).sum()), **stats)
 
-    def train(self, steps: int, knowledge: Knowledge | None) -> dict[str, float]:
+    def private_train(self, steps: int, knowledge: Knowledge | None) -> tuple[dict[str, Any], tuple]:
+        """With differential privacy: DP-SGD steps (the paper's own feature noise and share rule
+        give way to the Gaussian mechanism), then the knowledge through it. Over budget: no step,
+        the global weights sent back as they came, no knowledge (every count 0)."""
+        assert self.private is not None and self.params.privacy is not None
+        count = local_step_count(self.params, steps, len(self.y_train))
+        try:
+            self.private.check_budget(count, releases=2)
+        except PrivacyBudgetExhausted as exc:
+            log.info("%s trains no more on its private data: %s", self.client_id, exc)
+            d = int(self.model.features(self.x_train[:1]).shape[1])
+            k = self.num_classes
+            return ({"dp_exhausted": True, "epsilon": self.private.epsilon()},
+                    (np.zeros((k, d), np.float32), np.zeros((k, k), np.float32), np.zeros(k, np.int64)))
+        self.train(steps, knowledge, batches=self.private.batches(count))
+        released = self.private_knowledge()
+        return {"dp_exhausted": False, "epsilon": self.private.epsilon()}, released
+
+    def private_knowledge(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per class the mean feature (each clipped to statistic_clip) and the mean soft prediction
+        (norm <= 1), each through the Gaussian mechanism; the soft predictions made probability
+        rows again and the paper's share rule applied to the noisy counts (post-processing)."""
+        assert self.private is not None and self.params.privacy is not None
+        p, k = self.params, self.num_classes
+        was = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            h = torch.cat([self.model.features(self.x_train[i : i + 1024]) for i in range(0, len(self.x_train), 1024)])
+            q = F.softmax(self.model.head(h) / p.hkd_temperature, dim=1)
+        self.model.train(was)
+        h_mean, h_counts = self.private.release_class_means(h, self.y_train, k, clip=p.privacy.statistic_clip)
+        q_mean, q_counts = self.private.release_class_means(q, self.y_train, k, clip=1.0)
+        q_mean = np.clip(q_mean, 0.0, None)
+        total = q_mean.sum(axis=1, keepdims=True)
+        share = (h_counts > 0) & (q_counts > 0) & (total[:, 0] > 0)
+        if p.hkd_preset == "paper":
+            share &= h_counts >= p.hkd_nu * max(int(h_counts.sum()), 1)
+        q_mean = np.where(share[:, None], q_mean / np.where(total > 0, total, 1.0), 0.0).astype(np.float32)
+        return (np.where(share[:, None], h_mean, 0.0).astype(np.float32), q_mean,
+                np.where(share, h_counts, 0).astype(np.int64))
+
+    def train(self, steps: int, knowledge: Knowledge | None,
+              batches: Iterable[torch.Tensor] | None = None) -> dict[str, float]:
         """FedAvg's local batches (tau steps, or local_epochs passes) on eq. 11: plain cross-entropy
         while there is no knowledge, and exactly FedAvg's steps when lambda = gamma = 0 (terms
-        with weight 0 are not computed)."""
+        with weight 0 are not computed). With differential privacy (`batches` Poisson-sampled)
+        the head term, which reads no private sample, joins each step as a public term."""
         p = self.params
         lam, gam = float(p.hkd_lambda or 0.0), float(p.hkd_gamma or 0.0)
         use = knowledge is not None and (lam > 0 or gam > 0)
         clip = p.hkd_official_grad_clip if p.hkd_preset == "official" and knowledge is not None else None
+        if self.private is not None:  # DP-SGD clips every sample's gradient instead of clip
+            self._private_steps(batches or [], knowledge if use else None, lam, gam)
+            return {}
         def step(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
             x, y = self.x_train[idx], self.y_train[idx]
             h = self.model.features(x)
@@ -188,6 +257,29 @@ class FedHKDClient(FedAvgClient):
         if not use:
             del stats["hkd_head"], stats["hkd_feature"]
         return stats
+
+    def _private_steps(self, batches: Iterable[torch.Tensor], knowledge: Knowledge | None, lam: float,
+                       gam: float) -> None:
+        """DP-SGD on CE + gamma * the feature term (per sample); lambda * the head term, which
+        reads only the server's knowledge, joins every step unclipped and un-noised."""
+        p = self.params
+
+        def step(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            x, y = self.x_train[idx], self.y_train[idx]
+            h = self.model.features(x)
+            loss = F.cross_entropy(self.model.head(h), y)
+            if knowledge is not None and gam > 0:
+                loss = loss + gam * feature_term(h, y, knowledge, p)
+            return loss, {}
+
+        public = None
+        if knowledge is not None and lam > 0:
+            known = knowledge
+
+            def public() -> torch.Tensor:
+                return lam * head_term(self.model, known, p)
+
+        minibatch_steps(self.model, self.optimizer, batches, step, private=self.private, public_loss=public)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "noise_generator": self.noise_generator.get_state()}
@@ -261,7 +353,7 @@ class FedHKDServer(FedAvgServer):
             raise InvalidResult(f"{Q_KEY} is {q.dtype}{list(q.shape)}, expected float32[{k}, {k}]")
         if counts.dtype != np.int64 or counts.shape != (k,) or (counts < 0).any():
             raise InvalidResult(f"{COUNT_KEY} must be int64[{k}] and non-negative")
-        if counts.sum() > result.meta["num_samples"]:
+        if self.params.privacy is None and counts.sum() > result.meta["num_samples"]:  # noisy counts have no bound
             raise InvalidResult("class counts add up to more than num_samples")
         problem = tensor_problem({H_KEY: h, Q_KEY: q}, self.params.max_abs_value)
         if problem is not None:

@@ -20,12 +20,14 @@ StepLoss = Callable[[torch.Tensor], "tuple[torch.Tensor, dict[str, float]]"]
 
 def minibatch_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable[torch.Tensor],
                     step_loss: StepLoss, clip_norm: float | None = None,
-                    private: PrivateTraining | None = None) -> list[dict[str, float]]:
+                    private: PrivateTraining | None = None,
+                    public_loss: Callable[[], torch.Tensor | None] | None = None) -> list[dict[str, float]]:
     """One optimizer step per batch of row indices; `step_loss(idx)` returns the mean loss over
     those rows and any diagnostics. Returns each step's diagnostics with its `loss` (callers
     aggregate). With `private` (rows of private data, batches from `private.batches`), each step
     is DP-SGD: per-sample gradients clipped, summed and noised (fedal/privacy/training.py); an
-    empty batch is a step of noise alone."""
+    empty batch is a step of noise alone. `public_loss()`, a term that touches no private data,
+    joins each step's gradient after that, unclipped (None: none this step)."""
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     steps = []
@@ -39,6 +41,11 @@ def minibatch_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ba
                 private.privatize(params, len(idx))
             elif clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=clip_norm)
+            if public_loss is not None:
+                with private.public_term() if private is not None else contextlib.nullcontext():
+                    term = public_loss()
+                    if term is not None:
+                        term.backward()
             optimizer.step()
             steps.append({**stats, "loss": loss.item()} if loss is not None else dict(stats))
     return steps
