@@ -239,7 +239,7 @@ def per_row_payload(monkeypatch, config) -> tuple[list[dict], int, int]:
         sizes["down"] += sum(a.nbytes for k, a in task.tensors.items() if k.split(".")[0] in ("fbar", "grad"))
         wire = original(self, task)
         if wire is not None:
-            sizes["up"] += sum(a.nbytes for k, a in decode(wire).tensors.items() if k.split(".")[0] == "logits")
+            sizes["up"] += sum(a.nbytes for k, a in wire.received().tensors.items() if k.split(".")[0] == "logits")
         return wire
 
     monkeypatch.setattr(ClientSession, "on_task", counted)
