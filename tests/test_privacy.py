@@ -222,7 +222,7 @@ def test_privacy_settings_from_the_config_file_and_flags(tmp_path):
 
 
 def test_a_client_half_without_private_steps_refuses_privacy():
-    for strategy in ("feddf", "cfd"):  # a subclass of a private half too
+    for strategy in ("feddf", "fccl"):  # feddf: a subclass of a private half
         with pytest.raises(ValueError, match="no differentially private training"):
             toy_federation(strategy, privacy={"noise_multiplier": 1.0})
 
@@ -451,3 +451,15 @@ def test_fedhkd_trains_privately_and_releases_its_knowledge_through_the_gaussian
         assert client.private.accountant.steps == local_step_count(params, 3, len(client.y_train)) + 2
         server.validate(phase, cid, results[cid])
         assert "loss" not in results[cid].meta and results[cid].meta["epsilon"] > 0
+
+
+@pytest.mark.parametrize("strategy", ["cfd", "mhat"])
+def test_cfd_and_mhat_train_privately_and_share_only_public_row_outputs(strategy):
+    results = simulate(_dp_config(strategy=strategy, tau=3, dp_noise_multiplier=1.2, rounds=2))
+    eps = results["privacy"]["epsilon"]
+    assert all(e[0] > 0 and e[1] > e[0] for e in eps.values()) and all(r["rejected"] == 0 for r in results["rounds"])
+    server, clients, params = toy_federation(strategy, tau=2, privacy={"noise_multiplier": 1.2})
+    phase = server.begin_round(0)
+    result = clients["c0"].handle(phase.tasks["c0"])
+    assert "loss" not in result.meta and result.meta["epsilon"] > 0
+    assert clients["c0"].private.accountant.steps == 2  # the soft labels on public rows cost nothing

@@ -34,7 +34,7 @@ from fedal.models import build_model
 from fedal.protocol import Message
 from fedal.strategies import optim
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
-from fedal.strategies.local import train_steps
+from fedal.strategies.local import local_step_count, train_report
 from fedal.strategies.params import StrategyParams
 from fedal.strategies.public_rows import public_rows
 from fedal.strategies.training import minibatch_steps
@@ -48,7 +48,8 @@ MHAT_PRESET = {**CFD_PRESET, "cfd_bits": 16, "cfd_delta": False}
 # the phases of a round and their kind: "train" phases get the training deadline
 PHASES = {"local_train": "train", "distill": "exchange"}
 # its own knobs, besides params.COMMON_PARAMS
-CFD_PARAMS = ("public_batch_size", "lambda_kd", "temperature_kd", "rows_seed", "cfd_bits", "cfd_delta", "cfd_public_rows")
+CFD_PARAMS = ("public_batch_size", "lambda_kd", "temperature_kd", "rows_seed", "cfd_bits", "cfd_delta", "cfd_public_rows",
+              "privacy")
 MHAT_PARAMS = (*CFD_PARAMS, "mhat_server_model", "mhat_server_epochs", "mhat_server_lr")
 
 LEVELS_KEY = "cfd/levels"  # up, full: quantized soft labels [D, K]
@@ -156,6 +157,14 @@ def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, has: torch.Te
 
 # -- client ---------------------------------------------------------------------------------------
 class CFDClient(ClientHalf):
+    # local training (train_steps' private path) is its only step on private data; the soft labels
+    # and the distillation are on the public rows: post-processing
+    private_steps = True
+
+    @classmethod
+    def private_plan(cls, params, n: int) -> tuple[int, int]:
+        return local_step_count(params, int(params.tau or 1), n), 0
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.public_x is None:
@@ -168,9 +177,9 @@ class CFDClient(ClientHalf):
 
     def handle(self, task: Message) -> Message:
         if task.phase == "local_train":
-            loss = train_steps(self, task.integer("steps", self.params.tau))
+            report = train_report(self, task.integer("steps", self.params.tau))  # the loss, or the privacy spent
             tensors, ref = self.upload(task.integer("round"), task.integer("ref", NO_REF))
-            return self.reply(task, tensors, loss=loss, ref=ref)
+            return self.reply(task, tensors, ref=ref, **report)
         if task.phase == "distill":
             return self.reply(task, None, **self.distill(task))
         raise ValueError(f"unknown phase {task.phase!r}")
