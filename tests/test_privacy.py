@@ -222,7 +222,7 @@ def test_privacy_settings_from_the_config_file_and_flags(tmp_path):
 
 
 def test_a_client_half_without_private_steps_refuses_privacy():
-    for strategy in ("feddf", "fccl"):  # feddf: a subclass of a private half
+    for strategy in ("fccl", "fedakd"):
         with pytest.raises(ValueError, match="no differentially private training"):
             toy_federation(strategy, privacy={"noise_multiplier": 1.0})
 
@@ -463,3 +463,11 @@ def test_cfd_and_mhat_train_privately_and_share_only_public_row_outputs(strategy
     result = clients["c0"].handle(phase.tasks["c0"])
     assert "loss" not in result.meta and result.meta["epsilon"] > 0
     assert clients["c0"].private.accountant.steps == 2  # the soft labels on public rows cost nothing
+
+
+@pytest.mark.parametrize("strategy", ["feddf", "feddf-al"])
+def test_feddf_trains_privately_and_shares_weights_after_dp_sgd(strategy):
+    results = simulate(_dp_config(strategy=strategy, tau=2, dp_noise_multiplier=1.2, rounds=2, models=["mlp", "cnn1d"]))
+    eps = results["privacy"]["epsilon"]
+    assert all(e[0] > 0 and e[1] > e[0] for e in eps.values()) and all(r["rejected"] == 0 for r in results["rounds"])
+    assert all("local_loss" not in r["server"] for r in results["rounds"])

@@ -50,7 +50,7 @@ MAX_TAG = 128
 # the phases of a round and their kind: "train" phases get the training deadline
 PHASES = {"init": "exchange", "local_train": "train", "average": "exchange", "transfer": "exchange"}
 # its own knobs, besides params.COMMON_PARAMS: FedAL's transfer stage
-PARAMS = DISTILLATION_PARAMS
+PARAMS = DISTILLATION_PARAMS + ("privacy",)  # local training is its only step on private data
 
 
 def architecture_tag(model: torch.nn.Module) -> str:
@@ -166,7 +166,8 @@ class FedDFServer(FedALServer):
 
 
 class FedDFClient(FedALClient):
-    private_steps = False  # not yet: its weights and public-set steps are not routed (docs/privacy.md)
+    # FedAL's stage 1 (its private path) is the only step on private data: the weights sent after it,
+    # the group average, the logits and the transfer stage on the public set are post-processing
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -177,8 +178,12 @@ class FedDFClient(FedALClient):
             return self.reply(task, self.weights(), arch=self.arch)
         if task.phase == "local_train":
             self.load_group_weights(task)  # round 0: the group's common start
-            loss = self.local_steps(task.integer("steps", self.params.tau))
-            return self.reply(task, self.weights(), loss=loss, num_samples=len(self.y_train), arch=self.arch)
+            steps = task.integer("steps", self.params.tau)
+            if self.private is None:
+                report: dict[str, Any] = {"loss": self.local_steps(steps)}
+            else:  # the privacy spent, not the loss on private rows; over budget: the weights as loaded
+                report = {"dp_exhausted": not self.private_local_steps(steps), "epsilon": self.private.epsilon()}
+            return self.reply(task, self.weights(), num_samples=len(self.y_train), arch=self.arch, **report)
         if task.phase == "average":
             weights = self.load_group_weights(task)
             self.snapshot_ref_glo()  # the transfer stage starts from the group average
