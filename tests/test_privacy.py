@@ -471,3 +471,14 @@ def test_feddf_trains_privately_and_shares_weights_after_dp_sgd(strategy):
     eps = results["privacy"]["epsilon"]
     assert all(e[0] > 0 and e[1] > e[0] for e in eps.values()) and all(r["rejected"] == 0 for r in results["rounds"])
     assert all("local_loss" not in r["server"] for r in results["rounds"])
+
+
+def test_fedproto_public_trains_privately_and_shares_public_row_features():
+    results = simulate(_dp_config(strategy="fedproto-public", tau=2, dp_noise_multiplier=1.2, rounds=2,
+                                  models=["mlp", "cnn1d_wide"]))
+    eps = results["privacy"]["epsilon"]
+    assert all(e[0] > 0 and e[1] > e[0] for e in eps.values()) and all(r["rejected"] == 0 for r in results["rounds"])
+    server, clients, _ = toy_federation("fedproto-public", tau=2, privacy={"noise_multiplier": 1.2})
+    phase = server.begin_round(0)
+    result = clients["c0"].handle(phase.tasks["c0"])
+    assert "loss" not in result.meta and clients["c0"].private.accountant.steps == 2

@@ -50,7 +50,7 @@ PUBLIC_PHASES = {"local_train": "train", "transfer": "exchange"}
 # their own knobs, besides params.COMMON_PARAMS
 PARAMS = ("local_epochs", "proto_lambda", "proto_weighting")
 PRIVATE_PARAMS = PARAMS + ("privacy",)  # fedproto: DP-SGD, and its prototypes through the Gaussian mechanism
-PUBLIC_PARAMS = ("proto_lambda", "public_batch_size", "rows_seed", "kd_target")
+PUBLIC_PARAMS = ("proto_lambda", "public_batch_size", "rows_seed", "kd_target", "privacy")
 
 # tensor names: prototypes and counts up, global prototypes and their mask down (private);
 # features on public rows up, their average down (public)
@@ -340,6 +340,14 @@ class FedProtoPublicServer(ServerHalf):
 
 
 class FedProtoPublicClient(ClientHalf):
+    # the local steps are its only ones on private data (DP-SGD); the features it uploads and the
+    # steps towards their average are on public rows: post-processing
+    private_steps = True
+
+    @classmethod
+    def private_plan(cls, params: StrategyParams, n: int) -> tuple[int, int]:
+        return int(params.tau or 1), 0
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         features_of(self.model)
@@ -350,7 +358,7 @@ class FedProtoPublicClient(ClientHalf):
         tau = self.params.tau or 1
         if task.phase == "local_train":
             self.round_diag = []
-            diag: dict[str, float] = {"loss": self.local_steps(task.integer("steps", tau))}
+            diag: dict[str, Any] = self.local_report(task.integer("steps", tau))
         elif task.phase == "transfer":
             if AVERAGE_KEY in task.tensors:
                 self.round_diag.append(self.apply_average(task))
@@ -363,15 +371,35 @@ class FedProtoPublicClient(ClientHalf):
         tensors = {} if nxt is None else {FEATURES_KEY: self.upload_features(task.integer("round"), nxt)}
         return self.reply(task, tensors, **diag)
 
+    def local_report(self, steps: int) -> dict[str, Any]:
+        """The local steps and what a result says of them: the loss, or with differential privacy
+        the privacy spent (over budget: no step)."""
+        if self.private is None:
+            return {"loss": self.local_steps(steps)}
+        try:
+            self.private.check_budget(steps)
+            self.local_steps(steps)
+            exhausted = False
+        except PrivacyBudgetExhausted as exc:
+            log.info("%s trains no more on its private data: %s", self.client_id, exc)
+            exhausted = True
+        return {"dp_exhausted": exhausted, "epsilon": self.private.epsilon()}
+
     def local_steps(self, steps: int) -> float:
-        """Plain CE minibatches, drawn as FedAL's local stage draws them (FedMD's has no LF term)."""
+        """Plain CE minibatches, drawn as FedAL's local stage draws them (FedMD's has no LF term);
+        with differential privacy, Poisson-sampled DP-SGD steps."""
         n = len(self.y_train)
 
         def step(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
             return F.cross_entropy(self.model(self.x_train[idx]), self.y_train[idx]), {}
 
-        batches = (torch.randperm(n, generator=self.generator)[: min(self.params.batch_size, n)] for _ in range(steps))
-        losses = [s["loss"] for s in minibatch_steps(self.model, self.optimizer, batches, step)]
+        if self.private is not None:
+            batches: Iterable[torch.Tensor] = self.private.batches(steps)
+        else:
+            batches = (torch.randperm(n, generator=self.generator)[: min(self.params.batch_size, n)]
+                       for _ in range(steps))
+        done = minibatch_steps(self.model, self.optimizer, batches, step, private=self.private)
+        losses = [s["loss"] for s in done if "loss" in s]
         return float(np.mean(losses)) if losses else 0.0
 
     def upload_features(self, round_idx: int, iteration: int) -> np.ndarray:
