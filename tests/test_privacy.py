@@ -222,7 +222,7 @@ def test_privacy_settings_from_the_config_file_and_flags(tmp_path):
 
 
 def test_a_client_half_without_private_steps_refuses_privacy():
-    for strategy in ("fccl", "fedakd"):
+    for strategy in ("fedakd",):
         with pytest.raises(ValueError, match="no differentially private training"):
             toy_federation(strategy, privacy={"noise_multiplier": 1.0})
 
@@ -482,3 +482,26 @@ def test_fedproto_public_trains_privately_and_shares_public_row_features():
     phase = server.begin_round(0)
     result = clients["c0"].handle(phase.tasks["c0"])
     assert "loss" not in result.meta and clients["c0"].private.accountant.steps == 2
+
+
+@pytest.mark.parametrize("strategy", ["fccl", "fccl-plus"])
+def test_fccl_pretrains_and_updates_privately_and_a_target_counts_the_pretraining(strategy):
+    from fedal.strategies.local import local_step_count
+
+    server, clients, params = toy_federation(strategy, tau=2, privacy={"noise_multiplier": 1.2},
+                                             fccl_pretrain_epochs=2 if strategy == "fccl" else None)
+    client = clients["c0"]
+    phase = server.begin_round(0)
+    if phase.phase == "local_pretrain":
+        result = client.handle(phase.tasks["c0"])
+        assert "loss" not in result.meta and result.meta["epsilon"] > 0
+        assert client.private.accountant.steps == client.private_one_off(params, len(client.y_train)) > 1
+    assert (client.private_one_off(params, len(client.y_train)) == 0) == (strategy == "fccl-plus")
+    before = client.private.accountant.steps
+    result = client.handle(Message({**phase.tasks["c0"].meta, "phase": "local_train", "steps": 2}))
+    assert "loss" not in result.meta
+    assert client.private.accountant.steps == before + local_step_count(params, 2, len(client.y_train))
+    pretrain = {"fccl_pretrain_epochs": 2} if strategy == "fccl" else {}
+    results = simulate(_dp_config(strategy=strategy, tau=2, dp_target_epsilon=5.0, rounds=2, models=["mlp"], **pretrain))
+    for eps in results["privacy"]["final_epsilon"].values():
+        assert 4.95 <= eps <= 5.0  # the one-off pretraining is in the plan the noise is calibrated for

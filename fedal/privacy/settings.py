@@ -37,11 +37,12 @@ class PrivacyParams(BaseModel):
                              "from the target)")
         return self
 
-    def sigma_for(self, sample_rate: float, steps_per_round: int, releases_per_round: int = 0) -> float:
+    def sigma_for(self, sample_rate: float, steps_per_round: int, releases_per_round: int = 0,
+                  one_off_steps: int = 0) -> float:
         """The noise multiplier of a client sampling at `sample_rate`, taking `steps_per_round`
-        DP-SGD steps and `releases_per_round` private statistics a round: the one set, or the
-        smallest that keeps its epsilon after the planned rounds at or below target_epsilon
-        (bisection to within 0.01 of it)."""
+        DP-SGD steps and `releases_per_round` private statistics a round (and `one_off_steps`
+        once, e.g. a pretraining): the one set, or the smallest that keeps its epsilon after the
+        planned rounds at or below target_epsilon (bisection to within 0.01 of it)."""
         if self.noise_multiplier is not None:
             return self.noise_multiplier
         if self.planned_rounds is None or self.target_epsilon is None:
@@ -52,7 +53,7 @@ class PrivacyParams(BaseModel):
 
         def epsilon(sigma: float) -> float:
             trial = PrivacyAccountant(self.accountant)
-            trial.step(sigma, sample_rate, steps_per_round * rounds)  # composition: the order does not matter
+            trial.step(sigma, sample_rate, steps_per_round * rounds + one_off_steps)  # the order does not matter
             trial.step(sigma, 1.0, releases_per_round * rounds)
             return trial.epsilon(self.delta)
 

@@ -65,7 +65,7 @@ class PrivateTraining:
     """One client's DP-SGD: its sampling, its noise, its accountant."""
 
     def __init__(self, params: PrivacyParams, n: int, batch_size: int, seed: int, steps_per_round: int = 1,
-                 releases_per_round: int = 0):
+                 releases_per_round: int = 0, one_off_steps: int = 0):
         if n < 1:
             raise ValueError("differentially private training needs private samples")
         require_opacus()
@@ -75,7 +75,7 @@ class PrivateTraining:
         self.expected_batch = self.sample_rate * n
         self.generator = torch.Generator().manual_seed(int(seed))
         self.accountant = PrivacyAccountant(params.accountant)
-        self._sigma = params.sigma_for(self.sample_rate, steps_per_round, releases_per_round)
+        self._sigma = params.sigma_for(self.sample_rate, steps_per_round, releases_per_round, one_off_steps)
         self.refused_steps = 0  # steps not taken because of the budget
         self._gsm: Any = None  # Opacus's GradSampleModule while per_sample() is open
 

@@ -136,7 +136,8 @@ class ClientHalf(ABC):
             model = dp_compatible(model, f"{client_id}'s model")
             steps, releases = self.private_plan(params, len(train))
             self.private = PrivateTraining(params.privacy, len(train), params.batch_size, seed=int(seed) * 7919 + 0xD9,
-                                           steps_per_round=steps, releases_per_round=releases)
+                                           steps_per_round=steps, releases_per_round=releases,
+                                           one_off_steps=self.private_one_off(params, len(train)))
         self.model = model
         self.train_data = train
         self.params = params
@@ -155,6 +156,11 @@ class ClientHalf(ABC):
         """(DP-SGD steps, private statistics) a round of this half takes on `n` private samples:
         what target_epsilon calibrates the noise for. A half with private steps says it."""
         raise NotImplementedError(f"{cls.__name__} has no private steps")
+
+    @classmethod
+    def private_one_off(cls, params: StrategyParams, n: int) -> int:
+        """DP-SGD steps this half takes once in a run besides its rounds (FCCL's pretraining)."""
+        return 0
 
     def reply(self, task: Message, tensors: dict[str, np.ndarray] | None = None, **meta: Any) -> Message:
         base: dict[str, Scalar] = {k: task.meta[k] for k in ("phase", "round", "iteration") if k in task.meta}

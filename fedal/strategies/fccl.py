@@ -17,22 +17,27 @@ KL(softmax(sbar / T_s) || softmax(s / T_s)) per row, batchmean. Any architecture
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedal.privacy import PrivacyBudgetExhausted
 from fedal.protocol import Message
 from fedal.protocol.wire_dtype import WireDtypeError, decode_tensor, encode_tensor, scale_name
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
 from fedal.strategies.fedal import rows_key
 from fedal.strategies.frozen import Frozen, frozen_copy
-from fedal.strategies.local import local_batches
+from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.losses import kl_to_student
 from fedal.strategies.params import StrategyParams
 from fedal.strategies.public_rows import public_rows
 from fedal.strategies.training import minibatch_steps
+
+log = logging.getLogger("fedal.strategies.fccl")
 
 # tau public iterations per round (the authors' code: one public epoch of 5000 rows in batches of
 # 256, about 20); local training as the toolkit's tau steps unless local_epochs is set (their code: 20)
@@ -42,7 +47,7 @@ PLUS_PRESET = {**{k: v for k, v in PRESET.items() if k != "fccl_pretrain_epochs"
 PHASES = {"local_pretrain": "train", "collaborate": "exchange", "local_train": "train"}
 PLUS_PHASES = {"collaborate": "exchange", "local_train": "train"}
 _COMMON = ("local_epochs", "public_batch_size", "rows_seed", "wire_dtype", "wire_int8_scale", "fccl_col_weight",
-           "fccl_offdiag_weight", "fccl_inter_weight", "fccl_temperature")
+           "fccl_offdiag_weight", "fccl_inter_weight", "fccl_temperature", "privacy")
 PARAMS = (*_COMMON, "fccl_pretrain_epochs", "fccl_intra_weight")
 PLUS_PARAMS = (*_COMMON, "fccl_isl_weight", "fccl_isl_temperature")
 
@@ -212,6 +217,17 @@ class FCCLPlusServer(FCCLServer):
 
 class FCCLClient(ClientHalf):
     PLUS = False
+    # pretraining and local updating are its steps on private data (DP-SGD; their teachers are
+    # earlier, private models); the collaborative updating is on public rows: post-processing
+    private_steps = True
+
+    @classmethod
+    def private_plan(cls, params: StrategyParams, n: int) -> tuple[int, int]:
+        return local_step_count(params, int(params.tau or 1), n), 0
+
+    @classmethod
+    def private_one_off(cls, params: StrategyParams, n: int) -> int:
+        return 0 if cls.PLUS else local_step_count(_Epochs(params, int(params.fccl_pretrain_epochs or 0)), 0, n)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -226,7 +242,7 @@ class FCCLClient(ClientHalf):
 
     def handle(self, task: Message) -> Message:
         if task.phase == "local_pretrain":
-            return self.reply(task, loss=self.pretrain())
+            return self.reply(task, **self.private_report(self.pretrain))
         if task.phase == "collaborate":
             if ZBAR_KEY in task.tensors:
                 self.apply_average(task, task.integer("round"), task.integer("iteration") - 1)
@@ -240,9 +256,31 @@ class FCCLClient(ClientHalf):
             keys = ("loss_cc", "loss_isl") if self.PLUS else ("loss_cc",)
             diag = {k: float(np.mean(self.col_diag[k])) if self.col_diag.get(k) else float("nan") for k in keys}
             self.col_diag.clear()
-            loss = self.local_update(task.integer("steps", self.params.tau))
-            return self.reply(task, None, loss=loss, **diag)
+            report = self.private_report(lambda: self.local_update(task.integer("steps", self.params.tau)))
+            return self.reply(task, None, **report, **diag)
         raise ValueError(f"unknown phase {task.phase!r}")
+
+    def private_report(self, train: Callable[[], float]) -> dict[str, Any]:
+        """`train()`'s loss, or with differential privacy the privacy spent (the loss on private
+        rows is not released) and whether the budget stopped it (no step then)."""
+        if self.private is None:
+            return {"loss": train()}
+        try:
+            train()
+            exhausted = False
+        except PrivacyBudgetExhausted as exc:
+            log.info("%s trains no more on its private data: %s", self.client_id, exc)
+            exhausted = True
+        return {"dp_exhausted": exhausted, "epsilon": self.private.epsilon()}
+
+    def private_batches(self, params, steps: int) -> Iterable[torch.Tensor]:
+        """local_batches for `params`, or with differential privacy as many Poisson-sampled ones
+        (PrivacyBudgetExhausted, before any, when they would exceed the budget)."""
+        if self.private is None:
+            return local_batches(len(self.y_train), params, steps, self.generator)
+        count = local_step_count(params, steps, len(self.y_train))
+        self.private.check_budget(count)
+        return self.private.batches(count)
 
     # -- pretraining (fccl) -------------------------------------------------------------------
     def pretrain(self) -> float:
@@ -252,8 +290,9 @@ class FCCLClient(ClientHalf):
         def step(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
             return F.cross_entropy(self.model(self.x_train[idx]), self.y_train[idx]), {}
 
-        batches = local_batches(len(self.y_train), _Epochs(self.params, epochs), 0, self.generator)
-        losses = [s["loss"] for s in minibatch_steps(self.model, self.optimizer, batches, step)] if epochs else []
+        batches = self.private_batches(_Epochs(self.params, epochs), 0) if epochs else []
+        done = minibatch_steps(self.model, self.optimizer, batches, step, private=self.private) if epochs else []
+        losses = [s["loss"] for s in done if "loss" in s]
         self.intra = self.inference.snapshot(self.model)
         self.inter = self.inference.snapshot(self.model)  # its own copy: the two teachers part from round 1
         return float(np.mean(losses)) if losses else 0.0
@@ -340,8 +379,9 @@ class FCCLClient(ClientHalf):
                 loss = loss + w_intra * kd_term(out, self.intra(x), t)
             return loss, {}
 
-        batches = local_batches(len(self.y_train), p, steps, self.generator)
-        losses = [s["loss"] for s in minibatch_steps(self.model, self.optimizer, batches, step)]
+        batches = self.private_batches(p, steps)
+        done = minibatch_steps(self.model, self.optimizer, batches, step, private=self.private)
+        losses = [s["loss"] for s in done if "loss" in s]
         self.inter = self.inference.snapshot(self.model, reuse=self.inter)
         return float(np.mean(losses)) if losses else 0.0
 
