@@ -4,6 +4,7 @@ settings, and what reaches the results."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -177,6 +178,16 @@ def test_batchnorm_models_get_a_groupnorm_variant_with_a_message(caplog):
     assert dp_compatible(mlp) is mlp
 
 
+@contextlib.contextmanager
+def monkeypatch_item(mapping, key, value):
+    old = mapping[key]
+    mapping[key] = value
+    try:
+        yield
+    finally:
+        mapping[key] = old
+
+
 def _dp_config(**extra):
     base = dict(strategy="fedal", dataset="mnist1d", clients=3, samples_per_client=120, public_size=100, rounds=3,
                 tau=2, seed=2, mnist1d_samples=1000, models=["mlp"])
@@ -217,14 +228,28 @@ def test_privacy_settings_from_the_config_file_and_flags(tmp_path):
         load_config(None, {"dp_noise_multiplier": 1.0, "dp_target_epsilon": 3.0})
     planned = load_config(None, {"dp_target_epsilon": 3.0, "rounds": 7, "tau": 4}).resolved()
     assert planned.strategy_params.privacy.planned_rounds == 7
-    with pytest.raises(ConfigError, match="has no differentially private training yet.*fedal, fedmd, fedmd-lf.*fd"):
-        load_config(None, {"strategy": "fedakd", "dp_noise_multiplier": 1.0})
+    import dataclasses
+
+    from fedal.strategies import STRATEGIES
+
+    spec = STRATEGIES["local"]  # as a strategy whose spec does not take privacy
+    with monkeypatch_item(STRATEGIES, "local", dataclasses.replace(spec, params=("local_epochs",))):
+        with pytest.raises(ConfigError, match="has no differentially private training yet.*fedal, fedmd, fedmd-lf.*fd"):
+            load_config(None, {"strategy": "local", "dp_noise_multiplier": 1.0})
 
 
 def test_a_client_half_without_private_steps_refuses_privacy():
-    for strategy in ("fedakd",):
-        with pytest.raises(ValueError, match="no differentially private training"):
-            toy_federation(strategy, privacy={"noise_multiplier": 1.0})
+    """A half that has not named its private steps (a new strategy's, say) never trains without
+    the privacy the manifest promises."""
+    from fedal.strategies import ClientHalf, StrategyParams
+
+    class Unnamed(ClientHalf):
+        def handle(self, task):
+            return self.reply(task)
+
+    params = StrategyParams(privacy={"noise_multiplier": 1.0})
+    with pytest.raises(ValueError, match="no differentially private training"):
+        Unnamed("c0", TinyNet(), toy_dataset(), None, params, seed=0)
 
 
 def test_without_opacus_a_device_refuses_the_run(monkeypatch):
@@ -505,3 +530,26 @@ def test_fccl_pretrains_and_updates_privately_and_a_target_counts_the_pretrainin
     results = simulate(_dp_config(strategy=strategy, tau=2, dp_target_epsilon=5.0, rounds=2, models=["mlp"], **pretrain))
     for eps in results["privacy"]["final_epsilon"].values():
         assert 4.95 <= eps <= 5.0  # the one-off pretraining is in the plan the noise is calibrated for
+
+
+def test_fedakd_distils_both_ways_privately_and_releases_a_noisy_selection_count():
+    from fedal.strategies.local import local_step_count
+    from fedal.strategies.losses import kl_per_row, kl_to_student
+
+    target, student = torch.randn(7, 4), torch.randn(7, 4)
+    torch.testing.assert_close(kl_per_row(target, student, 2.0).mean(), kl_to_student(target, student, 2.0))
+    server, clients, params = toy_federation("fedakd", tau=2, privacy={"noise_multiplier": 1.2})
+    phase = server.begin_round(0)
+    while phase.phase != "train":
+        phase = server.collect(phase, {cid: clients[cid].handle(t) for cid, t in phase.tasks.items()})
+    for cid, client in clients.items():
+        result = client.handle(phase.tasks[cid])
+        server.validate(phase, cid, result)
+        assert "loss" not in result.meta and "global_loss" not in result.meta and result.meta["epsilon"] > 0
+        assert 0 <= result.meta["selected"] <= len(client.y_train)
+        count = local_step_count(params, 2, len(client.y_train))
+        assert client.private.accountant.steps == 2 * count + 1  # both distillations and the count
+    results = simulate(_dp_config(strategy="fedakd", tau=2, dp_target_epsilon=4.0, rounds=2))
+    for eps in results["privacy"]["final_epsilon"].values():
+        assert 3.95 <= eps <= 4.0
+    assert results["final"]["global_acc"] is not None

@@ -34,6 +34,14 @@ def sensitivity(clip: float) -> float:
     return math.sqrt(2.0) * clip
 
 
+def private_count(count: int, sigma: float, generator: torch.Generator, most: int) -> int:
+    """A count (sensitivity 1) through the Gaussian mechanism of noise multiplier sigma, rounded
+    and kept within [0, most] (post-processing)."""
+    noisy = count + (float(torch.normal(0.0, sigma, size=(1,), generator=generator, dtype=torch.float64)) if sigma > 0
+                     else 0.0)
+    return int(min(max(round(noisy), 0), most))
+
+
 def private_class_means(values: torch.Tensor, labels: torch.Tensor, num_classes: int, clip: float, sigma: float,
                         generator: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Noisy per-class means [K, d] (float32) and counts [K] (int64) of `values` by `labels`."""

@@ -22,7 +22,7 @@ import torch
 
 from fedal.privacy.accountant import PrivacyAccountant
 from fedal.privacy.settings import PrivacyParams
-from fedal.privacy.statistics import private_class_means
+from fedal.privacy.statistics import private_class_means, private_count
 
 log = logging.getLogger("fedal.privacy")
 
@@ -164,6 +164,13 @@ class PrivateTraining:
         noise multiplier as the training steps, fedal/privacy/statistics.py), accounted as one step
         at sample rate 1."""
         out = private_class_means(values, labels, num_classes, clip, self.sigma, self.generator)
+        self.accountant.step(self.sigma, 1.0)
+        return out
+
+    def release_count(self, count: int, most: int) -> int:
+        """A count of private samples through the Gaussian mechanism, accounted as one step at
+        sample rate 1."""
+        out = private_count(count, self.sigma, self.generator, most)
         self.accountant.step(self.sigma, 1.0)
         return out
 

@@ -24,22 +24,26 @@ global model (Algorithm 1, line 4). Teacher outputs are frozen forward passes in
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedal.privacy import PrivacyBudgetExhausted, PrivateTraining
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, StrategySpec, make_optimizer
 from fedal.strategies.fedavg import FedAvgServer, load_numpy_into, model_to_numpy
-from fedal.strategies.local import local_batches
-from fedal.strategies.losses import kl_to_student
+from fedal.strategies.local import local_batches, local_step_count
+from fedal.strategies.losses import kl_per_row, kl_to_student
 from fedal.strategies.training import minibatch_steps
+
+log = logging.getLogger("fedal.strategies.fedakd")
 
 PRESET = {"tau": 5, "local_epochs": 1, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
 PHASES = {"init": "exchange", "train": "train"}  # FedAvg's round; the personal model stays on the device
-PARAMS = ("local_epochs", "akd_alpha", "akd_beta", "akd_temperature", "akd_selection", "akd_confidence")
+PARAMS = ("local_epochs", "akd_alpha", "akd_beta", "akd_temperature", "akd_selection", "akd_confidence", "privacy")
 
 
 class FedAKDServer(FedAvgServer):
@@ -61,6 +65,15 @@ class FedAKDServer(FedAvgServer):
 
 
 class FedAKDClient(ClientHalf):
+    # both distillations run on private data: with differential privacy each is DP-SGD (the
+    # second over every private sample, those the personal model does not select adding 0), and
+    # the number selected goes through the Gaussian mechanism (private_train)
+    private_steps = True
+
+    @classmethod
+    def private_plan(cls, params, n: int) -> tuple[int, int]:
+        return 2 * local_step_count(params, int(params.tau or 1), n), 1
+
     def __init__(self, client_id, model, train, public_x, params, seed):
         super().__init__(client_id, model, train, public_x, params, seed)
         self.global_model = copy.deepcopy(model)  # w_g, then w_gk; same architecture
@@ -78,6 +91,9 @@ class FedAKDClient(ClientHalf):
             self.personal_ready = True
         p = self.params
         steps = task.integer("steps", p.tau)
+        if self.private is not None:
+            return self.reply(task, model_to_numpy(self.global_model), num_samples=len(self.y_train),
+                              **self.private_train(steps))
         # 1. global -> local
         teacher = self.inference.predict(self.global_model, self.x_train)
         loss_local = distill(self.model, self.optimizer, self.x_train, self.y_train, teacher, p.akd_alpha,
@@ -95,6 +111,31 @@ class FedAKDClient(ClientHalf):
                                   local_batches(len(idx), p, steps, self.global_generator))
         return self.reply(task, model_to_numpy(self.global_model), loss=loss_local, global_loss=loss_global,
                           selected=int(len(idx)), num_samples=len(self.y_train))
+
+    def private_train(self, steps: int) -> dict[str, Any]:
+        """Steps 1-3 with differential privacy: Poisson-sampled DP-SGD for both distillations;
+        step 3 weighs each sample by whether the personal model selects it (a per-sample loss of
+        0 otherwise, so each sample's gradient is still clipped alone), over the expected batch;
+        the number selected released through the Gaussian mechanism. Over budget: no step, the
+        global model sent back as it came, selected 0."""
+        assert self.private is not None
+        p, n = self.params, len(self.y_train)
+        count = local_step_count(p, steps, n)
+        try:
+            self.private.check_budget(2 * count, releases=1)
+        except PrivacyBudgetExhausted as exc:
+            log.info("%s trains no more on its private data: %s", self.client_id, exc)
+            return {"dp_exhausted": True, "epsilon": self.private.epsilon(), "selected": 0}
+        teacher = self.inference.predict(self.global_model, self.x_train)
+        distill(self.model, self.optimizer, self.x_train, self.y_train, teacher, p.akd_alpha, p.akd_temperature,
+                self.private.batches(count), private=self.private)
+        personal = self.inference.predict(self.model, self.x_train)
+        keep = select(personal, self.y_train, p.akd_selection, p.akd_confidence)
+        optimizer = make_optimizer(p, self.global_model.parameters())
+        distill(self.global_model, optimizer, self.x_train, self.y_train, personal, p.akd_beta, p.akd_temperature,
+                self.private.batches(count), private=self.private, weights=keep.to(torch.float32))
+        selected = self.private.release_count(int(keep.sum()), most=n)
+        return {"dp_exhausted": False, "epsilon": self.private.epsilon(), "selected": selected}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "global_generator": self.global_generator.get_state(),
@@ -119,16 +160,24 @@ def select(logits: torch.Tensor, y: torch.Tensor, selection: str, confidence: fl
 
 
 def distill(student: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-            teacher_logits: torch.Tensor, weight: float, temperature: float, batches) -> float:
+            teacher_logits: torch.Tensor, weight: float, temperature: float, batches,
+            private: PrivateTraining | None = None, weights: torch.Tensor | None = None) -> float:
     """Minibatch steps on CE(student(x), y) + weight * T^2 * KL(softmax(teacher/T) || softmax(student/T));
-    returns the mean loss."""
+    returns the mean loss. `weights` (differential privacy): each sample's loss times its weight,
+    still a mean over the batch, so that every sample's gradient is its own."""
     def step(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         out = student(x[idx])
-        loss = F.cross_entropy(out, y[idx])
-        return loss + weight * temperature**2 * kl_to_student(teacher_logits[idx], out, temperature), {}
+        if weights is None:
+            loss = F.cross_entropy(out, y[idx])
+            return loss + weight * temperature**2 * kl_to_student(teacher_logits[idx], out, temperature), {}
+        per = F.cross_entropy(out, y[idx], reduction="none") + weight * temperature**2 * kl_per_row(
+            teacher_logits[idx], out, temperature)
+        return (weights[idx] * per).sum() / len(idx), {}
 
-    losses = [s["loss"] for s in minibatch_steps(student, optimizer, batches, step)]
+    done = minibatch_steps(student, optimizer, batches, step, private=private)
+    losses = [s["loss"] for s in done if "loss" in s]
     return float(np.mean(losses)) if losses else float("nan")
+
 
 
 SPECS = (StrategySpec("fedakd", FedAKDServer, FedAKDClient, PRESET, PHASES, PARAMS, homogeneous_models=True,

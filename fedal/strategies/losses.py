@@ -19,6 +19,14 @@ def kl_to_student(target_logits: torch.Tensor, student_logits: torch.Tensor, tem
     return (torch.xlogy(target, target) - target * log_student).sum() / log_student.size(0)
 
 
+def kl_per_row(target_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """KL(softmax(target/E) || softmax(student/E)) of each row: kl_to_student before its mean (for
+    losses that weigh each sample, as differentially private training needs)."""
+    target = F.softmax(target_logits.detach() / temperature, dim=1)
+    log_student = F.log_softmax(student_logits / temperature, dim=1)
+    return (torch.xlogy(target, target) - target * log_student).sum(dim=1)
+
+
 def kl_grad_wrt_student(target_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Closed form of d kl_to_student / d student_logits (used for cheap diagnostics)."""
     b = student_logits.shape[0]
