@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -112,10 +112,8 @@ class ClientHalf(ABC):
     """Runs on the device. Owns the private model, its optimizer and the private data.
 
     With `params.privacy`, the half trains on its private data with DP-SGD (`self.private`,
-    fedal/privacy/): a strategy whose client half has named its private steps and passes them
-    through `self.private` says so with `private_steps = True`; any other refuses the setting."""
-
-    private_steps: ClassVar[bool] = False
+    fedal/privacy/): a half that passes its private steps through `self.private` says what they
+    cost a round (`private_plan`); one that says nothing refuses the setting."""
 
     def __init__(
         self,
@@ -129,12 +127,13 @@ class ClientHalf(ABC):
         self.client_id = client_id
         self.private: PrivateTraining | None = None
         if params.privacy is not None:
-            if not self.private_steps:
+            plan = self.private_plan(params, len(train))
+            if plan is None:
                 raise ValueError(f"{type(self).__name__} has no differentially private training: a run with privacy "
                                  "settings cannot use it")
             require_opacus()  # before anything: a device without it refuses the run
             model = dp_compatible(model, f"{client_id}'s model")
-            steps, releases = self.private_plan(params, len(train))
+            steps, releases = plan
             self.private = PrivateTraining(params.privacy, len(train), params.batch_size, seed=int(seed) * 7919 + 0xD9,
                                            steps_per_round=steps, releases_per_round=releases,
                                            one_off_steps=self.private_one_off(params, len(train)))
@@ -152,10 +151,11 @@ class ClientHalf(ABC):
     def handle(self, task: Message) -> Message: ...
 
     @classmethod
-    def private_plan(cls, params: StrategyParams, n: int) -> tuple[int, int]:
-        """(DP-SGD steps, private statistics) a round of this half takes on `n` private samples:
-        what target_epsilon calibrates the noise for. A half with private steps says it."""
-        raise NotImplementedError(f"{cls.__name__} has no private steps")
+    def private_plan(cls, params: StrategyParams, n: int) -> tuple[int, int] | None:
+        """(DP-SGD steps, private statistics) a round of this half takes on `n` private samples,
+        what target_epsilon calibrates the noise for; None for a half that has not routed its
+        steps on private data through `self.private` (it refuses privacy settings)."""
+        return None
 
     @classmethod
     def private_one_off(cls, params: StrategyParams, n: int) -> int:

@@ -159,10 +159,8 @@ def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, has: torch.Te
 class CFDClient(ClientHalf):
     # local training (train_steps' private path) is its only step on private data; the soft labels
     # and the distillation are on the public rows: post-processing
-    private_steps = True
-
     @classmethod
-    def private_plan(cls, params, n: int) -> tuple[int, int]:
+    def private_plan(cls, params, n: int) -> tuple[int, int] | None:
         return local_step_count(params, int(params.tau or 1), n), 0
 
     def __init__(self, *args, **kwargs):

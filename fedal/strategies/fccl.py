@@ -219,10 +219,8 @@ class FCCLClient(ClientHalf):
     PLUS = False
     # pretraining and local updating are its steps on private data (DP-SGD; their teachers are
     # earlier, private models); the collaborative updating is on public rows: post-processing
-    private_steps = True
-
     @classmethod
-    def private_plan(cls, params: StrategyParams, n: int) -> tuple[int, int]:
+    def private_plan(cls, params: StrategyParams, n: int) -> tuple[int, int] | None:
         return local_step_count(params, int(params.tau or 1), n), 0
 
     @classmethod

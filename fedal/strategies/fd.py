@@ -103,10 +103,8 @@ def local_average(sums: torch.Tensor, counts: torch.Tensor) -> np.ndarray:
 class FDClient(ClientHalf):
     # local training goes through self.private; the per-label means, computed from private data,
     # through its Gaussian mechanism (private_train)
-    private_steps = True
-
     @classmethod
-    def private_plan(cls, params, n: int) -> tuple[int, int]:
+    def private_plan(cls, params, n: int) -> tuple[int, int] | None:
         return local_step_count(params, int(params.tau or 1), n), 1  # and the per-label means
 
     def __init__(self, client_id, model, train, public_x, params, seed):

@@ -68,10 +68,8 @@ class FedAKDClient(ClientHalf):
     # both distillations run on private data: with differential privacy each is DP-SGD (the
     # second over every private sample, those the personal model does not select adding 0), and
     # the number selected goes through the Gaussian mechanism (private_train)
-    private_steps = True
-
     @classmethod
-    def private_plan(cls, params, n: int) -> tuple[int, int]:
+    def private_plan(cls, params, n: int) -> tuple[int, int] | None:
         return 2 * local_step_count(params, int(params.tau or 1), n), 1
 
     def __init__(self, client_id, model, train, public_x, params, seed):

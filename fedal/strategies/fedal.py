@@ -202,10 +202,9 @@ class FedALServer(ServerHalf):
 
 
 class FedALClient(ClientHalf):
-    private_steps = True  # stage 1 goes through self.private; stage 2 and the uploads are post-processing
-
+    # stage 1 goes through self.private; stage 2 and the uploads are post-processing
     @classmethod
-    def private_plan(cls, params: StrategyParams, n: int) -> tuple[int, int]:
+    def private_plan(cls, params: StrategyParams, n: int) -> tuple[int, int] | None:
         return int(params.tau or 1), 0  # stage 1: tau steps (the local_train task's)
 
     def __init__(self, *args, **kwargs):

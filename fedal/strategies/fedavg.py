@@ -116,10 +116,8 @@ class FedAvgServer(ServerHalf):
 class FedAvgClient(ClientHalf):
     # local training goes through train_steps' private path: the weights it sends are DP-SGD's;
     # the init weights are the random initialisation, which saw no data
-    private_steps = True
-
     @classmethod
-    def private_plan(cls, params, n: int) -> tuple[int, int]:
+    def private_plan(cls, params, n: int) -> tuple[int, int] | None:
         return local_step_count(params, int(params.tau or 1), n), 0
 
     def handle(self, task: Message) -> Message:

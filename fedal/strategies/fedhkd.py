@@ -148,10 +148,8 @@ def feature_term(h: torch.Tensor, y: torch.Tensor, knowledge: Knowledge, params:
 class FedHKDClient(FedAvgClient):
     # DP-SGD on CE + the feature term, the head term (no private data) added as public; the
     # per-class features and soft predictions through the Gaussian mechanism (private_knowledge)
-    private_steps = True
-
     @classmethod
-    def private_plan(cls, params, n: int) -> tuple[int, int]:
+    def private_plan(cls, params, n: int) -> tuple[int, int] | None:
         return local_step_count(params, int(params.tau or 1), n), 2  # and two statistics
 
     def __init__(self, client_id, model, train, public_x, params, seed):

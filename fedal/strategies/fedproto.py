@@ -195,10 +195,9 @@ class FedProtoServer(ServerHalf):
 
 
 class FedProtoClient(ClientHalf):
-    private_steps = True  # local training through self.private, the prototypes through its Gaussian mechanism
-
+    # local training through self.private, the prototypes through its Gaussian mechanism
     @classmethod
-    def private_plan(cls, params: StrategyParams, n: int) -> tuple[int, int]:
+    def private_plan(cls, params: StrategyParams, n: int) -> tuple[int, int] | None:
         return local_step_count(params, int(params.tau or 1), n), 1  # and the prototypes
 
     def __init__(self, *args, **kwargs):
@@ -342,10 +341,8 @@ class FedProtoPublicServer(ServerHalf):
 class FedProtoPublicClient(ClientHalf):
     # the local steps are its only ones on private data (DP-SGD); the features it uploads and the
     # steps towards their average are on public rows: post-processing
-    private_steps = True
-
     @classmethod
-    def private_plan(cls, params: StrategyParams, n: int) -> tuple[int, int]:
+    def private_plan(cls, params: StrategyParams, n: int) -> tuple[int, int] | None:
         return int(params.tau or 1), 0
 
     def __init__(self, *args, **kwargs):

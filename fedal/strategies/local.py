@@ -36,10 +36,9 @@ class LocalServer(ServerHalf):
 
 
 class LocalClient(ClientHalf):
-    private_steps = True  # its only step on private data goes through train_steps' private path
-
+    # its only step on private data goes through train_steps' private path
     @classmethod
-    def private_plan(cls, params, n: int) -> tuple[int, int]:
+    def private_plan(cls, params, n: int) -> tuple[int, int] | None:
         return local_step_count(params, int(params.tau or 1), n), 0
 
     def handle(self, task: Message) -> Message:
