@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +25,8 @@ from fedal.privacy.settings import PrivacyParams
 from fedal.privacy.statistics import private_class_means, private_count
 
 log = logging.getLogger("fedal.privacy")
+T = TypeVar("T")
+
 
 class PrivacyUnavailable(ValueError):
     """This installation cannot apply privacy settings (Opacus, the `privacy` extra, is missing):
@@ -157,6 +159,18 @@ class PrivateTraining:
             p.grad = (s + noise) / self.expected_batch
             setattr(p, "grad_sample", None)  # noqa: B010  (an attribute of Opacus's, not torch's)
         self.accountant.step(self.sigma, self.sample_rate)
+
+    def spend(self, who: str, work: Callable[[], T]) -> tuple[dict[str, Any], T | None]:
+        """`work()` (which checks the budget before its first step) and what a result reports in
+        place of private losses: the privacy spent and whether the budget stopped it. Its value is
+        None when it did (nothing was taken: the client goes on with what costs no privacy)."""
+        try:
+            out: T | None = work()
+            exhausted = False
+        except PrivacyBudgetExhausted as exc:
+            log.info("%s trains no more on its private data: %s", who, exc)
+            out, exhausted = None, True
+        return {"dp_exhausted": exhausted, "epsilon": self.epsilon()}, out
 
     def release_class_means(self, values: torch.Tensor, labels: torch.Tensor, num_classes: int,
                             clip: float = 1.0) -> tuple[np.ndarray, np.ndarray]:

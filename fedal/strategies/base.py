@@ -9,7 +9,7 @@ for simulation, MQTT for deployment), and the engine that moves them knows no al
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,6 +161,13 @@ class ClientHalf(ABC):
     def private_one_off(cls, params: StrategyParams, n: int) -> int:
         """DP-SGD steps this half takes once in a run besides its rounds (FCCL's pretraining)."""
         return 0
+
+    def training_report(self, train: Callable[[], float]) -> dict[str, Any]:
+        """`train()`'s mean loss, or with differential privacy what a result says instead (the loss
+        on private rows is not released): the privacy spent and whether the budget stopped it."""
+        if self.private is None:
+            return {"loss": train()}
+        return self.private.spend(self.client_id, train)[0]
 
     def reply(self, task: Message, tensors: dict[str, np.ndarray] | None = None, **meta: Any) -> Message:
         base: dict[str, Scalar] = {k: task.meta[k] for k in ("phase", "round", "iteration") if k in task.meta}

@@ -34,7 +34,7 @@ from fedal.models import build_model
 from fedal.protocol import Message
 from fedal.strategies import optim
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
-from fedal.strategies.local import local_step_count, train_report
+from fedal.strategies.local import local_step_count, train_steps
 from fedal.strategies.params import StrategyParams
 from fedal.strategies.public_rows import public_rows
 from fedal.strategies.training import minibatch_steps
@@ -175,7 +175,7 @@ class CFDClient(ClientHalf):
 
     def handle(self, task: Message) -> Message:
         if task.phase == "local_train":
-            report = train_report(self, task.integer("steps", self.params.tau))  # the loss, or the privacy spent
+            report = self.training_report(lambda: train_steps(self, task.integer("steps", self.params.tau)))
             tensors, ref = self.upload(task.integer("round"), task.integer("ref", NO_REF))
             return self.reply(task, tensors, ref=ref, **report)
         if task.phase == "distill":

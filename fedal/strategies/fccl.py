@@ -17,15 +17,13 @@ KL(softmax(sbar / T_s) || softmax(s / T_s)) per row, batchmean. Any architecture
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedal.privacy import PrivacyBudgetExhausted
 from fedal.protocol import Message
 from fedal.protocol.wire_dtype import WireDtypeError, decode_tensor, encode_tensor, scale_name
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
@@ -36,8 +34,6 @@ from fedal.strategies.losses import kl_to_student
 from fedal.strategies.params import StrategyParams
 from fedal.strategies.public_rows import public_rows
 from fedal.strategies.training import minibatch_steps
-
-log = logging.getLogger("fedal.strategies.fccl")
 
 # tau public iterations per round (the authors' code: one public epoch of 5000 rows in batches of
 # 256, about 20); local training as the toolkit's tau steps unless local_epochs is set (their code: 20)
@@ -240,7 +236,7 @@ class FCCLClient(ClientHalf):
 
     def handle(self, task: Message) -> Message:
         if task.phase == "local_pretrain":
-            return self.reply(task, **self.private_report(self.pretrain))
+            return self.reply(task, **self.training_report(self.pretrain))
         if task.phase == "collaborate":
             if ZBAR_KEY in task.tensors:
                 self.apply_average(task, task.integer("round"), task.integer("iteration") - 1)
@@ -254,22 +250,9 @@ class FCCLClient(ClientHalf):
             keys = ("loss_cc", "loss_isl") if self.PLUS else ("loss_cc",)
             diag = {k: float(np.mean(self.col_diag[k])) if self.col_diag.get(k) else float("nan") for k in keys}
             self.col_diag.clear()
-            report = self.private_report(lambda: self.local_update(task.integer("steps", self.params.tau)))
+            report = self.training_report(lambda: self.local_update(task.integer("steps", self.params.tau)))
             return self.reply(task, None, **report, **diag)
         raise ValueError(f"unknown phase {task.phase!r}")
-
-    def private_report(self, train: Callable[[], float]) -> dict[str, Any]:
-        """`train()`'s loss, or with differential privacy the privacy spent (the loss on private
-        rows is not released) and whether the budget stopped it (no step then)."""
-        if self.private is None:
-            return {"loss": train()}
-        try:
-            train()
-            exhausted = False
-        except PrivacyBudgetExhausted as exc:
-            log.info("%s trains no more on its private data: %s", self.client_id, exc)
-            exhausted = True
-        return {"dp_exhausted": exhausted, "epsilon": self.private.epsilon()}
 
     def private_batches(self, params, steps: int) -> Iterable[torch.Tensor]:
         """local_batches for `params`, or with differential privacy as many Poisson-sampled ones

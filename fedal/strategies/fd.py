@@ -19,7 +19,6 @@ mean by its count; no teacher before the first uploads (round 1 trains on cross-
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -28,13 +27,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedal.privacy import PrivacyBudgetExhausted
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerHalf, StrategySpec
 from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.training import minibatch_steps
-
-log = logging.getLogger("fedal.strategies.fd")
 
 # the paper's n = 250 local iterations per global iteration; its batch size 64 is `batch_size`
 PRESET = {"tau": 250, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
@@ -127,23 +123,26 @@ class FDClient(ClientHalf):
         model's outputs over the whole private set through the Gaussian mechanism (the outputs
         of the training steps themselves are not released), rows made probability vectors again
         (post-processing). Over budget: no step and no statistic (every count 0)."""
-        assert self.private is not None
-        k = self.num_classes
-        try:
-            self.private.check_budget(local_step_count(self.params, steps, len(self.y_train)), releases=1)
-        except PrivacyBudgetExhausted as exc:
-            log.info("%s trains no more on its private data: %s", self.client_id, exc)
-            return ({"dp_exhausted": True, "epsilon": self.private.epsilon()}, np.zeros((k, k), np.float32),
-                    np.zeros(k, np.int64))
-        self.train(steps, teacher, batches=self.private.batches(local_step_count(self.params, steps, len(self.y_train))))
-        with torch.no_grad():
-            probs = F.softmax(self.predict(self.x_train), dim=1)
-        avg, counts = self.private.release_class_means(probs, self.y_train, k, clip=1.0)
-        avg = np.clip(avg, 0.0, None)
-        total = avg.sum(axis=1, keepdims=True)
-        avg = np.where((counts > 0)[:, None] & (total > 0), avg / np.where(total > 0, total, 1.0), 0.0)
-        counts = np.where(avg.sum(axis=1) > 0, counts, 0)  # a label whose noisy mean vanished: left out
-        return {"dp_exhausted": False, "epsilon": self.private.epsilon()}, avg.astype(np.float32), counts
+        private, k = self.private, self.num_classes
+        assert private is not None
+
+        def work() -> tuple[np.ndarray, np.ndarray]:
+            count = local_step_count(self.params, steps, len(self.y_train))
+            private.check_budget(count, releases=1)
+            self.train(steps, teacher, batches=private.batches(count))
+            with torch.no_grad():
+                probs = F.softmax(self.predict(self.x_train), dim=1)
+            avg, counts = private.release_class_means(probs, self.y_train, k, clip=1.0)
+            avg = np.clip(avg, 0.0, None)
+            total = avg.sum(axis=1, keepdims=True)
+            avg = np.where((counts > 0)[:, None] & (total > 0), avg / np.where(total > 0, total, 1.0), 0.0)
+            counts = np.where(avg.sum(axis=1) > 0, counts, 0)  # a label whose noisy mean vanished: left out
+            return avg.astype(np.float32), counts
+
+        report, out = private.spend(self.client_id, work)
+        if out is None:
+            out = np.zeros((k, k), np.float32), np.zeros(k, np.int64)
+        return report, *out
 
     def train(self, steps: int, teacher: Teacher | None,
               batches: Iterable[torch.Tensor] | None = None) -> tuple[dict[str, float], np.ndarray, np.ndarray]:

@@ -24,22 +24,19 @@ global model (Algorithm 1, line 4). Teacher outputs are frozen forward passes in
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedal.privacy import PrivacyBudgetExhausted, PrivateTraining
+from fedal.privacy import PrivateTraining
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, StrategySpec, make_optimizer
 from fedal.strategies.fedavg import FedAvgServer, load_numpy_into, model_to_numpy
 from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.losses import kl_per_row, kl_to_student
 from fedal.strategies.training import minibatch_steps
-
-log = logging.getLogger("fedal.strategies.fedakd")
 
 PRESET = {"tau": 5, "local_epochs": 1, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
 PHASES = {"init": "exchange", "train": "train"}  # FedAvg's round; the personal model stays on the device
@@ -116,24 +113,24 @@ class FedAKDClient(ClientHalf):
         0 otherwise, so each sample's gradient is still clipped alone), over the expected batch;
         the number selected released through the Gaussian mechanism. Over budget: no step, the
         global model sent back as it came, selected 0."""
-        assert self.private is not None
-        p, n = self.params, len(self.y_train)
-        count = local_step_count(p, steps, n)
-        try:
-            self.private.check_budget(2 * count, releases=1)
-        except PrivacyBudgetExhausted as exc:
-            log.info("%s trains no more on its private data: %s", self.client_id, exc)
-            return {"dp_exhausted": True, "epsilon": self.private.epsilon(), "selected": 0}
-        teacher = self.inference.predict(self.global_model, self.x_train)
-        distill(self.model, self.optimizer, self.x_train, self.y_train, teacher, p.akd_alpha, p.akd_temperature,
-                self.private.batches(count), private=self.private)
-        personal = self.inference.predict(self.model, self.x_train)
-        keep = select(personal, self.y_train, p.akd_selection, p.akd_confidence)
-        optimizer = make_optimizer(p, self.global_model.parameters())
-        distill(self.global_model, optimizer, self.x_train, self.y_train, personal, p.akd_beta, p.akd_temperature,
-                self.private.batches(count), private=self.private, weights=keep.to(torch.float32))
-        selected = self.private.release_count(int(keep.sum()), most=n)
-        return {"dp_exhausted": False, "epsilon": self.private.epsilon(), "selected": selected}
+        private, p, n = self.private, self.params, len(self.y_train)
+        assert private is not None
+
+        def work() -> int:
+            count = local_step_count(p, steps, n)
+            private.check_budget(2 * count, releases=1)
+            teacher = self.inference.predict(self.global_model, self.x_train)
+            distill(self.model, self.optimizer, self.x_train, self.y_train, teacher, p.akd_alpha, p.akd_temperature,
+                    private.batches(count), private=private)
+            personal = self.inference.predict(self.model, self.x_train)
+            keep = select(personal, self.y_train, p.akd_selection, p.akd_confidence)
+            optimizer = make_optimizer(p, self.global_model.parameters())
+            distill(self.global_model, optimizer, self.x_train, self.y_train, personal, p.akd_beta, p.akd_temperature,
+                    private.batches(count), private=private, weights=keep.to(torch.float32))
+            return private.release_count(int(keep.sum()), most=n)
+
+        report, selected = private.spend(self.client_id, work)
+        return {**report, "selected": selected or 0}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "global_generator": self.global_generator.get_state(),

@@ -18,7 +18,6 @@ FedDF-AL and FedDF (feddf.py) put a per-architecture parameter average before th
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,7 +25,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedal.privacy import PrivacyBudgetExhausted
 from fedal.protocol import Message
 from fedal.protocol.wire_dtype import WireDtypeError, decode_tensor, encode_tensor, wire_round
 from fedal.strategies import optim
@@ -40,7 +38,6 @@ from fedal.strategies.training import minibatch_steps
 
 PRESET = {"tau": 5, "lambda_kd": 1.0, "lambda_adv": 1.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}
 # the phases of a round and their kind: "train" phases get the training deadline
-log = logging.getLogger("fedal.strategies.fedal")
 
 PHASES = {"local_train": "train", "transfer": "exchange"}
 # its own knobs, besides params.COMMON_PARAMS
@@ -232,24 +229,9 @@ class FedALClient(ClientHalf):
         return round_diagnostics(self.transfer_diag, diag, last)
 
     def _local_train(self, task: Message) -> dict[str, Any]:
-        steps = task.integer("steps", self.params.tau)
-        if self.private is None:
-            diag: dict[str, Any] = {"loss": self.local_steps(steps)}
-        else:  # the loss on private rows is not released; the privacy spent is
-            diag = {"dp_exhausted": not self.private_local_steps(steps), "epsilon": self.private.epsilon()}
+        diag = self.training_report(lambda: self.local_steps(task.integer("steps", self.params.tau)))
         self.snapshot_ref_glo()
         return diag
-
-    def private_local_steps(self, steps: int) -> bool:
-        """Stage 1 with DP-SGD; False when the steps would exceed the epsilon budget (none taken:
-        the client goes on sharing what its model, differentially private so far, computes on the
-        public set, which costs no privacy)."""
-        try:
-            self.local_steps(steps)
-            return True
-        except PrivacyBudgetExhausted as exc:
-            log.info("%s trains no more on its private data: %s", self.client_id, exc)
-            return False
 
     def local_steps(self, steps: int) -> float:
         """Stage 1: CE + lambda_lf_loc * KL(p(theta_ref_loc) || p), theta_ref_loc = round start."""

@@ -15,7 +15,7 @@ import torch
 
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerHalf, StrategySpec
-from fedal.strategies.local import local_step_count, train_report
+from fedal.strategies.local import local_step_count, train_steps
 
 PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
 # the phases of a round and their kind: "train" phases get the training deadline
@@ -125,7 +125,7 @@ class FedAvgClient(ClientHalf):
             return self.reply(task, model_to_numpy(self.model))
         if task.phase == "train":
             load_numpy_into(self.model, task.tensors)
-            report = train_report(self, task.integer("steps", self.params.tau))
+            report = self.training_report(lambda: train_steps(self, task.integer("steps", self.params.tau)))
             return self.reply(task, model_to_numpy(self.model), num_samples=len(self.y_train), **report)
         raise ValueError(f"unknown phase {task.phase!r}")
 

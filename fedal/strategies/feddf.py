@@ -178,11 +178,8 @@ class FedDFClient(FedALClient):
             return self.reply(task, self.weights(), arch=self.arch)
         if task.phase == "local_train":
             self.load_group_weights(task)  # round 0: the group's common start
-            steps = task.integer("steps", self.params.tau)
-            if self.private is None:
-                report: dict[str, Any] = {"loss": self.local_steps(steps)}
-            else:  # the privacy spent, not the loss on private rows; over budget: the weights as loaded
-                report = {"dp_exhausted": not self.private_local_steps(steps), "epsilon": self.private.epsilon()}
+            # over the privacy budget: the weights as loaded
+            report = self.training_report(lambda: self.local_steps(task.integer("steps", self.params.tau)))
             return self.reply(task, self.weights(), num_samples=len(self.y_train), arch=self.arch, **report)
         if task.phase == "average":
             weights = self.load_group_weights(task)

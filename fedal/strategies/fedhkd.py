@@ -16,7 +16,6 @@ client order with classes kept from earlier rounds.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedal.privacy import PrivacyBudgetExhausted
 from fedal.protocol import Message, tensor_problem
 from fedal.strategies.base import InvalidResult, PhaseTasks, StrategySpec
 from fedal.strategies.fedavg import PHASES as PHASES  # FedAvg's round, knowledge added to its messages
@@ -33,8 +31,6 @@ from fedal.strategies.fedavg import FedAvgClient, FedAvgServer, load_numpy_into,
 from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.params import StrategyParams
 from fedal.strategies.training import minibatch_steps
-
-log = logging.getLogger("fedal.strategies.fedhkd")
 
 PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0,
           "hkd_lambda": 0.05, "hkd_gamma": 0.05}
@@ -181,19 +177,20 @@ class FedHKDClient(FedAvgClient):
         """With differential privacy: DP-SGD steps (the paper's own feature noise and share rule
         give way to the Gaussian mechanism), then the knowledge through it. Over budget: no step,
         the global weights sent back as they came, no knowledge (every count 0)."""
-        assert self.private is not None and self.params.privacy is not None
-        count = local_step_count(self.params, steps, len(self.y_train))
-        try:
-            self.private.check_budget(count, releases=2)
-        except PrivacyBudgetExhausted as exc:
-            log.info("%s trains no more on its private data: %s", self.client_id, exc)
-            d = int(self.model.features(self.x_train[:1]).shape[1])
-            k = self.num_classes
-            return ({"dp_exhausted": True, "epsilon": self.private.epsilon()},
-                    (np.zeros((k, d), np.float32), np.zeros((k, k), np.float32), np.zeros(k, np.int64)))
-        self.train(steps, knowledge, batches=self.private.batches(count))
-        released = self.private_knowledge()
-        return {"dp_exhausted": False, "epsilon": self.private.epsilon()}, released
+        private = self.private
+        assert private is not None
+
+        def work() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            count = local_step_count(self.params, steps, len(self.y_train))
+            private.check_budget(count, releases=2)
+            self.train(steps, knowledge, batches=private.batches(count))
+            return self.private_knowledge()
+
+        report, released = private.spend(self.client_id, work)
+        if released is None:
+            d, k = int(self.model.features(self.x_train[:1]).shape[1]), self.num_classes
+            released = np.zeros((k, d), np.float32), np.zeros((k, k), np.float32), np.zeros(k, np.int64)
+        return report, released
 
     def private_knowledge(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per class the mean feature (each clipped to statistic_clip) and the mean soft prediction

@@ -20,7 +20,6 @@ docs/algorithms.md (FedProto) has the equations, defaults and the choices where 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,7 +27,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedal.privacy import PrivacyBudgetExhausted
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
 from fedal.strategies.fedal import logits_iteration, rows_key
@@ -36,8 +34,6 @@ from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.params import StrategyParams
 from fedal.strategies.public_rows import public_rows
 from fedal.strategies.training import minibatch_steps
-
-log = logging.getLogger("fedal.strategies.fedproto")
 
 # the paper: lambda = 1 for MNIST and FEMNIST (0.1 for CIFAR-10), the authors' code's default `ld`
 PRESET = {"tau": 5, "local_epochs": 1, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0,
@@ -222,22 +218,25 @@ class FedProtoClient(ClientHalf):
         """With differential privacy: DP-SGD steps, then the prototypes (per-class mean features
         over the private set, each feature clipped to statistic_clip) through the Gaussian
         mechanism. Over budget: no step and no prototype (every count 0)."""
-        assert self.private is not None and self.params.privacy is not None
-        try:
-            self.private.check_budget(local_step_count(self.params, steps, len(self.y_train)), releases=1)
-        except PrivacyBudgetExhausted as exc:
-            log.info("%s trains no more on its private data: %s", self.client_id, exc)
-            return ({"dp_exhausted": True, "epsilon": self.private.epsilon()},
-                    np.zeros((self.num_classes, self.feature_dim), np.float32), np.zeros(self.num_classes, np.int64))
-        self.train(steps, glob, batches=self.private.batches(local_step_count(self.params, steps, len(self.y_train))))
-        was = self.model.training
-        self.model.eval()
-        with torch.no_grad():
-            h = torch.cat([self.model.features(self.x_train[i : i + 1024]) for i in range(0, len(self.x_train), 1024)])
-        self.model.train(was)
-        protos, counts = self.private.release_class_means(h, self.y_train, self.num_classes,
-                                                          clip=self.params.privacy.statistic_clip)
-        return {"dp_exhausted": False, "epsilon": self.private.epsilon()}, protos, counts
+        private, privacy = self.private, self.params.privacy
+        assert private is not None and privacy is not None
+
+        def work() -> tuple[np.ndarray, np.ndarray]:
+            count = local_step_count(self.params, steps, len(self.y_train))
+            private.check_budget(count, releases=1)
+            self.train(steps, glob, batches=private.batches(count))
+            was = self.model.training
+            self.model.eval()
+            with torch.no_grad():
+                h = torch.cat([self.model.features(self.x_train[i : i + 1024])
+                               for i in range(0, len(self.x_train), 1024)])
+            self.model.train(was)
+            return private.release_class_means(h, self.y_train, self.num_classes, clip=privacy.statistic_clip)
+
+        report, out = private.spend(self.client_id, work)
+        if out is None:
+            out = np.zeros((self.num_classes, self.feature_dim), np.float32), np.zeros(self.num_classes, np.int64)
+        return report, *out
 
     def global_prototypes(self, task: Message) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The task's global prototypes and mask; ValueError (the task is refused) where they do
@@ -355,7 +354,7 @@ class FedProtoPublicClient(ClientHalf):
         tau = self.params.tau or 1
         if task.phase == "local_train":
             self.round_diag = []
-            diag: dict[str, Any] = self.local_report(task.integer("steps", tau))
+            diag: dict[str, Any] = self.training_report(lambda: self.local_steps(task.integer("steps", tau)))
         elif task.phase == "transfer":
             if AVERAGE_KEY in task.tensors:
                 self.round_diag.append(self.apply_average(task))
@@ -368,20 +367,6 @@ class FedProtoPublicClient(ClientHalf):
         tensors = {} if nxt is None else {FEATURES_KEY: self.upload_features(task.integer("round"), nxt)}
         return self.reply(task, tensors, **diag)
 
-    def local_report(self, steps: int) -> dict[str, Any]:
-        """The local steps and what a result says of them: the loss, or with differential privacy
-        the privacy spent (over budget: no step)."""
-        if self.private is None:
-            return {"loss": self.local_steps(steps)}
-        try:
-            self.private.check_budget(steps)
-            self.local_steps(steps)
-            exhausted = False
-        except PrivacyBudgetExhausted as exc:
-            log.info("%s trains no more on its private data: %s", self.client_id, exc)
-            exhausted = True
-        return {"dp_exhausted": exhausted, "epsilon": self.private.epsilon()}
-
     def local_steps(self, steps: int) -> float:
         """Plain CE minibatches, drawn as FedAL's local stage draws them (FedMD's has no LF term);
         with differential privacy, Poisson-sampled DP-SGD steps."""
@@ -391,6 +376,7 @@ class FedProtoPublicClient(ClientHalf):
             return F.cross_entropy(self.model(self.x_train[idx]), self.y_train[idx]), {}
 
         if self.private is not None:
+            self.private.check_budget(steps)
             batches: Iterable[torch.Tensor] = self.private.batches(steps)
         else:
             batches = (torch.randperm(n, generator=self.generator)[: min(self.params.batch_size, n)]

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedal.privacy import PrivacyBudgetExhausted
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf, PhaseTasks, ServerHalf, StrategySpec
 from fedal.strategies.training import minibatch_steps
-
-log = logging.getLogger("fedal.strategies.local")
 
 PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0}
 # the phases of a round and their kind: "train" phases get the training deadline
@@ -44,7 +39,7 @@ class LocalClient(ClientHalf):
     def handle(self, task: Message) -> Message:
         if task.phase != "local_train":
             raise ValueError(f"unknown phase {task.phase!r}")
-        return self.reply(task, **train_report(self, task.integer("steps", self.params.tau)))
+        return self.reply(task, **self.training_report(lambda: train_steps(self, task.integer("steps", self.params.tau))))
 
 
 def train_steps(client: ClientHalf, steps: int) -> float:
@@ -66,19 +61,6 @@ def train_steps(client: ClientHalf, steps: int) -> float:
     losses = [s["loss"] for s in done if "loss" in s]
     return float(np.mean(losses)) if losses else 0.0
 
-
-def train_report(client: ClientHalf, steps: int) -> dict[str, Any]:
-    """train_steps, and what a result reports of it: the loss, or with differential privacy the
-    privacy spent (the loss on private rows is not released) and whether the budget stopped it."""
-    if client.private is None:
-        return {"loss": train_steps(client, steps)}
-    try:
-        train_steps(client, steps)
-        exhausted = False
-    except PrivacyBudgetExhausted as exc:
-        log.info("%s trains no more on its private data: %s", client.client_id, exc)
-        exhausted = True
-    return {"dp_exhausted": exhausted, "epsilon": client.private.epsilon()}
 
 
 def local_step_count(params, steps: int, n: int) -> int:
