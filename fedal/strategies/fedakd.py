@@ -174,6 +174,5 @@ def distill(student: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch
     return float(np.mean(losses)) if losses else float("nan")
 
 
-
 SPECS = (StrategySpec("fedakd", FedAKDServer, FedAKDClient, PRESET, PHASES, PARAMS, homogeneous_models=True,
                       global_model=True, fairness=True),)

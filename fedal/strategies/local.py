@@ -62,7 +62,6 @@ def train_steps(client: ClientHalf, steps: int) -> float:
     return float(np.mean(losses)) if losses else 0.0
 
 
-
 def local_step_count(params, steps: int, n: int) -> int:
     """How many batches local_batches yields: `steps`, or local_epochs passes of batch_size rows
     (a last batch of one row joins the one before). Under differential privacy the same number
