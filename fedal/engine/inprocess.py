@@ -3,8 +3,8 @@
 Every task and result crosses the wire as a Packet: the receiver gets what decoding it would
 give (the envelope's checks, its own copy of every tensor), so a strategy cannot rely on
 anything that would not survive the wire, and the bytes counted are those a deployment sends,
-computed from the tensor sizes instead of encoding. Time is simulated: a client answers at once unless a fault says otherwise,
-and a deadline passes without anyone waiting for it. Faults (seeded, reproducible):
+computed from the tensor sizes instead of encoding. Time is simulated: a client answers at once
+unless a fault says otherwise, and a deadline passes without anyone waiting for it. Faults (seeded, reproducible):
 - dropout P: each client misses each phase with probability P (its task and every re-send of
   it are lost), as a device that is offline for that phase;
 - evaluation tasks are measurement, not part of the run: they are never faulted;
