@@ -128,3 +128,48 @@ def test_simulate_cli_takes_vectorize(tmp_path):
     import json
 
     assert json.loads(out.read_text())["config"]["vectorize"] is True
+
+
+@pytest.mark.parametrize("name,shape", [("mlp", (40,)), ("cnn1d", (40,)), ("cnn1d_wide", (43,)), ("cnn1d", (1, 21)),
+                                        ("lenet5", (1, 28, 28))])
+def test_the_stacked_forward_is_each_models_forward(name, shape):
+    """Hand-stacked layers (linear, 1-D convolution, pooling with a dropped tail) and the vmap
+    fallback (2-D convolutions): outputs and every weight's gradient as the models' own."""
+    from fedal.models import build_model
+    from fedal.models.stacked import has_fast_path, stacked_function
+
+    torch.manual_seed(0)
+    models = [build_model(name, shape, 10) for _ in range(3)]
+    assert has_fast_path(models[0]) == (name != "lenet5")
+    x = torch.randn(3, 5, *shape)
+    params = {n: torch.stack([dict(m.named_parameters())[n].detach() for m in models]).requires_grad_()
+              for n, _ in models[0].named_parameters()}
+    out = stacked_function(models[0])(params, x)
+    own = torch.stack([m(x[k]) for k, m in enumerate(models)])
+    assert torch.allclose(out, own, atol=1e-6, rtol=0)
+    weights = torch.randn_like(own)
+    (out * weights).sum().backward()
+    (own * weights).sum().backward()
+    for n, stacked in params.items():
+        for k, m in enumerate(models):
+            assert torch.allclose(stacked.grad[k], dict(m.named_parameters())[n].grad, atol=1e-5, rtol=0), (n, k)
+
+
+def test_a_group_keeps_its_stack_until_a_client_changes_on_its_own():
+    engine, clients, _ = _engine("fedal", True)
+    engine.run_round(0)
+    mlps = [c for c in clients.values() if type(c.model).__name__ == "MLP"]
+    stack = mlps[0].group
+    assert stack is not None and all(c.group is stack for c in mlps)
+    assert stack.current([c.model for c in mlps], [c.optimizer for c in mlps])
+    with torch.no_grad():  # a client's weights change outside the group (a checkpoint load, a step of its own)
+        next(mlps[0].model.parameters()).add_(1.0)
+    assert not stack.current([c.model for c in mlps], [c.optimizer for c in mlps])
+    per_engine, per_clients, _ = _engine("fedal", False)
+    per_engine.run_round(0)
+    with torch.no_grad():
+        next(per_clients[mlps[0].client_id].model.parameters()).add_(1.0)
+    engine.run_round(1)
+    per_engine.run_round(1)
+    assert mlps[0].group is not stack  # restacked from the clients' own tensors
+    _assert_close_clients(per_clients, clients, atol=1e-5)

@@ -146,6 +146,7 @@ class ClientHalf(ABC):
         self.generator = torch.Generator().manual_seed(int(seed))
         self.optimizer = make_optimizer(params, model.parameters())
         self.inference = TorchInference()  # the agent may install a faster backend
+        self.group: Any = None  # vectorized simulation: the stacked group this client last stepped in
 
     @abstractmethod
     def handle(self, task: Message) -> Message: ...

@@ -1,13 +1,18 @@
 """Vectorized clients: the client halves of one architecture run as one stacked model.
 
 Simulation only. Every parameter of the group's models is stacked along a new leading axis (one
-slice per client) and the models run as one `vmap` of `functional_call`, so ten small models
-cost a handful of batched matrix multiplies instead of ten rounds of Python and kernel launches.
-Each client keeps its own everything: its slice of the weights, its own Adam moments (Adam is
-elementwise, so one Adam over the stacked tensors is each client's Adam), its own data batches
-drawn from its own generator. The per-client path stays the reference; a group that cannot be
-stacked (other optimizers, BatchNorm buffers, differing step counts or batch sizes) is refused
-with `NotStackable` and its clients run one by one.
+slice per client) and the models run as one stacked forward (fedal/models/stacked.py), so ten
+small models cost a handful of batched matrix multiplies instead of ten rounds of Python and
+kernel launches. Each client keeps its own everything: its slice of the weights, its own Adam
+moments (Adam is elementwise, so one Adam over the stacked tensors is each client's Adam), its
+own data batches drawn from its own generator. The per-client path stays the reference; a group
+that cannot be stacked (other optimizers, BatchNorm buffers, differing step counts or batch
+sizes) is refused with `NotStackable` and its clients run one by one.
+
+A group's stack outlives the task: after each step the weights and moments are written back
+into the clients' own models and optimizers, and the next task of the same clients reuses the
+stack as long as nothing else has touched those tensors since (their version counters say so).
+Anything that did (a client stepped on its own, a checkpoint was loaded) makes a new stack.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
+from fedal.models.stacked import stacked_function
 from fedal.strategies import optim
 
 Params = dict[str, torch.Tensor]
@@ -32,8 +38,12 @@ def layout_key(model: torch.nn.Module) -> tuple[Any, ...]:
     return (type(model), tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()))
 
 
+def _versions(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(t._version for t in tensors)
+
+
 class StackedModels:
-    """The group's weights and Adam states stacked, for the duration of one phase.
+    """The group's weights and Adam states stacked.
 
     `forward(params, x)` runs every client's model on its own inputs: params [N, ...] and x
     [N, B, ...] -> [N, B, K]. `step(loss)` is one Adam step of every client on the sum of their
@@ -48,13 +58,18 @@ class StackedModels:
             raise NotStackable("models with buffers (BatchNorm) run client by client")
         if any(isinstance(layer, torch.nn.modules.dropout._DropoutNd) for m in models for layer in m.modules()):
             raise NotStackable("models with dropout run client by client (their randomness is per client)")
+        self.models = list(models)
         self.optimizers = list(optimizers)
         self.base = models[0]
         self.names = [n for n, _ in self.base.named_parameters()]
+        self._forward = stacked_function(self.base)
         self.own = [dict(m.named_parameters()) for m in models]  # each client's live parameters
         self.params: Params = {
             n: torch.stack([own[n].detach() for own in self.own]).requires_grad_(True) for n in self.names}
         self.optimizer = self._stacked_adam()
+        self.pending: dict[str, Any] | None = None  # what the group step keeps between its tasks
+        self._frozen: dict[str, tuple[list[torch.Tensor], tuple[int, ...], Params]] = {}
+        self._mark: tuple[int, ...] | None = None
 
     def _stacked_adam(self) -> torch.optim.Optimizer:
         groups = []
@@ -64,7 +79,11 @@ class StackedModels:
             groups.append({k: v for k, v in opt.param_groups[0].items() if k != "params"})
         if any(g != groups[0] for g in groups):
             raise NotStackable("the clients' optimizer settings differ")
-        stacked = optim.Adam(list(self.params.values()), **groups[0])
+        settings = {k: v for k, v in groups[0].items() if k not in ("foreach", "fused")}
+        if settings.get("amsgrad") or settings.get("differentiable") or settings.get("capturable"):
+            raise NotStackable("amsgrad, differentiable or capturable Adam runs client by client")
+        # one fused kernel per stacked tensor: the same update as the clients' Adam, to rounding
+        stacked = optim.Adam(list(self.params.values()), **settings, fused=True)
         states = [[opt.state.get(p, {}) for p in opt.param_groups[0]["params"]] for opt in self.optimizers]
         for k, name in enumerate(self.names):
             per_client = [s[k] for s in states]
@@ -73,18 +92,56 @@ class StackedModels:
             if not all(per_client) or len({float(s["step"]) for s in per_client}) != 1:
                 raise NotStackable("the clients' optimizers have taken different numbers of steps")
             stacked.state[self.params[name]] = {
-                "step": per_client[0]["step"].clone(),
+                "step": torch.tensor(float(per_client[0]["step"]), dtype=torch.float32),
                 "exp_avg": torch.stack([s["exp_avg"] for s in per_client]),
                 "exp_avg_sq": torch.stack([s["exp_avg_sq"] for s in per_client]),
             }
         return stacked
 
-    def forward(self, params: Params, x: torch.Tensor) -> torch.Tensor:
-        return vmap(self.one)(params, x)
+    @classmethod
+    def of(cls, clients: Sequence[Any]) -> StackedModels:
+        """The clients' stack: the one they last stepped in if it is still theirs, else a new one."""
+        group = clients[0].group
+        if not (isinstance(group, cls) and group.current([c.model for c in clients], [c.optimizer for c in clients])):
+            group = cls([c.model for c in clients], [c.optimizer for c in clients])
+        for c in clients:
+            c.group = group
+        return group
 
-    def one(self, params: Params, x: torch.Tensor) -> torch.Tensor:
-        """One client's model on its inputs, inside `vmap`: its slice of `params`."""
-        return functional_call(self.base, params, (x,))
+    def current(self, models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+        """Whether these are this stack's models and optimizers, untouched since `write_back`."""
+        return (self._mark is not None and len(models) == len(self.models)
+                and all(a is b for a, b in zip(models, self.models))
+                and all(a is b for a, b in zip(optimizers, self.optimizers))
+                and self._fingerprint() == self._mark)
+
+    def _client_tensors(self) -> list[torch.Tensor]:
+        tensors: list[torch.Tensor] = []
+        for own, opt in zip(self.own, self.optimizers):
+            for name in self.names:
+                tensors.append(own[name])
+                tensors.extend(v for v in opt.state.get(own[name], {}).values() if isinstance(v, torch.Tensor))
+        return tensors
+
+    def _fingerprint(self) -> tuple[int, ...]:
+        tensors = self._client_tensors()
+        return (len(tensors), *(id(t) for t in tensors), *_versions(tensors))
+
+    def forward(self, params: Params, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(params, x)
+
+    def frozen(self, key: str, modules: Sequence[torch.nn.Module]) -> Params:
+        """The parameters of same-layout frozen modules (references), stacked without gradient;
+        restacked only when one of them has changed since."""
+        tensors: list[torch.Tensor] = [t for m in modules for t in m.parameters()]
+        cached = self._frozen.get(key)
+        if cached is not None and len(cached[0]) == len(tensors) and all(
+                a is b for a, b in zip(cached[0], tensors)) and cached[1] == _versions(tensors):
+            return cached[2]
+        own = [dict(m.named_parameters()) for m in modules]
+        stacked = {n: torch.stack([o[n].detach() for o in own]) for n in self.names}
+        self._frozen[key] = (tensors, _versions(tensors), stacked)
+        return stacked
 
     def per_client(self, fn: Callable[..., torch.Tensor], *stacked: Any) -> torch.Tensor:
         """`fn(*slices)` for every client, vmapped: each argument stacked along its first axis."""
@@ -96,18 +153,23 @@ class StackedModels:
         self.optimizer.step()
 
     def write_back(self) -> None:
+        """The stacked weights and moments into each client's own tensors (in place: the
+        optimizers keep their state objects); the stack stays current until they change."""
         with torch.no_grad():
             for i, (own, opt) in enumerate(zip(self.own, self.optimizers)):
                 for name in self.names:
                     own[name].copy_(self.params[name][i])
                     state = self.optimizer.state.get(self.params[name])
-                    if state:
+                    if not state:
+                        continue
+                    mine = opt.state.get(own[name])
+                    if mine and all(isinstance(mine.get(k), torch.Tensor) for k in ("step", "exp_avg", "exp_avg_sq")) \
+                            and mine["exp_avg"].shape == state["exp_avg"][i].shape:
+                        mine["step"].copy_(state["step"])
+                        mine["exp_avg"].copy_(state["exp_avg"][i])
+                        mine["exp_avg_sq"].copy_(state["exp_avg_sq"][i])
+                    else:
                         opt.state[own[name]] = {"step": state["step"].clone(),
                                                 "exp_avg": state["exp_avg"][i].clone(),
                                                 "exp_avg_sq": state["exp_avg_sq"][i].clone()}
-
-
-def stack_modules(modules: Sequence[torch.nn.Module], names: Sequence[str]) -> Params:
-    """The parameters `names` of same-layout modules (frozen references), stacked, no gradient."""
-    own = [dict(m.named_parameters()) for m in modules]
-    return {n: torch.stack([o[n].detach() for o in own]) for n in names}
+        self._mark = self._fingerprint()

@@ -20,7 +20,7 @@ from fedal.protocol.wire_dtype import encode_tensor, wire_round
 from fedal.strategies.base import ClientHalf
 from fedal.strategies.fedal import FedALClient, local_loss, logits_iteration, rows_key, transfer_terms
 from fedal.strategies.public_rows import public_rows
-from fedal.strategies.stacked import NotStackable, StackedModels, stack_modules
+from fedal.strategies.stacked import NotStackable, StackedModels
 
 
 def handle_group(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> list[Message]:
@@ -49,24 +49,25 @@ def _local_train(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tu
     rows = {min(p.batch_size, len(c.y_train)) for c in clients}
     if len(steps) != 1 or len(rows) != 1:
         raise NotStackable("the clients take different numbers of steps or batch sizes")
-    stack = StackedModels([c.model for c in clients], [c.optimizer for c in clients])
+    stack = StackedModels.of(clients)
+    stack.pending = None
     for c in clients:  # as FedALClient.local_steps: a new round, the round-start reference
         c.transfer_diag.clear()
         c.ref_loc = c.inference.snapshot(c.model, reuse=c.ref_loc) if p.lambda_lf_loc > 0 else None
-    ref = stack_modules([c.ref_loc.module for c in clients], stack.names) if p.lambda_lf_loc > 0 else None
+    ref = stack.frozen("ref_loc", [c.ref_loc.module for c in clients]) if p.lambda_lf_loc > 0 else None
     b = rows.pop()
     losses = []
     for _ in range(steps.pop()):
         idx = [torch.randperm(len(c.y_train), generator=c.generator)[:b] for c in clients]
         x = torch.stack([c.x_train[i] for c, i in zip(clients, idx)])
         y = torch.stack([c.y_train[i] for c, i in zip(clients, idx)])
+        logits = stack.forward(stack.params, x)
         if ref is None:
-            per = stack.per_client(lambda prm, x, y: local_loss(p, stack.one(prm, x), y, None), stack.params, x, y)
+            per = stack.per_client(lambda f, y: local_loss(p, f, y, None), logits, y)
         else:
             with torch.no_grad():
                 ref_logits = stack.forward(ref, x)
-            per = stack.per_client(lambda prm, x, y, r: local_loss(p, stack.one(prm, x), y, r), stack.params, x, y,
-                                   ref_logits)
+            per = stack.per_client(lambda f, y, r: local_loss(p, f, y, r), logits, y, ref_logits)
         stack.step(per.sum())
         losses.append(per.detach())
     stack.write_back()
@@ -93,9 +94,15 @@ def _transfer(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple
             raise NotStackable(str(exc)) from exc
     if len({g is None for g in grads}) != 1 or any(c.public_x is None for c in clients):
         raise NotStackable("the clients' feedback differs in kind")
-    x = torch.stack([c.public_x[c.pending["indices"]] for c in clients])  # type: ignore[index]
-    stack = StackedModels([c.model for c in clients], [c.optimizer for c in clients])
-    f = stack.forward(stack.params, x)  # the uploaded logits, recomputed from the same weights
+    stack = StackedModels.of(clients)
+    kept, stack.pending = stack.pending, None
+    pending = [c.pending for c in clients]  # all set: checked above
+    x = torch.stack([c.public_x[pend["indices"]] for c, pend in zip(clients, pending)])  # type: ignore[index]
+    if kept is not None and kept["tasks"] == [(c.client_id, pend["round"], pend["iteration"])  # type: ignore[index]
+                                              for c, pend in zip(clients, pending)]:
+        f = kept["logits"]  # the uploaded logits' own forward, its graph kept (as the per-client path)
+    else:  # recomputed from the same weights
+        f = stack.forward(stack.params, x)
     if any(fb.shape != f.shape[1:] or (g is not None and g.shape != f.shape[1:]) for fb, g in zip(fbar, grads)):
         raise NotStackable("feedback of another shape than the logits")
 
@@ -107,7 +114,7 @@ def _transfer(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple
     target = torch.stack(targets)
     ref = None
     if p.lambda_lf_glo > 0 and all(c.ref_glo is not None for c in clients):
-        frozen = stack_modules([c.ref_glo.module for c in clients], stack.names)
+        frozen = stack.frozen("ref_glo", [c.ref_glo.module for c in clients])
         with torch.no_grad():
             ref = stack.forward(frozen, x)
     kd, lf = _terms(stack, transfer_terms, p, f, target, ref)
@@ -143,12 +150,13 @@ def _replies(clients: Sequence[FedALClient], tasks: Sequence[Message], diags: Di
         round_idx = t0.integer("round")
         idx = [torch.from_numpy(public_rows(rows_key(p), round_idx, nxt, len(c.public_x), p.public_batch_size))  # type: ignore[arg-type]
                for c in clients]
-        with torch.no_grad():
-            logits = stack.forward(stack.params, torch.stack([c.public_x[i] for c, i in zip(clients, idx)]))  # type: ignore[index]
+        logits = stack.forward(stack.params, torch.stack([c.public_x[i] for c, i in zip(clients, idx)]))  # type: ignore[index]
+        out = logits.detach()
         for k, c in enumerate(clients):
-            # no graph kept: the feedback step recomputes these logits from the same weights
+            # the graph stays with the stack, for the feedback step if it comes to this very group
             c.pending = {"round": round_idx, "iteration": nxt, "indices": idx[k]}
-            uploads[k] = encode_tensor("logits", logits[k].numpy().astype(np.float32), p.wire_dtype, p.wire_int8_scale)
+            uploads[k] = encode_tensor("logits", out[k].numpy().astype(np.float32), p.wire_dtype, p.wire_int8_scale)
+        stack.pending = {"tasks": [(c.client_id, round_idx, nxt) for c in clients], "logits": logits}
     return [c.reply(t, up, **d) for c, t, up, d in zip(clients, tasks, uploads, diags)]
 
 
