@@ -31,7 +31,7 @@ from fedal.strategies import optim
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
 from fedal.strategies.discriminator import Discriminator, discriminator_input, per_sample_adversarial_grad
 from fedal.strategies.frozen import Frozen, frozen_copy
-from fedal.strategies.losses import kl_grad_wrt_student, kl_to_student, mean_kl_to_mean
+from fedal.strategies.losses import cross_entropy, kl_grad_wrt_student, kl_to_student, mean_kl_to_mean
 from fedal.strategies.params import DISTILLATION_PARAMS, StrategyParams
 from fedal.strategies.public_rows import public_rows
 from fedal.strategies.training import minibatch_steps
@@ -73,8 +73,9 @@ def rows_key(params: StrategyParams) -> int:
 
 # -- a client's losses, shared by the per-client path and the vectorized one (stacked_fedal.py) --
 def local_loss(p: StrategyParams, logits: torch.Tensor, y: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
-    """Stage 1 (eq. 7): CE + lambda_lf_loc * KL(p(theta_ref_loc) || p)."""
-    loss = F.cross_entropy(logits, y)
+    """Stage 1 (eq. 7): CE + lambda_lf_loc * KL(p(theta_ref_loc) || p); per client for stacked
+    [N, B, C] logits."""
+    loss = cross_entropy(logits, y)
     if ref is not None:
         loss = loss + p.lambda_lf_loc * kl_to_student(ref, logits, p.temperature_lf)
     return loss
@@ -83,7 +84,8 @@ def local_loss(p: StrategyParams, logits: torch.Tensor, y: torch.Tensor, ref: to
 def transfer_terms(p: StrategyParams, f: torch.Tensor, target: torch.Tensor,
                    ref: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stage 2's distillation terms (eq. 8 without the adversarial one, which arrives as a
-    gradient): lambda_kd * KL(softmax(target) || p_n) and lambda_lf_glo * KL(p(theta_ref_glo) || p_n)."""
+    gradient): lambda_kd * KL(softmax(target) || p_n) and lambda_lf_glo * KL(p(theta_ref_glo) || p_n);
+    per client for stacked [N, B, C] logits."""
     kd = p.lambda_kd * kl_to_student(target, f, p.temperature_kd)
     lf = None if ref is None else p.lambda_lf_glo * kl_to_student(ref, f, p.temperature_lf)
     return kd, lf

@@ -7,16 +7,24 @@ import torch.nn.functional as F
 
 
 def kl_to_student(target_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """KL(softmax(target/E) || softmax(student/E)), averaged over the batch.
+    """KL(softmax(target/E) || softmax(student/E)), averaged over the batch: [B, C] -> scalar, and
+    [N, B, C] (N stacked clients, vectorized simulation) -> each client's value, [N].
 
     Its gradient w.r.t. the student logits is (softmax(student/E) - softmax(target/E)) / (E * B).
     """
-    target = F.softmax(target_logits.detach() / temperature, dim=1)
-    log_student = F.log_softmax(student_logits / temperature, dim=1)
+    target = F.softmax(target_logits.detach() / temperature, dim=-1)
+    log_student = F.log_softmax(student_logits / temperature, dim=-1)
     # F.kl_div(log_student, target, reduction="batchmean") written out as ATen computes it (the
-    # same values bit for bit), because torch.func.vmap has no batching rule for kl_div and the
-    # vectorized clients (stacked.py) would fall back to a loop over clients
-    return (torch.xlogy(target, target) - target * log_student).sum() / log_student.size(0)
+    # same values bit for bit), so that it also takes a leading client axis
+    return (torch.xlogy(target, target) - target * log_student).flatten(-2).sum(-1) / log_student.size(-2)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """F.cross_entropy's batch mean: [B, C] -> scalar, and [N, B, C] with labels [N, B] -> each
+    client's mean, [N]."""
+    if logits.dim() == 2:
+        return F.cross_entropy(logits, labels)
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape).mean(-1)
 
 
 def kl_per_row(target_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

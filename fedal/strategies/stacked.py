@@ -17,11 +17,10 @@ Anything that did (a client stepped on its own, a checkpoint was loaded) makes a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.func import vmap
 
 from fedal.models.stacked import stacked_function
 from fedal.strategies import optim
@@ -142,10 +141,6 @@ class StackedModels:
         stacked = {n: torch.stack([o[n].detach() for o in own]) for n in self.names}
         self._frozen[key] = (tensors, _versions(tensors), stacked)
         return stacked
-
-    def per_client(self, fn: Callable[..., torch.Tensor], *stacked: Any) -> torch.Tensor:
-        """`fn(*slices)` for every client, vmapped: each argument stacked along its first axis."""
-        return vmap(fn)(*stacked)
 
     def step(self, loss: torch.Tensor) -> None:
         self.optimizer.zero_grad()

@@ -2,7 +2,7 @@
 
 The same two stages as `FedALClient.handle`, each client with its own data, batches, weights,
 Adam moments and feedback, computed as one stacked model (stacked.py). The losses are
-fedal.py's own functions (`local_loss`, `transfer_terms`), applied per client under `vmap`.
+fedal.py's own functions (`local_loss`, `transfer_terms`), which take a leading client axis.
 What the per-client path keeps as the uploaded logits' autograd graph is recomputed here from
 the same weights when the feedback arrives. Everything that can refuse a task is checked
 before anything changes, so a refused group runs client by client from an untouched state.
@@ -62,12 +62,11 @@ def _local_train(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tu
         x = torch.stack([c.x_train[i] for c, i in zip(clients, idx)])
         y = torch.stack([c.y_train[i] for c, i in zip(clients, idx)])
         logits = stack.forward(stack.params, x)
-        if ref is None:
-            per = stack.per_client(lambda f, y: local_loss(p, f, y, None), logits, y)
-        else:
+        ref_logits = None
+        if ref is not None:
             with torch.no_grad():
                 ref_logits = stack.forward(ref, x)
-            per = stack.per_client(lambda f, y, r: local_loss(p, f, y, r), logits, y, ref_logits)
+        per = local_loss(p, logits, y, ref_logits)  # [N]: each client's loss
         stack.step(per.sum())
         losses.append(per.detach())
     stack.write_back()
@@ -117,7 +116,7 @@ def _transfer(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple
         frozen = stack.frozen("ref_glo", [c.ref_glo.module for c in clients])
         with torch.no_grad():
             ref = stack.forward(frozen, x)
-    kd, lf = _terms(stack, transfer_terms, p, f, target, ref)
+    kd, lf = transfer_terms(p, f, target, ref)  # [N] each
     loss = kd.sum() if lf is None else (kd + lf).sum()
     diags = [c.transfer_norms(kd[k], f[k], target[k], None if ref is None else ref[k]) for k, c in enumerate(clients)]
     if grads[0] is not None:
@@ -129,14 +128,6 @@ def _transfer(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple
     stack.write_back()
     return [c.transfer_diagnostics(d, last=t.integer("iteration") + 1 >= p.tau)
             for c, t, d in zip(clients, tasks, diags)], stack
-
-
-def _terms(stack: StackedModels, transfer_terms, p, f: torch.Tensor, target: torch.Tensor,
-           ref: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if ref is None:
-        return stack.per_client(lambda f, t: transfer_terms(p, f, t, None)[0], f, target), None
-    kd, lf = stack.per_client(lambda f, t, r: transfer_terms(p, f, t, r), f, target, ref)
-    return kd, lf
 
 
 def _replies(clients: Sequence[FedALClient], tasks: Sequence[Message], diags: Diagnostics,
