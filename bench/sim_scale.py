@@ -1,12 +1,13 @@
 """Seconds per FedAL round as the number of clients grows: in-process per-client, in-process
-vectorized, and the Ray backend on a local instance with 2 CPUs, side by side in one run; with
-the peak memory of the driver and of the Ray workers.
+vectorized, and the Ray backend on a local instance with 2 CPUs (its actors' clients per-client
+or vectorized), side by side in one run; with the peak memory of the driver and of the Ray workers.
 
     python bench/sim_scale.py                        # N = 10, 100, 1000
-    python bench/sim_scale.py --clients 10,100 --rounds 3
+    python bench/sim_scale.py --clients 10,100 --rounds 3 --repeats 3
 
 Each (N, variant) runs in its own process (so its peak RSS is its own): one warm-up round, then
-the timed rounds, no evaluation. MNIST-1D with `samples_per_client` rows per client (generated
+the timed rounds, no evaluation. Below N = 1000 every variant runs `--repeats` times, the
+variants taking turns, so a ratio is reported per repeat (how much it moves from run to run). MNIST-1D with `samples_per_client` rows per client (generated
 as large as N needs), models mlp / cnn1d / cnn1d_wide round-robin, tau 5. Writes
 docs/results/sim_scale.md and .json.
 """
@@ -17,13 +18,14 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("in-process per-client", "in-process vectorized", "ray, 2 CPUs")
+VARIANTS = ("in-process per-client", "in-process vectorized", "ray, 2 CPUs, per-client", "ray, 2 CPUs, vectorized")
 
 PROBE = r"""
 import json, os, resource, sys, time
@@ -87,18 +89,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (N >= 1000: one)")
     ap.add_argument("--samples-per-client", type=int, default=60)
     ap.add_argument("--tau", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each variant below N = 1000")
     ap.add_argument("--out", default="docs/results")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.clients.split(",") if x]
     rows = []
     started = time.perf_counter()
     for n in sizes:
-        for variant in VARIANTS:
-            res = measure(n, variant, args)
-            per_round = sorted(res["seconds"])[len(res["seconds"]) // 2]
-            rows.append({"clients": n, "variant": variant, "s_per_round": per_round, **res})
-            print(f"N = {n}, {variant}: {per_round:.2f} s/round, driver {res['driver_mb']:.0f} MB, "
-                  f"workers {res['workers_mb']:.0f} MB", file=sys.stderr)
+        runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        for rep in range(args.repeats if n < 1000 else 1):
+            for variant in VARIANTS[rep % len(VARIANTS):] + VARIANTS[: rep % len(VARIANTS)]:
+                res = measure(n, variant, args)
+                runs[variant].append(res)
+                print(f"N = {n}, {variant}, repeat {rep + 1}: {statistics.median(res['seconds']):.2f} s/round, "
+                      f"driver {res['driver_mb']:.0f} MB, workers {res['workers_mb']:.0f} MB", file=sys.stderr)
+        base = [statistics.median(r["seconds"]) for r in runs[VARIANTS[0]]]
+        for variant, results in runs.items():
+            per_repeat = [statistics.median(r["seconds"]) for r in results]
+            rows.append({"clients": n, "variant": variant, "s_per_round": statistics.median(per_repeat),
+                         "s_per_round_per_repeat": per_repeat,
+                         "speedup_per_repeat": [b / v for b, v in zip(base, per_repeat)],
+                         "seconds": [s for r in results for s in r["seconds"]],
+                         "driver_mb": max(r["driver_mb"] for r in results),
+                         "workers_mb": max(r["workers_mb"] for r in results)})
     by = {(r["clients"], r["variant"]): r for r in rows}
     lines = [
         "# Simulation at scale: seconds per FedAL round as N grows",
@@ -106,18 +119,20 @@ def main(argv: list[str] | None = None) -> int:
         f"Written by `python bench/sim_scale.py` in {time.perf_counter() - started:.0f} s. FedAL, MNIST-1D, "
         f"{args.samples_per_client} samples per client, models mlp / cnn1d / cnn1d_wide round-robin, tau = "
         f"{args.tau}, batch 32, public batch 32; each (N, variant) in its own process, one warm-up round, then the "
-        f"median of {args.rounds} timed rounds (one at N >= 1000), no evaluation. Ray: a local instance with 2 CPUs, "
+        f"median of {args.rounds} timed rounds (one at N >= 1000), no evaluation; below N = 1000 each variant ran "
+        f"{args.repeats} times, taking turns (s / round: the median over repeats). Ray: a local instance with 2 CPUs, "
         "2 actors (each hosting half of the clients), one torch thread each. Peak memory: the process's maximum "
         f"resident set (driver) and the sum over the Ray actors' (workers). Machine: {platform.machine()}, "
         f"{os.cpu_count()} cores.",
         "",
-        "| N | variant | s / round | vs per-client | driver peak MB | workers peak MB |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| N | variant | s / round | vs per-client | vs per-client, each repeat | driver peak MB | workers peak MB |",
+        "|---:|---|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         base = by[(r["clients"], VARIANTS[0])]["s_per_round"]
+        each = ", ".join(f"{x:.2f}x" for x in r["speedup_per_repeat"])
         lines.append(f"| {r['clients']} | {r['variant']} | {r['s_per_round']:.3f} | {base / r['s_per_round']:.2f}x | "
-                     f"{r['driver_mb']:.0f} | {r['workers_mb']:.0f} |")
+                     f"{each} | {r['driver_mb']:.0f} | {r['workers_mb']:.0f} |")
     lines += ["", "Growth with N (s / round, per-client path): " + ", ".join(
         f"N = {n}: {by[(n, VARIANTS[0])]['s_per_round']:.3f}" for n in sizes if (n, VARIANTS[0]) in by), ""]
     out = Path(args.out)
