@@ -298,7 +298,7 @@ def parity_config(name: str):
         models, dataset = ["mlp", "cnn1d_wide"], "mnist1d"
     return load_config(None, dict(strategy=name, dataset=dataset, clients=3, rounds=2, public_size=60, seed=3,
                                   models=models, partition="dirichlet-class", alpha=1.0, local_test_fraction=0.25,
-                                  eval_every=1, **knobs(name)))
+                                  eval_every=1, vectorize=False, **knobs(name)))  # the per-client reference
 
 
 def accuracies(record: dict) -> dict:

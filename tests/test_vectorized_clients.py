@@ -173,3 +173,25 @@ def test_a_group_keeps_its_stack_until_a_client_changes_on_its_own():
     per_engine.run_round(1)
     assert mlps[0].group is not stack  # restacked from the clients' own tensors
     _assert_close_clients(per_clients, clients, atol=1e-5)
+
+
+def test_a_simulation_stacks_by_default_and_no_vectorize_runs_per_client(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from fedal_cli.main import cli
+
+    default = _config("fedal", None)
+    assert default.vectorize is None and default.vectorized
+    engine, _, _ = _engine("fedal", None)
+    engine.run_round(0)
+    assert engine.transport.stacked_tasks > 0
+    out = tmp_path / "r.json"
+    args = ["simulate", "--strategy", "fedal", "--clients", "3", "--rounds", "1", "--mnist1d-samples", "1000",
+            "--public-size", "200", "--out", str(out)]
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    assert json.loads(out.read_text())["config"]["vectorize"] is True  # the results say which path ran
+    result = CliRunner().invoke(cli, [*args, "--no-vectorize"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["config"]["vectorize"] is False

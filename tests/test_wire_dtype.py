@@ -209,7 +209,8 @@ def test_the_session_refuses_a_task_the_client_half_cannot_read():
 
 def small_config(name: str, wire_dtype: str, **extra):
     return load_config(None, dict(strategy=name, dataset="digits", clients=3, rounds=2, public_size=60, seed=3,
-                                  models=["mlp", "lenet5"], tau=2, eval_every=1, wire_dtype=wire_dtype, **extra))
+                                  models=["mlp", "lenet5"], tau=2, eval_every=1, wire_dtype=wire_dtype,
+                                  vectorize=False, **extra))  # the per-client reference
 
 
 def test_fedal_simulate_runs_with_float16_and_int8(tmp_path):

@@ -90,8 +90,9 @@ class RunConfig(BaseModel):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="simulation: each client misses each phase with this probability")
     stragglers: float = Field(0.0, ge=0.0, le=1.0, description="simulation: this fraction of clients answers after the deadline")
     straggle_every: int = Field(2, ge=1, description="simulation: stragglers are late every k-th phase")
-    vectorize: bool = Field(False, description="simulation: clients of one architecture run as one stacked model "
-                            "where the strategy allows (fedal/strategies/stacked.py)")
+    vectorize: bool | None = Field(None, description="simulation: clients of one architecture run as one stacked "
+                                   "model where the strategy allows (fedal/strategies/stacked.py); unset: on in a "
+                                   "simulation (false: the per-client reference path); a deployment refuses true")
     backend: Literal["inprocess", "ray"] = Field("inprocess", description="simulation: where client halves run: this "
                                                  "process, or Ray actors (docs/simulation.md)")
     ray_address: str | None = Field(None, description="ray backend: a cluster to join (auto, ray://host:port); "
@@ -184,6 +185,11 @@ class RunConfig(BaseModel):
             return None
         return (f"{self.strategy} needs one model for all clients: using {DEFAULT_SINGLE_MODEL[self.dataset]} "
                 f"(the {self.dataset} default; --models or `models` chooses another)")
+
+    @property
+    def vectorized(self) -> bool:
+        """Whether a simulation of this config stacks its clients (vectorize unset: yes)."""
+        return self.vectorize is not False
 
     def resolved(self) -> RunConfig:
         """The same run with every default made explicit."""

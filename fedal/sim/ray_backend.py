@@ -75,7 +75,7 @@ class ClientGroup:
         self.indices = indices
         self.snapshot_dir = snapshot_dir
         self.run_id = run_id
-        self.vectorize = bool(config.get("vectorize"))
+        self.vectorize = RunConfig(**config).vectorized
         self.restored = 0
         self.public_hash = ""
         self.sessions: dict[str, ClientSession] = {}

@@ -44,13 +44,14 @@ def simulated_engine(config: RunConfig, data, clients: dict, server):
     faults = Faults(config.dropout, config.stragglers, config.straggle_every, seed=config.seed)
     return in_process_engine(server, clients, phase_kinds=spec.phases, rounds=config.rounds,
                              eval_every=config.eval_every, tests=tests, faults=faults,
-                             global_metrics=global_metrics_of(config, data, server), vectorize=config.vectorize)
+                             global_metrics=global_metrics_of(config, data, server), vectorize=config.vectorized)
 
 
 def simulate(config: RunConfig, progress: ProgressFn | None = None, verbose: bool = False) -> dict[str, Any]:
     """Run `config` to the end and return its results; `verbose`: let the Ray backend's own logs
     through (off: warnings and errors only)."""
     config = config.resolved()
+    config = config.model_copy(update={"vectorize": config.vectorized})  # the results say which path ran
     torch.set_num_threads(config.threads)
     started = time.perf_counter()
     backend: dict[str, Any] | None = None
