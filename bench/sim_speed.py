@@ -137,11 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {r}: " + ", ".join(f"{v} {times[v][-1]:.3f}s" for v in VARIANTS if times[v]), file=sys.stderr)
 
     med = {v: statistics.median(t) for v, t in times.items()}
-    ratio = {
-        "per-client / plain loop": statistics.median(a / b for a, b in zip(times["per-client"], times["plain loop"])),
-        "vectorized / per-client": statistics.median(a / b for a, b in zip(times["vectorized"], times["per-client"])),
-        "vectorized / plain loop": statistics.median(a / b for a, b in zip(times["vectorized"], times["plain loop"])),
-    }
+    pairs = {"per-client / plain loop": ("per-client", "plain loop"),
+             "vectorized / per-client": ("vectorized", "per-client"),
+             "vectorized / plain loop": ("vectorized", "plain loop")}
+    per_round = {k: [a / b for a, b in zip(times[x], times[y])] for k, (x, y) in pairs.items()}
+    ratio = {k: statistics.median(v) for k, v in per_round.items()}
+    quartiles = {k: statistics.quantiles(v, n=4)[::2] for k, v in per_round.items()}
     load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
     lines = [
         "# Simulation speed: per-client vs vectorized vs a plain PyTorch loop",
@@ -156,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---:|",
         *[f"| {v} | {med[v]:.4f} | {min(times[v]):.4f} |" for v in VARIANTS],
         "",
-        "Ratios (medians of the per-round ratios):",
+        "Ratios (medians of the per-round ratios; in brackets their lower and upper quartiles, how much a ratio "
+        "moves from round to round):",
         "",
-        *[f"- {k}: {v:.2f}" for k, v in ratio.items()],
+        *[f"- {k}: {v:.2f} ({quartiles[k][0]:.2f}-{quartiles[k][1]:.2f})" for k, v in ratio.items()],
         "",
         "Goals (issue): the per-client path within 10 % of the plain loop (ratio <= 1.10); vectorized <= 0.4x the "
         "per-client path.",
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     hand.write_text("\n".join(lines) + "\n" + marker + kept)
     (out / "sim_speed.json").write_text(json.dumps(
         {"config": config, "rounds": args.rounds, "warmup": args.warmup, "seconds": times, "median": med,
-         "ratios": ratio, "machine": platform.machine(), "torch": torch.__version__,
+         "ratios": ratio, "ratio_quartiles": quartiles, "machine": platform.machine(), "torch": torch.__version__,
          "per_round_mean": {v: float(np.mean(t)) for v, t in times.items()}}, indent=2))
     print("\n".join(lines))
     return 0
