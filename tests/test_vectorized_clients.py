@@ -195,3 +195,22 @@ def test_a_simulation_stacks_by_default_and_no_vectorize_runs_per_client(tmp_pat
     result = CliRunner().invoke(cli, [*args, "--no-vectorize"])
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["config"]["vectorize"] is False
+
+
+def test_a_layer_out_of_place_takes_the_vmap_path_with_the_same_numbers():
+    """A linear layer on a convolution's [B, C, L] output (no Flatten between) is not what the
+    channels-last stacked forms compute: such a model runs under vmap, and its numbers are right."""
+    from torch import nn
+
+    from fedal.models.base import SplitModel
+    from fedal.models.cnn1d import _AsChannels
+    from fedal.models.stacked import has_fast_path, stacked_function
+
+    torch.manual_seed(1)
+    models = [SplitModel(nn.Sequential(_AsChannels(), nn.Conv1d(1, 4, 3, padding=1), nn.Linear(12, 5), nn.Flatten(1)),
+                         nn.Linear(20, 3), feature_dim=20, num_classes=3, input_shape=(12,)) for _ in range(2)]
+    assert not has_fast_path(models[0])
+    x = torch.randn(2, 4, 12)
+    params = {n: torch.stack([dict(m.named_parameters())[n].detach() for m in models]) for n, _ in models[0].named_parameters()}
+    own = torch.stack([m(x[k]) for k, m in enumerate(models)])
+    assert torch.allclose(stacked_function(models[0])(params, x), own, atol=1e-6, rtol=0)

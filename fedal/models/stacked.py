@@ -1,13 +1,13 @@
 """K same-architecture models run as one: parameters stacked along a leading client axis.
 
-`stacked_forward(model, params, x)` computes `model`'s function with client k's weights
-(`params[name][k]`) on client k's inputs (`x[k]`) for every k at once: [K, B, ...] -> [K, B, C].
-Linear layers become one batched matrix multiply; 1-D convolutions one batched matrix multiply
-over im2col columns built from shifted slices (channels-last, so no transposes between layers),
-and max-pooling one pooling over all clients in the channels-last layout. On a CPU these beat `vmap` of the
-module, which turns each convolution into a grouped one and each pooling into a pooling with
-indices, neither faster per sample than K separate calls. Models made of other layers run under
-`vmap(functional_call)`: the same numbers, without the speed.
+`stacked_function(model)` gives `model`'s function with client k's weights (`params[name][k]`)
+on client k's inputs (`x[k]`) for every k at once: [K, B, ...] -> [K, B, C]. Linear layers
+become one batched matrix multiply; 1-D convolutions one batched matrix multiply over im2col
+columns built from shifted slices (channels-last, so no transposes between layers), and
+max-pooling one pooling over all clients in the channels-last layout. On a CPU these beat `vmap`
+of the module, which turns each convolution into a grouped one and each pooling into a pooling
+with indices, neither faster per sample than K separate calls. Models made of other layers (or
+in another order) run under `vmap(functional_call)`: the same numbers, without the speed.
 """
 
 from __future__ import annotations
@@ -21,41 +21,34 @@ from torch.func import functional_call, vmap
 
 from .cnn1d import _AsChannels
 
-__all__ = ["has_fast_path", "stacked_forward", "stacked_function"]
+__all__ = ["has_fast_path", "stacked_function"]
 
 Params = dict[str, torch.Tensor]
+StackedFunction = Callable[[Params, torch.Tensor], torch.Tensor]
+Op = Callable[[torch.Tensor, Params, str, int], torch.Tensor]
+Plan = list[tuple[Op, str, int]]
 
-_LAYERS = (nn.Flatten, nn.Linear, nn.ReLU, nn.Conv1d, nn.MaxPool1d, _AsChannels, nn.Sequential)
+
+class _NoStackedForm(Exception):
+    """A layer, or a layer in this place, that the hand-stacked forms do not cover."""
 
 
 def has_fast_path(model: nn.Module) -> bool:
-    """Whether every layer has a hand-stacked form (else `stacked_forward` uses `vmap`)."""
-    children = [model.get_submodule(n) for n in ("backbone", "classifier") if hasattr(model, n)]
-    return bool(children) and all(
-        isinstance(m, _LAYERS) and _plain(m) for c in children for m in c.modules())
-
-
-def _plain(m: nn.Module) -> bool:
-    if isinstance(m, nn.Conv1d):
-        k = m.kernel_size[0]
-        return (m.stride, m.dilation, m.groups, m.padding_mode) == ((1,), (1,), 1, "zeros") \
-            and m.padding == (k // 2,) and k % 2 == 1
-    if isinstance(m, nn.MaxPool1d):
-        return m.stride == m.kernel_size and not m.padding and m.dilation == 1 and not m.ceil_mode
-    if isinstance(m, nn.Flatten):
-        return m.start_dim == 1 and m.end_dim == -1
+    """Whether every layer has a hand-stacked form (else `stacked_function` uses `vmap`)."""
+    try:
+        _model_plan(model)
+    except _NoStackedForm:
+        return False
     return True
-
-
-StackedFunction = Callable[[Params, torch.Tensor], torch.Tensor]
 
 
 def stacked_function(model: nn.Module) -> StackedFunction:
     """`model`'s stacked forward, (params, x [K, B, ...]) -> [K, B, num_classes], its layers
     read once (a group calls it every step)."""
-    if not has_fast_path(model):
+    try:
+        plan = _model_plan(model)
+    except _NoStackedForm:
         return vmap(lambda p, xx: functional_call(model, p, (xx,)))
-    plan = [*_plan(model.get_submodule("backbone"), "backbone"), *_plan(model.get_submodule("classifier"), "classifier")]
 
     def forward(params: Params, x: torch.Tensor) -> torch.Tensor:
         h = x
@@ -66,41 +59,59 @@ def stacked_function(model: nn.Module) -> StackedFunction:
     return forward
 
 
-def stacked_forward(model: nn.Module, params: Params, x: torch.Tensor) -> torch.Tensor:
-    """Every client's logits on its own inputs: x [K, B, ...] -> [K, B, num_classes]."""
-    return stacked_function(model)(params, x)
+def _model_plan(model: nn.Module) -> Plan:
+    if not (isinstance(getattr(model, "backbone", None), nn.Module)
+            and isinstance(getattr(model, "classifier", None), nn.Module)):
+        raise _NoStackedForm("not a backbone + classifier model")
+    layers = [(f"backbone.{n}", m) for n, m in _children(model.get_submodule("backbone"))]
+    layers += [(f"classifier.{n}" if n else "classifier", m) for n, m in _children(model.get_submodule("classifier"))]
+    return _plan(layers)
 
 
-Op = Callable[[torch.Tensor, Params, str, int], torch.Tensor]
+def _children(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return list(module.named_children()) if isinstance(module, nn.Sequential) else [("", module)]
 
 
-def _plan(module: nn.Module, prefix: str) -> list[tuple[Op, str, int]]:
-    """(operation, parameter prefix, size) per layer; between convolutions h is channels-last, [K, B, L, C]."""
-    layers = list(module.named_children()) if isinstance(module, nn.Sequential) else [("", module)]
-    plan: list[tuple[Op, str, int]] = []
+def _plan(layers: list[tuple[str, nn.Module]]) -> Plan:
+    """(operation, parameter prefix, size) per layer. From `_AsChannels` to `Flatten` h is
+    channels-last, [K, B, L, C]; convolutions and pooling only run there, linear layers only
+    outside it."""
+    plan: Plan = []
     channels_last = False
-    for name, layer in layers:
-        key = f"{prefix}.{name}" if name else prefix
-        if isinstance(layer, _AsChannels):
-            plan.append((lambda h, p, k, a: h.flatten(2).unsqueeze(-1), key, 0))
-        elif isinstance(layer, nn.Conv1d):
+    for key, layer in layers:
+        if isinstance(layer, _AsChannels) and not channels_last:
             channels_last = True
+            plan.append((lambda h, p, k, a: h.flatten(2).unsqueeze(-1), key, 0))
+        elif isinstance(layer, nn.Conv1d) and channels_last and _same_padding(layer):
             plan.append((lambda h, p, k, a: _conv(h, p[f"{k}.weight"], p.get(f"{k}.bias")), key, 0))
-        elif isinstance(layer, nn.MaxPool1d):
+        elif isinstance(layer, nn.MaxPool1d) and channels_last and _tiling(layer):
             plan.append((lambda h, p, k, a: _pool(h, a), key, int(layer.kernel_size)))  # type: ignore[arg-type]
         elif isinstance(layer, nn.ReLU):
             plan.append((lambda h, p, k, a: F.relu(h), key, 0))
-        elif isinstance(layer, nn.Flatten) and channels_last:
-            # a conv stack's channels-last [K, B, L, C] flattens as torch does [B, C, L]
-            plan.append((lambda h, p, k, a: h.transpose(2, 3).flatten(2), key, 0))
+        elif isinstance(layer, nn.Flatten) and (layer.start_dim, layer.end_dim) == (1, -1):
+            if channels_last:  # [K, B, L, C] flattens as torch does [B, C, L]
+                plan.append((lambda h, p, k, a: h.transpose(2, 3).flatten(2), key, 0))
+            else:
+                plan.append((lambda h, p, k, a: h.flatten(2), key, 0))
             channels_last = False
-        elif isinstance(layer, nn.Flatten):
-            plan.append((lambda h, p, k, a: h.flatten(2), key, 0))
-        elif isinstance(layer, nn.Linear):
+        elif isinstance(layer, nn.Linear) and not channels_last:
             plan.append((lambda h, p, k, a: _linear(h, p[f"{k}.weight"], p.get(f"{k}.bias")), key, 0))
         else:
-            raise TypeError(f"no stacked form for {type(layer).__name__}")
+            raise _NoStackedForm(f"{type(layer).__name__} at {key}")
+    if channels_last:
+        raise _NoStackedForm("the model ends before its convolutions are flattened")
     return plan
+
+
+def _same_padding(conv: nn.Conv1d) -> bool:
+    k = conv.kernel_size[0]
+    return (conv.stride, conv.dilation, conv.groups, conv.padding_mode) == ((1,), (1,), 1, "zeros") \
+        and conv.padding == (k // 2,) and k % 2 == 1
+
+
+def _tiling(pool: nn.MaxPool1d) -> bool:
+    return pool.stride == pool.kernel_size and not pool.padding and pool.dilation == 1 and not pool.ceil_mode \
+        and not pool.return_indices
 
 
 def _linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

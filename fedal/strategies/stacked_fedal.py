@@ -3,9 +3,10 @@
 The same two stages as `FedALClient.handle`, each client with its own data, batches, weights,
 Adam moments and feedback, computed as one stacked model (stacked.py). The losses are
 fedal.py's own functions (`local_loss`, `transfer_terms`), which take a leading client axis.
-What the per-client path keeps as the uploaded logits' autograd graph is recomputed here from
-the same weights when the feedback arrives. Everything that can refuse a task is checked
-before anything changes, so a refused group runs client by client from an untouched state.
+The uploaded logits' autograd graph is kept with the group's stack, as the per-client path keeps
+it, and recomputed from the same weights only where the feedback comes to another group.
+Everything that can refuse a task is checked before anything changes, so a refused group runs
+client by client from an untouched state.
 """
 
 from __future__ import annotations
