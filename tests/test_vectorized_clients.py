@@ -32,11 +32,18 @@ def _assert_close_clients(a: dict, b: dict, atol: float) -> None:
             assert torch.allclose(p, q, atol=atol, rtol=0), (cid, name, (p - q).abs().max().item())
 
 
-@pytest.mark.parametrize("strategy", ["fedal", "fedmd", "fedmd-lf"])
-def test_every_phase_equals_the_per_client_step(strategy):
+@pytest.mark.parametrize("strategy,extra", [
+    ("fedal", {}), ("fedmd", {}), ("fedmd-lf", {}),
+    ("feddf-al", {"models": ["mlp", "cnn1d", "mlp"], "strategy_params": {"tau": 3}}),
+    ("feddf", {"models": ["mlp", "cnn1d", "mlp"], "strategy_params": {"tau": 3}}),
+    ("fedavg", {"models": ["cnn1d"]}),
+    ("fedavg", {"models": ["mlp"], "strategy_params": {"local_epochs": 1}}),
+    ("local", {}),
+], ids=["fedal", "fedmd", "fedmd-lf", "feddf-al", "feddf", "fedavg", "fedavg-epochs", "local"])
+def test_every_phase_equals_the_per_client_step(strategy, extra):
     """Each phase of a round (local training, each transfer iteration) from the same state."""
-    per_engine, per_clients, data = _engine(strategy, False)
-    vec_engine, vec_clients, _ = _engine(strategy, True)
+    per_engine, per_clients, data = _engine(strategy, False, **extra)
+    vec_engine, vec_clients, _ = _engine(strategy, True, **extra)
     for r in range(2):
         per_engine.run_round(r)
         vec_engine.run_round(r)
@@ -214,3 +221,55 @@ def test_a_layer_out_of_place_takes_the_vmap_path_with_the_same_numbers():
     params = {n: torch.stack([dict(m.named_parameters())[n].detach() for m in models]) for n, _ in models[0].named_parameters()}
     own = torch.stack([m(x[k]) for k, m in enumerate(models)])
     assert torch.allclose(stacked_function(models[0])(params, x), own, atol=1e-6, rtol=0)
+
+
+def _state(clients):
+    return [([p.detach().clone() for p in c.model.parameters()], c.generator.get_state()) for c in clients]
+
+
+def _assert_same_state(a, b):
+    for (pa, ga), (pb, gb) in zip(a, b):
+        assert all(torch.equal(x, y) for x, y in zip(pa, pb)) and torch.equal(ga, gb)
+
+
+def test_fedavg_and_feddf_groups_refuse_weights_that_do_not_fit_and_change_nothing():
+    """A task the client itself would refuse is handed back (NotStackable) before any client
+    changed, so each client refuses it on its own path, as without vectorize."""
+    from fedal.protocol import Message
+    from fedal.strategies.fedavg import model_to_numpy
+    from fedal.strategies.feddf import WEIGHTS
+    from fedal.strategies.stacked_fedal import handle_feddf_group
+    from fedal.strategies.stacked_fedavg import handle_fedavg_group
+
+    engine, clients, _ = _engine("fedavg", True, models=["mlp"])
+    engine.run_round(0)
+    cs = list(clients.values())
+    good = model_to_numpy(cs[0].model)
+    missing = dict(good)
+    missing.pop(next(iter(missing)))
+    meta = {"phase": "train", "round": 1, "iteration": 0, "steps": 2}
+    before = _state(cs)
+    with pytest.raises(NotStackable, match="do not match"):
+        handle_fedavg_group(cs, [Message(meta, good), Message(meta, missing), Message(meta, good), Message(meta, good)])
+    _assert_same_state(before, _state(cs))
+    assert handle_fedavg_group(cs, [Message(meta, good)] * 4)[0].meta["num_samples"] == 120
+
+    engine, clients, _ = _engine("feddf", True, models=["mlp"], strategy_params={"tau": 2})
+    engine.run_round(0)
+    cs = list(clients.values())
+    weights = {WEIGHTS + k: v for k, v in model_to_numpy(cs[0].model).items()}
+    bad = {k: v[:1] if k.endswith("weight") else v for k, v in weights.items()}
+    meta = {"phase": "local_train", "round": 1, "iteration": 0, "steps": 2}
+    before = _state(cs)
+    with pytest.raises(NotStackable, match="shapes"):
+        handle_feddf_group(cs, [Message(meta, weights)] * 3 + [Message(meta, bad)])
+    _assert_same_state(before, _state(cs))
+
+
+def test_fedavg_clients_with_different_data_sizes_under_local_epochs_run_client_by_client():
+    """With local_epochs a client's step count follows its data size: a group of different sizes
+    is not stacked, and the run is the per-client one."""
+    extra = dict(models=["mlp"], partition="pow", strategy_params={"local_epochs": 1})
+    per = simulate(_config("fedavg", False, **extra))
+    vec = simulate(_config("fedavg", True, **extra))
+    assert without_timings(per)["rounds"] == without_timings(vec)["rounds"]

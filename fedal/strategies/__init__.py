@@ -6,7 +6,21 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from fedal.protocol import Message
-from fedal.strategies import cfd, fccl, fd, fedakd, fedal, fedavg, feddf, fedhkd, fedmd, fedproto, local, stacked_fedal
+from fedal.strategies import (
+    cfd,
+    fccl,
+    fd,
+    fedakd,
+    fedal,
+    fedavg,
+    feddf,
+    fedhkd,
+    fedmd,
+    fedproto,
+    local,
+    stacked_fedal,
+    stacked_fedavg,
+)
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
 from fedal.strategies.params import StrategyParams
 
@@ -16,7 +30,7 @@ STRATEGY_NAMES = tuple(STRATEGIES)
 
 
 # vectorized simulation: client halves that can step as a group of one architecture, by exact class
-GROUP_STEPS = dict(stacked_fedal.GROUP_STEPS)
+GROUP_STEPS = {**stacked_fedal.GROUP_STEPS, **stacked_fedavg.GROUP_STEPS}
 
 
 def group_step(client: ClientHalf) -> Callable[[Sequence, Sequence[Message]], list[Message]] | None:

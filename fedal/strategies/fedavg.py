@@ -134,10 +134,22 @@ def model_to_numpy(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
 
 
-def load_numpy_into(model: torch.nn.Module, tensors: dict[str, np.ndarray]) -> None:
+def numpy_weights_problem(model: torch.nn.Module, tensors: dict[str, np.ndarray]) -> str | None:
+    """Why `tensors` do not load into `model` (None: they do): other names, or other shapes."""
     current = model.state_dict()
     if set(tensors) != set(current):
-        raise ValueError("received weights do not match this client's model")
+        return "received weights do not match this client's model"
+    for key, arr in tensors.items():
+        if tuple(np.shape(arr)) != tuple(current[key].shape):
+            return f"tensor {key!r} has shape {list(np.shape(arr))}, expected {list(current[key].shape)}"
+    return None
+
+
+def load_numpy_into(model: torch.nn.Module, tensors: dict[str, np.ndarray]) -> None:
+    problem = numpy_weights_problem(model, tensors)
+    if problem:
+        raise ValueError(problem)
+    current = model.state_dict()
     model.load_state_dict({k: torch.from_numpy(np.array(v)).to(current[k].dtype) for k, v in tensors.items()})
 
 

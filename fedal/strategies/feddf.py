@@ -38,7 +38,7 @@ import torch
 from fedal.protocol import Message
 from fedal.strategies.base import InvalidResult, PhaseTasks, StrategySpec
 from fedal.strategies.fedal import FedALClient, FedALServer
-from fedal.strategies.fedavg import load_numpy_into, model_to_numpy, weight_dtype_problem, weighted_average
+from fedal.strategies.fedavg import load_numpy_into, model_to_numpy, numpy_weights_problem, weight_dtype_problem, weighted_average
 from fedal.strategies.params import DISTILLATION_PARAMS
 
 # paper: tau = 15 for FedDF-AL and 10 for FedDF; E_d = 2, all lambdas 1 (fedal.txt VI-A)
@@ -193,14 +193,23 @@ class FedDFClient(FedALClient):
 
     def load_group_weights(self, task: Message) -> bool:
         """Load the `w/...` tensors of `task`, if any; True if there were some."""
-        weights = {k[len(WEIGHTS):]: v for k, v in task.tensors.items() if k.startswith(WEIGHTS)}
+        weights = self.group_weights(task)
         if not weights:
             return False
+        load_numpy_into(self.model, weights)
+        return True
+
+    def group_weights(self, task: Message) -> dict[str, np.ndarray]:
+        """The `w/...` tensors of `task` by state_dict key (none: empty); ValueError, changing
+        nothing, unless they are exactly this client's tensor names and shapes."""
+        weights = {k[len(WEIGHTS):]: v for k, v in task.tensors.items() if k.startswith(WEIGHTS)}
         mine = self.model.state_dict()
         if any(k in mine and tuple(v.shape) != tuple(mine[k].shape) for k, v in weights.items()):
             raise ValueError("the group's weights do not have this client's parameter shapes")
-        load_numpy_into(self.model, weights)
-        return True
+        problem = numpy_weights_problem(self.model, weights) if weights else None
+        if problem:
+            raise ValueError(problem)
+        return weights
 
 
 SPECS = (

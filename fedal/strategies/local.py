@@ -73,16 +73,17 @@ def local_step_count(params, steps: int, n: int) -> int:
     return epochs * max(1, n // b + (1 if n % b > 1 else 0))
 
 
-def local_batches(n: int, params, steps: int, generator: torch.Generator):
+def local_batches(n: int, params, steps: int, generator: torch.Generator, epochs: int | None = None):
     """Row indices of one round's local minibatches over `n` samples.
 
     local_epochs = 0: `steps` batches of min(batch_size, n) rows, each drawn afresh without
     replacement (the toolkit's tau; what ClientHalf.sample_batch draws). local_epochs = E > 0:
     E shuffled passes over all rows in batches of batch_size (the FedAKD paper's unit, so a
     client with more data takes more steps); a last batch of a single row joins the one before,
-    since BatchNorm cannot train on one sample.
+    since BatchNorm cannot train on one sample. `epochs` (default: the params') overrides E.
     """
-    epochs = int(getattr(params, "local_epochs", 0) or 0)
+    if epochs is None:
+        epochs = int(getattr(params, "local_epochs", 0) or 0)
     b = params.batch_size
     if epochs <= 0:
         for _ in range(steps):

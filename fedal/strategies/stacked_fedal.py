@@ -1,4 +1,5 @@
-"""FedAL's client half (fedal.py) for a group of clients of one architecture at once.
+"""FedAL's client half (fedal.py) for a group of clients of one architecture at once; FedDF's
+(feddf.py), which is FedAL's with a parameter average before the transfer stage, as well.
 
 The same two stages as `FedALClient.handle`, each client with its own data, batches, weights,
 Adam moments and feedback, computed as one stacked model (stacked.py). The losses are
@@ -20,8 +21,11 @@ from fedal.protocol import Message
 from fedal.protocol.wire_dtype import encode_tensor, wire_round
 from fedal.strategies.base import ClientHalf
 from fedal.strategies.fedal import FedALClient, local_loss, logits_iteration, rows_key, transfer_terms
+from fedal.strategies.fedavg import load_numpy_into
+from fedal.strategies.feddf import FedDFClient
 from fedal.strategies.public_rows import public_rows
 from fedal.strategies.stacked import NotStackable, StackedModels
+from fedal.strategies.stacked_training import check_batch_sizes, group_batches, group_steps
 
 
 def handle_group(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> list[Message]:
@@ -45,36 +49,35 @@ Diagnostics = list[dict[str, float]]
 
 
 def _local_train(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple[Diagnostics, StackedModels]:
+    diags, stack = stacked_local_steps(clients, tasks)
+    for c in clients:
+        c.snapshot_ref_glo()
+    return diags, stack
+
+
+def stacked_local_steps(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple[Diagnostics, StackedModels]:
+    """`FedALClient.local_steps` of every client: stage 1, CE + lambda_lf_loc * KL(p(theta_ref_loc) || p)."""
     p = clients[0].params
     steps = {t.integer("steps", p.tau) for t in tasks}
-    rows = {min(p.batch_size, len(c.y_train)) for c in clients}
-    if len(steps) != 1 or len(rows) != 1:
-        raise NotStackable("the clients take different numbers of steps or batch sizes")
+    if len(steps) != 1:
+        raise NotStackable("the clients take different numbers of steps")
+    check_batch_sizes(clients)
     stack = StackedModels.of(clients)
     stack.pending = None
     for c in clients:  # as FedALClient.local_steps: a new round, the round-start reference
         c.transfer_diag.clear()
         c.ref_loc = c.inference.snapshot(c.model, reuse=c.ref_loc) if p.lambda_lf_loc > 0 else None
     ref = stack.frozen("ref_loc", [c.ref_loc.module for c in clients]) if p.lambda_lf_loc > 0 else None
-    b = rows.pop()
-    losses = []
-    for _ in range(steps.pop()):
-        idx = [torch.randperm(len(c.y_train), generator=c.generator)[:b] for c in clients]
-        x = torch.stack([c.x_train[i] for c, i in zip(clients, idx)])
-        y = torch.stack([c.y_train[i] for c, i in zip(clients, idx)])
-        logits = stack.forward(stack.params, x)
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ref_logits = None
         if ref is not None:
             with torch.no_grad():
                 ref_logits = stack.forward(ref, x)
-        per = local_loss(p, logits, y, ref_logits)  # [N]: each client's loss
-        stack.step(per.sum())
-        losses.append(per.detach())
-    stack.write_back()
-    for c in clients:
-        c.snapshot_ref_glo()
-    mean = torch.stack(losses).mean(dim=0).tolist() if losses else [0.0] * len(clients)
-    return [{"loss": float(v)} for v in mean], stack
+        return local_loss(p, stack.forward(stack.params, x), y, ref_logits)
+
+    means = group_steps(stack, clients, group_batches(clients, steps.pop()), loss)
+    return [{"loss": v} for v in means], stack
 
 
 def _transfer(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple[Diagnostics, StackedModels]:
@@ -152,7 +155,31 @@ def _replies(clients: Sequence[FedALClient], tasks: Sequence[Message], diags: Di
     return [c.reply(t, up, **d) for c, t, up, d in zip(clients, tasks, uploads, diags)]
 
 
+def handle_feddf_group(clients: Sequence[FedDFClient], tasks: Sequence[Message]) -> list[Message]:
+    """`FedDFClient.handle` for every client of the group: local training (after loading the
+    group's start where sent) and FedAL's transfer stage; `init` and `average` (one upload or
+    one forward each) run client by client."""
+    phase = tasks[0].phase
+    if phase == "transfer":
+        return handle_group(clients, tasks)
+    if phase != "local_train":
+        raise NotStackable(f"phase {phase!r} runs client by client")
+    if any(c.params != clients[0].params for c in clients):
+        raise NotStackable("the clients' strategy parameters differ")
+    try:
+        weights = [c.group_weights(t) for c, t in zip(clients, tasks)]
+    except ValueError as exc:  # the client refuses it itself, client by client
+        raise NotStackable(str(exc)) from exc
+    for c, w in zip(clients, weights):
+        if w:
+            load_numpy_into(c.model, w)  # loading twice loads the same: a refusal below leaves it exact
+    diags, _ = stacked_local_steps(clients, tasks)
+    return [c.reply(t, c.weights(), num_samples=len(c.y_train), arch=c.arch, **d)
+            for c, t, d in zip(clients, tasks, diags)]
+
+
 # The client halves this module steps as a group (their exact class: a subclass may handle more).
 GROUP_STEPS: dict[type[ClientHalf], Callable[[Sequence, Sequence[Message]], list[Message]]] = {
     FedALClient: handle_group,
+    FedDFClient: handle_feddf_group,
 }

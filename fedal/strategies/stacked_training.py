@@ -1,0 +1,58 @@
+"""The stacked counterpart of training.minibatch_steps: one optimizer step of every client of a
+group per batch, each client on its own rows (vectorized simulation; stacked.py).
+
+A group's batches are drawn exactly as each client's own path draws them (`local.local_batches`,
+from each client's generator), so the stacked run consumes the same random numbers in the same
+order; the groups whose batches would differ in size are refused before anything is drawn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fedal.strategies.local import local_batches
+from fedal.strategies.stacked import NotStackable, StackedModels
+
+# (x [N, B, ...], y [N, B]) -> each client's mean loss over its rows, [N]
+GroupLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def group_batches(clients: Sequence[Any], steps: int, epochs: int = 0) -> list[list[torch.Tensor]]:
+    """Per step, each client's row indices: `steps` fresh draws of min(batch_size, n) rows, or
+    with `epochs` > 0 that many shuffled passes (local_batches). NotStackable, before any draw,
+    where the clients' batches would not have one size at every step."""
+    p = clients[0].params
+    check_batch_sizes(clients, epochs)
+    per_client = [list(local_batches(len(c.y_train), p, steps, c.generator, epochs=epochs)) for c in clients]
+    return [list(step) for step in zip(*per_client)]
+
+
+def check_batch_sizes(clients: Sequence[Any], epochs: int = 0) -> None:
+    """NotStackable unless every client's batches have one size at every step (with `epochs`,
+    the chunks of a pass over n rows: one n)."""
+    p = clients[0].params
+    sizes = {len(c.y_train) for c in clients}
+    if epochs <= 0:
+        sizes = {min(p.batch_size, n) for n in sizes}
+    if len(sizes) != 1 or 0 in sizes:
+        raise NotStackable("the clients' batches differ in size (or are empty)")
+
+
+def group_steps(stack: StackedModels, clients: Sequence[Any], batches: Sequence[Sequence[torch.Tensor]],
+                loss: GroupLoss) -> list[float]:
+    """One stacked step per batch; each client's mean loss over the steps (float64, as the
+    per-client path averages its float losses)."""
+    losses = []
+    for idx in batches:
+        x = torch.stack([c.x_train[i] for c, i in zip(clients, idx)])
+        y = torch.stack([c.y_train[i] for c, i in zip(clients, idx)])
+        per = loss(x, y)  # [N]
+        stack.step(per.sum())
+        losses.append(per.detach())
+    stack.write_back()
+    if not losses:
+        return [0.0] * len(clients)
+    return torch.stack(losses).double().mean(dim=0).tolist()
