@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray")
 
 from fedal.sim import load_config, simulate  # noqa: E402
 from fedal.sim.config import ConfigError, parse_resources  # noqa: E402
+from fedal.strategies import STRATEGIES, STRATEGY_NAMES  # noqa: E402
 from tests.helpers import without_timings  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -49,6 +50,16 @@ def test_ray_gives_the_in_process_results(strategy):
     _same(local, remote)
     assert remote["backend"] == {"name": "ray", "actors": 2, "restored_clients": 0}
     assert remote["config"]["backend"] == "ray" and "backend" not in local
+
+
+@pytest.mark.parametrize("strategy", [s for s in STRATEGY_NAMES if s not in ("fedal", "fedmd", "fedavg")])
+def test_every_other_strategy_gives_the_in_process_results_on_ray(strategy):
+    """The transport does not depend on the strategy: every strategy's results on Ray are the
+    in-process per-client ones (one round; heterogeneous models where the strategy allows them)."""
+    extra = {} if STRATEGIES[strategy].homogeneous_models else {"models": ["mlp", "cnn1d_wide"]}  # one feature width
+    local = simulate(_config(strategy, rounds=1, clients=4, **extra))
+    remote = simulate(_config(strategy, rounds=1, clients=4, backend="ray", **extra))
+    _same(local, remote)
 
 
 @pytest.mark.parametrize("strategy", ["fedal", "fedmd", "fedavg"])
