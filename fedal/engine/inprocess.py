@@ -24,12 +24,14 @@ import heapq
 import itertools
 import json
 import threading
+import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from fedal.data import ArrayDataset
 from fedal.engine.rounds import RoundEngine
@@ -177,6 +179,18 @@ class InProcessTransport(SimulatedTransport):
         return results
 
 
+_LAYOUTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
+
+
+def _layout(model: torch.nn.Module) -> tuple:
+    """`layout_key` of a model, read once: only a hint for grouping (a stack checks its models'
+    layouts itself, so a model changed since is refused there and runs client by client)."""
+    key = _LAYOUTS.get(model)
+    if key is None:
+        key = _LAYOUTS[model] = layout_key(model)
+    return key
+
+
 def compute_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[str, Message]],
                   vectorize: bool = False) -> tuple[list[Packet | None], int]:
     """Each task's result through its client's session (None: stale), in order, and how
@@ -196,7 +210,7 @@ def compute_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[s
             results[k] = verdict
             continue
         session.prepare(task)
-        group = (type(client), task.phase, task.meta.get("round"), task.meta.get("iteration"), layout_key(client.model))
+        group = (type(client), task.phase, task.meta.get("round"), task.meta.get("iteration"), _layout(client.model))
         groups.setdefault(group, []).append(k)
     stacked = 0
     for ks in groups.values():

@@ -26,6 +26,7 @@ from fedal.models.stacked import stacked_function
 from fedal.strategies import optim
 
 Params = dict[str, torch.Tensor]
+_ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 
 
 class NotStackable(Exception):
@@ -69,6 +70,7 @@ class StackedModels:
         self.pending: dict[str, Any] | None = None  # what the group step keeps between its tasks
         self._frozen: dict[str, tuple[list[torch.Tensor], tuple[int, ...], Params]] = {}
         self._mark: tuple[int, ...] | None = None
+        self._pairs: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # write_back's copies
 
     def _stacked_adam(self) -> torch.optim.Optimizer:
         groups = []
@@ -150,21 +152,36 @@ class StackedModels:
     def write_back(self) -> None:
         """The stacked weights and moments into each client's own tensors (in place: the
         optimizers keep their state objects); the stack stays current until they change."""
+        clients, stacked = self._pairs or self._link()
         with torch.no_grad():
-            for i, (own, opt) in enumerate(zip(self.own, self.optimizers)):
-                for name in self.names:
-                    own[name].copy_(self.params[name][i])
-                    state = self.optimizer.state.get(self.params[name])
-                    if not state:
-                        continue
-                    mine = opt.state.get(own[name])
-                    if mine and all(isinstance(mine.get(k), torch.Tensor) for k in ("step", "exp_avg", "exp_avg_sq")) \
-                            and mine["exp_avg"].shape == state["exp_avg"][i].shape:
-                        mine["step"].copy_(state["step"])
-                        mine["exp_avg"].copy_(state["exp_avg"][i])
-                        mine["exp_avg_sq"].copy_(state["exp_avg_sq"][i])
-                    else:
-                        opt.state[own[name]] = {"step": state["step"].clone(),
-                                                "exp_avg": state["exp_avg"][i].clone(),
-                                                "exp_avg_sq": state["exp_avg_sq"][i].clone()}
-        self._mark = self._fingerprint()
+            torch._foreach_copy_(clients, stacked)
+        # `clients` is what _client_tensors walks (the live tensors `of` found current, or made here)
+        self._mark = (len(clients), *(id(t) for t in clients), *_versions(clients))
+
+    def _link(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(each client's tensor, the stacked slice it takes), in `_client_tensors`' order; a
+        client optimizer's missing or other-shaped state is made (as the stacked one's first).
+        Kept once every stacked tensor has its Adam state (after the first step)."""
+        clients: list[torch.Tensor] = []
+        stacked: list[torch.Tensor] = []
+        complete = True
+        for i, (own, opt) in enumerate(zip(self.own, self.optimizers)):
+            for name in self.names:
+                clients.append(own[name])
+                stacked.append(self.params[name].detach()[i])
+                state = self.optimizer.state.get(self.params[name])
+                if not state:
+                    complete = False
+                    continue
+                mine = opt.state.get(own[name])
+                if not (mine and {k for k, v in mine.items() if isinstance(v, torch.Tensor)} == set(_ADAM_STATE)
+                        and mine["exp_avg"].shape == state["exp_avg"][i].shape):
+                    mine = opt.state[own[name]] = {k: (state[k] if k == "step" else state[k][i]).clone()
+                                                   for k in _ADAM_STATE}
+                for key, value in mine.items():
+                    if isinstance(value, torch.Tensor):
+                        clients.append(value)
+                        stacked.append(state[key] if key == "step" else state[key][i])
+        if complete:
+            self._pairs = (clients, stacked)
+        return clients, stacked
