@@ -39,7 +39,9 @@ def _assert_close_clients(a: dict, b: dict, atol: float) -> None:
     ("fedavg", {"models": ["cnn1d"]}),
     ("fedavg", {"models": ["mlp"], "strategy_params": {"local_epochs": 1}}),
     ("local", {}),
-], ids=["fedal", "fedmd", "fedmd-lf", "feddf-al", "feddf", "fedavg", "fedavg-epochs", "local"])
+    ("fd", {"strategy_params": {"tau": 6}}),
+    ("fd", {"strategy_params": {"tau": 6, "fd_beta": 0.0}}),
+], ids=["fedal", "fedmd", "fedmd-lf", "feddf-al", "feddf", "fedavg", "fedavg-epochs", "local", "fd", "fd-no-term"])
 def test_every_phase_equals_the_per_client_step(strategy, extra):
     """Each phase of a round (local training, each transfer iteration) from the same state."""
     per_engine, per_clients, data = _engine(strategy, False, **extra)
@@ -273,3 +275,17 @@ def test_fedavg_clients_with_different_data_sizes_under_local_epochs_run_client_
     per = simulate(_config("fedavg", False, **extra))
     vec = simulate(_config("fedavg", True, **extra))
     assert without_timings(per)["rounds"] == without_timings(vec)["rounds"]
+
+
+@pytest.mark.parametrize("strategy", ["fd", "fedavg", "feddf"])
+def test_stacked_strategies_report_the_per_client_numbers(strategy):
+    """What the results say (losses, accuracies, bytes) and what FD uploads (per-label means,
+    counts: the next round's teachers), with and without stacking."""
+    extra = {"models": ["mlp"]} if strategy == "fedavg" else {"models": ["mlp", "cnn1d"]}
+    per = simulate(_config(strategy, False, rounds=3, **extra))
+    vec = simulate(_config(strategy, True, rounds=3, **extra))
+    for a, b in zip(per["rounds"], vec["rounds"]):
+        assert a["bytes_up"] == b["bytes_up"] and a["bytes_down"] == b["bytes_down"]
+        for x, y in zip(a["client_acc"], b["client_acc"]):
+            assert abs(x - y) <= 1 / 400
+        assert a["server"]["local_loss"] == pytest.approx(b["server"]["local_loss"], abs=1e-4)

@@ -69,15 +69,14 @@ def stacked_local_steps(clients: Sequence[FedALClient], tasks: Sequence[Message]
         c.ref_loc = c.inference.snapshot(c.model, reuse=c.ref_loc) if p.lambda_lf_loc > 0 else None
     ref = stack.frozen("ref_loc", [c.ref_loc.module for c in clients]) if p.lambda_lf_loc > 0 else None
 
-    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ref_logits = None
         if ref is not None:
             with torch.no_grad():
                 ref_logits = stack.forward(ref, x)
-        return local_loss(p, stack.forward(stack.params, x), y, ref_logits)
+        return local_loss(p, stack.forward(stack.params, x), y, ref_logits), {}
 
-    means = group_steps(stack, clients, group_batches(clients, steps.pop()), loss)
-    return [{"loss": v} for v in means], stack
+    return group_steps(stack, clients, group_batches(clients, steps.pop()), loss), stack
 
 
 def _transfer(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple[Diagnostics, StackedModels]:

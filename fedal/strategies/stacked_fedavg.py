@@ -19,9 +19,9 @@ from fedal.strategies.stacked import NotStackable, StackedModels
 from fedal.strategies.stacked_training import check_batch_sizes, group_batches, group_steps
 
 
-def train_group(clients: Sequence[ClientHalf], tasks: Sequence[Message]) -> list[float]:
-    """`local.train_steps` of every client: each one's mean loss. Nothing has changed where it
-    raises NotStackable (the batches are drawn only once the stack stands)."""
+def train_group(clients: Sequence[ClientHalf], tasks: Sequence[Message]) -> list[dict[str, float]]:
+    """`local.train_steps` of every client: each one's mean loss (`loss`). Nothing has changed
+    where it raises NotStackable (the batches are drawn only once the stack stands)."""
     p = clients[0].params
     if any(c.params != p for c in clients):
         raise NotStackable("the clients' strategy parameters differ")
@@ -33,8 +33,8 @@ def train_group(clients: Sequence[ClientHalf], tasks: Sequence[Message]) -> list
     stack = StackedModels.of(clients)
     stack.pending = None
 
-    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(stack.forward(stack.params, x), y)
+    def loss(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return cross_entropy(stack.forward(stack.params, x), y), {}
 
     return group_steps(stack, clients, group_batches(clients, steps.pop(), epochs), loss)
 
@@ -43,8 +43,8 @@ def handle_local_group(clients: Sequence[LocalClient], tasks: Sequence[Message])
     """`LocalClient.handle` for every client of the group."""
     if tasks[0].phase != "local_train":
         raise NotStackable(f"phase {tasks[0].phase!r} runs client by client")
-    losses = train_group(clients, tasks)
-    return [c.reply(t, loss=v) for c, t, v in zip(clients, tasks, losses)]
+    reports = train_group(clients, tasks)
+    return [c.reply(t, None, **r) for c, t, r in zip(clients, tasks, reports)]
 
 
 def handle_fedavg_group(clients: Sequence[FedAvgClient], tasks: Sequence[Message]) -> list[Message]:
@@ -56,9 +56,9 @@ def handle_fedavg_group(clients: Sequence[FedAvgClient], tasks: Sequence[Message
         raise NotStackable(next(p for p in problems if p))
     for c, t in zip(clients, tasks):
         load_numpy_into(c.model, t.tensors)  # loading twice loads the same: a refusal below leaves it exact
-    losses = train_group(clients, tasks)
-    return [c.reply(t, model_to_numpy(c.model), num_samples=len(c.y_train), loss=v)
-            for c, t, v in zip(clients, tasks, losses)]
+    reports = train_group(clients, tasks)
+    return [c.reply(t, model_to_numpy(c.model), num_samples=len(c.y_train), **r)
+            for c, t, r in zip(clients, tasks, reports)]
 
 
 GROUP_STEPS: dict[type[ClientHalf], Callable[[Sequence, Sequence[Message]], list[Message]]] = {

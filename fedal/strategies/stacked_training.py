@@ -16,8 +16,9 @@ import torch
 from fedal.strategies.local import local_batches
 from fedal.strategies.stacked import NotStackable, StackedModels
 
-# (x [N, B, ...], y [N, B]) -> each client's mean loss over its rows, [N]
-GroupLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (x [N, B, ...], y [N, B]) -> each client's mean loss over its rows [N], and any per-client
+# diagnostics of the step ({name: [N]}), as minibatch_steps' step_loss gives them
+GroupLoss = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 
 def group_batches(clients: Sequence[Any], steps: int, epochs: int = 0) -> list[list[torch.Tensor]]:
@@ -42,17 +43,18 @@ def check_batch_sizes(clients: Sequence[Any], epochs: int = 0) -> None:
 
 
 def group_steps(stack: StackedModels, clients: Sequence[Any], batches: Sequence[Sequence[torch.Tensor]],
-                loss: GroupLoss) -> list[float]:
-    """One stacked step per batch; each client's mean loss over the steps (float64, as the
-    per-client path averages its float losses)."""
-    losses = []
+                loss: GroupLoss) -> list[dict[str, float]]:
+    """One stacked step per batch; per client the means over the steps of its loss and of each
+    diagnostic (float64, as the per-client path averages its float values)."""
+    steps: list[dict[str, torch.Tensor]] = []
     for idx in batches:
         x = torch.stack([c.x_train[i] for c, i in zip(clients, idx)])
         y = torch.stack([c.y_train[i] for c, i in zip(clients, idx)])
-        per = loss(x, y)  # [N]
+        per, stats = loss(x, y)  # [N]
         stack.step(per.sum())
-        losses.append(per.detach())
+        steps.append({"loss": per.detach(), **{k: v.detach() for k, v in stats.items()}})
     stack.write_back()
-    if not losses:
-        return [0.0] * len(clients)
-    return torch.stack(losses).double().mean(dim=0).tolist()
+    if not steps:
+        return [{"loss": 0.0} for _ in clients]
+    means = {k: torch.stack([s[k] for s in steps]).double().mean(dim=0).tolist() for k in steps[0]}
+    return [{k: v[n] for k, v in means.items()} for n in range(len(clients))]
