@@ -41,7 +41,9 @@ def _assert_close_clients(a: dict, b: dict, atol: float) -> None:
     ("local", {}),
     ("fd", {"strategy_params": {"tau": 6}}),
     ("fd", {"strategy_params": {"tau": 6, "fd_beta": 0.0}}),
-], ids=["fedal", "fedmd", "fedmd-lf", "feddf-al", "feddf", "fedavg", "fedavg-epochs", "local", "fd", "fd-no-term"])
+    ("fedproto", {"models": ["mlp", "cnn1d_wide"], "strategy_params": {"tau": 6}}),
+], ids=["fedal", "fedmd", "fedmd-lf", "feddf-al", "feddf", "fedavg", "fedavg-epochs", "local", "fd", "fd-no-term",
+        "fedproto"])
 def test_every_phase_equals_the_per_client_step(strategy, extra):
     """Each phase of a round (local training, each transfer iteration) from the same state."""
     per_engine, per_clients, data = _engine(strategy, False, **extra)
@@ -73,8 +75,8 @@ def test_a_simulation_gives_the_per_client_results():
 
 
 def test_strategies_without_a_group_step_run_client_by_client_unchanged():
-    per = simulate(_config("fedproto", False, models=["mlp"]))
-    vec = simulate(_config("fedproto", True, models=["mlp"]))
+    per = simulate(_config("fedhkd", False, models=["mlp"]))
+    vec = simulate(_config("fedhkd", True, models=["mlp"]))
     assert without_timings(per)["rounds"] == without_timings(vec)["rounds"]
 
 
@@ -277,15 +279,17 @@ def test_fedavg_clients_with_different_data_sizes_under_local_epochs_run_client_
     assert without_timings(per)["rounds"] == without_timings(vec)["rounds"]
 
 
-@pytest.mark.parametrize("strategy", ["fd", "fedavg", "feddf"])
+@pytest.mark.parametrize("strategy", ["fd", "fedavg", "feddf", "fedproto"])
 def test_stacked_strategies_report_the_per_client_numbers(strategy):
     """What the results say (losses, accuracies, bytes) and what FD uploads (per-label means,
     counts: the next round's teachers), with and without stacking."""
-    extra = {"models": ["mlp"]} if strategy == "fedavg" else {"models": ["mlp", "cnn1d"]}
+    extra = {"models": ["mlp"]} if strategy == "fedavg" else {"models": ["mlp", "cnn1d_wide"]}
+    if strategy == "fd":
+        extra["strategy_params"] = {"tau": 10}  # not its 250 steps a round: float summation orders drift apart
     per = simulate(_config(strategy, False, rounds=3, **extra))
     vec = simulate(_config(strategy, True, rounds=3, **extra))
     for a, b in zip(per["rounds"], vec["rounds"]):
         assert a["bytes_up"] == b["bytes_up"] and a["bytes_down"] == b["bytes_down"]
         for x, y in zip(a["client_acc"], b["client_acc"]):
-            assert abs(x - y) <= 1 / 400
+            assert abs(x - y) <= 1 / 400 + 1e-12  # at most one test row of 400 flips
         assert a["server"]["local_loss"] == pytest.approx(b["server"]["local_loss"], abs=1e-4)

@@ -42,13 +42,24 @@ def has_fast_path(model: nn.Module) -> bool:
     return True
 
 
-def stacked_function(model: nn.Module) -> StackedFunction:
+def stacked_function(model: nn.Module, part: str = "all") -> StackedFunction:
     """`model`'s stacked forward, (params, x [K, B, ...]) -> [K, B, num_classes], its layers
-    read once (a group calls it every step)."""
+    read once (a group calls it every step). `part`: "features" runs the backbone alone
+    ([K, B, feature_dim], SplitModel.features), "head" the classifier alone on features."""
+    if part not in ("all", "features", "head"):
+        raise ValueError(f"part is 'all', 'features' or 'head', not {part!r}")
     try:
         plan = _model_plan(model)
     except _NoStackedForm:
-        return vmap(lambda p, xx: functional_call(model, p, (xx,)))
+        if part == "all":
+            return vmap(lambda p, xx: functional_call(model, p, (xx,)))
+        sub, prefix = (model.get_submodule("backbone"), "backbone.") if part == "features" \
+            else (model.get_submodule("classifier"), "classifier.")
+        return vmap(lambda p, xx: functional_call(sub, {k[len(prefix):]: v for k, v in p.items()
+                                                        if k.startswith(prefix)}, (xx,)))
+    if part != "all":
+        split = next(i for i, (_, key, _) in enumerate(plan) if key.startswith("classifier"))
+        plan = plan[:split] if part == "features" else plan[split:]
 
     def forward(params: Params, x: torch.Tensor) -> torch.Tensor:
         h = x

@@ -63,6 +63,7 @@ class StackedModels:
         self.base = models[0]
         self.names = [n for n, _ in self.base.named_parameters()]
         self._forward = stacked_function(self.base)
+        self._parts: tuple[Any, Any] | None = None  # features and head, made when first asked
         self.own = [dict(m.named_parameters()) for m in models]  # each client's live parameters
         self.params: Params = {
             n: torch.stack([own[n].detach() for own in self.own]).requires_grad_(True) for n in self.names}
@@ -130,6 +131,18 @@ class StackedModels:
 
     def forward(self, params: Params, x: torch.Tensor) -> torch.Tensor:
         return self._forward(params, x)
+
+    def features(self, params: Params, x: torch.Tensor) -> torch.Tensor:
+        """Each client's features (SplitModel.features), [N, B, feature_dim]."""
+        if self._parts is None:
+            self._parts = (stacked_function(self.base, "features"), stacked_function(self.base, "head"))
+        return self._parts[0](params, x)
+
+    def head(self, params: Params, h: torch.Tensor) -> torch.Tensor:
+        """Each client's logits from its features (SplitModel.head)."""
+        if self._parts is None:
+            self._parts = (stacked_function(self.base, "features"), stacked_function(self.base, "head"))
+        return self._parts[1](params, h)
 
     def frozen(self, key: str, modules: Sequence[torch.nn.Module]) -> Params:
         """The parameters of same-layout frozen modules (references), stacked without gradient;
