@@ -28,8 +28,11 @@ def _engine(strategy: str, vectorize: bool, **extra):
 
 def _assert_close_clients(a: dict, b: dict, atol: float) -> None:
     for cid in a:
-        for (name, p), q in zip(a[cid].model.named_parameters(), b[cid].model.parameters()):
-            assert torch.allclose(p, q, atol=atol, rtol=0), (cid, name, (p - q).abs().max().item())
+        for part in ("model", "global_model"):  # FedAKD keeps its copy of the global model as well
+            if not hasattr(a[cid], part):
+                continue
+            for (name, p), q in zip(getattr(a[cid], part).named_parameters(), getattr(b[cid], part).parameters()):
+                assert torch.allclose(p, q, atol=atol, rtol=0), (cid, part, name, (p - q).abs().max().item())
 
 
 @pytest.mark.parametrize("strategy,extra", [
@@ -42,8 +45,9 @@ def _assert_close_clients(a: dict, b: dict, atol: float) -> None:
     ("fd", {"strategy_params": {"tau": 6}}),
     ("fd", {"strategy_params": {"tau": 6, "fd_beta": 0.0}}),
     ("fedproto", {"models": ["mlp", "cnn1d_wide"], "strategy_params": {"tau": 6}}),
+    ("fedakd", {"models": ["cnn1d"], "strategy_params": {"tau": 4}}),
 ], ids=["fedal", "fedmd", "fedmd-lf", "feddf-al", "feddf", "fedavg", "fedavg-epochs", "local", "fd", "fd-no-term",
-        "fedproto"])
+        "fedproto", "fedakd"])
 def test_every_phase_equals_the_per_client_step(strategy, extra):
     """Each phase of a round (local training, each transfer iteration) from the same state."""
     per_engine, per_clients, data = _engine(strategy, False, **extra)
@@ -286,11 +290,11 @@ def test_fedavg_clients_with_different_data_sizes_under_local_epochs_run_client_
     assert without_timings(per)["rounds"] == without_timings(vec)["rounds"]
 
 
-@pytest.mark.parametrize("strategy", ["fd", "fedavg", "feddf", "fedproto"])
+@pytest.mark.parametrize("strategy", ["fd", "fedavg", "feddf", "fedproto", "fedakd"])
 def test_stacked_strategies_report_the_per_client_numbers(strategy):
     """What the results say (losses, accuracies, bytes) and what FD uploads (per-label means,
     counts: the next round's teachers), with and without stacking."""
-    extra = {"models": ["mlp"]} if strategy == "fedavg" else {"models": ["mlp", "cnn1d_wide"]}
+    extra = {"models": ["mlp"]} if strategy in ("fedavg", "fedakd") else {"models": ["mlp", "cnn1d_wide"]}
     if strategy == "fd":
         extra["strategy_params"] = {"tau": 10}  # not its 250 steps a round: float summation orders drift apart
     per = simulate(_config(strategy, False, rounds=3, **extra))

@@ -19,6 +19,7 @@ from fedal.strategies import (
     fedproto,
     local,
     stacked_fd,
+    stacked_fedakd,
     stacked_fedal,
     stacked_fedavg,
     stacked_fedproto,
@@ -33,7 +34,7 @@ STRATEGY_NAMES = tuple(STRATEGIES)
 
 # vectorized simulation: client halves that can step as a group of one architecture, by exact class
 GROUP_STEPS = {**stacked_fedal.GROUP_STEPS, **stacked_fedavg.GROUP_STEPS, **stacked_fd.GROUP_STEPS,
-               **stacked_fedproto.GROUP_STEPS}
+               **stacked_fedproto.GROUP_STEPS, **stacked_fedakd.GROUP_STEPS}
 
 
 def group_step(client: ClientHalf) -> Callable[[Sequence, Sequence[Message]], list[Message]] | None:

@@ -80,10 +80,7 @@ class FedAKDClient(ClientHalf):
             return self.reply(task, model_to_numpy(self.model))
         if task.phase != "train":
             raise ValueError(f"unknown phase {task.phase!r}")
-        load_numpy_into(self.global_model, task.tensors)
-        if not self.personal_ready:  # w_k^0 = w^0
-            load_numpy_into(self.model, task.tensors)
-            self.personal_ready = True
+        self.load_task_weights(task)
         p = self.params
         steps = task.integer("steps", p.tau)
         if self.private is not None:
@@ -93,6 +90,18 @@ class FedAKDClient(ClientHalf):
         teacher = self.inference.predict(self.global_model, self.x_train)
         loss_local = distill(self.model, self.optimizer, self.x_train, self.y_train, teacher, p.akd_alpha,
                              p.akd_temperature, local_batches(len(self.y_train), p, steps, self.generator))
+        return self.local_to_global(task, steps, loss_local)
+
+    def load_task_weights(self, task: Message) -> None:
+        """w_g into the global model; w_k^0 = w^0 into the personal one at the first task."""
+        load_numpy_into(self.global_model, task.tensors)
+        if not self.personal_ready:
+            load_numpy_into(self.model, task.tensors)
+            self.personal_ready = True
+
+    def local_to_global(self, task: Message, steps: int, loss_local: float) -> Message:
+        """Steps 2 and 3, after the personal model's distillation: the result."""
+        p = self.params
         # 2. selection, with the personal model's outputs that also teach step 3
         personal = self.inference.predict(self.model, self.x_train)
         keep = select(personal, self.y_train, p.akd_selection, p.akd_confidence)

@@ -52,7 +52,7 @@ def handle_fd_group(clients: Sequence[FDClient], tasks: Sequence[Message]) -> li
     counts = torch.zeros(n * k, dtype=torch.int64)
     offset = (torch.arange(n) * k)[:, None]
 
-    def loss(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(x: torch.Tensor, y: torch.Tensor, _rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logits = stack.forward(stack.params, x)  # [N, B, K]
         ce = cross_entropy(logits, y)
         rows = (y + offset).flatten()

@@ -69,7 +69,7 @@ def stacked_local_steps(clients: Sequence[FedALClient], tasks: Sequence[Message]
         c.ref_loc = c.inference.snapshot(c.model, reuse=c.ref_loc) if p.lambda_lf_loc > 0 else None
     ref = stack.frozen("ref_loc", [c.ref_loc.module for c in clients]) if p.lambda_lf_loc > 0 else None
 
-    def loss(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(x: torch.Tensor, y: torch.Tensor, _rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ref_logits = None
         if ref is not None:
             with torch.no_grad():

@@ -33,7 +33,7 @@ def train_group(clients: Sequence[ClientHalf], tasks: Sequence[Message]) -> list
     stack = StackedModels.of(clients)
     stack.pending = None
 
-    def loss(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(x: torch.Tensor, y: torch.Tensor, _rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return cross_entropy(stack.forward(stack.params, x), y), {}
 
     return group_steps(stack, clients, group_batches(clients, steps.pop(), epochs), loss)

@@ -50,7 +50,7 @@ def handle_fedproto_group(clients: Sequence[FedProtoClient], tasks: Sequence[Mes
         if use[i] and g is not None:
             protos[i], mask[i] = g[0], g[1].float()
 
-    def loss(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(x: torch.Tensor, y: torch.Tensor, _rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         h = stack.features(stack.params, x)  # [N, B, d]
         ce = cross_entropy(stack.head(stack.params, h), y)
         if not any(use):

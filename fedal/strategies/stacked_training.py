@@ -16,9 +16,9 @@ import torch
 from fedal.strategies.local import local_batches
 from fedal.strategies.stacked import NotStackable, StackedModels
 
-# (x [N, B, ...], y [N, B]) -> each client's mean loss over its rows [N], and any per-client
-# diagnostics of the step ({name: [N]}), as minibatch_steps' step_loss gives them
-GroupLoss = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+# (x [N, B, ...], y [N, B], each client's row indices) -> each client's mean loss over its rows
+# [N], and any per-client diagnostics of the step ({name: [N]}), as minibatch_steps' step_loss
+GroupLoss = Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 
 def group_batches(clients: Sequence[Any], steps: int, epochs: int = 0) -> list[list[torch.Tensor]]:
@@ -50,7 +50,7 @@ def group_steps(stack: StackedModels, clients: Sequence[Any], batches: Sequence[
     for idx in batches:
         x = torch.stack([c.x_train[i] for c, i in zip(clients, idx)])
         y = torch.stack([c.y_train[i] for c, i in zip(clients, idx)])
-        per, stats = loss(x, y)  # [N]
+        per, stats = loss(x, y, idx)  # [N]
         stack.step(per.sum())
         steps.append({"loss": per.detach(), **{k: v.detach() for k, v in stats.items()}})
     stack.write_back()
