@@ -36,7 +36,7 @@ def _assert_close_clients(a: dict, b: dict, atol: float) -> None:
 
 
 @pytest.mark.parametrize("strategy,extra", [
-    ("fedal", {}), ("fedmd", {}), ("fedmd-lf", {}),
+    ("fedal", {"clients": 6, "models": ["mlp", "cnn1d", "cnn1d_wide"]}), ("fedmd", {}), ("fedmd-lf", {}),
     ("feddf-al", {"models": ["mlp", "cnn1d", "mlp"], "strategy_params": {"tau": 3}}),
     ("feddf", {"models": ["mlp", "cnn1d", "mlp"], "strategy_params": {"tau": 3}}),
     ("fedavg", {"models": ["cnn1d"]}),
@@ -46,16 +46,21 @@ def _assert_close_clients(a: dict, b: dict, atol: float) -> None:
     ("fd", {"strategy_params": {"tau": 6, "fd_beta": 0.0}}),
     ("fedproto", {"models": ["mlp", "cnn1d_wide"], "strategy_params": {"tau": 6}}),
     ("fedakd", {"models": ["cnn1d"], "strategy_params": {"tau": 4}}),
+    ("fedhkd", {"models": ["cnn1d_wide"], "strategy_params": {"tau": 4}}),
+    ("fedhkd", {"models": ["mlp"], "strategy_params": {"tau": 4, "hkd_preset": "paper"}}),
 ], ids=["fedal", "fedmd", "fedmd-lf", "feddf-al", "feddf", "fedavg", "fedavg-epochs", "local", "fd", "fd-no-term",
-        "fedproto", "fedakd"])
+        "fedproto", "fedakd", "fedhkd-official", "fedhkd-paper"])
 def test_every_phase_equals_the_per_client_step(strategy, extra):
-    """Each phase of a round (local training, each transfer iteration) from the same state."""
+    """Round after round from the same state: every output within 1e-5, every weight within 1e-4
+    (Adam divides each gradient by its own running scale, so where a gradient is of the size of
+    float rounding, e.g. a convolution channel behind a dead ReLU, a summation-order difference
+    moves that weight by a fraction of the learning rate)."""
     per_engine, per_clients, data = _engine(strategy, False, **extra)
     vec_engine, vec_clients, _ = _engine(strategy, True, **extra)
     for r in range(2):
         per_engine.run_round(r)
         vec_engine.run_round(r)
-        _assert_close_clients(per_clients, vec_clients, atol=1e-5)
+        _assert_close_clients(per_clients, vec_clients, atol=1e-4)
         x = torch.from_numpy(data.public_x[:64])
         for cid in per_clients:  # outputs on the public set, per client
             assert torch.allclose(per_clients[cid].predict(x), vec_clients[cid].predict(x), atol=1e-5, rtol=0)
@@ -79,8 +84,8 @@ def test_a_simulation_gives_the_per_client_results():
 
 
 def test_strategies_without_a_group_step_run_client_by_client_unchanged():
-    per = simulate(_config("fedhkd", False, models=["mlp"]))
-    vec = simulate(_config("fedhkd", True, models=["mlp"]))
+    per = simulate(_config("cfd", False))
+    vec = simulate(_config("cfd", True))
     assert without_timings(per)["rounds"] == without_timings(vec)["rounds"]
 
 
@@ -290,11 +295,11 @@ def test_fedavg_clients_with_different_data_sizes_under_local_epochs_run_client_
     assert without_timings(per)["rounds"] == without_timings(vec)["rounds"]
 
 
-@pytest.mark.parametrize("strategy", ["fd", "fedavg", "feddf", "fedproto", "fedakd"])
+@pytest.mark.parametrize("strategy", ["fd", "fedavg", "feddf", "fedproto", "fedakd", "fedhkd"])
 def test_stacked_strategies_report_the_per_client_numbers(strategy):
     """What the results say (losses, accuracies, bytes) and what FD uploads (per-label means,
     counts: the next round's teachers), with and without stacking."""
-    extra = {"models": ["mlp"]} if strategy in ("fedavg", "fedakd") else {"models": ["mlp", "cnn1d_wide"]}
+    extra = {"models": ["mlp"]} if strategy in ("fedavg", "fedakd", "fedhkd") else {"models": ["mlp", "cnn1d_wide"]}
     if strategy == "fd":
         extra["strategy_params"] = {"tau": 10}  # not its 250 steps a round: float summation orders drift apart
     per = simulate(_config(strategy, False, rounds=3, **extra))

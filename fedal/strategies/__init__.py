@@ -22,6 +22,7 @@ from fedal.strategies import (
     stacked_fedakd,
     stacked_fedal,
     stacked_fedavg,
+    stacked_fedhkd,
     stacked_fedproto,
 )
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
@@ -34,7 +35,8 @@ STRATEGY_NAMES = tuple(STRATEGIES)
 
 # vectorized simulation: client halves that can step as a group of one architecture, by exact class
 GROUP_STEPS = {**stacked_fedal.GROUP_STEPS, **stacked_fedavg.GROUP_STEPS, **stacked_fd.GROUP_STEPS,
-               **stacked_fedproto.GROUP_STEPS, **stacked_fedakd.GROUP_STEPS}
+               **stacked_fedproto.GROUP_STEPS, **stacked_fedakd.GROUP_STEPS,
+               **stacked_fedhkd.GROUP_STEPS}
 
 
 def group_step(client: ClientHalf) -> Callable[[Sequence, Sequence[Message]], list[Message]] | None:

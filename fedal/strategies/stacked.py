@@ -157,9 +157,18 @@ class StackedModels:
         self._frozen[key] = (tensors, _versions(tensors), stacked)
         return stacked
 
-    def step(self, loss: torch.Tensor) -> None:
+    def step(self, loss: torch.Tensor, clip_norm: float | None = None) -> None:
+        """With `clip_norm`, each client's gradient is clipped to that norm over all its
+        parameters first, as torch.nn.utils.clip_grad_norm_ clips one model's."""
         self.optimizer.zero_grad()
         loss.backward()
+        if clip_norm is not None:
+            grads = [p.grad for p in self.params.values() if p.grad is not None]
+            if grads:
+                total = torch.stack([g.flatten(1).norm(dim=1) for g in grads]).norm(dim=0)  # [N]
+                coef = (clip_norm / (total + 1e-6)).clamp(max=1.0)
+                for g in grads:
+                    g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
         self.optimizer.step()
 
     def write_back(self) -> None:

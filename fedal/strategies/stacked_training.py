@@ -43,15 +43,16 @@ def check_batch_sizes(clients: Sequence[Any], epochs: int = 0) -> None:
 
 
 def group_steps(stack: StackedModels, clients: Sequence[Any], batches: Sequence[Sequence[torch.Tensor]],
-                loss: GroupLoss) -> list[dict[str, float]]:
-    """One stacked step per batch; per client the means over the steps of its loss and of each
-    diagnostic (float64, as the per-client path averages its float values)."""
+                loss: GroupLoss, clip_norm: float | None = None) -> list[dict[str, float]]:
+    """One stacked step per batch (each client's gradient clipped to `clip_norm`, if given); per
+    client the means over the steps of its loss and of each diagnostic (float64, as the
+    per-client path averages its float values)."""
     steps: list[dict[str, torch.Tensor]] = []
     for idx in batches:
         x = torch.stack([c.x_train[i] for c, i in zip(clients, idx)])
         y = torch.stack([c.y_train[i] for c, i in zip(clients, idx)])
         per, stats = loss(x, y, idx)  # [N]
-        stack.step(per.sum())
+        stack.step(per.sum(), clip_norm)
         steps.append({"loss": per.detach(), **{k: v.detach() for k, v in stats.items()}})
     stack.write_back()
     if not steps:
