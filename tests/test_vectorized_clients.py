@@ -309,3 +309,32 @@ def test_stacked_strategies_report_the_per_client_numbers(strategy):
         for x, y in zip(a["client_acc"], b["client_acc"]):
             assert abs(x - y) <= 1 / 400 + 1e-12  # at most one test row of 400 flips
         assert a["server"]["local_loss"] == pytest.approx(b["server"]["local_loss"], abs=1e-4)
+
+
+def test_stacked_clipping_clips_each_client_as_its_own_model_would():
+    """StackedModels.step(clip_norm): each client's gradient clipped over all its parameters, as
+    clip_grad_norm_ clips one model's (FedHKD's official preset), then Adam."""
+    from fedal.models import build_model
+    from fedal.strategies import optim
+
+    torch.manual_seed(0)
+    models = [build_model("mlp", (40,), 10) for _ in range(3)]
+    twins = [build_model("mlp", (40,), 10) for _ in range(3)]
+    for m, t in zip(models, twins):
+        t.load_state_dict(m.state_dict())
+    x, y = torch.randn(3, 8, 40), torch.randint(0, 10, (3, 8))
+    scale = torch.tensor([0.01, 1.0, 100.0])  # one client below the norm, two far above it
+    # eps far above the gradients: Adam's step is then proportional to the (clipped) gradient
+    stack = StackedModels(models, [optim.Adam(m.parameters(), lr=1e-2, eps=10.0) for m in models])
+    out = stack.forward(stack.params, x)
+    per = torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none").view(3, 8).mean(1)
+    stack.step((per * scale).sum(), clip_norm=0.5)
+    stack.write_back()
+    for k, t in enumerate(twins):
+        opt = optim.Adam(t.parameters(), lr=1e-2, eps=10.0)
+        (torch.nn.functional.cross_entropy(t(x[k]), y[k]) * scale[k]).backward()
+        norm = torch.nn.utils.clip_grad_norm_(t.parameters(), max_norm=0.5)
+        assert (norm > 0.5) == (k > 0)
+        opt.step()
+        for p, q in zip(models[k].parameters(), t.parameters()):
+            assert torch.allclose(p, q, atol=1e-6, rtol=0)
