@@ -48,8 +48,10 @@ def _assert_close_clients(a: dict, b: dict, atol: float) -> None:
     ("fedakd", {"models": ["cnn1d"], "strategy_params": {"tau": 4}}),
     ("fedhkd", {"models": ["cnn1d_wide"], "strategy_params": {"tau": 4}}),
     ("fedhkd", {"models": ["mlp"], "strategy_params": {"tau": 4, "hkd_preset": "paper"}}),
+    ("cfd", {"strategy_params": {"tau": 4}}),
+    ("mhat", {"strategy_params": {"tau": 4}}),
 ], ids=["fedal", "fedmd", "fedmd-lf", "feddf-al", "feddf", "fedavg", "fedavg-epochs", "local", "fd", "fd-no-term",
-        "fedproto", "fedakd", "fedhkd-official", "fedhkd-paper"])
+        "fedproto", "fedakd", "fedhkd-official", "fedhkd-paper", "cfd", "mhat"])
 def test_every_phase_equals_the_per_client_step(strategy, extra):
     """Round after round from the same state: every output within 1e-5, every weight within 1e-4
     (Adam divides each gradient by its own running scale, so where a gradient is of the size of
@@ -84,8 +86,8 @@ def test_a_simulation_gives_the_per_client_results():
 
 
 def test_strategies_without_a_group_step_run_client_by_client_unchanged():
-    per = simulate(_config("cfd", False))
-    vec = simulate(_config("cfd", True))
+    per = simulate(_config("fccl", False, models=["mlp", "cnn1d_wide"]))
+    vec = simulate(_config("fccl", True, models=["mlp", "cnn1d_wide"]))
     assert without_timings(per)["rounds"] == without_timings(vec)["rounds"]
 
 
@@ -295,7 +297,7 @@ def test_fedavg_clients_with_different_data_sizes_under_local_epochs_run_client_
     assert without_timings(per)["rounds"] == without_timings(vec)["rounds"]
 
 
-@pytest.mark.parametrize("strategy", ["fd", "fedavg", "feddf", "fedproto", "fedakd", "fedhkd"])
+@pytest.mark.parametrize("strategy", ["fd", "fedavg", "feddf", "fedproto", "fedakd", "fedhkd", "cfd"])
 def test_stacked_strategies_report_the_per_client_numbers(strategy):
     """What the results say (losses, accuracies, bytes) and what FD uploads (per-label means,
     counts: the next round's teachers), with and without stacking."""

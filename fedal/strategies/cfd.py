@@ -150,9 +150,10 @@ def soft_target(levels: np.ndarray, bits: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, has: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(1/B) sum_b [row b has a target] * -sum_c t_bc log softmax(z_b / T)_c."""
-    ce = -(target * F.log_softmax(logits / temperature, dim=1)).sum(dim=1)
-    return (ce * has.to(ce.dtype)).sum() / max(len(ce), 1)
+    """(1/B) sum_b [row b has a target] * -sum_c t_bc log softmax(z_b / T)_c; per client for
+    stacked [N, B, C] logits (vectorized simulation)."""
+    ce = -(target * F.log_softmax(logits / temperature, dim=-1)).sum(dim=-1)
+    return (ce * has.to(ce.dtype)).sum(dim=-1) / max(ce.shape[-1], 1)
 
 
 # -- client ---------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from fedal.strategies.stacked import NotStackable, StackedModels
 # (x [N, B, ...], y [N, B], each client's row indices) -> each client's mean loss over its rows
 # [N], and any per-client diagnostics of the step ({name: [N]}), as minibatch_steps' step_loss
 GroupLoss = Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+# each client's row indices -> the step's (x [N, B, ...], y [N, B, ...])
+Inputs = Callable[[Sequence[torch.Tensor]], "tuple[torch.Tensor, torch.Tensor]"]
 
 
 def group_batches(clients: Sequence[Any], steps: int, epochs: int = 0) -> list[list[torch.Tensor]]:
@@ -43,14 +45,18 @@ def check_batch_sizes(clients: Sequence[Any], epochs: int = 0) -> None:
 
 
 def group_steps(stack: StackedModels, clients: Sequence[Any], batches: Sequence[Sequence[torch.Tensor]],
-                loss: GroupLoss, clip_norm: float | None = None) -> list[dict[str, float]]:
+                loss: GroupLoss, clip_norm: float | None = None, inputs: Inputs | None = None) -> list[dict[str, float]]:
     """One stacked step per batch (each client's gradient clipped to `clip_norm`, if given); per
     client the means over the steps of its loss and of each diagnostic (float64, as the
-    per-client path averages its float values)."""
+    per-client path averages its float values). `inputs(rows)` gives a step's (x, y) from each
+    client's row indices; by default its private training rows."""
     steps: list[dict[str, torch.Tensor]] = []
     for idx in batches:
-        x = torch.stack([c.x_train[i] for c, i in zip(clients, idx)])
-        y = torch.stack([c.y_train[i] for c, i in zip(clients, idx)])
+        if inputs is None:
+            x = torch.stack([c.x_train[i] for c, i in zip(clients, idx)])
+            y = torch.stack([c.y_train[i] for c, i in zip(clients, idx)])
+        else:
+            x, y = inputs(idx)
         per, stats = loss(x, y, idx)  # [N]
         stack.step(per.sum(), clip_norm)
         steps.append({"loss": per.detach(), **{k: v.detach() for k, v in stats.items()}})
