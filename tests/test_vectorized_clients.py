@@ -50,8 +50,9 @@ def _assert_close_clients(a: dict, b: dict, atol: float) -> None:
     ("fedhkd", {"models": ["mlp"], "strategy_params": {"tau": 4, "hkd_preset": "paper"}}),
     ("cfd", {"strategy_params": {"tau": 4}}),
     ("mhat", {"strategy_params": {"tau": 4}}),
+    ("fedproto-public", {"models": ["mlp", "cnn1d_wide"], "strategy_params": {"tau": 3}}),
 ], ids=["fedal", "fedmd", "fedmd-lf", "feddf-al", "feddf", "fedavg", "fedavg-epochs", "local", "fd", "fd-no-term",
-        "fedproto", "fedakd", "fedhkd-official", "fedhkd-paper", "cfd", "mhat"])
+        "fedproto", "fedakd", "fedhkd-official", "fedhkd-paper", "cfd", "mhat", "fedproto-public"])
 def test_every_phase_equals_the_per_client_step(strategy, extra):
     """Round after round from the same state: every output within 1e-5, every weight within 1e-4
     (Adam divides each gradient by its own running scale, so where a gradient is of the size of
@@ -297,7 +298,7 @@ def test_fedavg_clients_with_different_data_sizes_under_local_epochs_run_client_
     assert without_timings(per)["rounds"] == without_timings(vec)["rounds"]
 
 
-@pytest.mark.parametrize("strategy", ["fd", "fedavg", "feddf", "fedproto", "fedakd", "fedhkd", "cfd"])
+@pytest.mark.parametrize("strategy", ["fd", "fedavg", "feddf", "fedproto", "fedakd", "fedhkd", "cfd", "fedproto-public"])
 def test_stacked_strategies_report_the_per_client_numbers(strategy):
     """What the results say (losses, accuracies, bytes) and what FD uploads (per-label means,
     counts: the next round's teachers), with and without stacking."""
