@@ -35,6 +35,9 @@ def _assert_close_clients(a: dict, b: dict, atol: float) -> None:
                 assert torch.allclose(p, q, atol=atol, rtol=0), (cid, part, name, (p - q).abs().max().item())
 
 
+
+
+
 @pytest.mark.parametrize("strategy,extra", [
     ("fedal", {"clients": 6, "models": ["mlp", "cnn1d", "cnn1d_wide"]}), ("fedmd", {}), ("fedmd-lf", {}),
     ("feddf-al", {"models": ["mlp", "cnn1d", "mlp"], "strategy_params": {"tau": 3}}),
@@ -51,8 +54,9 @@ def _assert_close_clients(a: dict, b: dict, atol: float) -> None:
     ("cfd", {"strategy_params": {"tau": 4}}),
     ("mhat", {"strategy_params": {"tau": 4}}),
     ("fedproto-public", {"models": ["mlp", "cnn1d_wide"], "strategy_params": {"tau": 3}}),
+    ("fccl", {"strategy_params": {"tau": 3, "fccl_pretrain_epochs": 2}}),
 ], ids=["fedal", "fedmd", "fedmd-lf", "feddf-al", "feddf", "fedavg", "fedavg-epochs", "local", "fd", "fd-no-term",
-        "fedproto", "fedakd", "fedhkd-official", "fedhkd-paper", "cfd", "mhat", "fedproto-public"])
+        "fedproto", "fedakd", "fedhkd-official", "fedhkd-paper", "cfd", "mhat", "fedproto-public", "fccl"])
 def test_every_phase_equals_the_per_client_step(strategy, extra):
     """Round after round from the same state: every output within 1e-5, every weight within 1e-4
     (Adam divides each gradient by its own running scale, so where a gradient is of the size of
@@ -86,10 +90,22 @@ def test_a_simulation_gives_the_per_client_results():
         assert per["rounds"][-1]["server"][key] == pytest.approx(vec["rounds"][-1]["server"][key], abs=1e-4)
 
 
-def test_strategies_without_a_group_step_run_client_by_client_unchanged():
-    per = simulate(_config("fccl", False, models=["mlp", "cnn1d_wide"]))
-    vec = simulate(_config("fccl", True, models=["mlp", "cnn1d_wide"]))
+def test_a_run_in_which_no_group_can_be_stacked_is_the_per_client_run_exactly():
+    """Power-law client sizes, a batch of 100: in each architecture's pair the batch sizes differ,
+    so every group is refused and every client steps on its own path: the very same numbers."""
+    extra = dict(models=["mlp", "cnn1d_wide"], strategy_params={"batch_size": 100}, partition="pow")
+    engine, _, _ = _engine("fedproto", True, **extra)
+    engine.run_round(0)
+    assert engine.transport.stacked_tasks == 0
+    per = simulate(_config("fedproto", False, **extra))
+    vec = simulate(_config("fedproto", True, **extra))
     assert without_timings(per)["rounds"] == without_timings(vec)["rounds"]
+
+
+def test_every_strategy_has_a_group_step():
+    from fedal.strategies import GROUP_STEPS, STRATEGIES
+
+    assert {spec.client for spec in STRATEGIES.values()} <= set(GROUP_STEPS)
 
 
 def test_a_group_that_cannot_be_stacked_runs_client_by_client():
@@ -298,11 +314,14 @@ def test_fedavg_clients_with_different_data_sizes_under_local_epochs_run_client_
     assert without_timings(per)["rounds"] == without_timings(vec)["rounds"]
 
 
-@pytest.mark.parametrize("strategy", ["fd", "fedavg", "feddf", "fedproto", "fedakd", "fedhkd", "cfd", "fedproto-public"])
+@pytest.mark.parametrize("strategy", ["fd", "fedavg", "feddf", "fedproto", "fedakd", "fedhkd", "cfd", "fedproto-public",
+                                      "fccl"])
 def test_stacked_strategies_report_the_per_client_numbers(strategy):
     """What the results say (losses, accuracies, bytes) and what FD uploads (per-label means,
     counts: the next round's teachers), with and without stacking."""
     extra = {"models": ["mlp"]} if strategy in ("fedavg", "fedakd", "fedhkd") else {"models": ["mlp", "cnn1d_wide"]}
+    if strategy == "fccl":
+        extra["strategy_params"] = {"fccl_pretrain_epochs": 2}
     if strategy == "fd":
         extra["strategy_params"] = {"tau": 10}  # not its 250 steps a round: float summation orders drift apart
     per = simulate(_config(strategy, False, rounds=3, **extra))
@@ -341,3 +360,43 @@ def test_stacked_clipping_clips_each_client_as_its_own_model_would():
         opt.step()
         for p, q in zip(models[k].parameters(), t.parameters()):
             assert torch.allclose(p, q, atol=1e-6, rtol=0)
+
+
+def test_fccl_plus_steps_equal_the_per_client_steps():
+    """FCCL+ task by task (local update, uploads, collaborative steps with the averages, the
+    local update after the last one), from an Adam warmed by a local update. A run's own first
+    step is a collaborative one, whose loss does not depend on the head's bias (the logits are
+    normalised along the batch): that gradient is float rounding on either path, and a fresh
+    Adam's first step (the sign of one gradient) turns it into a move of up to the learning rate,
+    which is why this compares from a warmed state, not a whole run."""
+    import numpy as np
+
+    from fedal.protocol import Message
+    from fedal.strategies.fccl import S_KEY, SBAR_KEY, Z_KEY, ZBAR_KEY
+    from fedal.strategies.stacked_fccl import handle_fccl_group
+
+    _, per, _ = _engine("fccl-plus", False, models=["mlp"], strategy_params={"tau": 2})
+    _, vec, _ = _engine("fccl-plus", True, models=["mlp"], strategy_params={"tau": 2})
+    per_c, vec_c = list(per.values()), list(vec.values())
+
+    def both(task: Message) -> list[Message]:
+        a = [c.handle(task) for c in per_c]
+        b = handle_fccl_group(vec_c, [task] * len(vec_c))
+        for x, y in zip(a, b):
+            assert set(x.tensors) == set(y.tensors)
+            for key in x.tensors:
+                assert np.allclose(x.tensors[key], y.tensors[key], atol=1e-5), (task.phase, key)
+            for key, value in x.meta.items():
+                assert y.meta[key] == pytest.approx(value, abs=1e-5, nan_ok=True), (task.phase, key)
+        _assert_close_clients(per, vec, atol=1e-5)
+        return a
+
+    def average(results: list[Message]) -> dict:
+        return {ZBAR_KEY: np.mean([r.tensors[Z_KEY] for r in results], axis=0).astype(np.float32),
+                SBAR_KEY: np.mean([r.tensors[S_KEY] for r in results], axis=0).astype(np.float32)}
+
+    both(Message({"phase": "local_train", "round": 0, "iteration": 0, "steps": 3}))  # warms Adam
+    uploads = both(Message({"phase": "collaborate", "round": 1, "iteration": 0}))
+    uploads = both(Message({"phase": "collaborate", "round": 1, "iteration": 1}, average(uploads)))
+    done = both(Message({"phase": "local_train", "round": 1, "iteration": 0, "steps": 3}, average(uploads)))
+    assert all(np.isfinite(r.meta["loss_isl"]) for r in done)  # the collaborative steps were taken

@@ -19,6 +19,7 @@ from fedal.strategies import (
     fedproto,
     local,
     stacked_cfd,
+    stacked_fccl,
     stacked_fd,
     stacked_fedakd,
     stacked_fedal,
@@ -37,7 +38,8 @@ STRATEGY_NAMES = tuple(STRATEGIES)
 # vectorized simulation: client halves that can step as a group of one architecture, by exact class
 GROUP_STEPS = {**stacked_fedal.GROUP_STEPS, **stacked_fedavg.GROUP_STEPS, **stacked_fd.GROUP_STEPS,
                **stacked_fedproto.GROUP_STEPS, **stacked_fedakd.GROUP_STEPS,
-               **stacked_fedhkd.GROUP_STEPS, **stacked_cfd.GROUP_STEPS}
+               **stacked_fedhkd.GROUP_STEPS, **stacked_cfd.GROUP_STEPS,
+               **stacked_fccl.GROUP_STEPS}
 
 
 def group_step(client: ClientHalf) -> Callable[[Sequence, Sequence[Message]], list[Message]] | None:

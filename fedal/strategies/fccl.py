@@ -58,34 +58,35 @@ TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "int8": 5e-2}
 
 def batch_normalise(z: torch.Tensor) -> torch.Tensor:
     """Each column (class) of z [B, K] centred and scaled to unit variance over the batch
-    (population variance, so that Z^T Z / B holds the columns' correlations)."""
-    c = z - z.mean(dim=0, keepdim=True)
-    return c / torch.sqrt(c.pow(2).mean(dim=0, keepdim=True) + VAR_EPS)
+    (population variance, so that Z^T Z / B holds the columns' correlations). Here and below a
+    leading client axis ([N, B, K], vectorized simulation) gives each client's own."""
+    c = z - z.mean(dim=-2, keepdim=True)
+    return c / torch.sqrt(c.pow(2).mean(dim=-2, keepdim=True) + VAR_EPS)
 
 
 def off_diagonal(c: torch.Tensor) -> torch.Tensor:
-    n = c.shape[0]
-    return c.flatten()[:-1].view(n - 1, n + 1)[:, 1:].flatten()
+    n = c.shape[-1]
+    return c.flatten(-2)[..., :-1].reshape(*c.shape[:-2], n - 1, n + 1)[..., 1:].flatten(-2)
 
 
 def cross_correlation(z_own: torch.Tensor, z_avg: torch.Tensor) -> torch.Tensor:
     """C [K, K] of two batch-normalised logit matrices [B, K]."""
-    return z_own.T @ z_avg / z_own.shape[0]
+    return z_own.transpose(-2, -1) @ z_avg / z_own.shape[-2]
 
 
 def cross_correlation_loss(z_own: torch.Tensor, z_avg: torch.Tensor, offdiag_weight: float) -> torch.Tensor:
     """FCCL eq. 3: on-diagonal correlations pushed to 1, off-diagonal to 0 (weight lambda)."""
     c = cross_correlation(z_own, z_avg)
-    on = (torch.diagonal(c) - 1).pow(2).sum()
-    return on + offdiag_weight * off_diagonal(c).pow(2).sum()
+    on = (torch.diagonal(c, dim1=-2, dim2=-1) - 1).pow(2).sum(-1)
+    return on + offdiag_weight * off_diagonal(c).pow(2).sum(-1)
 
 
 def instance_similarity(h: torch.Tensor) -> torch.Tensor:
     """[B, B-1]: cosine similarity of each instance's features with every other instance's."""
-    hn = F.normalize(h, dim=1)
-    s = hn @ hn.T
-    b = s.shape[0]
-    return s[~torch.eye(b, dtype=torch.bool)].view(b, b - 1)
+    hn = F.normalize(h, dim=-1)
+    s = hn @ hn.transpose(-2, -1)
+    b = s.shape[-1]
+    return s[..., ~torch.eye(b, dtype=torch.bool)].view(*s.shape[:-2], b, b - 1)
 
 
 def instance_similarity_loss(s_own: torch.Tensor, s_avg: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -96,12 +97,12 @@ def instance_similarity_loss(s_own: torch.Tensor, s_avg: torch.Tensor, temperatu
 def non_target_kl(student: torch.Tensor, teacher: torch.Tensor, y: torch.Tensor, temperature: float) -> torch.Tensor:
     """FCCL+ FNTD as the authors' code computes it: both softmaxes (at T) over all classes, the
     label's column dropped (not renormalised), KL summed over the rest, batchmean, times T^2."""
-    b, k = student.shape
-    keep = torch.ones(b, k, dtype=torch.bool).scatter_(1, y.view(-1, 1), False)
-    p = F.softmax(student / temperature, dim=1)[keep].view(b, k - 1)
+    *lead, b, k = student.shape
+    keep = torch.ones(*lead, b, k, dtype=torch.bool).scatter_(-1, y.unsqueeze(-1), False)
+    p = F.softmax(student / temperature, dim=-1)[keep].view(*lead, b, k - 1)
     with torch.no_grad():
-        q = F.softmax(teacher / temperature, dim=1)[keep].view(b, k - 1)
-    return (torch.xlogy(q, q) - q * torch.log(p)).sum() / b * temperature**2
+        q = F.softmax(teacher / temperature, dim=-1)[keep].view(*lead, b, k - 1)
+    return (torch.xlogy(q, q) - q * torch.log(p)).sum((-2, -1)) / b * temperature**2
 
 
 def kd_term(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
