@@ -51,13 +51,20 @@ def toy_federation(strategy: str, n_clients: int = 3, k: int = 4, public: int = 
     return server, clients, params
 
 
+def per_client(config):
+    """`config` on the per-client reference path unless it asks for vectorize itself: what a
+    deployment (each client on its own device) matches bit for bit; stacked clients give its
+    numbers only up to float summation order."""
+    return config if config.vectorize is not None else config.model_copy(update={"vectorize": False})
+
+
 def simulated_run(config, records: list | None = None):
-    """`fedal simulate`'s loop for `config`, keeping data, client halves and server half (to
-    compare a deployment's final outputs with, not only its accuracies); each round's record is
-    appended to `records` when one is given."""
+    """`fedal simulate`'s loop for `config` (per client: `per_client`), keeping data, client
+    halves and server half (to compare a deployment's final outputs with, not only its
+    accuracies); each round's record is appended to `records` when one is given."""
     from fedal.sim import build_run, simulated_engine
 
-    config = config.resolved()
+    config = per_client(config).resolved()
     data, clients, server = build_run(config)
     engine = simulated_engine(config, data, clients, server)
     for r in range(config.rounds):

@@ -15,7 +15,7 @@ import torch
 from fedal.procs import spawn_python
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment
-from tests.helpers import simulated_run
+from tests.helpers import per_client, simulated_run
 
 VICTIM = "c01"
 # tasks an agent gets per round: fedal local_train, 2 transfers (tau 2), evaluate; fedavg
@@ -76,7 +76,7 @@ def test_a_crashed_agent_resumes_to_exactly_the_uninterrupted_run(strategy, poin
         assert status["counters"].get("duplicates", 0) >= 1
     assert not list(workspace.glob(".*.tmp"))  # the torn write is cleaned up
 
-    uninterrupted = simulate(config)
+    uninterrupted = simulate(per_client(config))
     assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
     for got, want in zip(results["rounds"], uninterrupted["rounds"], strict=True):
         assert got["client_acc"] == want["client_acc"]

@@ -16,6 +16,7 @@ from coordinator.config import load_coordinator_config
 from coordinator.run import Run
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment, get
+from tests.helpers import per_client
 
 
 @pytest.fixture()
@@ -190,6 +191,6 @@ def test_pause_at_holds_the_run_before_the_named_phases(mosquitto, tmp_path):
         dep.close()
     assert state["held_before"] is None and state["round"] == 3
     assert [r["round"] for r in final["rounds"]] == [1, 2, 3]
-    assert final["final"]["client_acc"] == simulate(config)["final"]["client_acc"]
+    assert final["final"]["client_acc"] == simulate(per_client(config))["final"]["client_acc"]
     log = (dep.workdir / "coordinator" / "coordinator.log").read_text()
     assert "pausing before round 2 transfer iteration 1" in log and "pausing before round 3 local_train" in log

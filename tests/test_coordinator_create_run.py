@@ -20,6 +20,7 @@ from coordinator.runs import RunManager
 from fedal.data import content_hash, public_set
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment
+from tests.helpers import per_client
 from tests.waiting import wait_for_port, wait_until
 
 SPEC = {"run_id": "api-run", "client_ids": ["pi-1", "pi-2"],
@@ -104,4 +105,4 @@ def test_a_run_created_over_the_api_runs_and_survives_a_restart(mosquitto, tmp_p
     finally:
         dep.close()
     assert [r["round"] for r in results["rounds"]] == list(range(1, 7))  # every round recorded once
-    assert abs(results["final"]["mean_acc"] - simulate(config)["final"]["mean_acc"]) <= 0.01
+    assert abs(results["final"]["mean_acc"] - simulate(per_client(config))["final"]["mean_acc"]) <= 0.01

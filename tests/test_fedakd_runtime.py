@@ -8,6 +8,7 @@ import json
 from fedal.sim import load_config, simulate
 from fedal.sim.fairness import collaborative_fairness, standalone_config
 from fedal_cli.demo import run_demo
+from tests.helpers import per_client
 
 SMALL = dict(strategy="fedakd", dataset="digits", clients=3, partition="covariate-shift-pow", shift_c=5.0,
              public_size=50, local_test_fraction=0.25, rounds=2, seed=5, models=["mlp"], batch_size=16)
@@ -15,7 +16,7 @@ SMALL = dict(strategy="fedakd", dataset="digits", clients=3, partition="covariat
 
 def test_simulate_reports_cf_against_its_own_standalone_run(one_torch_thread, tmp_path):
     config = load_config(None, SMALL)
-    results = simulate(config)
+    results = simulate(per_client(config))
     final = results["final"]
     assert results["config"]["strategy_params"]["local_epochs"] == 1
     # the standalone baseline is the `local` strategy on the same clients, data and seed, with the
@@ -39,7 +40,7 @@ def test_demo_reports_cf_like_simulate(mosquitto, tmp_path, one_torch_thread):
     (parity of everything else: tests/test_strategy_contract.py)."""
     config = load_config(None, SMALL)
     final = run_demo(config, tmp_path / "demo", broker=mosquitto, quiet=True, timeout_s=300)["final"]
-    simulated = simulate(config)["final"]
+    simulated = simulate(per_client(config))["final"]
     for key in ("standalone_acc", "standalone_local_acc", "cf", "cf_on", "client_local_acc"):
         assert final[key] == simulated[key], key
     assert final["cf"] is not None

@@ -17,6 +17,7 @@ from fedal.sim import load_config, simulate
 from hil.broker import EmulatedBroker
 from hil.profiles import load_profile
 from tests.deployment import Deployment
+from tests.helpers import per_client
 
 
 @pytest.mark.slow
@@ -24,7 +25,7 @@ def test_wifi_lossy_run_reaches_the_fault_free_accuracy(mosquitto, tmp_path, one
     # small enough for the suite, long enough to learn: about 53 % from 10 % (chance) in 3 rounds
     config = load_config(None, dict(strategy="fedal", dataset="digits", clients=3, rounds=3, tau=3, public_size=200,
                                     models=["mlp"], lr=0.01, seed=4, eval_every=1))
-    reference = simulate(config)
+    reference = simulate(per_client(config))
     assert reference["final"]["mean_acc"] > 0.4
     addr = parse_broker_url(mosquitto)
     with EmulatedBroker(load_profile("wifi-lossy"), (addr.host, addr.port), seed=1) as proxy:

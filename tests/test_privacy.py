@@ -26,7 +26,7 @@ from fedal.protocol import Message
 from fedal.sim import load_config, simulate
 from fedal.sim.config import ConfigError
 from fedal.strategies.training import minibatch_steps
-from tests.helpers import TinyNet, toy_dataset, toy_federation
+from tests.helpers import TinyNet, per_client, toy_dataset, toy_federation
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -296,7 +296,7 @@ def test_a_private_deployment_over_mqtt_gives_the_simulations_numbers(strategy, 
     config = load_config(None, dict(strategy=strategy, dataset="digits", clients=3, rounds=2, tau=2, public_size=100,
                                     seed=1, **privacy))
     deployed = run_demo(config, tmp_path / "demo", broker=embedded_broker, quiet=True, timeout_s=300)
-    simulated = simulate(config)
+    simulated = simulate(per_client(config))
     assert deployed["final"]["client_acc"] == simulated["final"]["client_acc"]
     assert deployed["privacy"] == simulated["privacy"] and deployed["privacy"]["max_epsilon"] > 0
     for cid in (c["id"] for c in deployed["clients"]):

@@ -9,6 +9,7 @@ import signal
 from coordinator.store import RunStore, default_store_url
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment
+from tests.helpers import per_client
 
 
 def test_sigkilled_coordinator_resumes_the_run(mosquitto, tmp_path):
@@ -42,7 +43,7 @@ def test_sigkilled_coordinator_resumes_the_run(mosquitto, tmp_path):
         dep.close()
     assert final["completed_rounds"] == 8
     assert [r["round"] for r in results["rounds"]] == list(range(1, 9))  # every round recorded once
-    uninterrupted = simulate(config)["final"]["mean_acc"]
+    uninterrupted = simulate(per_client(config))["final"]["mean_acc"]
     # the agents went back to their state at the interrupted round's start: the resumed run is
     # the uninterrupted one exactly, not only within a point
     assert results["final"]["mean_acc"] == uninterrupted

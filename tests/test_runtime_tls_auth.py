@@ -16,6 +16,7 @@ import pytest
 from fedal.protocol import topics
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment
+from tests.helpers import per_client
 from tests.waiting import free_port, wait_for_port, wait_until
 
 
@@ -75,7 +76,7 @@ def test_run_over_tls_with_credentials(tls_broker, tmp_path):
     finally:
         dep.close()
     assert final["completed_rounds"] == 2
-    assert results["final"]["client_acc"] == simulate(config)["final"]["client_acc"]
+    assert results["final"]["client_acc"] == simulate(per_client(config))["final"]["client_acc"]
 
 
 def test_wrong_password_is_refused_and_retried_without_crashing(tls_broker, tmp_path):
