@@ -426,9 +426,11 @@ def test_weight_sharing_and_local_only_runs_train_privately(strategy):
 
 def test_vectorized_clients_train_privately_one_by_one():
     """Per-sample clipping runs per client: --vectorize with privacy gives the per-client run."""
-    a = simulate(_dp_config(dp_noise_multiplier=1.0, rounds=2, models=["mlp", "cnn1d"]))
+    a = simulate(_dp_config(dp_noise_multiplier=1.0, rounds=2, models=["mlp", "cnn1d"], vectorize=False))
     b = simulate(_dp_config(dp_noise_multiplier=1.0, rounds=2, models=["mlp", "cnn1d"], vectorize=True))
     assert a["final"] == b["final"] and a["privacy"] == b["privacy"]
+    assert b["vectorized"]["stacked_tasks"] == 0 and list(b["vectorized"]["per_client_reasons"]) == [
+        "no group step (differential privacy: per-sample clipping runs per client)"]
 
 
 def test_the_manifest_carries_privacy_only_for_a_private_run():

@@ -96,6 +96,8 @@ def test_faults_work_on_ray_too():
 def test_vectorized_clients_in_actors():
     per_client = simulate(_config("fedal", clients=6))
     remote = simulate(_config("fedal", clients=6, backend="ray", vectorize=True))
+    # 6 clients, 2 actors, mlp / cnn1d alternating: each actor holds a pair of each, stacked
+    assert remote["vectorized"]["stacked_tasks"] > 0 and remote["vectorized"]["per_client_tasks"] == 0
     for x, y in zip(per_client["final"]["client_acc"], remote["final"]["client_acc"]):
         assert abs(x - y) <= 2 / 400
 
@@ -176,7 +178,7 @@ def test_a_client_group_answers_refused_tasks_with_the_reason(tmp_path):
     fbar = np.zeros((config.strategy_params.public_batch_size, 10), dtype=np.float32)
     bad = Message({**meta, "phase": "transfer", "n_avg": 2}, {"fbar": fbar})
     good = Message({**meta, "phase": "local_train", "steps": 1})
-    out = group.on_group(public, [("c00", bad), ("c02", good)])
+    out, _ = group.on_group(public, [("c00", bad), ("c02", good)])
     assert out[0][0] is None and "did not upload" in out[0][1]
     assert out[1][0] is not None and out[1][1] is None
     assert (tmp_path / "c02.pt").exists()  # the round-start snapshot a restart resumes from

@@ -82,6 +82,9 @@ def test_a_simulation_gives_the_per_client_results():
     per = simulate(_config("fedal", False, rounds=3))
     vec = simulate(_config("fedal", True, rounds=3))
     assert vec["config"]["vectorize"] is True
+    # 4 clients (mlp, cnn1d, mlp, cnn1d): two pairs, every task stacked; 3 rounds of 1 + tau tasks each
+    tau = vec["config"]["strategy_params"]["tau"]
+    assert vec["vectorized"] == {"stacked_tasks": 4 * 3 * (1 + tau), "per_client_tasks": 0, "per_client_reasons": {}}
     for a, b in zip(per["rounds"], vec["rounds"]):
         assert a["bytes_up"] == b["bytes_up"] and a["bytes_down"] == b["bytes_down"]
         for x, y in zip(a["client_acc"], b["client_acc"]):
@@ -94,12 +97,13 @@ def test_a_run_in_which_no_group_can_be_stacked_is_the_per_client_run_exactly():
     """Power-law client sizes, a batch of 100: in each architecture's pair the batch sizes differ,
     so every group is refused and every client steps on its own path: the very same numbers."""
     extra = dict(models=["mlp", "cnn1d_wide"], strategy_params={"batch_size": 100}, partition="pow")
-    engine, _, _ = _engine("fedproto", True, **extra)
-    engine.run_round(0)
-    assert engine.transport.stacked_tasks == 0
     per = simulate(_config("fedproto", False, **extra))
     vec = simulate(_config("fedproto", True, **extra))
     assert without_timings(per)["rounds"] == without_timings(vec)["rounds"]
+    # the results say so, and why: 4 clients x 2 rounds, none stacked
+    assert "vectorized" not in per
+    assert vec["vectorized"] == {"stacked_tasks": 0, "per_client_tasks": 8, "per_client_reasons": {
+        "the clients' batches differ in size (or are empty)": 8}}
 
 
 def test_every_strategy_has_a_group_step():
@@ -161,12 +165,20 @@ def test_simulate_cli_takes_vectorize(tmp_path):
     from fedal_cli.main import cli
 
     out = tmp_path / "r.json"
-    result = CliRunner().invoke(cli, ["simulate", "--strategy", "fedmd", "--clients", "3", "--rounds", "1",
+    result = CliRunner().invoke(cli, ["simulate", "--strategy", "fedmd", "--clients", "4", "--rounds", "1",
                                       "--vectorize", "--mnist1d-samples", "1000", "--public-size", "200", "--out", str(out)])
     assert result.exit_code == 0, result.output
     import json
 
     assert json.loads(out.read_text())["config"]["vectorize"] is True
+    # 4 clients of the default zoo (mlp, cnn1d, cnn1d_wide): the mlp pair stacked, two alone
+    import re
+
+    found = re.search(r"vectorized: (\d+) of (\d+) client tasks stacked, (\d+) client by client \(a group of one",
+                      result.output)
+    assert found, result.output
+    stacked, total, alone = map(int, found.groups())
+    assert stacked == alone and stacked + alone == total
 
 
 @pytest.mark.parametrize("name,shape", [("mlp", (40,)), ("cnn1d", (40,)), ("cnn1d_wide", (43,)), ("cnn1d", (1, 21)),

@@ -26,8 +26,9 @@ import json
 import threading
 import weakref
 from abc import abstractmethod
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -163,6 +164,31 @@ class SimulatedTransport(Transport):
         heapq.heappush(self._queue, (at, next(self._order), arrival))
 
 
+@dataclass
+class Stacking:
+    """How a vectorized run computed its clients' tasks: in stacked groups, or client by client
+    and why (NotStackable's reason; "no group step": a half without one, e.g. under differential
+    privacy). Reported in the results, so a run that silently fell back shows it."""
+
+    stacked: int = 0
+    per_client: Counter[str] = field(default_factory=Counter)
+    MAX_REASONS = 20  # distinct reasons kept; the rest count as "other"
+
+    def add(self, other: Stacking) -> None:
+        self.stacked += other.stacked
+        for reason, n in other.per_client.items():
+            self.refused(reason, n)
+
+    def refused(self, reason: str, tasks: int) -> None:
+        if reason not in self.per_client and len(self.per_client) >= self.MAX_REASONS:
+            reason = "other"
+        self.per_client[reason] += tasks
+
+    def summary(self) -> dict[str, Any]:
+        return {"stacked_tasks": self.stacked, "per_client_tasks": sum(self.per_client.values()),
+                "per_client_reasons": dict(self.per_client.most_common())}
+
+
 class InProcessTransport(SimulatedTransport):
     """Client sessions in this process, called directly."""
 
@@ -171,11 +197,16 @@ class InProcessTransport(SimulatedTransport):
         super().__init__(run_id, list(sessions), phases, phase_kinds, faults)
         self.sessions = dict(sessions)
         self.vectorize = vectorize
-        self.stacked_tasks = 0  # tasks computed in a stacked group
+        self.stacking = Stacking()
+
+    @property
+    def stacked_tasks(self) -> int:
+        """Tasks computed in a stacked group."""
+        return self.stacking.stacked
 
     def _compute(self, items: list[Pending]) -> list[Packet | None]:
-        results, stacked = compute_tasks(self.sessions, [(cid, task) for cid, task, *_ in items], self.vectorize)
-        self.stacked_tasks += stacked
+        results, stacking = compute_tasks(self.sessions, [(cid, task) for cid, task, *_ in items], self.vectorize)
+        self.stacking.add(stacking)
         return results
 
 
@@ -192,16 +223,20 @@ def _layout(model: torch.nn.Module) -> tuple:
 
 
 def compute_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[str, Message]],
-                  vectorize: bool = False) -> tuple[list[Packet | None], int]:
-    """Each task's result through its client's session (None: stale), in order, and how
-    many were computed in stacked groups. With `vectorize`, the new tasks of clients whose half has
-    a group step run together per (class, phase, round, iteration, architecture); a group the step
+                  vectorize: bool = False) -> tuple[list[Packet | None], Stacking]:
+    """Each task's result through its client's session (None: stale), in order, and how they
+    were computed (Stacking). With `vectorize`, the new tasks of clients whose half has a group
+    step run together per (class, phase, round, iteration, architecture); a group the step
     refuses (NotStackable: nothing changed) and everything else run one by one."""
     results: list[Packet | None] = [None] * len(items)
     groups: dict[tuple, list[int]] = {}
+    stacking = Stacking()
     for k, (client_id, task) in enumerate(items):
         session = sessions[client_id]
-        if not vectorize or group_step(session.client) is None:
+        if not vectorize or task.phase == "evaluate" or group_step(session.client) is None:
+            if vectorize and task.phase != "evaluate":  # evaluation is no step of the client's half
+                stacking.refused("no group step (differential privacy: per-sample clipping runs per client)"
+                                 if session.client.private is not None else "no group step", 1)
             results[k] = session.on_task(task)
             continue
         client = session.client
@@ -212,22 +247,22 @@ def compute_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[s
         session.prepare(task)
         group = (type(client), task.phase, task.meta.get("round"), task.meta.get("iteration"), _layout(client.model))
         groups.setdefault(group, []).append(k)
-    stacked = 0
     for ks in groups.values():
         group_sessions = [sessions[items[k][0]] for k in ks]
         tasks = [items[k][1] for k in ks]
         try:
             if len(ks) < 2:
-                raise NotStackable("a group of one")
+                raise NotStackable("a group of one (no other client of this architecture in the phase)")
             step = group_step(group_sessions[0].client)
             assert step is not None  # only such clients are grouped
             answers = step([s.client for s in group_sessions], tasks)
-            stacked += len(ks)
-        except NotStackable:  # nothing was changed: client by client, as without vectorize
+            stacking.stacked += len(ks)
+        except NotStackable as exc:  # nothing was changed: client by client, as without vectorize
+            stacking.refused(str(exc), len(ks))
             answers = [s.compute(task) for s, task in zip(group_sessions, tasks)]
         for k, s, task, answer in zip(ks, group_sessions, tasks, answers):
             results[k] = s.answer(task, answer)
-    return results, stacked
+    return results, stacking
 
 
 def in_process_engine(server: ServerHalf, clients: Mapping[str, ClientHalf], *, phase_kinds: Mapping[str, str],

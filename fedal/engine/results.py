@@ -64,6 +64,19 @@ def privacy_summary(config: dict[str, Any], client_ids: list[str], records: list
     }
 
 
+def vectorized_line(results: dict[str, Any]) -> str | None:
+    """One line on how a vectorized run computed its clients' tasks; None for a per-client run."""
+    counts = results.get("vectorized")
+    if not counts:
+        return None
+    stacked, alone = counts["stacked_tasks"], counts["per_client_tasks"]
+    line = f"vectorized: {stacked} of {stacked + alone} client tasks stacked"
+    if alone:
+        reasons = "; ".join(f"{reason}: {n}" for reason, n in counts["per_client_reasons"].items())
+        line += f", {alone} client by client ({reasons})"
+    return line
+
+
 def privacy_line(results: dict[str, Any]) -> str | None:
     """One line on the privacy spent, for a terminal; None for a run without privacy."""
     privacy = results.get("privacy")

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fedal.atomic import torch_save_atomic
-from fedal.engine.inprocess import Faults, Pending, SimulatedTransport, compute_tasks, simulated_round_engine
+from fedal.engine.inprocess import Faults, Pending, SimulatedTransport, Stacking, compute_tasks, simulated_round_engine
 from fedal.engine.rounds import RoundEngine
 from fedal.engine.settings import PhaseSettings
 from fedal.protocol import Message, Packet
@@ -121,24 +121,28 @@ class ClientGroup:
         self._build(public)
         return {cid: s.client.predict(x).numpy() for cid, s in self.sessions.items()}
 
-    def on_tasks(self, public: list[Any], items: list[tuple[str, Message]]) -> list[tuple[Packet | None, str | None]]:
-        """Each task's result (None: stale) and, for a task refused, why."""
+    def on_tasks(self, public: list[Any], items: list[tuple[str, Message]]
+                 ) -> tuple[list[tuple[Packet | None, str | None]], Stacking]:
+        """Each task's result (None: stale) and, for a task refused, why; how they were computed."""
         self._build(public)
         out: list[tuple[Packet | None, str | None]] = []
+        stacking = Stacking()
         for cid, task in items:  # one by one, so one refusal costs only its own task
             try:
-                results, _ = compute_tasks(self.sessions, [(cid, task)], self.vectorize)
+                results, one = compute_tasks(self.sessions, [(cid, task)], self.vectorize)
+                stacking.add(one)
                 out.append((results[0], None))
             except TaskRefused as exc:
                 out.append((None, f"{exc.kind}: {exc}"))
-        return out
+        return out, stacking
 
-    def on_group(self, public: list[Any], items: list[tuple[str, Message]]) -> list[tuple[Packet | None, str | None]]:
+    def on_group(self, public: list[Any], items: list[tuple[str, Message]]
+                 ) -> tuple[list[tuple[Packet | None, str | None]], Stacking]:
         """All tasks together (vectorized groups); falls back to one by one if one is refused."""
         self._build(public)
         try:
-            results, _ = compute_tasks(self.sessions, items, self.vectorize)
-            return [(r, None) for r in results]
+            results, stacking = compute_tasks(self.sessions, items, self.vectorize)
+            return [(r, None) for r in results], stacking
         except TaskRefused:
             return self.on_tasks(public, items)
 
@@ -150,6 +154,7 @@ class RayTransport(SimulatedTransport):
         self.actors = actors  # client id -> the actor hosting it
         self.public = public  # [the public set's object ref], for every call (ClientGroup)
         self.counters: Counter[str] = Counter()
+        self.stacking = Stacking()  # as the actors computed their tasks
 
     def _compute(self, items: list[Pending]) -> list[Packet | None]:
         import ray
@@ -161,13 +166,14 @@ class RayTransport(SimulatedTransport):
         results: list[Packet | None] = [None] * len(items)
         for actor, ref in calls.items():
             try:
-                answers = ray.get(ref)
+                answers, stacking = ray.get(ref)
             except ray.exceptions.RayActorError as exc:  # the actor died: its tasks get no answer
                 self.counters["actor_failures"] += 1
                 self.counters["lost_tasks"] += len(by_actor[actor])
                 log.warning("an actor died with %d tasks (%s); Ray restarts it from its clients' round-start "
                             "snapshots", len(by_actor[actor]), type(exc).__name__)
                 continue
+            self.stacking.add(stacking)
             for k, (result, refused) in zip(by_actor[actor], answers):
                 results[k] = result
                 if refused is not None:

@@ -101,6 +101,8 @@ def simulate(config: RunConfig, progress: ProgressFn | None = None, verbose: boo
                             time.perf_counter() - started, deployment=deployment)
     if backend is not None:
         results["backend"] = backend
+    if config.vectorize:  # which tasks ran stacked, and why the others did not
+        results["vectorized"] = engine.transport.stacking.summary()
     return results
 
 
