@@ -144,6 +144,19 @@ class StackedModels:
             self._parts = (stacked_function(self.base, "features"), stacked_function(self.base, "head"))
         return self._parts[1](params, h)
 
+    def keep_upload(self, clients: Sequence[Any], round_idx: int, iteration: int, **graph: Any) -> None:
+        """The forward of these clients' upload of (round, iteration), its graph kept for the
+        feedback step (as the per-client path keeps it), which then goes through this very forward."""
+        self.pending = {"tasks": [(c.client_id, round_idx, iteration) for c in clients], **graph}
+
+    def take_upload(self, clients: Sequence[Any], round_idx: int, iteration: int) -> dict[str, Any] | None:
+        """What keep_upload kept, if it is these clients' upload of (round, iteration) (else None:
+        the feedback step recomputes the forward from the same weights); forgotten either way."""
+        kept, self.pending = self.pending, None
+        if kept is not None and kept["tasks"] == [(c.client_id, round_idx, iteration) for c in clients]:
+            return kept
+        return None
+
     def frozen(self, key: str, modules: Sequence[torch.nn.Module]) -> Params:
         """The parameters of same-layout frozen modules (references), stacked without gradient;
         restacked only when one of them has changed since."""

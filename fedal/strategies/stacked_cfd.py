@@ -17,31 +17,26 @@ from fedal.strategies.base import ClientHalf
 from fedal.strategies.cfd import NO_REF, TARGET_KEY, CFDClient, check_levels, soft_cross_entropy, soft_target
 from fedal.strategies.stacked import NotStackable, StackedModels
 from fedal.strategies.stacked_fedavg import train_group
-from fedal.strategies.stacked_training import group_steps
+from fedal.strategies.stacked_training import group_steps, require_phase, same_params, step_count
 
 
 def handle_cfd_group(clients: Sequence[CFDClient], tasks: Sequence[Message]) -> list[Message]:
     """`CFDClient.handle` for every client of the group."""
-    phase = tasks[0].phase
-    if phase == "local_train":
+    if require_phase(tasks, "local_train", "distill") == "local_train":
         reports = train_group(clients, tasks)
         replies = []
         for c, t, r in zip(clients, tasks, reports):
             tensors, ref = c.upload(t.integer("round"), t.integer("ref", NO_REF))
             replies.append(c.reply(t, tensors, ref=ref, **r))
         return replies
-    if phase != "distill":
-        raise NotStackable(f"phase {phase!r} runs client by client")
     return _distill(clients, tasks)
 
 
 def _distill(clients: Sequence[CFDClient], tasks: Sequence[Message]) -> list[Message]:
-    p = clients[0].params
-    if any(c.params != p for c in clients) or not p.lambda_kd:
-        raise NotStackable("the clients' strategy parameters differ (or there is nothing to distil)")
-    steps = {t.integer("steps", p.tau) for t in tasks}
-    if len(steps) != 1 or 0 in steps or len({len(c.rows) for c in clients}) != 1:
-        raise NotStackable("the clients take different numbers of steps (or none)")
+    p = same_params(clients)
+    if not p.lambda_kd or len({len(c.rows) for c in clients}) != 1:
+        raise NotStackable("nothing to distil (lambda_kd = 0), or distillation rows of different sizes")
+    steps = step_count(clients, tasks)
     bits = int(p.cfd_bits or 16)
     targets = []
     for c, t in zip(clients, tasks):
@@ -58,7 +53,7 @@ def _distill(clients: Sequence[CFDClient], tasks: Sequence[Message]) -> list[Mes
 
     n = len(clients[0].rows)
     b = min(p.public_batch_size, n)
-    batches = [[torch.randperm(n, generator=c.generator)[:b] for c in clients] for _ in range(steps.pop())]
+    batches = [[torch.randperm(n, generator=c.generator)[:b] for c in clients] for _ in range(steps)]
     rows = [c.public[c.rows] for c in clients]
 
     def inputs(idx: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,19 +30,25 @@ from fedal.strategies.fccl import (
     kd_term,
     non_target_kl,
 )
-from fedal.strategies.fedal import rows_key
 from fedal.strategies.losses import cross_entropy
-from fedal.strategies.public_rows import public_rows
 from fedal.strategies.stacked import NotStackable, StackedModels
-from fedal.strategies.stacked_training import check_batch_sizes, group_batches, group_steps
+from fedal.strategies.stacked_training import (
+    check_batch_sizes,
+    group_batches,
+    group_steps,
+    public_batch,
+    require_phase,
+    same_params,
+    step_count,
+)
 
 
 def handle_fccl_group(clients: Sequence[FCCLClient], tasks: Sequence[Message]) -> list[Message]:
     """`FCCLClient.handle` for every client of the group."""
-    p = clients[0].params
-    if any(c.params != p for c in clients) or any(c.public_x is None for c in clients):
-        raise NotStackable("the clients' strategy parameters differ (or a client has no public set)")
-    phase, t0 = tasks[0].phase, tasks[0]
+    p = same_params(clients)
+    if any(c.public_x is None for c in clients):
+        raise NotStackable("a client has no public set")
+    phase, t0 = require_phase(tasks, "local_pretrain", "collaborate", "local_train"), tasks[0]
     with_average = {ZBAR_KEY in t.tensors for t in tasks}
     if len(with_average) != 1:
         raise NotStackable("some clients have an average this step, some not")
@@ -55,24 +61,21 @@ def handle_fccl_group(clients: Sequence[FCCLClient], tasks: Sequence[Message]) -
             for c in clients:
                 c.col_diag.clear()  # a new round
         return _uploads(clients, tasks, t0.integer("round"), t0.integer("iteration"))
-    if phase == "local_train":
-        if not clients[0].PLUS and any(c.intra is None for c in clients):
-            raise NotStackable("a client missed the pretraining: it pretrains on its own path")
-        steps = {t.integer("steps", p.tau) for t in tasks}
-        if len(steps) != 1:
-            raise NotStackable("the clients take different numbers of steps")
-        epochs = int(p.local_epochs or 0)
-        check_batch_sizes(clients, epochs)
-        if with_average.pop():
-            _apply_averages(clients, tasks, t0.integer("round"), (p.tau or 1) - 1)
-        keys = ("loss_cc", "loss_isl") if clients[0].PLUS else ("loss_cc",)
-        diags = []
-        for c in clients:  # the round's collaborative losses, null where no collaborative step was taken
-            diags.append({k: float(np.mean(c.col_diag[k])) if c.col_diag.get(k) else float("nan") for k in keys})
-            c.col_diag.clear()
-        reports = _local_update(clients, steps.pop(), epochs)
-        return [c.reply(t, None, **r, **d) for c, t, r, d in zip(clients, tasks, reports, diags)]
-    raise NotStackable(f"phase {phase!r} runs client by client")
+    # local_train
+    if not clients[0].PLUS and any(c.intra is None for c in clients):
+        raise NotStackable("a client missed the pretraining: it pretrains on its own path")
+    steps = step_count(clients, tasks)
+    epochs = int(p.local_epochs or 0)
+    check_batch_sizes(clients, epochs)
+    if with_average.pop():
+        _apply_averages(clients, tasks, t0.integer("round"), (p.tau or 1) - 1)
+    keys = ("loss_cc", "loss_isl") if clients[0].PLUS else ("loss_cc",)
+    diags = []
+    for c in clients:  # the round's collaborative losses, null where no collaborative step was taken
+        diags.append({k: float(np.mean(c.col_diag[k])) if c.col_diag.get(k) else float("nan") for k in keys})
+        c.col_diag.clear()
+    reports = _local_update(clients, steps, epochs)
+    return [c.reply(t, None, **r, **d) for c, t, r, d in zip(clients, tasks, reports, diags)]
 
 
 def _pretrain(clients: Sequence[FCCLClient]) -> list[dict[str, float]]:
@@ -95,9 +98,8 @@ def _pretrain(clients: Sequence[FCCLClient]) -> list[dict[str, float]]:
 
 
 def _forward_public(clients: Sequence[FCCLClient], stack: StackedModels,
-                    idx: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FCCLClient.forward_public of every client: logits and (FCCL+) instance similarities."""
-    x = torch.stack([c.public_x[i] for c, i in zip(clients, idx)])  # type: ignore[index]
     if not clients[0].PLUS:
         return stack.forward(stack.params, x), None
     h = stack.features(stack.params, x)
@@ -108,11 +110,10 @@ def _uploads(clients: Sequence[FCCLClient], tasks: Sequence[Message], round_idx:
     """FCCLClient.upload of every client, the forward's graph kept with the stack."""
     p = clients[0].params
     stack = StackedModels.of(clients)
-    idx = [torch.from_numpy(public_rows(rows_key(p), round_idx, iteration, len(c.public_x), p.public_batch_size))  # type: ignore[arg-type]
-           for c in clients]
-    logits, sim = _forward_public(clients, stack, idx)
+    idx, x = public_batch(clients, round_idx, iteration)
+    logits, sim = _forward_public(clients, stack, x)
     z = batch_normalise(logits)
-    stack.pending = {"tasks": [(c.client_id, round_idx, iteration) for c in clients], "z": z, "s": sim}
+    stack.keep_upload(clients, round_idx, iteration, z=z, s=sim)
     replies = []
     for k, (c, t) in enumerate(zip(clients, tasks)):
         c.pending = {"round": round_idx, "iteration": iteration, "indices": idx[k]}
@@ -142,11 +143,12 @@ def _apply_averages(clients: Sequence[FCCLClient], tasks: Sequence[Message], rou
     except (ValueError, WireDtypeError) as exc:  # the client refuses it itself, client by client
         raise NotStackable(str(exc)) from exc
     stack = StackedModels.of(clients)
-    kept, stack.pending = stack.pending, None
-    if kept is not None and kept["tasks"] == [(c.client_id, round_idx, iteration) for c in clients]:
-        z, s = kept["z"], kept["s"]  # the uploaded forward, its graph kept
+    kept = stack.take_upload(clients, round_idx, iteration)
+    if kept is not None:
+        z, s = kept["z"], kept["s"]
     else:  # recomputed from the same weights
-        logits, s = _forward_public(clients, stack, [pend["indices"] for pend in pending])
+        x = torch.stack([c.public_x[pend["indices"]] for c, pend in zip(clients, pending)])  # type: ignore[index]
+        logits, s = _forward_public(clients, stack, x)
         z = batch_normalise(logits)
     if any(zb.shape != z.shape[1:] for zb in zbar):
         raise NotStackable("an average of another shape than the upload (the client refuses it itself)")

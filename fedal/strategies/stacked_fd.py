@@ -3,8 +3,8 @@ training, CE + fd_beta * the cross entropy to the per-label teacher, stacked
 (stacked_training.py), each client's softmax outputs summed per label as it goes.
 
 A client without a teacher this round (none yet, or fd_beta = 0) gets a term of exactly zero
-(its teacher rows and mask are zero), so its loss and gradient are cross-entropy alone, as on its
-own path, and it reports no `fd_loss`.
+(masked_targets), so its loss and gradient are cross-entropy alone, as on its own path, and it
+reports no `fd_loss`.
 """
 
 from __future__ import annotations
@@ -19,19 +19,24 @@ from fedal.strategies.base import ClientHalf
 from fedal.strategies.fd import AVG_KEY, COUNT_KEY, FDClient, local_average, read_teacher
 from fedal.strategies.losses import cross_entropy
 from fedal.strategies.stacked import NotStackable, StackedModels
-from fedal.strategies.stacked_training import check_batch_sizes, group_batches, group_steps
+from fedal.strategies.stacked_training import (
+    check_batch_sizes,
+    group_batches,
+    group_steps,
+    masked_targets,
+    require_phase,
+    same_params,
+    step_count,
+)
 
 
 def handle_fd_group(clients: Sequence[FDClient], tasks: Sequence[Message]) -> list[Message]:
     """`FDClient.handle` for every client of the group."""
-    if tasks[0].phase != "local_train":
-        raise NotStackable(f"phase {tasks[0].phase!r} runs client by client")
-    p = clients[0].params
-    if any(c.params != p for c in clients) or len({c.num_classes for c in clients}) != 1:
-        raise NotStackable("the clients' strategy parameters or label sets differ")
-    steps = {t.integer("steps", p.tau) for t in tasks}
-    if len(steps) != 1 or 0 in steps:
-        raise NotStackable("the clients take different numbers of steps (or none)")
+    require_phase(tasks, "local_train")
+    p = same_params(clients)
+    if len({c.num_classes for c in clients}) != 1:
+        raise NotStackable("the clients' label sets differ")
+    steps = step_count(clients, tasks)
     try:
         teachers = [read_teacher(t.tensors, c.num_classes) for c, t in zip(clients, tasks)]
     except ValueError as exc:  # the client refuses it itself, client by client
@@ -43,11 +48,8 @@ def handle_fd_group(clients: Sequence[FDClient], tasks: Sequence[Message]) -> li
 
     n, k, beta = len(clients), clients[0].num_classes, float(p.fd_beta)
     use = [t is not None and beta > 0 for t in teachers]
-    probs = torch.zeros(n, k, k)
-    has = torch.zeros(n, k)
-    for i, t in enumerate(teachers):
-        if use[i] and t is not None:
-            probs[i], has[i] = torch.from_numpy(t.probs), torch.from_numpy(t.mask).float()
+    probs, has = masked_targets([(torch.from_numpy(t.probs), torch.from_numpy(t.mask)) if use[i] and t is not None
+                                 else None for i, t in enumerate(teachers)], (k, k))
     sums = torch.zeros(n * k, k, dtype=torch.float64)  # client i's label l at row i * k + l
     counts = torch.zeros(n * k, dtype=torch.int64)
     offset = (torch.arange(n) * k)[:, None]
@@ -65,7 +67,7 @@ def handle_fd_group(clients: Sequence[FDClient], tasks: Sequence[Message]) -> li
         term = (-(teacher * F.log_softmax(logits, dim=2)).sum(dim=2) * torch.gather(has, 1, y)).sum(dim=1) / y.shape[1]
         return ce + beta * term, {"ce": ce, "fd_loss": term}
 
-    reports = group_steps(stack, clients, group_batches(clients, steps.pop(), epochs), loss)
+    reports = group_steps(stack, clients, group_batches(clients, steps, epochs), loss)
     replies = []
     for i, (c, task, r) in enumerate(zip(clients, tasks, reports)):
         stats = {key: r[key] for key in (("loss", "ce", "fd_loss") if use[i] else ("loss", "ce"))}

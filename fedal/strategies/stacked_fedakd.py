@@ -13,25 +13,25 @@ import torch
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf
 from fedal.strategies.fedakd import FedAKDClient
-from fedal.strategies.fedavg import numpy_weights_problem
 from fedal.strategies.losses import cross_entropy, kl_to_student
-from fedal.strategies.stacked import NotStackable, StackedModels
-from fedal.strategies.stacked_training import check_batch_sizes, group_batches, group_steps
+from fedal.strategies.stacked import StackedModels
+from fedal.strategies.stacked_training import (
+    check_batch_sizes,
+    check_weights,
+    group_batches,
+    group_steps,
+    require_phase,
+    same_params,
+    step_count,
+)
 
 
 def handle_fedakd_group(clients: Sequence[FedAKDClient], tasks: Sequence[Message]) -> list[Message]:
     """`FedAKDClient.handle` for every client of the group."""
-    if tasks[0].phase != "train":
-        raise NotStackable(f"phase {tasks[0].phase!r} runs client by client")
-    p = clients[0].params
-    if any(c.params != p for c in clients):
-        raise NotStackable("the clients' strategy parameters differ")
-    steps = {t.integer("steps", p.tau) for t in tasks}
-    if len(steps) != 1 or 0 in steps:
-        raise NotStackable("the clients take different numbers of steps (or none)")
-    problems = [numpy_weights_problem(c.global_model, t.tensors) for c, t in zip(clients, tasks)]
-    if any(problems):  # the client refuses them itself, client by client
-        raise NotStackable(next(p for p in problems if p))
+    require_phase(tasks, "train")
+    p = same_params(clients)
+    n = step_count(clients, tasks)
+    check_weights([c.global_model for c in clients], [t.tensors for t in tasks])
     epochs = int(p.local_epochs or 0)
     check_batch_sizes(clients, epochs)
     for c, t in zip(clients, tasks):
@@ -48,7 +48,6 @@ def handle_fedakd_group(clients: Sequence[FedAKDClient], tasks: Sequence[Message
         teacher = torch.stack([t[i] for t, i in zip(teachers, rows)])
         return cross_entropy(out, y) + weight * temperature**2 * kl_to_student(teacher, out, temperature), {}
 
-    n = steps.pop()
     reports = group_steps(stack, clients, group_batches(clients, n, epochs), loss)
     return [c.local_to_global(t, n, r["loss"]) for c, t, r in zip(clients, tasks, reports)]
 

@@ -20,28 +20,30 @@ import torch
 from fedal.protocol import Message
 from fedal.protocol.wire_dtype import encode_tensor, wire_round
 from fedal.strategies.base import ClientHalf
-from fedal.strategies.fedal import FedALClient, local_loss, logits_iteration, rows_key, transfer_terms
+from fedal.strategies.fedal import FedALClient, local_loss, logits_iteration, transfer_terms
 from fedal.strategies.fedavg import load_numpy_into
 from fedal.strategies.feddf import FedDFClient
-from fedal.strategies.public_rows import public_rows
 from fedal.strategies.stacked import NotStackable, StackedModels
-from fedal.strategies.stacked_training import check_batch_sizes, group_batches, group_steps
+from fedal.strategies.stacked_training import (
+    check_batch_sizes,
+    group_batches,
+    group_steps,
+    public_batch,
+    require_phase,
+    same_params,
+    step_count,
+)
 
 
 def handle_group(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> list[Message]:
     """`FedALClient.handle` for every client of the group: each one's result for its task, all
     tasks of one phase, round and iteration. Raises NotStackable, with nothing changed, where
     the clients must run one by one."""
-    p = clients[0].params
-    if any(c.params != p for c in clients):
-        raise NotStackable("the clients' strategy parameters differ")
-    phase = tasks[0].phase
-    if phase == "local_train":
+    same_params(clients)
+    if require_phase(tasks, "local_train", "transfer") == "local_train":
         diags, stack = _local_train(clients, tasks)
-    elif phase == "transfer":
-        diags, stack = _transfer(clients, tasks)
     else:
-        raise NotStackable(f"phase {phase!r} runs client by client")
+        diags, stack = _transfer(clients, tasks)
     return _replies(clients, tasks, diags, stack)
 
 
@@ -58,9 +60,7 @@ def _local_train(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tu
 def stacked_local_steps(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple[Diagnostics, StackedModels]:
     """`FedALClient.local_steps` of every client: stage 1, CE + lambda_lf_loc * KL(p(theta_ref_loc) || p)."""
     p = clients[0].params
-    steps = {t.integer("steps", p.tau) for t in tasks}
-    if len(steps) != 1:
-        raise NotStackable("the clients take different numbers of steps")
+    steps = step_count(clients, tasks)
     check_batch_sizes(clients)
     stack = StackedModels.of(clients)
     stack.pending = None
@@ -76,7 +76,7 @@ def stacked_local_steps(clients: Sequence[FedALClient], tasks: Sequence[Message]
                 ref_logits = stack.forward(ref, x)
         return local_loss(p, stack.forward(stack.params, x), y, ref_logits), {}
 
-    return group_steps(stack, clients, group_batches(clients, steps.pop()), loss), stack
+    return group_steps(stack, clients, group_batches(clients, steps), loss), stack
 
 
 def _transfer(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple[Diagnostics, StackedModels]:
@@ -97,14 +97,9 @@ def _transfer(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple
     if len({g is None for g in grads}) != 1 or any(c.public_x is None for c in clients):
         raise NotStackable("the clients' feedback differs in kind")
     stack = StackedModels.of(clients)
-    kept, stack.pending = stack.pending, None
-    pending = [c.pending for c in clients]  # all set: checked above
-    x = torch.stack([c.public_x[pend["indices"]] for c, pend in zip(clients, pending)])  # type: ignore[index]
-    if kept is not None and kept["tasks"] == [(c.client_id, pend["round"], pend["iteration"])  # type: ignore[index]
-                                              for c, pend in zip(clients, pending)]:
-        f = kept["logits"]  # the uploaded logits' own forward, its graph kept (as the per-client path)
-    else:  # recomputed from the same weights
-        f = stack.forward(stack.params, x)
+    kept = stack.take_upload(clients, tasks[0].integer("round"), tasks[0].integer("iteration"))
+    x = torch.stack([c.public_x[c.pending["indices"]] for c in clients])  # type: ignore[index]  # all set: checked above
+    f = kept["logits"] if kept is not None else stack.forward(stack.params, x)
     if any(fb.shape != f.shape[1:] or (g is not None and g.shape != f.shape[1:]) for fb, g in zip(fbar, grads)):
         raise NotStackable("feedback of another shape than the logits")
 
@@ -142,15 +137,13 @@ def _replies(clients: Sequence[FedALClient], tasks: Sequence[Message], diags: Di
     uploads: list[dict[str, np.ndarray]] = [{} for _ in clients]
     if nxt is not None:
         round_idx = t0.integer("round")
-        idx = [torch.from_numpy(public_rows(rows_key(p), round_idx, nxt, len(c.public_x), p.public_batch_size))  # type: ignore[arg-type]
-               for c in clients]
-        logits = stack.forward(stack.params, torch.stack([c.public_x[i] for c, i in zip(clients, idx)]))  # type: ignore[index]
+        idx, x = public_batch(clients, round_idx, nxt)
+        logits = stack.forward(stack.params, x)
         out = logits.detach()
         for k, c in enumerate(clients):
-            # the graph stays with the stack, for the feedback step if it comes to this very group
             c.pending = {"round": round_idx, "iteration": nxt, "indices": idx[k]}
             uploads[k] = encode_tensor("logits", out[k].numpy().astype(np.float32), p.wire_dtype, p.wire_int8_scale)
-        stack.pending = {"tasks": [(c.client_id, round_idx, nxt) for c in clients], "logits": logits}
+        stack.keep_upload(clients, round_idx, nxt, logits=logits)
     return [c.reply(t, up, **d) for c, t, up, d in zip(clients, tasks, uploads, diags)]
 
 
@@ -158,13 +151,9 @@ def handle_feddf_group(clients: Sequence[FedDFClient], tasks: Sequence[Message])
     """`FedDFClient.handle` for every client of the group: local training (after loading the
     group's start where sent) and FedAL's transfer stage; `init` and `average` (one upload or
     one forward each) run client by client."""
-    phase = tasks[0].phase
-    if phase == "transfer":
+    if require_phase(tasks, "local_train", "transfer") == "transfer":
         return handle_group(clients, tasks)
-    if phase != "local_train":
-        raise NotStackable(f"phase {phase!r} runs client by client")
-    if any(c.params != clients[0].params for c in clients):
-        raise NotStackable("the clients' strategy parameters differ")
+    same_params(clients)
     try:
         weights = [c.group_weights(t) for c, t in zip(clients, tasks)]
     except ValueError as exc:  # the client refuses it itself, client by client

@@ -18,27 +18,28 @@ import torch.nn.functional as F
 
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf
-from fedal.strategies.fedavg import load_numpy_into, model_to_numpy, numpy_weights_problem
+from fedal.strategies.fedavg import load_numpy_into, model_to_numpy
 from fedal.strategies.fedhkd import COUNT_KEY, H_KEY, KNOWLEDGE_KEYS, Q_KEY, FedHKDClient, Knowledge, extract_knowledge
 from fedal.strategies.losses import cross_entropy
 from fedal.strategies.stacked import NotStackable, StackedModels
-from fedal.strategies.stacked_training import check_batch_sizes, group_batches, group_steps
+from fedal.strategies.stacked_training import (
+    check_batch_sizes,
+    check_weights,
+    group_batches,
+    group_steps,
+    require_phase,
+    same_params,
+    step_count,
+)
 
 
 def handle_fedhkd_group(clients: Sequence[FedHKDClient], tasks: Sequence[Message]) -> list[Message]:
     """`FedHKDClient.handle` for every client of the group."""
-    if tasks[0].phase != "train":
-        raise NotStackable(f"phase {tasks[0].phase!r} runs client by client")
-    p = clients[0].params
-    if any(c.params != p for c in clients):
-        raise NotStackable("the clients' strategy parameters differ")
-    steps = {t.integer("steps", p.tau) for t in tasks}
-    if len(steps) != 1 or 0 in steps:
-        raise NotStackable("the clients take different numbers of steps (or none)")
+    require_phase(tasks, "train")
+    p = same_params(clients)
+    steps = step_count(clients, tasks)
     weights = [{k: v for k, v in t.tensors.items() if k not in KNOWLEDGE_KEYS} for t in tasks]
-    problems = [numpy_weights_problem(c.model, w) for c, w in zip(clients, weights)]
-    if any(problems):  # the client refuses them itself, client by client
-        raise NotStackable(next(q for q in problems if q))
+    check_weights([c.model for c in clients], weights)
     knowledge = _one_knowledge(clients, tasks)
     epochs = int(p.local_epochs or 0)
     check_batch_sizes(clients, epochs)
@@ -65,7 +66,7 @@ def handle_fedhkd_group(clients: Sequence[FedHKDClient], tasks: Sequence[Message
             total = total + gam * feature
         return total, {"ce": ce, "hkd_head": head, "hkd_feature": feature}
 
-    reports = group_steps(stack, clients, group_batches(clients, steps.pop(), epochs), loss, clip_norm=clip)
+    reports = group_steps(stack, clients, group_batches(clients, steps, epochs), loss, clip_norm=clip)
     replies = []
     for c, task, r in zip(clients, tasks, reports):
         h_mean, q_mean, counts = extract_knowledge(c.model, c.x_train, c.y_train, c.num_classes, p, c.noise_generator)

@@ -21,7 +21,7 @@ import torch
 
 from fedal.protocol import Message
 from fedal.strategies.base import ClientHalf
-from fedal.strategies.fedal import logits_iteration, rows_key
+from fedal.strategies.fedal import logits_iteration
 from fedal.strategies.fedproto import (
     AVERAGE_KEY,
     COUNT_KEY,
@@ -32,21 +32,26 @@ from fedal.strategies.fedproto import (
     local_prototypes,
 )
 from fedal.strategies.losses import cross_entropy
-from fedal.strategies.public_rows import public_rows
 from fedal.strategies.stacked import NotStackable, StackedModels
-from fedal.strategies.stacked_training import check_batch_sizes, group_batches, group_steps
+from fedal.strategies.stacked_training import (
+    check_batch_sizes,
+    group_batches,
+    group_steps,
+    masked_targets,
+    public_batch,
+    require_phase,
+    same_params,
+    step_count,
+)
 
 
 def handle_fedproto_group(clients: Sequence[FedProtoClient], tasks: Sequence[Message]) -> list[Message]:
     """`FedProtoClient.handle` for every client of the group."""
-    if tasks[0].phase != "local_train":
-        raise NotStackable(f"phase {tasks[0].phase!r} runs client by client")
-    p = clients[0].params
-    if any(c.params != p for c in clients) or len({(c.num_classes, c.feature_dim) for c in clients}) != 1:
-        raise NotStackable("the clients' strategy parameters, label sets or feature widths differ")
-    steps = {t.integer("steps", p.tau) for t in tasks}
-    if len(steps) != 1 or 0 in steps:
-        raise NotStackable("the clients take different numbers of steps (or none)")
+    require_phase(tasks, "local_train")
+    p = same_params(clients)
+    if len({(c.num_classes, c.feature_dim) for c in clients}) != 1:
+        raise NotStackable("the clients' label sets or feature widths differ")
+    steps = step_count(clients, tasks)
     try:
         globs = [c.global_prototypes(t) for c, t in zip(clients, tasks)]
     except ValueError as exc:  # the client refuses it itself, client by client
@@ -56,14 +61,10 @@ def handle_fedproto_group(clients: Sequence[FedProtoClient], tasks: Sequence[Mes
     stack = StackedModels.of(clients)
     stack.pending = None
 
-    n, k, d = len(clients), clients[0].num_classes, clients[0].feature_dim
+    k, d = clients[0].num_classes, clients[0].feature_dim
     lam = float(p.proto_lambda or 0.0)
     use = [g is not None and lam > 0 for g in globs]
-    protos = torch.zeros(n, k, d)
-    mask = torch.zeros(n, k)
-    for i, g in enumerate(globs):
-        if use[i] and g is not None:
-            protos[i], mask[i] = g[0], g[1].float()
+    protos, mask = masked_targets([g if use[i] else None for i, g in enumerate(globs)], (k, d))
 
     def loss(x: torch.Tensor, y: torch.Tensor, _rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         h = stack.features(stack.params, x)  # [N, B, d]
@@ -76,7 +77,7 @@ def handle_fedproto_group(clients: Sequence[FedProtoClient], tasks: Sequence[Mes
         dist = ((h - target).pow(2) * rows).flatten(1).sum(dim=1) / (h.shape[1] * d)
         return ce + lam * dist, {"ce": ce, "proto_loss": dist}
 
-    reports = group_steps(stack, clients, group_batches(clients, steps.pop(), epochs), loss)
+    reports = group_steps(stack, clients, group_batches(clients, steps, epochs), loss)
     replies = []
     for i, (c, task, r) in enumerate(zip(clients, tasks, reports)):
         stats = {key: r[key] for key in (("loss", "ce", "proto_loss") if use[i] else ("loss",))}
@@ -93,15 +94,13 @@ def handle_fedproto_public_group(clients: Sequence[FedProtoPublicClient], tasks:
     """`FedProtoPublicClient.handle` for every client of the group: the local CE steps, each
     feedback step towards the average features, and the uploads of the next features (their
     graph kept with the group's stack, as the per-client path keeps it)."""
-    p = clients[0].params
-    if any(c.params != p for c in clients) or any(c.public_x is None for c in clients):
-        raise NotStackable("the clients' strategy parameters differ (or a client has no public set)")
+    p = same_params(clients)
+    if any(c.public_x is None for c in clients):
+        raise NotStackable("a client has no public set")
     tau = p.tau or 1
-    phase = tasks[0].phase
+    phase = require_phase(tasks, "local_train", "transfer")
     if phase == "local_train":
-        steps = {t.integer("steps", tau) for t in tasks}
-        if len(steps) != 1:
-            raise NotStackable("the clients take different numbers of steps")
+        steps = step_count(clients, tasks)
         check_batch_sizes(clients)
         stack = StackedModels.of(clients)
         stack.pending = None
@@ -111,8 +110,8 @@ def handle_fedproto_public_group(clients: Sequence[FedProtoPublicClient], tasks:
         def loss(x: torch.Tensor, y: torch.Tensor, _rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             return cross_entropy(stack.forward(stack.params, x), y), {}
 
-        diags: list[dict[str, float]] = group_steps(stack, clients, group_batches(clients, steps.pop()), loss)
-    elif phase == "transfer":
+        diags: list[dict[str, float]] = group_steps(stack, clients, group_batches(clients, steps), loss)
+    else:
         stack = _apply_averages(clients, tasks)
         last = tasks[0].integer("iteration") + 1 >= tau
         diags = []
@@ -121,20 +120,17 @@ def handle_fedproto_public_group(clients: Sequence[FedProtoPublicClient], tasks:
             if last and c.round_diag:  # the round's diagnostics, once
                 diag, c.round_diag = {"proto_loss": float(np.mean(c.round_diag))}, []
             diags.append(diag)
-    else:
-        raise NotStackable(f"phase {phase!r} runs client by client")
     nxt = logits_iteration(phase, tasks[0].integer("iteration"), tau)
     uploads: list[dict[str, np.ndarray]] = [{} for _ in clients]
     if nxt is not None:
         round_idx = tasks[0].integer("round")
-        idx = [torch.from_numpy(public_rows(rows_key(p), round_idx, nxt, len(c.public_x), p.public_batch_size))  # type: ignore[arg-type]
-               for c in clients]
-        h = stack.features(stack.params, torch.stack([c.public_x[i] for c, i in zip(clients, idx)]))  # type: ignore[index]
+        idx, x = public_batch(clients, round_idx, nxt)
+        h = stack.features(stack.params, x)
         out = h.detach()
         for k, c in enumerate(clients):
             c.pending = {"round": round_idx, "iteration": nxt, "indices": idx[k]}
             uploads[k] = {FEATURES_KEY: out[k].numpy().astype(np.float32)}
-        stack.pending = {"tasks": [(c.client_id, round_idx, nxt) for c in clients], "features": h}
+        stack.keep_upload(clients, round_idx, nxt, features=h)
     return [c.reply(t, up, **d) for c, t, up, d in zip(clients, tasks, uploads, diags)]
 
 
@@ -148,14 +144,9 @@ def _apply_averages(clients: Sequence[FedProtoPublicClient], tasks: Sequence[Mes
         if pend is None or (pend["round"], pend["iteration"]) != (t.meta["round"], t.meta["iteration"]):
             raise NotStackable("an average for an iteration whose features this client did not upload")
     stack = StackedModels.of(clients)
-    kept, stack.pending = stack.pending, None
-    pending = [c.pending for c in clients]
-    if kept is not None and kept["tasks"] == [(c.client_id, pend["round"], pend["iteration"])  # type: ignore[index]
-                                              for c, pend in zip(clients, pending)]:
-        h = kept["features"]  # the uploaded features' own forward, its graph kept
-    else:  # recomputed from the same weights
-        h = stack.features(stack.params, torch.stack([c.public_x[pend["indices"]]  # type: ignore[index]
-                                                      for c, pend in zip(clients, pending)]))
+    kept = stack.take_upload(clients, tasks[0].integer("round"), tasks[0].integer("iteration"))
+    h = kept["features"] if kept is not None else stack.features(
+        stack.params, torch.stack([c.public_x[c.pending["indices"]] for c in clients]))  # type: ignore[index]
     averages = [t.tensors[AVERAGE_KEY] for t in tasks]
     if any(a.dtype != np.float32 or a.shape != tuple(h.shape[1:]) for a in averages):
         raise NotStackable("an average of another form than the features (the client refuses it itself)")

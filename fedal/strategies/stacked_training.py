@@ -11,9 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from fedal.protocol import Message
+from fedal.strategies.fedal import rows_key
+from fedal.strategies.fedavg import numpy_weights_problem
 from fedal.strategies.local import local_batches
+from fedal.strategies.params import StrategyParams
+from fedal.strategies.public_rows import public_rows
 from fedal.strategies.stacked import NotStackable, StackedModels
 
 # (x [N, B, ...], y [N, B], each client's row indices) -> each client's mean loss over its rows
@@ -21,6 +27,61 @@ from fedal.strategies.stacked import NotStackable, StackedModels
 GroupLoss = Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 # each client's row indices -> the step's (x [N, B, ...], y [N, B, ...])
 Inputs = Callable[[Sequence[torch.Tensor]], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+def require_phase(tasks: Sequence[Message], *phases: str) -> str:
+    """The group's phase; NotStackable unless it is one of `phases` (the others run client by client)."""
+    phase = tasks[0].phase
+    if phase not in phases:
+        raise NotStackable(f"phase {phase!r} runs client by client")
+    return phase
+
+
+def same_params(clients: Sequence[Any]) -> StrategyParams:
+    """The clients' one set of strategy parameters; NotStackable where they differ."""
+    p = clients[0].params
+    if any(c.params != p for c in clients):
+        raise NotStackable("the clients' strategy parameters differ")
+    return p
+
+
+def step_count(clients: Sequence[Any], tasks: Sequence[Message]) -> int:
+    """The one number of steps every task asks for (`steps`, default tau); NotStackable where
+    they differ or there are none (nothing to stack)."""
+    steps = {t.integer("steps", clients[0].params.tau) for t in tasks}
+    if len(steps) != 1 or 0 in steps:
+        raise NotStackable("the clients take different numbers of steps (or none)")
+    return steps.pop()
+
+
+def check_weights(models: Sequence[torch.nn.Module], weights: Sequence[dict[str, np.ndarray]]) -> None:
+    """NotStackable, changing nothing, where some client's weights do not load into its model:
+    that client refuses them itself, on its own path."""
+    for model, w in zip(models, weights):
+        problem = numpy_weights_problem(model, w)
+        if problem:
+            raise NotStackable(problem)
+
+
+def masked_targets(per_client: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+                   shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class targets [N, K, ...] and their masks [N, K] from each client's (targets [K, ...],
+    mask [K]), or None for a client without any: zeros, so the term they weigh is exactly 0 for
+    it and its step is the one without the term, as on its own path."""
+    targets, masks = torch.zeros(len(per_client), *shape), torch.zeros(len(per_client), shape[0])
+    for i, pair in enumerate(per_client):
+        if pair is not None:
+            targets[i], masks[i] = pair[0], pair[1].float()
+    return targets, masks
+
+
+def public_batch(clients: Sequence[Any], round_idx: int, iteration: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each client's public rows of (round, iteration), as its own path draws them
+    (public_rows), and the stacked inputs [N, B, ...]."""
+    p = clients[0].params
+    idx = [torch.from_numpy(public_rows(rows_key(p), round_idx, iteration, len(c.public_x), p.public_batch_size))
+           for c in clients]
+    return idx, torch.stack([c.public_x[i] for c, i in zip(clients, idx)])
 
 
 def group_batches(clients: Sequence[Any], steps: int, epochs: int = 0) -> list[list[torch.Tensor]]:
