@@ -33,7 +33,7 @@ from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.losses import kl_to_student
 from fedal.strategies.params import StrategyParams
 from fedal.strategies.public_rows import public_rows
-from fedal.strategies.training import minibatch_steps
+from fedal.strategies.training import minibatch_steps, train_mode
 
 # tau public iterations per round (the authors' code: one public epoch of 5000 rows in batches of
 # 256, about 20); local training as the toolkit's tau steps unless local_epochs is set (their code: 20)
@@ -284,7 +284,7 @@ class FCCLClient(ClientHalf):
         """Logits and (FCCL+) instance similarities of the public rows, through one forward."""
         assert self.public_x is not None
         x = self.public_x[idx]
-        self.model.train()
+        train_mode(self.model)
         if not self.PLUS:
             return self.model(x), None
         h = self.model.features(x)

@@ -34,7 +34,7 @@ from fedal.strategies.frozen import Frozen, frozen_copy
 from fedal.strategies.losses import cross_entropy, kl_grad_wrt_student, kl_to_student, mean_kl_to_mean
 from fedal.strategies.params import DISTILLATION_PARAMS, StrategyParams
 from fedal.strategies.public_rows import public_rows
-from fedal.strategies.training import minibatch_steps
+from fedal.strategies.training import minibatch_steps, train_mode
 
 PRESET = {"tau": 5, "lambda_kd": 1.0, "lambda_adv": 1.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}
 # the phases of a round and their kind: "train" phases get the training deadline
@@ -266,10 +266,11 @@ class FedALClient(ClientHalf):
             raise ValueError("this client has no public set")
         p = self.params
         idx = torch.from_numpy(public_rows(rows_key(p), round_idx, iteration, len(self.public_x), p.public_batch_size))
-        self.model.train()
-        logits = self.model(self.public_x[idx])
+        x = self.public_x[idx]
+        train_mode(self.model)
+        logits = self.model(x)
         # the graph is kept: the feedback's vector-Jacobian product goes through this very forward
-        self.pending = {"round": round_idx, "iteration": iteration, "indices": idx, "logits": logits}
+        self.pending = {"round": round_idx, "iteration": iteration, "indices": idx, "x": x, "logits": logits}
         return encode_tensor("logits", logits.detach().numpy().astype(np.float32), p.wire_dtype, p.wire_int8_scale)
 
     def received(self, task: Message, name: str) -> torch.Tensor:
@@ -288,7 +289,7 @@ class FedALClient(ClientHalf):
         g = self.received(task, "grad") if "grad" in task.tensors and p.lambda_adv > 0 else None
         self.pending = None
         assert self.public_x is not None  # pending logits exist only after an upload from it
-        x = self.public_x[pend["indices"]]
+        x = pend["x"] if "x" in pend else self.public_x[pend["indices"]]
         f = pend.get("logits")
         if f is None:  # restored from a checkpoint: recompute the uploaded logits (same weights)
             self.model.train()

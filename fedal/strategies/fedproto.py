@@ -33,7 +33,7 @@ from fedal.strategies.fedal import logits_iteration, rows_key
 from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.params import StrategyParams
 from fedal.strategies.public_rows import public_rows
-from fedal.strategies.training import minibatch_steps
+from fedal.strategies.training import minibatch_steps, train_mode
 
 # the paper: lambda = 1 for MNIST and FEMNIST (0.1 for CIFAR-10), the authors' code's default `ld`
 PRESET = {"tau": 5, "local_epochs": 1, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0,
@@ -390,7 +390,7 @@ class FedProtoPublicClient(ClientHalf):
             raise ValueError("this client has no public set")
         p = self.params
         idx = torch.from_numpy(public_rows(rows_key(p), round_idx, iteration, len(self.public_x), p.public_batch_size))
-        self.model.train()
+        train_mode(self.model)
         h = self.model.features(self.public_x[idx])
         # the graph is kept: the feedback step goes through this very forward (as FedAL's logits)
         self.pending = {"round": round_idx, "iteration": iteration, "indices": idx, "features": h}

@@ -18,6 +18,13 @@ from fedal.privacy import PrivateTraining
 StepLoss = Callable[[torch.Tensor], "tuple[torch.Tensor, dict[str, float]]"]
 
 
+def train_mode(model: torch.nn.Module) -> None:
+    """model.train(), unless every module already is: a client switches to train mode before each
+    upload and each training task, and train() sets the flag on every submodule each time."""
+    if not all(m.training for m in model.modules()):
+        model.train()
+
+
 def minibatch_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable[torch.Tensor],
                     step_loss: StepLoss, clip_norm: float | None = None,
                     private: PrivateTraining | None = None,
@@ -28,7 +35,7 @@ def minibatch_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ba
     is DP-SGD: per-sample gradients clipped, summed and noised (fedal/privacy/training.py); an
     empty batch is a step of noise alone. `public_loss()`, a term that touches no private data,
     joins each step's gradient after that, unclipped (None: none this step)."""
-    model.train()
+    train_mode(model)
     params = [p for p in model.parameters() if p.requires_grad]
     steps = []
     with private.per_sample(model) if private is not None else contextlib.nullcontext():
