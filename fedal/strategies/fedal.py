@@ -31,7 +31,7 @@ from fedal.strategies import optim
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
 from fedal.strategies.discriminator import Discriminator, discriminator_input, per_sample_adversarial_grad
 from fedal.strategies.frozen import Frozen, frozen_copy
-from fedal.strategies.losses import cross_entropy, kl_grad_wrt_student, kl_to_student, mean_kl_to_mean
+from fedal.strategies.losses import cross_entropy, kl_grad_norm, kl_to_student, mean_kl_to_mean
 from fedal.strategies.params import DISTILLATION_PARAMS, StrategyParams
 from fedal.strategies.public_rows import public_rows
 from fedal.strategies.training import minibatch_steps, train_mode
@@ -89,6 +89,22 @@ def transfer_terms(p: StrategyParams, f: torch.Tensor, target: torch.Tensor,
     kd = p.lambda_kd * kl_to_student(target, f, p.temperature_kd)
     lf = None if ref is None else p.lambda_lf_glo * kl_to_student(ref, f, p.temperature_lf)
     return kd, lf
+
+
+def transfer_norms(p: StrategyParams, kd: torch.Tensor, f: torch.Tensor, target: torch.Tensor,
+                   ref: torch.Tensor | None, adv: torch.Tensor | None) -> list[dict[str, float]]:
+    """The distillation terms' diagnostics: the KD loss and the gradient norm of each term (the
+    adversarial one as the server sent it). One dict for [B, C] logits, one per client for
+    stacked [N, B, C] ones, computed for all of them at once."""
+    values = {"loss_kd": kd.detach(), "gnorm_kd": kl_grad_norm(target, f, p.temperature_kd)}
+    scale = {"gnorm_kd": p.lambda_kd}
+    if ref is not None:
+        values["gnorm_lf"] = kl_grad_norm(ref, f, p.temperature_lf)
+        scale["gnorm_lf"] = p.lambda_lf_glo
+    if adv is not None:
+        values["gnorm_adv"] = adv.flatten(-2).norm(dim=-1)
+    columns = {k: [scale.get(k, 1.0) * v for v in t.reshape(-1).tolist()] for k, t in values.items()}
+    return [dict(zip(columns, row)) for row in zip(*columns.values())]
 
 
 class FedALServer(ServerHalf):
@@ -304,29 +320,19 @@ class FedALClient(ClientHalf):
 
         ref = None if self.ref_glo is None else self.ref_glo(x)
         loss, lf = transfer_terms(p, f, target, ref)
-        diag = self.transfer_norms(loss, f, target, ref)
+        adv = None if g is None else p.lambda_adv * g / f.shape[0]
+        diag = transfer_norms(p, loss, f, target, ref, adv)[0]
         if lf is not None:
             loss = loss + lf
 
         self.optimizer.zero_grad()
-        if g is not None:
-            adv = p.lambda_adv * g / f.shape[0]
-            diag["gnorm_adv"] = adv.norm().item()
+        if adv is not None:
             # d/df (f * adv).sum() = adv: the server's gradient joins the loss's in one scalar
             # backward (autograd.backward with explicit gradients would import sympy on a device)
             (loss + (f * adv).sum()).backward()
         else:
             loss.backward()
         self.optimizer.step()
-        return diag
-
-    def transfer_norms(self, kd: torch.Tensor, f: torch.Tensor, target: torch.Tensor,
-                       ref: torch.Tensor | None) -> dict[str, float]:
-        """The distillation terms' diagnostics: the KD loss and both terms' gradient norms."""
-        p = self.params
-        diag = {"loss_kd": kd.item(), "gnorm_kd": p.lambda_kd * kl_grad_wrt_student(target, f, p.temperature_kd).norm().item()}
-        if ref is not None:
-            diag["gnorm_lf"] = p.lambda_lf_glo * kl_grad_wrt_student(ref, f, p.temperature_lf).norm().item()
         return diag
 
     def kd_target(self, fbar: torch.Tensor, own: torch.Tensor, n_avg: int) -> torch.Tensor:

@@ -35,11 +35,13 @@ def kl_per_row(target_logits: torch.Tensor, student_logits: torch.Tensor, temper
     return (torch.xlogy(target, target) - target * log_student).sum(dim=1)
 
 
-def kl_grad_wrt_student(target_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Closed form of d kl_to_student / d student_logits (used for cheap diagnostics)."""
-    b = student_logits.shape[0]
-    diff = F.softmax(student_logits.detach() / temperature, dim=1) - F.softmax(target_logits.detach() / temperature, dim=1)
-    return diff / (temperature * b)
+def kl_grad_norm(target_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The Euclidean norm of d kl_to_student / d student_logits, from its closed form (cheap
+    diagnostics): [B, C] -> scalar, and [N, B, C] -> each client's, [N]."""
+    with torch.no_grad():
+        b = student_logits.size(-2)
+        diff = F.softmax(student_logits / temperature, dim=-1) - F.softmax(target_logits / temperature, dim=-1)
+        return (diff / (temperature * b)).flatten(-2).norm(dim=-1)
 
 
 def mean_kl_to_mean(probs: torch.Tensor) -> float:

@@ -20,7 +20,7 @@ import torch
 from fedal.protocol import Message
 from fedal.protocol.wire_dtype import encode_tensor, wire_round
 from fedal.strategies.base import ClientHalf
-from fedal.strategies.fedal import FedALClient, local_loss, logits_iteration, transfer_terms
+from fedal.strategies.fedal import FedALClient, local_loss, logits_iteration, transfer_norms, transfer_terms
 from fedal.strategies.fedavg import load_numpy_into
 from fedal.strategies.feddf import FedDFClient
 from fedal.strategies.stacked import NotStackable, StackedModels
@@ -116,11 +116,9 @@ def _transfer(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple
             ref = stack.forward(frozen, x)
     kd, lf = transfer_terms(p, f, target, ref)  # [N] each
     loss = kd.sum() if lf is None else (kd + lf).sum()
-    diags = [c.transfer_norms(kd[k], f[k], target[k], None if ref is None else ref[k]) for k, c in enumerate(clients)]
-    if grads[0] is not None:
-        adv = torch.stack([p.lambda_adv * g / f.shape[1] for g in grads if g is not None])
-        for k, d in enumerate(diags):
-            d["gnorm_adv"] = adv[k].norm().item()
+    adv = None if grads[0] is None else torch.stack([p.lambda_adv * g / f.shape[1] for g in grads if g is not None])
+    diags = transfer_norms(p, kd, f, target, ref, adv)
+    if adv is not None:
         loss = loss + (f * adv).sum()
     stack.step(loss)
     stack.write_back()
