@@ -136,9 +136,12 @@ def _conv(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Ten
     kernel = w.shape[-1]
     pad = kernel // 2
     hp = F.pad(h, (0, 0, pad, pad))
-    cols = torch.cat([hp[:, :, j:j + length, :] for j in range(kernel)], dim=-1)  # [K, B, L, k * Ci]
+    if c_in == 1:  # one input channel (a model's first layer): the k shifts are one window view
+        cols = hp.squeeze(-1).unfold(2, kernel, 1)  # [K, B, L, k]
+    else:
+        cols = torch.cat([hp[:, :, j:j + length, :] for j in range(kernel)], dim=-1)  # [K, B, L, k * Ci]
     wm = w.permute(0, 3, 2, 1).reshape(k_clients, kernel * c_in, -1)  # [K, k * Ci, Co]
-    flat = cols.view(k_clients, batch * length, kernel * c_in)
+    flat = cols.reshape(k_clients, batch * length, kernel * c_in)
     out = torch.bmm(flat, wm) if b is None else torch.baddbmm(b.unsqueeze(1), flat, wm)
     return out.view(k_clients, batch, length, -1)
 
@@ -146,7 +149,12 @@ def _conv(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Ten
 def _pool(h: torch.Tensor, size: int) -> torch.Tensor:
     """Max-pooling by `size` along L, floor as torch's. Handed to torch channels-last ([K*B, C, L]
     with C innermost), the layout its CPU kernel vectorizes: a reshaped max or a chain of maxima
-    is slower, forward and backward."""
+    is slower, forward and backward. Without a gradient to keep (references, evaluation) torch
+    takes another kernel, two to four times slower than the maximum over a reshaped view, which
+    is then the same numbers."""
     k_clients, batch, length, c = h.shape
+    if not (h.requires_grad and torch.is_grad_enabled()):
+        kept = length // size * size
+        return h[:, :, :kept].reshape(k_clients, batch, length // size, size, c).amax(dim=3)
     pooled = F.max_pool1d(h.reshape(k_clients * batch, length, c).transpose(1, 2), size)
     return pooled.transpose(1, 2).reshape(k_clients, batch, -1, c)
