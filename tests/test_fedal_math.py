@@ -313,3 +313,18 @@ def test_transfer_diagnostics_travel_once_per_round_as_means(name, monkeypatch):
         begin = server.collect(begin, {c: clients[c].handle(t) for c, t in begin.tasks.items()})
     clients["c0"].handle(begin.tasks["c0"])
     assert clients["c0"].transfer_diag == {}
+
+
+@pytest.mark.parametrize("shape", [(8, 5), (3, 8, 5)], ids=["one client", "stacked clients"])
+def test_the_diagnostic_gradient_norm_is_autograds(shape):
+    """gnorm_kd / gnorm_lf come from the closed form of KL(target || student)'s gradient: it must
+    be the norm autograd gives, per client when the logits are stacked."""
+    from fedal.strategies.losses import kl_grad_norm
+
+    torch.manual_seed(0)
+    student = (3 * torch.randn(shape)).requires_grad_()
+    target = 3 * torch.randn(shape)
+    temperature = 1.7
+    (grad,) = torch.autograd.grad(kl_to_student(target, student, temperature).sum(), student)
+    expected = grad.flatten(-2).norm(dim=-1)
+    assert torch.allclose(kl_grad_norm(target, student, temperature), expected, rtol=1e-5, atol=0)
