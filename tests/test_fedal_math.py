@@ -328,3 +328,28 @@ def test_the_diagnostic_gradient_norm_is_autograds(shape):
     (grad,) = torch.autograd.grad(kl_to_student(target, student, temperature).sum(), student)
     expected = grad.flatten(-2).norm(dim=-1)
     assert torch.allclose(kl_grad_norm(target, student, temperature), expected, rtol=1e-5, atol=0)
+
+
+def test_many_clients_rows_go_through_the_discriminator_in_chunks_with_the_same_numbers(monkeypatch):
+    """Above MAX_OUTPUT_ELEMENTS outputs ([rows, N]: 128 MB per tensor at N = 1000, B = 32) the
+    discriminator's step and the per-sample gradients go through the rows in chunks: the same
+    step, loss, accuracy and gradients as one pass, to float summation order."""
+    import fedal.strategies.discriminator as discriminator
+
+    torch.manual_seed(1)
+    rows = torch.randn(4 * 32, 4) * 3
+    target = torch.arange(4).repeat_interleave(32)
+    servers = [toy_federation("fedal", n_clients=4, tau=1, disc_lr=1e-2)[0] for _ in range(2)]
+    grads = []
+    for server, limit in zip(servers, (discriminator.MAX_OUTPUT_ELEMENTS, 4 * 20)):  # 20 rows a chunk: 7 chunks
+        monkeypatch.setattr(discriminator, "MAX_OUTPUT_ELEMENTS", limit)
+        assert len(discriminator.row_chunks(len(rows), 4)) == (1 if limit > 4 * 128 else 7)
+        for _ in range(3):
+            server._discriminator_step(rows, target)
+        grads.append(per_sample_adversarial_grad(server.disc, rows, target, 2.0))
+    one, chunked = servers
+    for key in ("disc_loss", "disc_acc"):
+        assert chunked.metrics[key] == pytest.approx(one.metrics[key], abs=1e-6)
+    for a, b in zip(one.disc.parameters(), chunked.disc.parameters()):  # Adam (lr 1e-2) scales rounding up
+        assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max().item()
+    assert torch.allclose(grads[0], grads[1], atol=1e-7, rtol=0)

@@ -29,7 +29,7 @@ from fedal.protocol import Message
 from fedal.protocol.wire_dtype import WireDtypeError, decode_tensor, encode_tensor, wire_round
 from fedal.strategies import optim
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
-from fedal.strategies.discriminator import Discriminator, discriminator_input, per_sample_adversarial_grad
+from fedal.strategies.discriminator import Discriminator, discriminator_input, per_sample_adversarial_grad, row_chunks
 from fedal.strategies.frozen import Frozen, frozen_copy
 from fedal.strategies.losses import cross_entropy, kl_grad_norm, kl_to_student, mean_kl_to_mean
 from fedal.strategies.params import DISTILLATION_PARAMS, StrategyParams
@@ -196,13 +196,25 @@ class FedALServer(ServerHalf):
         """One Adam step on mean CE over all received rows: gradient ascent on U."""
         assert self.disc is not None
         self.disc.train()
-        out = self.disc(discriminator_input(rows, self.params.temperature_disc))
-        loss = F.cross_entropy(out, target)
         self.disc_opt.zero_grad()
-        loss.backward()
+        chunks = row_chunks(len(rows), len(self.client_ids))
+        if len(chunks) == 1:
+            out = self.disc(discriminator_input(rows, self.params.temperature_disc))
+            loss = F.cross_entropy(out, target)
+            loss.backward()
+            disc_loss, disc_acc = loss.item(), (out.argmax(dim=1) == target).float().mean().item()
+        else:  # many clients: the mean over all rows, its gradient accumulated chunk by chunk
+            disc_loss, correct = 0.0, 0
+            for part in chunks:
+                out = self.disc(discriminator_input(rows[part], self.params.temperature_disc))
+                loss = F.cross_entropy(out, target[part], reduction="sum") / len(rows)
+                loss.backward()
+                disc_loss += loss.item()
+                correct += int((out.argmax(dim=1) == target[part]).sum().item())
+            disc_acc = correct / len(rows)
         self.disc_opt.step()
-        self.record("disc_loss", loss.item())
-        self.record("disc_acc", (out.argmax(dim=1) == target).float().mean().item())
+        self.record("disc_loss", disc_loss)
+        self.record("disc_acc", disc_acc)
 
     # -- persistence ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
