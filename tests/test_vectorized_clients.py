@@ -414,3 +414,35 @@ def test_fccl_plus_steps_equal_the_per_client_steps():
     uploads = both(Message({"phase": "collaborate", "round": 1, "iteration": 1}, average(uploads)))
     done = both(Message({"phase": "local_train", "round": 1, "iteration": 0, "steps": 3}, average(uploads)))
     assert all(np.isfinite(r.meta["loss_isl"]) for r in done)  # the collaborative steps were taken
+
+
+@pytest.mark.parametrize("strategy", ["fedal", "fedproto-public", "fccl-plus"])
+def test_a_large_group_recomputes_its_upload_and_holds_no_gradients_between_steps(strategy, monkeypatch):
+    """Above MAX_KEPT_ROWS a group does not keep its upload's graph until the feedback (at N = 1000
+    every group's would): the feedback step recomputes that forward from the same weights, so the
+    run is the very same. Between steps a group holds no gradients."""
+    import fedal.strategies.stacked as stacked
+
+    extra = {"models": ["mlp", "cnn1d_wide"]} if strategy == "fedproto-public" else {}
+    taken: list[bool] = []
+    take = StackedModels.take_upload
+
+    def spy(self, *args):
+        kept = take(self, *args)
+        taken.append(kept is not None)
+        return kept
+
+    monkeypatch.setattr(StackedModels, "take_upload", spy)
+    kept = simulate(_config(strategy, True, **extra))
+    assert any(taken)  # small groups: feedback steps go through the kept forward
+    taken.clear()
+    monkeypatch.setattr(stacked, "MAX_KEPT_ROWS", 0)
+    engine, clients, _ = _engine(strategy, True, **extra)
+    for r in range(2):
+        engine.run_round(r)
+        groups = {id(c.group): c.group for c in clients.values() if c.group is not None}
+        assert groups and all(t.grad is None for g in groups.values() for t in g.params.values())
+    assert taken and not any(taken)  # nothing kept: every feedback step recomputed its forward
+    recomputed = simulate(_config(strategy, True, **extra))
+    assert without_timings(recomputed)["rounds"] == without_timings(kept)["rounds"]
+    assert recomputed["vectorized"] == kept["vectorized"] and kept["vectorized"]["stacked_tasks"] > 0

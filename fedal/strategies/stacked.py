@@ -27,6 +27,7 @@ from fedal.strategies import optim
 
 Params = dict[str, torch.Tensor]
 _ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+MAX_KEPT_ROWS = 4096  # public rows of a group's upload whose graph waits for the feedback step
 
 
 class NotStackable(Exception):
@@ -146,7 +147,14 @@ class StackedModels:
 
     def keep_upload(self, clients: Sequence[Any], round_idx: int, iteration: int, **graph: Any) -> None:
         """The forward of these clients' upload of (round, iteration), its graph kept for the
-        feedback step (as the per-client path keeps it), which then goes through this very forward."""
+        feedback step (as the per-client path keeps it), which then goes through this very forward.
+        Not kept for more than MAX_KEPT_ROWS rows in all: every group's graph would stay alive until
+        its feedback (about 500 MB at N = 1000 on MNIST-1D), so the feedback step recomputes that
+        forward from the same weights instead (one more forward, the same numbers)."""
+        first = next(iter(graph.values()))
+        if first.shape[0] * first.shape[1] > MAX_KEPT_ROWS:
+            self.pending = None
+            return
         self.pending = {"tasks": [(c.client_id, round_idx, iteration) for c in clients], **graph}
 
     def take_upload(self, clients: Sequence[Any], round_idx: int, iteration: int) -> dict[str, Any] | None:
@@ -170,9 +178,14 @@ class StackedModels:
         self._frozen[key] = (tensors, _versions(tensors), stacked)
         return stacked
 
+    def release_frozen(self, key: str) -> None:
+        """Forget the stacked frozen modules under `key` (a reference made anew each round)."""
+        self._frozen.pop(key, None)
+
     def step(self, loss: torch.Tensor, clip_norm: float | None = None) -> None:
         """With `clip_norm`, each client's gradient is clipped to that norm over all its
-        parameters first, as torch.nn.utils.clip_grad_norm_ clips one model's."""
+        parameters first, as torch.nn.utils.clip_grad_norm_ clips one model's. The gradients are
+        released after the step: between steps a group holds none (they are as large as its weights)."""
         self.optimizer.zero_grad()
         loss.backward()
         if clip_norm is not None:
@@ -183,6 +196,7 @@ class StackedModels:
                 for g in grads:
                     g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
         self.optimizer.step()
+        self.optimizer.zero_grad()
 
     def write_back(self) -> None:
         """The stacked weights and moments into each client's own tensors (in place: the

@@ -76,7 +76,9 @@ def stacked_local_steps(clients: Sequence[FedALClient], tasks: Sequence[Message]
                 ref_logits = stack.forward(ref, x)
         return local_loss(p, stack.forward(stack.params, x), y, ref_logits), {}
 
-    return group_steps(stack, clients, group_batches(clients, steps), loss), stack
+    diags = group_steps(stack, clients, group_batches(clients, steps), loss)
+    stack.release_frozen("ref_loc")  # this task's alone: the next round snapshots a new one
+    return diags, stack
 
 
 def _transfer(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple[Diagnostics, StackedModels]:
