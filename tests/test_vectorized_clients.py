@@ -417,10 +417,11 @@ def test_fccl_plus_steps_equal_the_per_client_steps():
 
 
 @pytest.mark.parametrize("strategy", ["fedal", "fedproto-public", "fccl-plus"])
-def test_a_large_group_recomputes_its_upload_and_holds_no_gradients_between_steps(strategy, monkeypatch):
-    """Above MAX_KEPT_ROWS a group does not keep its upload's graph until the feedback (at N = 1000
-    every group's would): the feedback step recomputes that forward from the same weights, so the
-    run is the very same. Between steps a group holds no gradients."""
+def test_groups_past_the_kept_rows_recompute_their_upload_and_hold_no_gradients_between_steps(strategy,
+                                                                                               monkeypatch):
+    """Past MAX_KEPT_ROWS public rows over all groups, a group does not keep its upload's graph
+    until the feedback (at N = 1000 every group's would): the feedback step recomputes that forward
+    from the same weights, so the run is the very same. Between steps a group holds no gradients."""
     import fedal.strategies.stacked as stacked
 
     extra = {"models": ["mlp", "cnn1d_wide"]} if strategy == "fedproto-public" else {}
@@ -446,3 +447,32 @@ def test_a_large_group_recomputes_its_upload_and_holds_no_gradients_between_step
     recomputed = simulate(_config(strategy, True, **extra))
     assert without_timings(recomputed)["rounds"] == without_timings(kept)["rounds"]
     assert recomputed["vectorized"] == kept["vectorized"] and kept["vectorized"]["stacked_tasks"] > 0
+
+
+def test_a_large_architecture_group_steps_in_parts_of_at_most_max_group(monkeypatch):
+    """Clients of one architecture stack in parts of at most MAX_GROUP (past the CPU's caches a
+    larger stack runs at memory speed), as equal in size as can be: each part steps as the
+    per-client path does, and every task is still stacked."""
+    import fedal.engine.inprocess as inprocess
+
+    monkeypatch.setattr(inprocess, "MAX_GROUP", 3)
+    assert inprocess.group_parts(list(range(7))) == [[0, 1], [2, 3], [4, 5, 6]]
+    assert inprocess.group_parts(list(range(3))) == [[0, 1, 2]]
+    extra = {"clients": 8, "models": ["mlp", "cnn1d"]}  # two architectures of 4 clients: parts of 2
+    per_engine, per_clients, _ = _engine("fedal", False, **extra)
+    vec_engine, vec_clients, _ = _engine("fedal", True, **extra)
+    sizes: list[int] = []
+    of = StackedModels.of
+
+    def spy(clients):
+        sizes.append(len(clients))
+        return of(clients)
+
+    monkeypatch.setattr(StackedModels, "of", staticmethod(spy))
+    for r in range(2):
+        per_engine.run_round(r)
+        vec_engine.run_round(r)
+        _assert_close_clients(per_clients, vec_clients, atol=1e-4)
+    assert sizes and set(sizes) == {2}
+    stacking = vec_engine.transport.stacking.summary()
+    assert stacking["per_client_tasks"] == 0 and stacking["stacked_tasks"] > 0

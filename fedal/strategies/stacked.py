@@ -17,6 +17,7 @@ Anything that did (a client stepped on its own, a checkpoint was loaded) makes a
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,8 @@ from fedal.strategies import optim
 
 Params = dict[str, torch.Tensor]
 _ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
-MAX_KEPT_ROWS = 4096  # public rows of a group's upload whose graph waits for the feedback step
+MAX_KEPT_ROWS = 8192  # public rows, over all groups, whose uploads' graphs wait for their feedback steps
+_KEEPING: weakref.WeakSet[StackedModels] = weakref.WeakSet()  # the groups that may hold an upload's graph
 
 
 class NotStackable(Exception):
@@ -148,14 +150,21 @@ class StackedModels:
     def keep_upload(self, clients: Sequence[Any], round_idx: int, iteration: int, **graph: Any) -> None:
         """The forward of these clients' upload of (round, iteration), its graph kept for the
         feedback step (as the per-client path keeps it), which then goes through this very forward.
-        Not kept for more than MAX_KEPT_ROWS rows in all: every group's graph would stay alive until
-        its feedback (about 500 MB at N = 1000 on MNIST-1D), so the feedback step recomputes that
-        forward from the same weights instead (one more forward, the same numbers)."""
+        Kept while all groups' kept graphs hold at most MAX_KEPT_ROWS public rows: every group's
+        graph stays alive until its feedback (about 500 MB at N = 1000 on MNIST-1D), so beyond that
+        the feedback step recomputes the forward from the same weights (one more forward, the same
+        numbers)."""
+        self.pending = None
         first = next(iter(graph.values()))
-        if first.shape[0] * first.shape[1] > MAX_KEPT_ROWS:
-            self.pending = None
+        rows = first.shape[0] * first.shape[1]
+        if rows + sum(s.kept_rows() for s in _KEEPING) > MAX_KEPT_ROWS:
             return
-        self.pending = {"tasks": [(c.client_id, round_idx, iteration) for c in clients], **graph}
+        self.pending = {"tasks": [(c.client_id, round_idx, iteration) for c in clients], "rows": rows, **graph}
+        _KEEPING.add(self)
+
+    def kept_rows(self) -> int:
+        """Public rows of the upload whose graph this group holds (0: none)."""
+        return int(self.pending.get("rows", 0)) if self.pending else 0
 
     def take_upload(self, clients: Sequence[Any], round_idx: int, iteration: int) -> dict[str, Any] | None:
         """What keep_upload kept, if it is these clients' upload of (round, iteration) (else None:
