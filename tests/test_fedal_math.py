@@ -316,18 +316,21 @@ def test_transfer_diagnostics_travel_once_per_round_as_means(name, monkeypatch):
 
 
 @pytest.mark.parametrize("shape", [(8, 5), (3, 8, 5)], ids=["one client", "stacked clients"])
-def test_the_diagnostic_gradient_norm_is_autograds(shape):
-    """gnorm_kd / gnorm_lf come from the closed form of KL(target || student)'s gradient: it must
-    be the norm autograd gives, per client when the logits are stacked."""
-    from fedal.strategies.losses import kl_grad_norm
+def test_the_diagnostic_gradient_norms_are_autograds(shape):
+    """gnorm_kd / gnorm_lf come from the closed form of KL(target || student)'s gradient, for
+    several targets at once: each must be the norm autograd gives, per client when the logits
+    are stacked."""
+    from fedal.strategies.losses import kl_grad_norms
 
     torch.manual_seed(0)
     student = (3 * torch.randn(shape)).requires_grad_()
-    target = 3 * torch.randn(shape)
+    targets = [3 * torch.randn(shape), torch.randn(shape)]
     temperature = 1.7
-    (grad,) = torch.autograd.grad(kl_to_student(target, student, temperature).sum(), student)
-    expected = grad.flatten(-2).norm(dim=-1)
-    assert torch.allclose(kl_grad_norm(target, student, temperature), expected, rtol=1e-5, atol=0)
+    norms = kl_grad_norms(targets, student, temperature)
+    assert norms.shape == (2, *shape[:-2])
+    for target, norm in zip(targets, norms):
+        (grad,) = torch.autograd.grad(kl_to_student(target, student, temperature).sum(), student)
+        assert torch.allclose(norm, grad.flatten(-2).norm(dim=-1), rtol=1e-5, atol=0)
 
 
 def test_many_clients_rows_go_through_the_discriminator_in_chunks_with_the_same_numbers(monkeypatch):

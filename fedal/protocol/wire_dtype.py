@@ -11,6 +11,7 @@ any other dtype, shape, a missing or stray scale is refused, as a float32 tensor
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -20,6 +21,7 @@ INT8_SCALES = ("row", "tensor")
 SCALE_SUFFIX = ".scale"
 INT8_MAX = 127  # symmetric: -128 is never produced, so it is refused on receipt
 FLOAT16_MAX = float(np.finfo(np.float16).max)
+_WIRE_NUMPY = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 
 
 class WireDtypeError(ValueError):
@@ -73,7 +75,7 @@ def decode_tensor(tensors: Mapping[str, np.ndarray], name: str, wire_dtype: str,
     if arr is None:
         raise WireDtypeError(f"no {name!r} tensor")
     arr = np.asarray(arr)
-    want_dtype = {"float32": np.float32, "float16": np.float16, "int8": np.int8}.get(wire_dtype)
+    want_dtype = _WIRE_NUMPY.get(wire_dtype)
     if want_dtype is None:
         raise ValueError(f"unknown wire_dtype {wire_dtype!r}; expected one of {', '.join(WIRE_DTYPES)}")
     if arr.dtype != want_dtype:
@@ -103,11 +105,11 @@ def decode_tensor(tensors: Mapping[str, np.ndarray], name: str, wire_dtype: str,
             raise WireDtypeError(f"{name!r} holds -128, outside symmetric int8's [-127, 127]")
         s = scale.reshape((-1,) + (1,) * (arr.ndim - 1))
         out = (arr.astype(np.float64) * s.astype(np.float64)).astype(np.float32)
-    if out.size and not np.all(np.isfinite(out)):
-        raise WireDtypeError(f"{name!r} contains NaN or infinity", kind="non_finite")
-    if max_abs_value is not None and out.size:
-        peak = float(np.max(np.abs(out)))
-        if peak > max_abs_value:
+    if out.size:
+        peak = float(np.abs(out).max())  # one pass: NaN propagates through max, infinity is not finite
+        if not math.isfinite(peak):
+            raise WireDtypeError(f"{name!r} contains NaN or infinity", kind="non_finite")
+        if max_abs_value is not None and peak > max_abs_value:
             raise WireDtypeError(f"{name!r} holds a value of magnitude {peak:.4g} once decoded, "
                                  f"above the run's max_abs_value {max_abs_value:g}", kind="magnitude")
     return out

@@ -31,7 +31,7 @@ from fedal.strategies import optim
 from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
 from fedal.strategies.discriminator import Discriminator, discriminator_input, per_sample_adversarial_grad, row_chunks
 from fedal.strategies.frozen import Frozen, frozen_copy
-from fedal.strategies.losses import cross_entropy, kl_grad_norm, kl_to_student, mean_kl_to_mean
+from fedal.strategies.losses import cross_entropy, kl_grad_norms, kl_to_student, mean_kl_to_mean
 from fedal.strategies.params import DISTILLATION_PARAMS, StrategyParams
 from fedal.strategies.public_rows import public_rows
 from fedal.strategies.training import minibatch_steps, train_mode
@@ -95,22 +95,32 @@ def transfer_norms(p: StrategyParams, kd: torch.Tensor, f: torch.Tensor, target:
                    ref: torch.Tensor | None, adv: torch.Tensor | None) -> list[dict[str, float]]:
     """The distillation terms' diagnostics: the KD loss and the gradient norm of each term (the
     adversarial one as the server sent it). One dict for [B, C] logits, one per client for
-    stacked [N, B, C] ones, computed for all of them at once."""
-    values = {"loss_kd": kd.detach(), "gnorm_kd": kl_grad_norm(target, f, p.temperature_kd)}
-    scale = {"gnorm_kd": p.lambda_kd}
-    if ref is not None:
-        values["gnorm_lf"] = kl_grad_norm(ref, f, p.temperature_lf)
-        scale["gnorm_lf"] = p.lambda_lf_glo
+    stacked [N, B, C] ones, computed for all of them at once (one softmax where both KL terms
+    share a temperature, one conversion to floats)."""
+    names, scales = ["loss_kd", "gnorm_kd"], [1.0, p.lambda_kd]
+    student = f.detach()
+    if ref is None:
+        norms = kl_grad_norms([target], student, p.temperature_kd)
+    else:
+        names.append("gnorm_lf")
+        scales.append(p.lambda_lf_glo)
+        norms = kl_grad_norms([target, ref], student, p.temperature_kd) if p.temperature_lf == p.temperature_kd \
+            else torch.cat([kl_grad_norms([target], student, p.temperature_kd),
+                            kl_grad_norms([ref], student, p.temperature_lf)])
+    rows = [kd.detach().reshape(-1).tolist(), *norms.reshape(len(norms), -1).tolist()]
     if adv is not None:
-        values["gnorm_adv"] = adv.flatten(-2).norm(dim=-1)
-    columns = {k: [scale.get(k, 1.0) * v for v in t.reshape(-1).tolist()] for k, t in values.items()}
-    return [dict(zip(columns, row)) for row in zip(*columns.values())]
+        names.append("gnorm_adv")
+        scales.append(1.0)
+        rows.append(torch.linalg.vector_norm(adv, dim=(-2, -1)).reshape(-1).tolist())
+    columns = [[s * v for v in row] for s, row in zip(scales, rows)]
+    return [dict(zip(names, client)) for client in zip(*columns)]
 
 
 class FedALServer(ServerHalf):
     def __init__(self, params: StrategyParams, client_ids: list[str], context: ServerContext):
         super().__init__(params, client_ids, context)
         self.client_index = {cid: i for i, cid in enumerate(self.client_ids)}
+        self._validated: dict[str, tuple[Message, np.ndarray]] = {}  # each client's last result and its logits
         self.adversarial = params.lambda_adv > 0
         self.disc: Discriminator | None = None
         if self.adversarial:
@@ -147,7 +157,12 @@ class FedALServer(ServerHalf):
         super().validate(phase, client_id, result)
         if self.logits_iteration(phase.phase, phase.iteration) is not None:
             rows = min(self.params.public_batch_size, self.context.public_size)
-            self.received_logits(result, (rows, self.context.num_classes))
+            self._validated[client_id] = (result, self.received_logits(result, (rows, self.context.num_classes)))
+
+    def _logits_of(self, client_id: str, result: Message) -> np.ndarray:
+        """`result`'s logits as validate decoded them (decoded now if it did not see this very result)."""
+        kept = self._validated.pop(client_id, None)
+        return kept[1] if kept is not None and kept[0] is result else self.received_logits(result)
 
     def received_logits(self, result: Message, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """A result's logits in float32, refused unless in exactly the form the run's wire_dtype sends."""
@@ -175,7 +190,7 @@ class FedALServer(ServerHalf):
 
     def _feedback(self, results: dict[str, Message]) -> dict[str, dict[str, np.ndarray]]:
         cids = [cid for cid in self.client_ids if cid in results]  # enrolment order: deterministic
-        f = torch.stack([torch.from_numpy(self.received_logits(results[c])) for c in cids])
+        f = torch.stack([torch.from_numpy(self._logits_of(c, results[c])) for c in cids])
         n_avg, batch = f.shape[0], f.shape[1]
         self.record("participation", n_avg / len(self.client_ids))
         self.record("discrepancy", mean_kl_to_mean(F.softmax(f, dim=2)))

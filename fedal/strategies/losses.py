@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -35,13 +37,16 @@ def kl_per_row(target_logits: torch.Tensor, student_logits: torch.Tensor, temper
     return (torch.xlogy(target, target) - target * log_student).sum(dim=1)
 
 
-def kl_grad_norm(target_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """The Euclidean norm of d kl_to_student / d student_logits, from its closed form (cheap
-    diagnostics): [B, C] -> scalar, and [N, B, C] -> each client's, [N]."""
+def kl_grad_norms(targets: Sequence[torch.Tensor], student_logits: torch.Tensor,
+                  temperature: float = 1.0) -> torch.Tensor:
+    """The Euclidean norm of d kl_to_student(target, student) / d student_logits for each target,
+    from its closed form (cheap diagnostics; one softmax over all of them): [B, C] logits ->
+    [len(targets)], and [N, B, C] -> [len(targets), N]."""
     with torch.no_grad():
         b = student_logits.size(-2)
-        diff = F.softmax(student_logits / temperature, dim=-1) - F.softmax(target_logits / temperature, dim=-1)
-        return (diff / (temperature * b)).flatten(-2).norm(dim=-1)
+        z = torch.stack([student_logits, *targets])
+        probs = F.softmax(z if temperature == 1 else z / temperature, dim=-1)  # x / 1 is x: skipped
+        return torch.linalg.vector_norm((probs[:1] - probs[1:]) / (temperature * b), dim=(-2, -1))
 
 
 def mean_kl_to_mean(probs: torch.Tensor) -> float:
