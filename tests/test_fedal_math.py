@@ -283,17 +283,19 @@ def test_client_state_roundtrip_resumes_identically():
 @pytest.mark.parametrize("name", ["fedal", "feddf-al"])
 def test_transfer_diagnostics_travel_once_per_round_as_means(name, monkeypatch):
     """Each transfer result but the round's last carries no diagnostics; the last carries the
-    means of this client's per-iteration values; a round left unfinished leaves nothing behind."""
-    from fedal.strategies.fedal import FedALClient
+    means of this client's per-iteration values (kept as the iteration's terms and computed
+    together: the same numbers as one transfer_norms call each); a checkpoint in mid-round
+    saves them as numbers; a round left unfinished leaves nothing behind."""
+    from fedal.strategies.fedal import FedALClient, transfer_norms
 
     seen: list[dict] = []
     original = FedALClient._apply_feedback
 
     def spy(self, task):
-        diag = original(self, task)
+        original(self, task)
         if self.client_id == "c0":
-            seen.append(diag)
-        return diag
+            kd, f, target, ref, adv = self.kept_terms[-1]
+            seen.append(transfer_norms(self.params, kd, f, target, ref, adv)[0])
 
     monkeypatch.setattr(FedALClient, "_apply_feedback", spy)
     server, clients, params = toy_federation(name, tau=3)
@@ -302,17 +304,23 @@ def test_transfer_diagnostics_travel_once_per_round_as_means(name, monkeypatch):
         results = {cid: clients[cid].handle(t) for cid, t in phase.tasks.items()}
         if phase.phase == "transfer":
             sent.append(results["c0"].meta)
+            if len(sent) == 2:  # a checkpoint in mid-round: the kept iterations become numbers
+                assert clients["c0"].kept_terms
+                state = clients["c0"].state_dict()
+                assert not clients["c0"].kept_terms
+                assert state["transfer_diag"]["gnorm_kd"] == [d["gnorm_kd"] for d in seen]
         phase = server.collect(phase, results)
     assert len(seen) == len(sent) == 3
     assert all("loss_kd" not in m for m in sent[:-1])
-    for key in ("loss_kd", "gnorm_kd", "gnorm_adv"):
-        assert sent[-1][key] == pytest.approx(np.mean([d[key] for d in seen]), rel=1e-12)
+    for key in ("loss_kd", "gnorm_kd", "gnorm_lf", "gnorm_adv"):
+        assert sent[-1][key] == np.mean([d[key] for d in seen])
     clients["c0"].transfer_diag["loss_kd"] = [9.0]  # as a round cut short would leave it
+    clients["c0"].kept_terms.append((torch.zeros(()),) * 5)
     begin = server.begin_round(1)
     while begin.phase != "local_train":  # FedDF-AL: an init phase first, in round 0 only
         begin = server.collect(begin, {c: clients[c].handle(t) for c, t in begin.tasks.items()})
     clients["c0"].handle(begin.tasks["c0"])
-    assert clients["c0"].transfer_diag == {}
+    assert clients["c0"].transfer_diag == {} and clients["c0"].kept_terms == []
 
 
 @pytest.mark.parametrize("shape", [(8, 5), (3, 8, 5)], ids=["one client", "stacked clients"])

@@ -8,6 +8,7 @@ for simulation, MQTT for deployment), and the engine that moves them knows no al
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -83,7 +84,7 @@ class ServerHalf(ABC):
 
     def record(self, name: str, value: object) -> None:
         """Keep a diagnostic; values a client sent that are not finite numbers are ignored."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return
         self.metrics.setdefault(name, []).append(float(value))
 
@@ -173,7 +174,7 @@ class ClientHalf(ABC):
     def reply(self, task: Message, tensors: dict[str, np.ndarray] | None = None, **meta: Any) -> Message:
         base: dict[str, Scalar] = {k: task.meta[k] for k in ("phase", "round", "iteration") if k in task.meta}
         # a diverged loss is reported as null: non-finite numbers are not JSON
-        meta = {k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in meta.items()}
+        meta = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in meta.items()}
         return Message({**base, **meta}, tensors or {})
 
     def sample_batch(self) -> tuple[torch.Tensor, torch.Tensor]:

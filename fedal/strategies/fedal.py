@@ -243,6 +243,15 @@ class FedALServer(ServerHalf):
             self.disc_opt.load_state_dict(state["disc_opt"])
 
 
+def _stacked(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The parts stacked on a new leading axis; None for parts that are None (all alike)."""
+    return None if parts[0] is None else torch.stack([x for x in parts if x is not None])
+
+
+# an iteration's (kd, f, target, ref, adv) as transfer_norms takes them, detached
+KeptTerms = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
+
+
 class FedALClient(ClientHalf):
     # stage 1 goes through self.private; stage 2 and the uploads are post-processing
     @classmethod
@@ -255,13 +264,17 @@ class FedALClient(ClientHalf):
         self.ref_glo: Frozen | None = None
         self.pending: dict[str, Any] | None = None  # indices and logits of the last upload
         self.transfer_diag: dict[str, list[float]] = {}  # this round's per-iteration diagnostics
+        # this round's transfer iterations whose diagnostics are still to compute: (kd, f, target,
+        # ref, adv) each, detached; computed together when the round's means are due
+        self.kept_terms: list[KeptTerms] = []
 
     def handle(self, task: Message) -> Message:
         if task.phase == "local_train":
             diag = self._local_train(task)
         elif task.phase == "transfer":
-            diag = self._apply_feedback(task) if "fbar" in task.tensors else {}
-            diag = self.transfer_diagnostics(diag, last=task.integer("iteration") + 1 >= self.params.tau)
+            if "fbar" in task.tensors:
+                self._apply_feedback(task)
+            diag = self.transfer_diagnostics({}, last=task.integer("iteration") + 1 >= self.params.tau)
         else:
             raise ValueError(f"unknown phase {task.phase!r}")
         tensors = {}
@@ -271,7 +284,28 @@ class FedALClient(ClientHalf):
         return self.reply(task, tensors, **diag)
 
     def transfer_diagnostics(self, diag: dict[str, float], last: bool) -> dict[str, float]:
+        """This iteration's diagnostics (`diag`, computed: a stacked group's) joined to the round's;
+        their means on the round's last iteration."""
+        if self.kept_terms and (diag or last):  # in iteration order: the kept ones first
+            self._compute_kept_diagnostics()
         return round_diagnostics(self.transfer_diag, diag, last)
+
+    def new_round_diagnostics(self) -> None:
+        """A new round: what an interrupted transfer stage left is not reported."""
+        self.transfer_diag.clear()
+        self.kept_terms.clear()
+
+    def _compute_kept_diagnostics(self) -> None:
+        """transfer_norms of the kept iterations, in one call where they are alike (stacked along
+        the leading axis a group stacks its clients on: the same numbers as one call each)."""
+        terms, self.kept_terms = self.kept_terms, []
+        alike = len({(t[3] is None, t[4] is None) for t in terms}) == 1
+        for group in [terms] if alike else [[t] for t in terms]:
+            kd, f, target, ref, adv = (_stacked([t[i] for t in group]) for i in range(5))
+            assert kd is not None and f is not None and target is not None  # never None
+            for diag in transfer_norms(self.params, kd, f, target, ref, adv):
+                for key, value in diag.items():
+                    self.transfer_diag.setdefault(key, []).append(value)
 
     def _local_train(self, task: Message) -> dict[str, Any]:
         diag = self.training_report(lambda: self.local_steps(task.integer("steps", self.params.tau)))
@@ -281,7 +315,7 @@ class FedALClient(ClientHalf):
     def local_steps(self, steps: int) -> float:
         """Stage 1: CE + lambda_lf_loc * KL(p(theta_ref_loc) || p), theta_ref_loc = round start."""
         p = self.params
-        self.transfer_diag.clear()  # a new round: what an interrupted transfer stage left is not reported
+        self.new_round_diagnostics()
         self.ref_loc = self.inference.snapshot(self.model, reuse=self.ref_loc) if p.lambda_lf_loc > 0 else None
         n = len(self.y_train)
 
@@ -323,7 +357,7 @@ class FedALClient(ClientHalf):
         return torch.from_numpy(decode_tensor(task.tensors, name, p.wire_dtype, p.wire_int8_scale,
                                               max_abs_value=p.max_abs_value))
 
-    def _apply_feedback(self, task: Message) -> dict[str, float]:
+    def _apply_feedback(self, task: Message) -> None:
         p = self.params
         pend = self.pending
         if pend is None or (pend["round"], pend["iteration"]) != (task.meta["round"], task.meta["iteration"]):
@@ -348,7 +382,8 @@ class FedALClient(ClientHalf):
         ref = None if self.ref_glo is None else self.ref_glo(x)
         loss, lf = transfer_terms(p, f, target, ref)
         adv = None if g is None else p.lambda_adv * g / f.shape[0]
-        diag = transfer_norms(p, loss, f, target, ref, adv)[0]
+        # diagnostics: computed with the round's other iterations (transfer_diagnostics)
+        self.kept_terms.append((loss.detach(), f.detach(), target, ref, adv))
         if lf is not None:
             loss = loss + lf
 
@@ -360,7 +395,6 @@ class FedALClient(ClientHalf):
         else:
             loss.backward()
         self.optimizer.step()
-        return diag
 
     def kd_target(self, fbar: torch.Tensor, own: torch.Tensor, n_avg: int) -> torch.Tensor:
         """Eq. 5: the average of the *other* clients' logits, (N' fbar - f_n) / (N' - 1)."""
@@ -369,6 +403,8 @@ class FedALClient(ClientHalf):
         return (n_avg * fbar - own) / (n_avg - 1)
 
     def state_dict(self) -> dict[str, Any]:
+        if self.kept_terms:  # saved as the numbers they give
+            self._compute_kept_diagnostics()
         state = super().state_dict()
         state["ref_loc"] = None if self.ref_loc is None else self.ref_loc.state_dict()
         state["ref_glo"] = None if self.ref_glo is None else self.ref_glo.state_dict()
@@ -387,6 +423,7 @@ class FedALClient(ClientHalf):
                 setattr(self, name, self.inference.snapshot(weights))
         self.pending = state.get("pending")
         self.transfer_diag = {k: [float(x) for x in v] for k, v in (state.get("transfer_diag") or {}).items()}
+        self.kept_terms = []
 
 
 SPECS = (StrategySpec("fedal", FedALServer, FedALClient, PRESET, PHASES, PARAMS, uses_public_set=True),)

@@ -65,7 +65,7 @@ def stacked_local_steps(clients: Sequence[FedALClient], tasks: Sequence[Message]
     stack = StackedModels.of(clients)
     stack.pending = None
     for c in clients:  # as FedALClient.local_steps: a new round, the round-start reference
-        c.transfer_diag.clear()
+        c.new_round_diagnostics()
         c.ref_loc = c.inference.snapshot(c.model, reuse=c.ref_loc) if p.lambda_lf_loc > 0 else None
     ref = stack.frozen("ref_loc", [c.ref_loc.module for c in clients]) if p.lambda_lf_loc > 0 else None
 
