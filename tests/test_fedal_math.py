@@ -364,3 +364,26 @@ def test_many_clients_rows_go_through_the_discriminator_in_chunks_with_the_same_
     for a, b in zip(one.disc.parameters(), chunked.disc.parameters()):  # Adam (lr 1e-2) scales rounding up
         assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max().item()
     assert torch.allclose(grads[0], grads[1], atol=1e-7, rtol=0)
+
+
+def test_train_mode_switches_only_a_model_not_all_in_train_mode(monkeypatch):
+    """train_mode calls train() when some module is in eval mode (a submodule too), and not when
+    every module already trains: a client calls it before each upload and training task."""
+    from torch import nn
+
+    from fedal.strategies.training import train_mode
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 2)))
+    calls = []
+    original = nn.Module.train
+    monkeypatch.setattr(nn.Module, "train", lambda self, mode=True: calls.append(self) or original(self, mode))
+    model.eval()
+    calls.clear()
+    train_mode(model)
+    assert calls and all(m.training for m in model.modules())
+    calls.clear()
+    train_mode(model)
+    assert calls == []  # already training: untouched
+    model[1][1].eval()  # one nested module switched to eval
+    train_mode(model)
+    assert all(m.training for m in model.modules())

@@ -40,3 +40,27 @@ def test_rows_differ_by_key_round_and_iteration_and_cover_the_set():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="public rows"):
         public_rows(0, 0, 0, 0, 32)
+
+
+def test_public_inputs_are_gathered_once_per_public_set_and_iteration():
+    """Clients holding the very same public set share one gather per (round, iteration); the
+    rows are public_rows', the inputs the set at those rows; a set written to since, another
+    set, or an iteration older than the kept ones gets a fresh gather."""
+    import torch
+
+    from fedal.strategies.public_rows import KEPT_INPUTS, public_inputs
+
+    public = torch.randn(50, 4)
+    idx, x = public_inputs(public, 3, 2, 1, 8)
+    assert torch.equal(idx, torch.from_numpy(public_rows(3, 2, 1, 50, 8)))
+    assert torch.equal(x, public[idx])
+    again = public_inputs(public, 3, 2, 1, 8)
+    assert again[0] is idx and again[1] is x  # shared, not gathered again
+    assert public_inputs(public.clone(), 3, 2, 1, 8)[1] is not x  # another set
+    assert public_inputs(public, 3, 2, 2, 8)[1] is not x  # another iteration
+    public.mul_(2)  # written to: what was gathered before is stale
+    idx2, x2 = public_inputs(public, 3, 2, 1, 8)
+    assert torch.equal(idx2, idx) and torch.equal(x2, 2 * x)
+    for i in range(KEPT_INPUTS):  # the kept ones are the last few
+        public_inputs(public, 3, 3, i, 8)
+    assert public_inputs(public, 3, 2, 1, 8)[1] is not x2

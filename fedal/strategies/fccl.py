@@ -32,7 +32,7 @@ from fedal.strategies.frozen import Frozen, frozen_copy
 from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.losses import kl_to_student
 from fedal.strategies.params import StrategyParams
-from fedal.strategies.public_rows import public_rows
+from fedal.strategies.public_rows import public_inputs
 from fedal.strategies.training import minibatch_steps, train_mode
 
 # tau public iterations per round (the authors' code: one public epoch of 5000 rows in batches of
@@ -280,10 +280,8 @@ class FCCLClient(ClientHalf):
         return float(np.mean(losses)) if losses else 0.0
 
     # -- collaborative updating (public rows) ---------------------------------------------------
-    def forward_public(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits and (FCCL+) instance similarities of the public rows, through one forward."""
-        assert self.public_x is not None
-        x = self.public_x[idx]
+    def forward_public(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits and (FCCL+) instance similarities of public inputs, through one forward."""
         train_mode(self.model)
         if not self.PLUS:
             return self.model(x), None
@@ -294,8 +292,8 @@ class FCCLClient(ClientHalf):
         if self.public_x is None:
             raise ValueError("this client has no public set")
         p = self.params
-        idx = torch.from_numpy(public_rows(rows_key(p), round_idx, iteration, len(self.public_x), p.public_batch_size))
-        logits, sim = self.forward_public(idx)
+        idx, x = public_inputs(self.public_x, rows_key(p), round_idx, iteration, p.public_batch_size)
+        logits, sim = self.forward_public(x)
         z = batch_normalise(logits)
         # the graph is kept: the average's step goes through this very forward
         self.pending = {"round": round_idx, "iteration": iteration, "indices": idx, "z": z, "s": sim}
@@ -321,7 +319,8 @@ class FCCLClient(ClientHalf):
         self.pending = None
         z, s = pend.get("z"), pend.get("s")
         if z is None:  # restored from a checkpoint: recompute the uploaded forward (same weights)
-            logits, s = self.forward_public(pend["indices"])
+            assert self.public_x is not None  # pending rows exist only after an upload from it
+            logits, s = self.forward_public(self.public_x[pend["indices"]])
             z = batch_normalise(logits)
         if zbar.shape != z.shape:
             raise ValueError(f"{ZBAR_KEY} has shape {tuple(zbar.shape)}, expected {tuple(z.shape)}")

@@ -33,7 +33,7 @@ from fedal.strategies.discriminator import Discriminator, discriminator_input, p
 from fedal.strategies.frozen import Frozen, frozen_copy
 from fedal.strategies.losses import cross_entropy, kl_grad_norms, kl_to_student, mean_kl_to_mean
 from fedal.strategies.params import DISTILLATION_PARAMS, StrategyParams
-from fedal.strategies.public_rows import public_rows
+from fedal.strategies.public_rows import public_inputs
 from fedal.strategies.training import minibatch_steps, train_mode
 
 PRESET = {"tau": 5, "lambda_kd": 1.0, "lambda_adv": 1.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}
@@ -342,8 +342,7 @@ class FedALClient(ClientHalf):
         if self.public_x is None:
             raise ValueError("this client has no public set")
         p = self.params
-        idx = torch.from_numpy(public_rows(rows_key(p), round_idx, iteration, len(self.public_x), p.public_batch_size))
-        x = self.public_x[idx]
+        idx, x = public_inputs(self.public_x, rows_key(p), round_idx, iteration, p.public_batch_size)
         train_mode(self.model)
         logits = self.model(x)
         # the graph is kept: the feedback's vector-Jacobian product goes through this very forward

@@ -32,7 +32,7 @@ from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerC
 from fedal.strategies.fedal import logits_iteration, rows_key
 from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.params import StrategyParams
-from fedal.strategies.public_rows import public_rows
+from fedal.strategies.public_rows import public_inputs
 from fedal.strategies.training import minibatch_steps, train_mode
 
 # the paper: lambda = 1 for MNIST and FEMNIST (0.1 for CIFAR-10), the authors' code's default `ld`
@@ -389,9 +389,9 @@ class FedProtoPublicClient(ClientHalf):
         if self.public_x is None:
             raise ValueError("this client has no public set")
         p = self.params
-        idx = torch.from_numpy(public_rows(rows_key(p), round_idx, iteration, len(self.public_x), p.public_batch_size))
+        idx, x = public_inputs(self.public_x, rows_key(p), round_idx, iteration, p.public_batch_size)
         train_mode(self.model)
-        h = self.model.features(self.public_x[idx])
+        h = self.model.features(x)
         # the graph is kept: the feedback step goes through this very forward (as FedAL's logits)
         self.pending = {"round": round_idx, "iteration": iteration, "indices": idx, "features": h}
         return h.detach().numpy().astype(np.float32)

@@ -11,6 +11,11 @@ import functools
 import hashlib
 
 import numpy as np
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+KEPT_INPUTS = 8  # gathered public batches kept per public set (an iteration's, and a few before)
+_INPUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def public_rows(key: int, round_idx: int, iteration: int, public_size: int, batch: int) -> np.ndarray:
@@ -34,3 +39,22 @@ def _rows(key: int, round_idx: int, iteration: int, public_size: int, batch: int
         rows[k] = moved.get(j, j)
         moved[j] = moved.get(k, k)
     return rows
+
+
+def public_inputs(public_x: torch.Tensor, key: int, round_idx: int, iteration: int,
+                  batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The public rows of (round, iteration) and `public_x` at those rows. Clients of one process
+    that hold the very same public set (a simulation's) share one gather per iteration instead
+    of one each: the last KEPT_INPUTS are kept per public set (as long as it is not written to).
+    Both tensors are shared: read them, never write to them."""
+    kept = _INPUTS.get(public_x)
+    if kept is None:
+        kept = _INPUTS[public_x] = {}
+    at = (int(key), int(round_idx), int(iteration), int(batch), public_x._version)
+    hit = kept.get(at)
+    if hit is None:
+        idx = torch.from_numpy(public_rows(key, round_idx, iteration, len(public_x), batch))
+        hit = kept[at] = (idx, public_x[idx])
+        while len(kept) > KEPT_INPUTS:
+            del kept[next(iter(kept))]
+    return hit

@@ -19,7 +19,7 @@ from fedal.strategies.fedal import rows_key
 from fedal.strategies.fedavg import numpy_weights_problem
 from fedal.strategies.local import local_batches
 from fedal.strategies.params import StrategyParams
-from fedal.strategies.public_rows import public_rows
+from fedal.strategies.public_rows import public_inputs
 from fedal.strategies.stacked import NotStackable, StackedModels
 
 # (x [N, B, ...], y [N, B], each client's row indices) -> each client's mean loss over its rows
@@ -79,9 +79,8 @@ def public_batch(clients: Sequence[Any], round_idx: int, iteration: int) -> tupl
     """Each client's public rows of (round, iteration), as its own path draws them
     (public_rows), and the stacked inputs [N, B, ...]."""
     p = clients[0].params
-    idx = [torch.from_numpy(public_rows(rows_key(p), round_idx, iteration, len(c.public_x), p.public_batch_size))
-           for c in clients]
-    return idx, torch.stack([c.public_x[i] for c, i in zip(clients, idx)])
+    rows = [public_inputs(c.public_x, rows_key(p), round_idx, iteration, p.public_batch_size) for c in clients]
+    return [idx for idx, _ in rows], torch.stack([x for _, x in rows])
 
 
 def group_batches(clients: Sequence[Any], steps: int, epochs: int = 0) -> list[list[torch.Tensor]]:

@@ -9,6 +9,7 @@ and noise) would plug in, so strategies never implement either themselves.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -18,10 +19,17 @@ from fedal.privacy import PrivateTraining
 StepLoss = Callable[[torch.Tensor], "tuple[torch.Tensor, dict[str, float]]"]
 
 
+_MODULES: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
+
+
 def train_mode(model: torch.nn.Module) -> None:
     """model.train(), unless every module already is: a client switches to train mode before each
-    upload and each training task, and train() sets the flag on every submodule each time."""
-    if not all(m.training for m in model.modules()):
+    upload and each training task, and train() sets the flag on every submodule each time. The
+    modules are listed once per model (a model's layers are fixed once it is built)."""
+    modules = _MODULES.get(model)
+    if modules is None:
+        modules = _MODULES[model] = list(model.modules())
+    if not all(m.training for m in modules):
         model.train()
 
 
