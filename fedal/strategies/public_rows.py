@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 KEPT_INPUTS = 8  # gathered public batches kept per public set (an iteration's, and a few before)
 _INPUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_INPUTS_LOCK = threading.Lock()
 
 
 def public_rows(key: int, round_idx: int, iteration: int, public_size: int, batch: int) -> np.ndarray:
@@ -47,14 +49,15 @@ def public_inputs(public_x: torch.Tensor, key: int, round_idx: int, iteration: i
     that hold the very same public set (a simulation's) share one gather per iteration instead
     of one each: the last KEPT_INPUTS are kept per public set (as long as it is not written to).
     Both tensors are shared: read them, never write to them."""
-    kept = _INPUTS.get(public_x)
-    if kept is None:
-        kept = _INPUTS[public_x] = {}
     at = (int(key), int(round_idx), int(iteration), int(batch), public_x._version)
-    hit = kept.get(at)
-    if hit is None:
-        idx = torch.from_numpy(public_rows(key, round_idx, iteration, len(public_x), batch))
-        hit = kept[at] = (idx, public_x[idx])
-        while len(kept) > KEPT_INPUTS:
-            del kept[next(iter(kept))]
+    with _INPUTS_LOCK:  # agents in threads of one process may ask at once
+        kept = _INPUTS.get(public_x)
+        if kept is None:
+            kept = _INPUTS[public_x] = {}
+        hit = kept.get(at)
+        if hit is None:
+            idx = torch.from_numpy(public_rows(key, round_idx, iteration, len(public_x), batch))
+            hit = kept[at] = (idx, public_x[idx])
+            while len(kept) > KEPT_INPUTS:
+                del kept[next(iter(kept))]
     return hit
