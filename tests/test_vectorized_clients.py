@@ -476,3 +476,32 @@ def test_a_large_architecture_group_steps_in_parts_of_at_most_max_group(monkeypa
     assert sizes and set(sizes) == {2}
     stacking = vec_engine.transport.stacking.summary()
     assert stacking["per_client_tasks"] == 0 and stacking["stacked_tasks"] > 0
+
+
+def test_a_relu_before_max_pooling_runs_after_it_with_the_same_values_and_gradients():
+    """The stacked plan pools before the ReLU that precedes a max-pooling (fewer elements): max and
+    ReLU commute, values and gradients exactly, ties, zeros and all-negative windows included."""
+    import torch.nn.functional as F
+
+    from fedal.models import build_model
+    from fedal.models.stacked import _model_plan, _pool, _relu
+
+    model = build_model("cnn1d", (40,), 10)
+    layers = {f"backbone.{n}": type(m).__name__ for n, m in model.backbone.named_children()}
+    order = [layers.get(key, key) for _, key, _ in _model_plan(model)]
+    # the model: conv, ReLU, pool, conv, ReLU, pool; the plan pools before each of those ReLUs
+    assert order[1:7] == ["Conv1d", "MaxPool1d", "ReLU", "Conv1d", "MaxPool1d", "ReLU"]
+    assert [op is _relu for op, _, _ in _model_plan(model)][1:7] == [False, False, True, False, False, True]
+    torch.manual_seed(0)
+    h = torch.randn(2, 3, 12, 4).round(decimals=0)  # many ties and zeros
+    h[0, 0, :4] = -1.0  # a window of negatives only
+    for size in (2, 4):
+        a = h.clone().requires_grad_()
+        b = h.clone().requires_grad_()
+        relu_first = _pool(F.relu(a), size)
+        pool_first = F.relu(_pool(b, size))
+        assert torch.equal(relu_first, pool_first)
+        g = torch.randn_like(relu_first)
+        relu_first.backward(g)
+        pool_first.backward(g)
+        assert torch.equal(a.grad, b.grad)

@@ -96,9 +96,13 @@ def _plan(layers: list[tuple[str, nn.Module]]) -> Plan:
         elif isinstance(layer, nn.Conv1d) and channels_last and _same_padding(layer):
             plan.append((lambda h, p, k, a: _conv(h, p[f"{k}.weight"], p.get(f"{k}.bias")), key, 0))
         elif isinstance(layer, nn.MaxPool1d) and channels_last and _tiling(layer):
-            plan.append((lambda h, p, k, a: _pool(h, a), key, int(layer.kernel_size)))  # type: ignore[arg-type]
+            pool: tuple[Op, str, int] = (lambda h, p, k, a: _pool(h, a), key, int(layer.kernel_size))  # type: ignore[arg-type]
+            if plan and plan[-1][0] is _relu:  # ReLU then max-pooling: pooled first (see _relu)
+                plan.insert(len(plan) - 1, pool)
+            else:
+                plan.append(pool)
         elif isinstance(layer, nn.ReLU):
-            plan.append((lambda h, p, k, a: F.relu(h), key, 0))
+            plan.append((_relu, key, 0))
         elif isinstance(layer, nn.Flatten) and (layer.start_dim, layer.end_dim) == (1, -1):
             if channels_last:  # [K, B, L, C] flattens as torch does [B, C, L]
                 plan.append((lambda h, p, k, a: h.transpose(2, 3).flatten(2), key, 0))
@@ -112,6 +116,13 @@ def _plan(layers: list[tuple[str, nn.Module]]) -> Plan:
     if channels_last:
         raise _NoStackedForm("the model ends before its convolutions are flattened")
     return plan
+
+
+def _relu(h: torch.Tensor, p: Params, k: str, a: int) -> torch.Tensor:
+    """ReLU. Before a max-pooling it runs after it instead: max and ReLU commute (the same values,
+    and the same gradients: where the maximum is positive both reach the same element, elsewhere
+    both are zero), and pooled there are `size` times fewer elements, forward and backward."""
+    return F.relu(h)
 
 
 def _same_padding(conv: nn.Conv1d) -> bool:
