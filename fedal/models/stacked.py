@@ -4,7 +4,8 @@
 on client k's inputs (`x[k]`) for every k at once: [K, B, ...] -> [K, B, C]. Linear layers
 become one batched matrix multiply; 1-D convolutions one batched matrix multiply over im2col
 columns built from shifted slices (channels-last, so no transposes between layers), and
-max-pooling one pooling over all clients in the channels-last layout. On a CPU these beat `vmap`
+max-pooling one pooling over all clients in the channels-last layout, before the ReLU that
+precedes it (they commute). On a CPU these beat `vmap`
 of the module, which turns each convolution into a grouped one and each pooling into a pooling
 with indices, neither faster per sample than K separate calls. Models made of other layers (or
 in another order) run under `vmap(functional_call)`: the same numbers, without the speed.
