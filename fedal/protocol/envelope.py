@@ -40,11 +40,12 @@ def encode(message: Message) -> bytes:
     return msgpack.packb(_wire_object(message, with_data=True), use_bin_type=True)
 
 
-def _wire_object(message: Message, with_data: bool) -> list[Any]:
+def _wire_object(message: Message, with_data: bool, packed: set[str] | None = None) -> list[Any]:
     """The MessagePack object of `message`; without data, each tensor's bytes are left empty
-    (what wire_size counts around)."""
+    (what wire_size counts around). `packed`: _packed_scales(message.tensors), if known."""
     meta = _wire_meta(message)
-    packed = _packed_scales(message.tensors)
+    if packed is None:
+        packed = _packed_scales(message.tensors)
     inside = {scale_name(name) for name in packed}  # travel within their tensor's entry
     tensors = {name: _pack_tensor(name, arr, message.tensors[scale_name(name)] if name in packed else None, with_data)
                for name, arr in message.tensors.items() if name not in inside}
@@ -164,12 +165,13 @@ def wire_size(message: Message) -> int:
     """Bytes `message` occupies on the wire (payload only, before MQTT framing), equal to
     len(encode(message)) without copying a tensor: the envelope around empty tensors, plus each
     tensor's bytes and the longer MessagePack bin header they need."""
-    skeleton = len(msgpack.packb(_wire_object(message, with_data=False), use_bin_type=True))
     packed = _packed_scales(message.tensors)
+    size = len(msgpack.packb(_wire_object(message, False, packed), use_bin_type=True))
     inside = {scale_name(name) for name in packed}
-    sizes = [np.asarray(arr).nbytes for name, arr in message.tensors.items() if name not in inside]
-    sizes += [4 * np.asarray(message.tensors[scale_name(name)]).size for name in packed]  # float32, in the entry
-    return skeleton + sum(n + _bin_header(n) - _bin_header(0) for n in sizes)
+    for name, arr in message.tensors.items():
+        n = np.asarray(arr).nbytes if name not in inside else 4 * np.asarray(arr).size  # scales: float32, in the entry
+        size += n + _bin_header(n) - 2  # the empty bin's 2-byte header is in the skeleton
+    return size
 
 
 def _bin_header(n: int) -> int:
@@ -187,5 +189,5 @@ def carried(message: Message) -> Message:
         a = _wire_array(name, arr)
         if a.ndim > MAX_NDIM:
             raise EnvelopeError(f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} non-negative integers")
-        tensors[name] = np.array(a, dtype=a.dtype.newbyteorder("="), copy=True)
+        tensors[name] = a.copy() if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
     return Message(_meta(raw), tensors)
