@@ -151,10 +151,14 @@ has cmdline.txt || die "the FAT partition of $IMAGE has no cmdline.txt: not a Ra
 has config.txt || die "the FAT partition of $IMAGE has no config.txt: not a Raspberry Pi OS boot partition"
 # fedal/ is replaced below only if an earlier flash.sh wrote it (its first-boot installer is in it):
 # a folder of that name that someone else put on the card is never deleted.
+ours() {  # fedal/ holds the first-boot installer an earlier flash.sh wrote; fedal_listing keeps what mdir said
+  fedal_listing="$(mdir -b -i "$FAT" ::/fedal 2>&1)"
+  printf '%s\n' "$fedal_listing" | grep -qix '::/fedal/firstboot.sh'
+}
 if has fedal; then
-  payload="$(mdir -b -i "$FAT" ::/fedal 2>/dev/null || true)"
-  printf '%s\n' "$payload" | grep -qix '::/fedal/firstboot.sh' \
-    || die "the boot partition of $IMAGE holds a fedal/ folder that flash.sh did not write (no fedal/firstboot.sh): move it away first"
+  # looked at twice at most: a card reader's hiccup is not taken for a folder someone else wrote
+  ours || { sleep 1; ours; } \
+    || die "the boot partition of $IMAGE holds a fedal/ folder that flash.sh did not write (no fedal/firstboot.sh; mdir lists: $(printf '%s\n' "$fedal_listing" | sed 's|^::/fedal/||' | head -5 | tr '\n' ' ')): move it away first"
 fi
 if [ "$MODE" = auto ]; then
   MODE=firstrun
