@@ -64,3 +64,18 @@ def test_public_inputs_are_gathered_once_per_public_set_and_iteration():
     for i in range(KEPT_INPUTS):  # the kept ones are the last few
         public_inputs(public, 3, 3, i, 8)
     assert public_inputs(public, 3, 2, 1, 8)[1] is not x2
+
+
+def test_a_simulations_clients_share_one_public_set_and_each_iterations_inputs():
+    """build_run gives every client the same public tensor, so public_inputs gathers an iteration's
+    public inputs once for all of them (not once per client)."""
+    from fedal.sim import build_run, load_config
+    from fedal.strategies.public_rows import public_inputs
+
+    config = load_config(None, {"strategy": "fedal", "dataset": "digits", "clients": 3, "rounds": 1,
+                                "public_size": 50}).resolved()
+    _, clients, _ = build_run(config)
+    publics = {id(c.public_x) for c in clients.values()}
+    assert len(publics) == 1
+    gathered = {id(public_inputs(c.public_x, 0, 1, 2, 8)[1]) for c in clients.values()}
+    assert len(gathered) == 1

@@ -53,6 +53,9 @@ def build_clients(config: RunConfig, data, indices, public_x: np.ndarray | None 
     params = config.strategy_params
     ids = client_ids(config.clients)
     models = config.resolved_models()
+    # one tensor for all of them: each iteration's public inputs are then gathered once (public_inputs)
+    shared_public = torch.from_numpy(np.ascontiguousarray(data.public_x if public_x is None else public_x)) \
+        if spec.uses_public_set else None
     clients = {}
     widths: dict[str, int] = {}  # per model its feature width (FedProto needs one)
     for i in indices:
@@ -60,8 +63,8 @@ def build_clients(config: RunConfig, data, indices, public_x: np.ndarray | None 
         torch.manual_seed(client_seed(config.seed, i))
         model = build_model(name, data.input_shape, data.num_classes)
         widths[name] = model.feature_dim
-        public = (data.public_x if public_x is None else public_x) if spec.uses_public_set else None
-        clients[ids[i]] = spec.client(ids[i], model, data.clients[i], public, params, seed=client_seed(config.seed, i))
+        clients[ids[i]] = spec.client(ids[i], model, data.clients[i], shared_public, params,
+                                      seed=client_seed(config.seed, i))
     if spec.same_feature_dim and len(set(widths.values())) > 1:
         raise ConfigError(f"strategy {config.strategy!r} needs one feature width on every client; the models' are "
                           f"{widths}: choose models of one width (--models)")

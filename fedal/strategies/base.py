@@ -121,7 +121,7 @@ class ClientHalf(ABC):
         client_id: str,
         model: torch.nn.Module,
         train: ArrayDataset,
-        public_x: np.ndarray | None,
+        public_x: np.ndarray | torch.Tensor | None,
         params: StrategyParams,
         seed: int,
     ):
@@ -143,7 +143,10 @@ class ClientHalf(ABC):
         self.params = params
         self.x_train = torch.from_numpy(np.ascontiguousarray(train.x))
         self.y_train = torch.from_numpy(np.ascontiguousarray(train.y))
-        self.public_x = None if public_x is None else torch.from_numpy(np.ascontiguousarray(public_x))
+        # a tensor is taken as it is: clients built on one (a simulation's) share it, and with it
+        # each iteration's gathered public inputs (public_rows.public_inputs)
+        self.public_x = None if public_x is None else public_x.contiguous() if isinstance(public_x, torch.Tensor) \
+            else torch.from_numpy(np.ascontiguousarray(public_x))
         self.generator = torch.Generator().manual_seed(int(seed))
         self.optimizer = make_optimizer(params, model.parameters())
         self.inference = TorchInference()  # the agent may install a faster backend
