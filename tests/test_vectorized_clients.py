@@ -376,6 +376,42 @@ def test_stacked_clipping_clips_each_client_as_its_own_model_would():
             assert torch.allclose(p, q, atol=1e-6, rtol=0)
 
 
+def test_stacked_adam_steps_equal_each_client_adam_and_skip_parameters_without_gradient():
+    """StackedModels.step hands autograd's gradients to Adam's fused kernel itself: over several
+    steps every client's weights and moments are its own torch Adam's (weight decay and maximize
+    included), and a parameter the loss does not reach (here the head) is not stepped and gets no
+    state, as torch's Adam leaves it."""
+    from fedal.models import build_model
+    from fedal.strategies import optim
+
+    torch.manual_seed(1)
+    settings = dict(lr=3e-2, betas=(0.8, 0.99), weight_decay=0.1, maximize=True)
+    models = [build_model("cnn1d", (40,), 10) for _ in range(3)]
+    twins = [build_model("cnn1d", (40,), 10) for _ in range(3)]
+    for m, t in zip(models, twins):
+        t.load_state_dict(m.state_dict())
+    stack = StackedModels(models, [optim.Adam(m.parameters(), **settings) for m in models])
+    x = torch.randn(3, 8, 40)
+    for _ in range(4):
+        stack.step(stack.features(stack.params, x).square().mean(dim=(1, 2)).sum())
+    stack.write_back()
+    for k, (m, t) in enumerate(zip(models, twins)):
+        opt = optim.Adam(t.parameters(), **settings)
+        for _ in range(4):
+            opt.zero_grad()
+            t.features(x[k]).square().mean().backward()
+            opt.step()
+        mine = stack.optimizers[k]
+        for (name, p), q in zip(m.named_parameters(), t.parameters()):
+            assert torch.allclose(p, q, atol=1e-6, rtol=0), name
+            if name.startswith("classifier"):
+                assert torch.equal(p, q) and not mine.state.get(p) and not opt.state.get(q)
+            else:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.allclose(mine.state[p][key], opt.state[q][key], atol=1e-6, rtol=0), (name, key)
+                assert float(mine.state[p]["step"]) == float(opt.state[q]["step"]) == 4.0
+
+
 def test_fccl_plus_steps_equal_the_per_client_steps():
     """FCCL+ task by task (local update, uploads, collaborative steps with the averages, the
     local update after the last one), from an Adam warmed by a local update. A run's own first

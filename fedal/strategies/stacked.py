@@ -87,7 +87,8 @@ class StackedModels:
         settings = {k: v for k, v in groups[0].items() if k not in ("foreach", "fused")}
         if settings.get("amsgrad") or settings.get("differentiable") or settings.get("capturable"):
             raise NotStackable("amsgrad, differentiable or capturable Adam runs client by client")
-        # one fused kernel per stacked tensor: the same update as the clients' Adam, to rounding
+        # one fused kernel over the stacked tensors (see _adam): the same update as the clients'
+        # Adam, to rounding; this optimizer holds the settings and state, `_adam` steps it
         stacked = optim.Adam(list(self.params.values()), **settings, fused=True)
         states = [[opt.state.get(p, {}) for p in opt.param_groups[0]["params"]] for opt in self.optimizers]
         for k, name in enumerate(self.names):
@@ -193,19 +194,53 @@ class StackedModels:
 
     def step(self, loss: torch.Tensor, clip_norm: float | None = None) -> None:
         """With `clip_norm`, each client's gradient is clipped to that norm over all its
-        parameters first, as torch.nn.utils.clip_grad_norm_ clips one model's. The gradients are
-        released after the step: between steps a group holds none (they are as large as its weights)."""
-        self.optimizer.zero_grad()
-        loss.backward()
+        parameters first, as torch.nn.utils.clip_grad_norm_ clips one model's. The gradients
+        are taken from autograd and handed to Adam's fused kernel directly, never stored in
+        `.grad`: between steps a group holds none (they are as large as its weights)."""
+        params = list(self.params.values())
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
         if clip_norm is not None:
-            grads = [p.grad for p in self.params.values() if p.grad is not None]
-            if grads:
-                total = torch.stack([g.flatten(1).norm(dim=1) for g in grads]).norm(dim=0)  # [N]
+            present = [g for g in grads if g is not None]
+            if present:
+                total = torch.stack([g.flatten(1).norm(dim=1) for g in present]).norm(dim=0)  # [N]
                 coef = (clip_norm / (total + 1e-6)).clamp(max=1.0)
-                for g in grads:
+                for g in present:
                     g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        self._adam(params, grads)
+
+    def _adam(self, params: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+        """torch.optim.Adam(fused=True)'s step (torch.optim.adam._fused_adam) without its
+        Python around the kernel, which costs more than the kernel at these sizes: the same
+        kernel and arguments, so the same update. As Adam, a parameter without a gradient is
+        not stepped and gets no state; state is made on a parameter's first step."""
+        group = self.optimizer.param_groups[0]
+        with_grad: list[torch.Tensor] = []
+        taken: list[torch.Tensor] = []
+        avgs: list[torch.Tensor] = []
+        squares: list[torch.Tensor] = []
+        steps: list[torch.Tensor] = []
+        for p, g in zip(params, grads):
+            if g is None:
+                continue
+            state = self.optimizer.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            with_grad.append(p)
+            taken.append(g if g.stride() == p.stride() else g.contiguous())  # the kernel reads raw memory
+            avgs.append(state["exp_avg"])
+            squares.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not with_grad:
+            return
+        beta1, beta2 = (float(b) for b in group["betas"])
+        kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
+        with torch.no_grad():
+            torch._foreach_add_(steps, 1)
+            kernel(with_grad, taken, avgs, squares, [], steps, amsgrad=False, lr=group["lr"], beta1=beta1,
+                   beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                   maximize=group["maximize"], grad_scale=None, found_inf=None)
 
     def write_back(self) -> None:
         """The stacked weights and moments into each client's own tensors (in place: the
