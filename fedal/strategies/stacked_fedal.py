@@ -100,7 +100,7 @@ def _transfer(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple
         raise NotStackable("the clients' feedback differs in kind")
     stack = StackedModels.of(clients)
     kept = stack.take_upload(clients, tasks[0].integer("round"), tasks[0].integer("iteration"))
-    x = torch.stack([c.public_x[c.pending["indices"]] for c in clients])  # type: ignore[index]  # all set: checked above
+    _, x = public_batch(clients, tasks[0].integer("round"), tasks[0].integer("iteration"))  # the rows uploaded
     f = kept["logits"] if kept is not None else stack.forward(stack.params, x)
     if any(fb.shape != f.shape[1:] or (g is not None and g.shape != f.shape[1:]) for fb, g in zip(fbar, grads)):
         raise NotStackable("feedback of another shape than the logits")

@@ -77,10 +77,14 @@ def masked_targets(per_client: Sequence[tuple[torch.Tensor, torch.Tensor] | None
 
 def public_batch(clients: Sequence[Any], round_idx: int, iteration: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Each client's public rows of (round, iteration), as its own path draws them
-    (public_rows), and the stacked inputs [N, B, ...]."""
+    (public_rows), and the stacked inputs [N, B, ...]: where the clients share one public set
+    (a simulation's do), one gathered batch seen N times (expand, not N copies)."""
     p = clients[0].params
     rows = [public_inputs(c.public_x, rows_key(p), round_idx, iteration, p.public_batch_size) for c in clients]
-    return [idx for idx, _ in rows], torch.stack([x for _, x in rows])
+    inputs = [x for _, x in rows]
+    if all(x is inputs[0] for x in inputs):
+        return [idx for idx, _ in rows], inputs[0].expand(len(inputs), *inputs[0].shape)
+    return [idx for idx, _ in rows], torch.stack(inputs)
 
 
 def group_batches(clients: Sequence[Any], steps: int, epochs: int = 0) -> list[list[torch.Tensor]]:
