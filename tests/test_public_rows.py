@@ -7,6 +7,7 @@ import hashlib
 
 import numpy as np
 import pytest
+import torch
 
 from fedal.strategies.public_rows import public_rows
 
@@ -79,3 +80,12 @@ def test_a_simulations_clients_share_one_public_set_and_each_iterations_inputs()
     assert len(publics) == 1
     gathered = {id(public_inputs(c.public_x, 0, 1, 2, 8)[1]) for c in clients.values()}
     assert len(gathered) == 1
+    # a vectorized group reads that one batch once per client (a view), not a stack of copies
+    from fedal.strategies.stacked_training import public_batch
+
+    group = list(clients.values())
+    idx, x = public_batch(group, 1, 2)
+    assert x.shape[0] == 3 and x.stride(0) == 0 and torch.equal(x[2], group[2].public_x[idx[2]])
+    group[1].public_x = group[1].public_x.clone()  # a client with a public set of its own
+    idx, x = public_batch(group, 1, 2)
+    assert x.stride(0) != 0 and all(torch.equal(x[k], group[k].public_x[idx[k]]) for k in range(3))
