@@ -196,6 +196,43 @@ def test_uploads_are_normalised_and_the_feedback_is_their_mean():
         assert task.meta["n_avg"] == 3
 
 
+@pytest.mark.parametrize("strategy", ["fccl", "fccl-plus", "fedal"])
+def test_the_server_decodes_each_upload_once(strategy, monkeypatch):
+    """validate decodes a result's tensors and collect averages what it decoded; a result collect
+    gets that validate did not see (another object) is decoded then, to the same average."""
+    import fedal.strategies.fccl as fccl_module
+    import fedal.strategies.fedal as fedal_module
+
+    module = fedal_module if strategy == "fedal" else fccl_module
+    server, clients, _ = toy_federation(strategy, n_clients=3, k=K, tau=2, lambda_adv=0.0)
+    phase = server.begin_round(0)
+    uploads_in = "local_train" if strategy == "fedal" else "collaborate"  # the phase whose results carry uploads
+    while phase.phase != uploads_in:
+        results = {cid: clients[cid].handle(task) for cid, task in phase.tasks.items()}
+        phase = server.collect(phase, results)
+    results = {cid: clients[cid].handle(task) for cid, task in phase.tasks.items()}
+    decoded = []
+    real = module.decode_tensor
+
+    def counted(tensors, name, *args, **kwargs):
+        decoded.append(name)
+        return real(tensors, name, *args, **kwargs)
+
+    monkeypatch.setattr(module, "decode_tensor", counted)
+    for cid, res in results.items():
+        server.validate(phase, cid, res)
+    names = len(decoded)
+    assert names == 3 * (2 if strategy == "fccl-plus" else 1)
+    first = server.collect(phase, results)
+    assert len(decoded) == names  # collect decoded nothing again
+    again = {cid: Message(res.meta, dict(res.tensors)) for cid, res in results.items()}  # never validated
+    second = server.collect(phase, again)
+    assert len(decoded) == 2 * names
+    for cid in first.tasks:
+        for name, value in first.tasks[cid].tensors.items():
+            np.testing.assert_array_equal(value, second.tasks[cid].tensors[name])
+
+
 @pytest.mark.parametrize("bad", ["raw_logits", "similarity_above_one", "extra_tensor", "wrong_shape"])
 def test_bad_uploads_are_refused_counted_and_left_out_of_the_average(bad):
     server, clients, _ = toy_federation("fccl-plus", n_clients=3, k=K, tau=2)
