@@ -81,6 +81,7 @@ class SimulatedTransport(Transport):
         self.run_id = run_id
         self.client_ids = list(client_ids)
         self._waiting: list[Pending] = []
+        self._waiting_ids: set[str] = set()  # the clients in _waiting (a send asks once per task)
         self.settings = phases
         self.phase_kinds = dict(phase_kinds)
         self.faults = faults or Faults()
@@ -127,13 +128,15 @@ class SimulatedTransport(Transport):
     def _deliver(self, client_id: str, packet: Packet, key: tuple[str, int, int], faulted: bool) -> int:
         if self._busy_until.get(key, -1.0) > self.clock:
             return packet.size  # a straggler still working on this task: the re-send waits in its inbox
-        if any(w[0] == client_id for w in self._waiting):
+        if client_id in self._waiting_ids:
             self._flush()  # a client takes its tasks one after the other
         self._waiting.append((client_id, packet.received(), key, faulted))
+        self._waiting_ids.add(client_id)
         return packet.size
 
     def _flush(self) -> None:
         waiting, self._waiting = self._waiting, []
+        self._waiting_ids = set()
         if waiting:
             for (client_id, task, key, faulted), result in zip(waiting, self._compute(waiting)):
                 self._settle(client_id, task, key, faulted, result)
