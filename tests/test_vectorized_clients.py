@@ -376,6 +376,30 @@ def test_stacked_clipping_clips_each_client_as_its_own_model_would():
             assert torch.allclose(p, q, atol=1e-6, rtol=0)
 
 
+def test_stacked_clipping_takes_broadcast_and_shared_gradients_as_they_are():
+    """Autograd hands some gradients out as broadcast (stride-0) views, or one tensor for two
+    parameters: clipping scales them out of place, each once. Adam's first step is then
+    -lr * g / (|g| + eps) per element, computed here by hand."""
+    from fedal.models import build_model
+    from fedal.strategies import optim
+
+    torch.manual_seed(0)
+    models = [build_model("mlp", (40,), 10) for _ in range(3)]
+    stack = StackedModels(models, [optim.Adam(m.parameters(), lr=1e-2, eps=10.0) for m in models])
+    b1, b3, head_bias = (stack.params[n] for n in ("backbone.1.bias", "backbone.3.bias", "classifier.bias"))
+    before = {n: v.detach().clone() for n, v in stack.params.items()}
+    scale = torch.tensor([0.01, 1.0, 100.0])
+    # b1 and b3 get one gradient tensor (the add's), the head's bias a broadcast view of ones
+    stack.step(((b1 + b3) * scale[:, None]).sum() + head_bias.sum(), clip_norm=0.5)
+    g_hidden, g_head = scale[:, None].expand(3, 100), torch.ones(3, 10)
+    coef = (0.5 / (torch.cat([g_hidden, g_hidden, g_head], dim=1).norm(dim=1) + 1e-6)).clamp(max=1.0)[:, None]
+    for name, g in (("backbone.1.bias", g_hidden), ("backbone.3.bias", g_hidden), ("classifier.bias", g_head)):
+        g = g * coef
+        torch.testing.assert_close(stack.params[name].detach(), before[name] - 1e-2 * g / (g.abs() + 10.0),
+                                   atol=1e-7, rtol=1e-5)
+    assert torch.equal(stack.params["backbone.1.weight"], before["backbone.1.weight"])  # no gradient: not stepped
+
+
 def test_stacked_adam_steps_equal_each_client_adam_and_skip_parameters_without_gradient():
     """StackedModels.step hands autograd's gradients to Adam's fused kernel itself: over several
     steps every client's weights and moments are its own torch Adam's (weight decay and maximize
@@ -541,3 +565,28 @@ def test_a_relu_before_max_pooling_runs_after_it_with_the_same_values_and_gradie
         relu_first.backward(g)
         pool_first.backward(g)
         assert torch.equal(a.grad, b.grad)
+
+
+def test_a_fedal_feedback_for_other_public_rows_than_uploaded_runs_client_by_client():
+    """The group's feedback step uses the rows the clients uploaded; where one client's upload
+    was of other rows (another rows setting before a restore) the group is refused, unchanged."""
+    from fedal.strategies.stacked_fedal import handle_group
+
+    config = _config("fedal", True, models=["mlp"])
+    _, clients, server = build_run(config)
+    group = list(clients.values())
+    phase = server.begin_round(0)
+    results = {cid: r for cid, r in zip(phase.tasks, handle_group(group, list(phase.tasks.values())))}
+    for cid, res in results.items():
+        server.validate(phase, cid, res)
+    phase = server.collect(phase, results)
+    assert phase.phase == "transfer"
+    moved = group[1].pending["indices"]
+    group[1].pending["indices"] = moved.flip(0)
+    before = [{n: p.detach().clone() for n, p in c.model.named_parameters()} for c in group]
+    with pytest.raises(NotStackable, match="other public rows"):
+        handle_group(group, list(phase.tasks.values()))
+    for c, was in zip(group, before):
+        assert all(torch.equal(p, was[n]) for n, p in c.model.named_parameters())
+    group[1].pending["indices"] = moved
+    assert len(handle_group(group, list(phase.tasks.values()))) == len(group)

@@ -98,7 +98,7 @@ class StackedModels:
             if not all(per_client) or len({float(s["step"]) for s in per_client}) != 1:
                 raise NotStackable("the clients' optimizers have taken different numbers of steps")
             stacked.state[self.params[name]] = {
-                "step": torch.tensor(float(per_client[0]["step"]), dtype=torch.float32),
+                "step": torch.tensor(float(per_client[0]["step"]), dtype=torch.float32, device=self.params[name].device),
                 "exp_avg": torch.stack([s["exp_avg"] for s in per_client]),
                 "exp_avg_sq": torch.stack([s["exp_avg_sq"] for s in per_client]),
             }
@@ -204,8 +204,8 @@ class StackedModels:
             if present:
                 total = torch.stack([g.flatten(1).norm(dim=1) for g in present]).norm(dim=0)  # [N]
                 coef = (clip_norm / (total + 1e-6)).clamp(max=1.0)
-                for g in present:
-                    g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
+                # out of place: autograd may hand one tensor to two parameters, or a stride-0 one
+                grads = tuple(None if g is None else g * coef.view(-1, *([1] * (g.dim() - 1))) for g in grads)
         self._adam(params, grads)
 
     def _adam(self, params: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
@@ -224,7 +224,7 @@ class StackedModels:
                 continue
             state = self.optimizer.state[p]
             if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             with_grad.append(p)

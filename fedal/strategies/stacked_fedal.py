@@ -98,9 +98,11 @@ def _transfer(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple
             raise NotStackable(str(exc)) from exc
     if len({g is None for g in grads}) != 1 or any(c.public_x is None for c in clients):
         raise NotStackable("the clients' feedback differs in kind")
+    rows, x = public_batch(clients, tasks[0].integer("round"), tasks[0].integer("iteration"))
+    if any(not torch.equal(r, c.pending["indices"]) for r, c in zip(rows, clients)):  # type: ignore[index]  # set: checked above
+        raise NotStackable("a client uploaded other public rows (another rows setting before a restore)")
     stack = StackedModels.of(clients)
     kept = stack.take_upload(clients, tasks[0].integer("round"), tasks[0].integer("iteration"))
-    _, x = public_batch(clients, tasks[0].integer("round"), tasks[0].integer("iteration"))  # the rows uploaded
     f = kept["logits"] if kept is not None else stack.forward(stack.params, x)
     if any(fb.shape != f.shape[1:] or (g is not None and g.shape != f.shape[1:]) for fb, g in zip(fbar, grads)):
         raise NotStackable("feedback of another shape than the logits")
