@@ -62,6 +62,7 @@ class ServerHalf(ABC):
         self.client_ids = list(client_ids)
         self.context = context
         self.metrics: dict[str, list[float]] = {}
+        self._decoded: dict[str, tuple[Message, Any]] = {}  # each client's last validated result, decoded
 
     @abstractmethod
     def begin_round(self, round_idx: int) -> PhaseTasks: ...
@@ -81,6 +82,16 @@ class ServerHalf(ABC):
         problem = tensor_problem(result.tensors, self.params.max_abs_value)
         if problem is not None:
             raise InvalidResult(problem[1], kind=problem[0])
+
+    def keep_decoded(self, client_id: str, result: Message, decoded: Any) -> None:
+        """What validate decoded of `result`, for collect to use instead of decoding it again."""
+        self._decoded[client_id] = (result, decoded)
+
+    def take_decoded(self, client_id: str, result: Message, decode: Callable[[Message], Any]) -> Any:
+        """`result` as validate decoded it (keep_decoded), or `decode(result)` where validate did
+        not see this very result; forgotten either way."""
+        kept = self._decoded.pop(client_id, None)
+        return kept[1] if kept is not None and kept[0] is result else decode(result)
 
     def record(self, name: str, value: object) -> None:
         """Keep a diagnostic; values a client sent that are not finite numbers are ignored."""

@@ -132,7 +132,6 @@ class FCCLServer(ServerHalf):
         if self.rows < 2:
             raise ValueError("FCCL normalises along the public batch: it needs public_batch_size and a public set "
                              f"of at least 2 rows, got {self.rows}")
-        self._validated: dict[str, tuple[Message, dict[str, np.ndarray]]] = {}  # each client's last upload, decoded
 
     def begin_round(self, round_idx: int) -> PhaseTasks:
         if round_idx == 0 and not self.PLUS:
@@ -170,17 +169,14 @@ class FCCLServer(ServerHalf):
     def _average(self, results: dict[str, Message]) -> dict[str, np.ndarray]:
         cids = [c for c in self.client_ids if c in results]  # enrolment order: deterministic sums
         self.record("participation", len(cids) / len(self.client_ids))
-        uploads = [self._uploads_of(c, results[c]) for c in cids]
+        uploads = [self.take_decoded(c, results[c], self._decode_all) for c in cids]
         out = self._send(ZBAR_KEY, [u[Z_KEY] for u in uploads])
         if self.PLUS:
             out.update(self._send(SBAR_KEY, [u[S_KEY] for u in uploads]))
         return out
 
-    def _uploads_of(self, client_id: str, result: Message) -> dict[str, np.ndarray]:
-        """`result`'s tensors as validate decoded them (decoded now if it did not see this very result)."""
-        kept = self._validated.pop(client_id, None)
-        if kept is not None and kept[0] is result:
-            return kept[1]
+    def _decode_all(self, result: Message) -> dict[str, np.ndarray]:
+        """Every tensor an upload carries (z; FCCL+ also s), decoded."""
         return {name: self._decode(result, name) for name in ([Z_KEY, S_KEY] if self.PLUS else [Z_KEY])}
 
     def _send(self, name: str, uploads: list[np.ndarray]) -> dict[str, np.ndarray]:
@@ -213,7 +209,7 @@ class FCCLServer(ServerHalf):
         problem = upload_problem(z, s, TOLERANCE[p.wire_dtype])
         if problem is not None:
             raise InvalidResult(problem, kind="fccl_upload")
-        self._validated[client_id] = (result, {Z_KEY: z} if s is None else {Z_KEY: z, S_KEY: s})
+        self.keep_decoded(client_id, result, {Z_KEY: z} if s is None else {Z_KEY: z, S_KEY: s})
 
 
 class FCCLPlusServer(FCCLServer):

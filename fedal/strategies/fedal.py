@@ -120,7 +120,6 @@ class FedALServer(ServerHalf):
     def __init__(self, params: StrategyParams, client_ids: list[str], context: ServerContext):
         super().__init__(params, client_ids, context)
         self.client_index = {cid: i for i, cid in enumerate(self.client_ids)}
-        self._validated: dict[str, tuple[Message, np.ndarray]] = {}  # each client's last result and its logits
         self.adversarial = params.lambda_adv > 0
         self.disc: Discriminator | None = None
         if self.adversarial:
@@ -157,12 +156,7 @@ class FedALServer(ServerHalf):
         super().validate(phase, client_id, result)
         if self.logits_iteration(phase.phase, phase.iteration) is not None:
             rows = min(self.params.public_batch_size, self.context.public_size)
-            self._validated[client_id] = (result, self.received_logits(result, (rows, self.context.num_classes)))
-
-    def _logits_of(self, client_id: str, result: Message) -> np.ndarray:
-        """`result`'s logits as validate decoded them (decoded now if it did not see this very result)."""
-        kept = self._validated.pop(client_id, None)
-        return kept[1] if kept is not None and kept[0] is result else self.received_logits(result)
+            self.keep_decoded(client_id, result, self.received_logits(result, (rows, self.context.num_classes)))
 
     def received_logits(self, result: Message, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """A result's logits in float32, refused unless in exactly the form the run's wire_dtype sends."""
@@ -190,7 +184,7 @@ class FedALServer(ServerHalf):
 
     def _feedback(self, results: dict[str, Message]) -> dict[str, dict[str, np.ndarray]]:
         cids = [cid for cid in self.client_ids if cid in results]  # enrolment order: deterministic
-        f = torch.stack([torch.from_numpy(self._logits_of(c, results[c])) for c in cids])
+        f = torch.stack([torch.from_numpy(self.take_decoded(c, results[c], self.received_logits)) for c in cids])
         n_avg, batch = f.shape[0], f.shape[1]
         self.record("participation", n_avg / len(self.client_ids))
         self.record("discrepancy", mean_kl_to_mean(F.softmax(f, dim=2)))
