@@ -4,8 +4,8 @@ models, tau, steps, evaluations).
 
 Vectorized and per-client runs of one seed start from the same data, partition and weights and
 differ only in float summation order (stacked matrix multiplies), so their final accuracies are
-compared paired by seed. The per-client alpha-2 runs are bench/accuracy.py's own (same config,
-same cache file names). Writes docs/results/accuracy_vectorize.md and .json.
+compared paired by seed. Both say `vectorize` (true or false) in their config: a simulation
+stacks by default. Writes docs/results/accuracy_vectorize.md and .json.
 
     python bench/accuracy.py --suite vectorize
     python bench/accuracy_vectorize.py --steps 50 --seeds 1 --out /tmp/quick   # smoke run
@@ -34,8 +34,7 @@ TARGET_POINTS = 0.3  # largest acceptable change of the mean final accuracy
 def run_config(setting: str, strategy: str, seed: int, steps: int, vectorize: bool) -> dict:
     config = accuracy.run_config("alpha2", strategy, seed, steps)
     config.update(SETTINGS[setting])
-    if vectorize:
-        config["vectorize"] = True
+    config["vectorize"] = vectorize  # said both ways: simulations stack by default
     return config
 
 
