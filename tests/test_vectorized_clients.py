@@ -91,6 +91,11 @@ def test_a_simulation_gives_the_per_client_results():
             assert abs(x - y) <= 1 / 400  # at most one test row of 400 flips
     for key in ("disc_loss", "disc_acc"):
         assert per["rounds"][-1]["server"][key] == pytest.approx(vec["rounds"][-1]["server"][key], abs=1e-4)
+    # the transfer stage's diagnostics, which a group computes for all its clients and
+    # iterations in one call on the round's last iteration
+    for a, b in zip(per["rounds"], vec["rounds"]):
+        for key in ("loss_kd", "gnorm_kd", "gnorm_lf", "gnorm_adv"):
+            assert a["server"][key] == pytest.approx(b["server"][key], rel=1e-4, abs=1e-7), key
 
 
 def test_a_run_in_which_no_group_can_be_stacked_is_the_per_client_run_exactly():
@@ -213,6 +218,40 @@ def test_the_stacked_forward_is_each_models_forward(name, shape):
         assert torch.allclose(stacked_function(models[0], "head")(params, h), own, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="part"):
         stacked_function(models[0], "backbone")
+
+
+def test_stacked_references_are_restacked_when_a_reference_changes():
+    """A group's stacked references (`frozen`) are reused while their modules are the same and
+    untouched; another module, or weights written into one (a snapshot, a checkpoint load), make a
+    new stack of the current weights."""
+    from fedal.models import build_model
+    from fedal.strategies import optim
+    from fedal.strategies.frozen import frozen_copy
+
+    torch.manual_seed(0)
+    models = [build_model("mlp", (40,), 10) for _ in range(3)]
+    stack = StackedModels(models, [optim.Adam(m.parameters(), lr=1e-3) for m in models])
+    refs = [frozen_copy(m) for m in models]
+    first = stack.frozen("ref", refs)
+    assert stack.frozen("ref", refs) is first  # untouched: the same stack
+    name = stack.names[0]
+    assert torch.equal(first[name][1], dict(refs[1].named_parameters())[name])
+
+    with torch.no_grad():
+        models[1].get_parameter(name).add_(1.0)
+    frozen_copy(models[1], into=refs[1])  # a new snapshot, copied in place
+    second = stack.frozen("ref", refs)
+    assert second is not first and torch.equal(second[name][1], models[1].get_parameter(name))
+
+    refs[2].load_state_dict(models[1].state_dict())  # a checkpoint load
+    third = stack.frozen("ref", refs)
+    assert third is not second and torch.equal(third[name][2], models[1].get_parameter(name))
+
+    other = [refs[0], refs[1], frozen_copy(models[0])]  # another module
+    fourth = stack.frozen("ref", other)
+    assert fourth is not third and torch.equal(fourth[name][2], models[0].get_parameter(name))
+    stack.release_frozen("ref")
+    assert stack.frozen("ref", other) is not fourth
 
 
 def test_a_group_keeps_its_stack_until_a_client_changes_on_its_own():

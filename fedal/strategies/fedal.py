@@ -18,7 +18,7 @@ FedDF-AL and FedDF (feddf.py) put a per-architecture parameter average before th
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,19 +52,6 @@ def logits_iteration(phase: str, iteration: int, tau: int) -> int | None:
     if phase == "transfer" and iteration + 1 < tau:
         return iteration + 1
     return None
-
-
-def round_diagnostics(kept: dict[str, list[float]], diag: dict[str, float], last: bool) -> dict[str, float]:
-    """The transfer stage's diagnostics travel once, as their means, with the round's last
-    iteration: at B = 32 four numbers per result would be 5 % of the logits they ride with.
-    `kept` holds this round's values so far (emptied when they are sent)."""
-    for key, value in diag.items():
-        kept.setdefault(key, []).append(value)
-    if not last:
-        return {}
-    means = {k: float(np.mean(v)) for k, v in kept.items()}
-    kept.clear()
-    return means
 
 
 def rows_key(params: StrategyParams) -> int:
@@ -246,6 +233,27 @@ def _stacked(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
 KeptTerms = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
 
 
+def compute_kept_diagnostics(clients: Sequence[FedALClient]) -> None:
+    """transfer_norms of the clients' kept iterations, each client's appended to its round's
+    diagnostics in iteration order; in one call where all are alike (stacked along the leading
+    axis: the same numbers as one call each), so a stacked group pays it once a round."""
+    kept = [(c, c.kept_terms) for c in clients if c.kept_terms]
+    for c, _ in kept:
+        c.kept_terms = []
+    terms = [(c, t) for c, ts in kept for t in ts]
+    if not terms:
+        return
+    p = terms[0][0].params
+    alike = len({(t[3] is None, t[4] is None, t[1].shape) for _, t in terms}) == 1 \
+        and all(c.params == p for c, _ in kept)
+    for part in [terms] if alike else [[one] for one in terms]:
+        kd, f, target, ref, adv = (_stacked([t[i] for _, t in part]) for i in range(5))
+        assert kd is not None and f is not None and target is not None  # never None
+        for (c, _), diag in zip(part, transfer_norms(part[0][0].params, kd, f, target, ref, adv)):
+            for key, value in diag.items():
+                c.transfer_diag.setdefault(key, []).append(value)
+
+
 class FedALClient(ClientHalf):
     # stage 1 goes through self.private; stage 2 and the uploads are post-processing
     @classmethod
@@ -268,7 +276,7 @@ class FedALClient(ClientHalf):
         elif task.phase == "transfer":
             if "fbar" in task.tensors:
                 self._apply_feedback(task)
-            diag = self.transfer_diagnostics({}, last=task.integer("iteration") + 1 >= self.params.tau)
+            diag = self.transfer_diagnostics(last=task.integer("iteration") + 1 >= self.params.tau)
         else:
             raise ValueError(f"unknown phase {task.phase!r}")
         tensors = {}
@@ -277,12 +285,17 @@ class FedALClient(ClientHalf):
             tensors = self._upload_logits(task.integer("round"), nxt)
         return self.reply(task, tensors, **diag)
 
-    def transfer_diagnostics(self, diag: dict[str, float], last: bool) -> dict[str, float]:
-        """This iteration's diagnostics (`diag`, computed: a stacked group's) joined to the round's;
-        their means on the round's last iteration."""
-        if self.kept_terms and (diag or last):  # in iteration order: the kept ones first
+    def transfer_diagnostics(self, last: bool) -> dict[str, float]:
+        """The transfer stage's diagnostics travel once, as their means, with the round's last
+        iteration (else {}): at B = 32 four numbers per result would be 5 % of the logits they
+        ride with."""
+        if not last:
+            return {}
+        if self.kept_terms:
             self._compute_kept_diagnostics()
-        return round_diagnostics(self.transfer_diag, diag, last)
+        means = {k: float(np.mean(v)) for k, v in self.transfer_diag.items()}
+        self.transfer_diag.clear()
+        return means
 
     def new_round_diagnostics(self) -> None:
         """A new round: what an interrupted transfer stage left is not reported."""
@@ -290,16 +303,7 @@ class FedALClient(ClientHalf):
         self.kept_terms.clear()
 
     def _compute_kept_diagnostics(self) -> None:
-        """transfer_norms of the kept iterations, in one call where they are alike (stacked along
-        the leading axis a group stacks its clients on: the same numbers as one call each)."""
-        terms, self.kept_terms = self.kept_terms, []
-        alike = len({(t[3] is None, t[4] is None) for t in terms}) == 1
-        for group in [terms] if alike else [[t] for t in terms]:
-            kd, f, target, ref, adv = (_stacked([t[i] for t in group]) for i in range(5))
-            assert kd is not None and f is not None and target is not None  # never None
-            for diag in transfer_norms(self.params, kd, f, target, ref, adv):
-                for key, value in diag.items():
-                    self.transfer_diag.setdefault(key, []).append(value)
+        compute_kept_diagnostics([self])
 
     def _local_train(self, task: Message) -> dict[str, Any]:
         diag = self.training_report(lambda: self.local_steps(task.integer("steps", self.params.tau)))

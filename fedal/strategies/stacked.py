@@ -72,7 +72,7 @@ class StackedModels:
             n: torch.stack([own[n].detach() for own in self.own]).requires_grad_(True) for n in self.names}
         self.optimizer = self._stacked_adam()
         self.pending: dict[str, Any] | None = None  # what the group step keeps between its tasks
-        self._frozen: dict[str, tuple[list[torch.Tensor], tuple[int, ...], Params]] = {}
+        self._frozen: dict[str, tuple[list[torch.nn.Module], list[torch.Tensor], tuple[int, ...], Params]] = {}
         self._mark: tuple[int, ...] | None = None
         self._pairs: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # write_back's copies
 
@@ -177,15 +177,18 @@ class StackedModels:
 
     def frozen(self, key: str, modules: Sequence[torch.nn.Module]) -> Params:
         """The parameters of same-layout frozen modules (references), stacked without gradient;
-        restacked only when one of them has changed since."""
-        tensors: list[torch.Tensor] = [t for m in modules for t in m.parameters()]
+        restacked only when one of them has changed since. Changed means another module, or a
+        parameter written since (snapshots, checkpoint loads and `load_state_dict` copy into a
+        module's tensors in place, which bumps their versions): checking that takes no walk
+        over the modules, which every transfer iteration would pay."""
         cached = self._frozen.get(key)
-        if cached is not None and len(cached[0]) == len(tensors) and all(
-                a is b for a, b in zip(cached[0], tensors)) and cached[1] == _versions(tensors):
-            return cached[2]
+        if cached is not None and len(cached[0]) == len(modules) and all(
+                a is b for a, b in zip(cached[0], modules)) and cached[2] == _versions(cached[1]):
+            return cached[3]
         own = [dict(m.named_parameters()) for m in modules]
+        tensors: list[torch.Tensor] = [t for o in own for t in o.values()]
         stacked = {n: torch.stack([o[n].detach() for o in own]) for n in self.names}
-        self._frozen[key] = (tensors, _versions(tensors), stacked)
+        self._frozen[key] = (list(modules), tensors, _versions(tensors), stacked)
         return stacked
 
     def release_frozen(self, key: str) -> None:

@@ -20,7 +20,13 @@ import torch
 from fedal.protocol import Message
 from fedal.protocol.wire_dtype import encode_tensor, wire_round
 from fedal.strategies.base import ClientHalf
-from fedal.strategies.fedal import FedALClient, local_loss, logits_iteration, transfer_norms, transfer_terms
+from fedal.strategies.fedal import (
+    FedALClient,
+    compute_kept_diagnostics,
+    local_loss,
+    logits_iteration,
+    transfer_terms,
+)
 from fedal.strategies.fedavg import load_numpy_into
 from fedal.strategies.feddf import FedDFClient
 from fedal.strategies.stacked import NotStackable, StackedModels
@@ -121,13 +127,20 @@ def _transfer(clients: Sequence[FedALClient], tasks: Sequence[Message]) -> tuple
     kd, lf = transfer_terms(p, f, target, ref)  # [N] each
     loss = kd.sum() if lf is None else (kd + lf).sum()
     adv = None if grads[0] is None else torch.stack([p.lambda_adv * g / f.shape[1] for g in grads if g is not None])
-    diags = transfer_norms(p, kd, f, target, ref, adv)
+    # diagnostics: as on each client's own path, computed with the round's other iterations
+    # (compute_kept_diagnostics), here for the whole group in one call on its last one
+    detached_kd, detached_f = kd.detach(), f.detach()
+    for k, c in enumerate(clients):
+        c.kept_terms.append((detached_kd[k], detached_f[k], target[k], None if ref is None else ref[k],
+                             None if adv is None else adv[k]))
     if adv is not None:
         loss = loss + (f * adv).sum()
     stack.step(loss)
     stack.write_back()
-    return [c.transfer_diagnostics(d, last=t.integer("iteration") + 1 >= p.tau)
-            for c, t, d in zip(clients, tasks, diags)], stack
+    last = [t.integer("iteration") + 1 >= p.tau for t in tasks]
+    if all(last):
+        compute_kept_diagnostics(clients)
+    return [c.transfer_diagnostics(last=done) for c, done in zip(clients, last)], stack
 
 
 def _replies(clients: Sequence[FedALClient], tasks: Sequence[Message], diags: Diagnostics,
