@@ -54,6 +54,20 @@ def logits_iteration(phase: str, iteration: int, tau: int) -> int | None:
     return None
 
 
+def round_diagnostics(kept: dict[str, list[float]], diag: dict[str, float], last: bool) -> dict[str, float]:
+    """The transfer stage's diagnostics travel once, as their means, with the round's last
+    iteration: at B = 32 four numbers per result would be 5 % of the logits they ride with.
+    `kept` holds this round's values so far (emptied when they are sent); `diag`, this
+    iteration's, joins them (an emulated client's; a client computes its own into `kept`)."""
+    for key, value in diag.items():
+        kept.setdefault(key, []).append(value)
+    if not last:
+        return {}
+    means = {k: float(np.mean(v)) for k, v in kept.items()}
+    kept.clear()
+    return means
+
+
 def rows_key(params: StrategyParams) -> int:
     return 0 if params.rows_seed is None else params.rows_seed
 
@@ -286,16 +300,11 @@ class FedALClient(ClientHalf):
         return self.reply(task, tensors, **diag)
 
     def transfer_diagnostics(self, last: bool) -> dict[str, float]:
-        """The transfer stage's diagnostics travel once, as their means, with the round's last
-        iteration (else {}): at B = 32 four numbers per result would be 5 % of the logits they
-        ride with."""
-        if not last:
-            return {}
-        if self.kept_terms:
+        """The round's transfer diagnostics as they travel (round_diagnostics): their means on
+        its last iteration, computed then from the kept terms, else {}."""
+        if last and self.kept_terms:
             self._compute_kept_diagnostics()
-        means = {k: float(np.mean(v)) for k, v in self.transfer_diag.items()}
-        self.transfer_diag.clear()
-        return means
+        return round_diagnostics(self.transfer_diag, {}, last)
 
     def new_round_diagnostics(self) -> None:
         """A new round: what an interrupted transfer stage left is not reported."""
