@@ -180,7 +180,9 @@ class StackedModels:
         restacked only when one of them has changed since. Changed means another module, or a
         parameter written since (snapshots, checkpoint loads and `load_state_dict` copy into a
         module's tensors in place, which bumps their versions): checking that takes no walk
-        over the modules, which every transfer iteration would pay."""
+        over the modules, which every transfer iteration would pay. A parameter object swapped
+        into a module (`load_state_dict(assign=True)`) is not seen; the toolkit never does that
+        to a reference: it copies in place or makes a new module."""
         cached = self._frozen.get(key)
         if cached is not None and len(cached[0]) == len(modules) and all(
                 a is b for a, b in zip(cached[0], modules)) and cached[2] == _versions(cached[1]):
