@@ -324,7 +324,17 @@ if [ "$MODE" = firstrun ]; then
   fi
 fi
 
-if has fedal; then mdeltree -i "$FAT" ::/fedal >/dev/null || die "cannot replace the old fedal/ on the boot partition"; fi
+if has fedal; then
+  # what an earlier flash.sh kept of the card's own first-boot settings (Raspberry Pi Imager's
+  # firstrun.sh, the image's user-data) moves into the new fedal/: the card's hook is flash.sh's
+  # own since then, so they could not be saved again below
+  for kept in firstrun-previous.sh user-data.orig; do
+    if printf '%s\n' "$fedal_listing" | grep -qix "::/fedal/$kept"; then
+      mcopy -n -i "$FAT" "::/fedal/$kept" "$P/$kept" || die "cannot read fedal/$kept from the boot partition"
+    fi
+  done
+  mdeltree -i "$FAT" ::/fedal >/dev/null || die "cannot replace the old fedal/ on the boot partition"
+fi
 mcopy -s -i "$FAT" "$P" ::/ || die "writing fedal/ to the boot partition failed (is it full?)"
 if [ "$WH_WHERE" = boot ]; then
   mmd -i "$FAT" ::/fedal/wheelhouse || die "cannot create fedal/wheelhouse on the boot partition"

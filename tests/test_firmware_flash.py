@@ -274,6 +274,19 @@ def test_cloud_init_image_is_prepared_the_cloud_init_way(tmp_path, device):
               "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"))
     assert r.returncode == 0, r.stderr
     assert "systemd.run=/boot/firmware/firstrun.sh" in fat_read(img, "cmdline.txt", tmp_path).decode()
+    # the image's own user-data, kept by the first flash, survives the second (the card's is ours now)
+    assert fat_read(img, "fedal/user-data.orig", tmp_path).decode() == original_user_data
+
+
+def test_flashing_twice_keeps_the_imager_settings_the_first_flash_saved(tmp_path, device):
+    imager = "#!/bin/bash\n# Raspberry Pi Imager: user, locale, Wi-Fi\nset +e\necho imager-settings\n"
+    img = rpi_image(tmp_path, **{"firstrun.sh": imager})
+    wheel = ["--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl")]
+    for attempt in (1, 2, 3):
+        r = flash("--image", str(img), "--config", str(device / "agent.toml"), *wheel)
+        assert r.returncode == 0, (attempt, r.stderr)
+        assert fat_read(img, "fedal/firstrun-previous.sh", tmp_path).decode() == imager, attempt
+        assert fat_read(img, "firstrun.sh", tmp_path) == (SCRIPTS / "boot" / "firstrun.sh").read_bytes()
 
 
 def bad_image(kind: str, tmp_path: Path) -> Path:
