@@ -201,8 +201,13 @@ fi
 CLIENT="$(fact client_id)"
 CA_FILE="$(fact ca_file)"
 if [ -n "$CA_FILE" ] && [ -z "$CA" ]; then
-  CA="$(dirname "$CONFIG")/ca.crt"
-  [ -f "$CA" ] || die "the config expects a CA at $CA_FILE on the device, and there is no ca.crt next to it: give --ca FILE"
+  case "$CA_FILE" in
+    /etc/fedal-agent/*)  # where the installer puts the fleet's own CA (`fedal fleet init --tls`)
+      CA="$(dirname "$CONFIG")/ca.crt"
+      [ -f "$CA" ] || die "the config expects a CA at $CA_FILE on the device, and there is no ca.crt next to it: give --ca FILE" ;;
+    *)  # another CA file of the device (e.g. the system bundle for a broker with a public certificate)
+      say "the device checks the broker against $CA_FILE as the device has it (--ca FILE would create it if missing)" ;;
+  esac
 fi
 [ -z "$CA" ] || grep -q "BEGIN CERTIFICATE" "$CA" 2>/dev/null || die "--ca $CA is not a PEM certificate"
 

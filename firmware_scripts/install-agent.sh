@@ -11,8 +11,9 @@ Usage: install-agent.sh --config agent.toml [options]
 
   --config FILE         agent TOML; installed as /etc/fedal-agent/agent.toml, readable by the agent only
   --ca FILE             CA certificate for mqtts://, installed where the config's broker.ca_file says
-                        (default /etc/fedal-agent/ca.crt)
-  --data FILE           a private data file for the state dir /var/lib/fedal-agent (repeatable)
+                        (default /etc/fedal-agent/ca.crt); outside /etc/fedal-agent only if no file is there
+  --data FILE           a private data file for the state dir /var/lib/fedal-agent (repeatable); a single
+                        one is installed as the config's data_file when that names a file there
   --wheel FILE          install the agent from this wheel
   --source DIR          install the agent from this source tree (default: the checkout holding this script)
   --torch-index URL     take torch from this pip index, e.g. https://download.pytorch.org/whl/cpu;
@@ -159,28 +160,46 @@ if [ -z "$WHEEL" ]; then
 fi
 ROOT="${ROOT%/}"
 if [ -n "$ROOT" ]; then
-  mkdir -p "$ROOT" 2>/dev/null || [ "$DRY" -eq 1 ] || die "cannot create --root $ROOT"
+  [ "$DRY" -eq 1 ] || mkdir -p "$ROOT" 2>/dev/null || die "cannot create --root $ROOT"
   ROOT="$(cd "$ROOT" 2>/dev/null && pwd || echo "$ROOT")"
 elif [ "$(id -u)" -ne 0 ] && [ "$DRY" -eq 0 ]; then
   die "run as root (sudo $0 ...), or stage the install into a directory with --root DIR"
 fi
 
-# The config must be TOML; where it expects the CA decides where --ca goes.
-CA_PATH="$("$PY" - "$CONFIG" <<'PYEOF'
+# The config must be TOML; where it expects the CA and its data decides where --ca and --data go.
+config_paths="$("$PY" - "$CONFIG" <<'PYEOF'
 import sys, tomllib
 try:
     with open(sys.argv[1], "rb") as f:
         cfg = tomllib.load(f)
 except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
     sys.exit(f"install-agent: error: config {sys.argv[1]} is not valid TOML: {exc}")
-print(cfg.get("broker", {}).get("ca_file") or "")
+broker = cfg.get("broker") if isinstance(cfg.get("broker"), dict) else {}
+for value in (broker.get("ca_file"), cfg.get("data_file")):
+    print(value if isinstance(value, str) and "\n" not in value else "")
 PYEOF
 )" || exit 1
+{ IFS= read -r CA_PATH; IFS= read -r DATA_PATH; } <<<"$config_paths"
 if [ -n "$CA" ] && [ -z "$CA_PATH" ]; then
   CA_PATH="$ETC/ca.crt"
   say "note: the config sets no broker.ca_file; installing the CA at $CA_PATH (set ca_file to use it)"
 fi
 case "$CA_PATH" in ""|/*) ;; *) die "broker.ca_file in $CONFIG must be an absolute path: $CA_PATH" ;; esac
+# outside /etc/fedal-agent a CA file is the system's or the user's (e.g. the system CA bundle):
+# --ca never replaces one there, it only creates a missing one
+if [ -n "$CA" ] && [ "${CA_PATH#"$ETC"/}" = "$CA_PATH" ] && [ -e "$ROOT$CA_PATH" ] && ! cmp -s "$CA" "$ROOT$CA_PATH"; then
+  die "broker.ca_file is $CA_PATH, which exists and is not the --ca certificate: the installer replaces a CA only in $ETC. Point ca_file at $ETC/ca.crt, or leave --ca out to use $CA_PATH as it is"
+fi
+# a single --data file goes where the config's data_file expects it, if that is in the state dir
+DATA_DEST=()
+for f in ${DATA[@]+"${DATA[@]}"}; do
+  if [ "${#DATA[@]}" -eq 1 ] && [ -n "$DATA_PATH" ] && [ "${DATA_PATH#"$STATE"/}" != "$DATA_PATH" ] \
+      && [ "${DATA_PATH#"$STATE"/}" = "$(basename "$DATA_PATH")" ]; then
+    DATA_DEST+=("$DATA_PATH")
+  else
+    DATA_DEST+=("$STATE/$(basename "$f")")
+  fi
+done
 
 # -- helpers -------------------------------------------------------------------------------
 CHANGES=0
@@ -274,9 +293,12 @@ elif [ -n "$CA_PATH" ] && [ ! -f "$ROOT$CA_PATH" ]; then
   say "warning: the config expects a CA at $CA_PATH, which does not exist: give --ca FILE"
 fi
 put_dir "$STATE" 0750 svc
-for f in ${DATA[@]+"${DATA[@]}"}; do
-  put_file "$f" "$STATE/$(basename "$f")" 0640 svc
+for i in ${DATA[@]+"${!DATA[@]}"}; do
+  put_file "${DATA[$i]}" "${DATA_DEST[$i]}" 0640 svc
 done
+if [ -n "$DATA_PATH" ] && [ ! -e "$ROOT$DATA_PATH" ] && [ "$DRY" -eq 0 ]; then
+  say "warning: the config's data_file $DATA_PATH does not exist: the agent cannot train until it does (give --data FILE)"
+fi
 
 # -- 3. virtualenv and the agent ----------------------------------------------------------------
 VPY="$ROOT$VENV/bin/python"

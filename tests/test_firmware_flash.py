@@ -352,3 +352,16 @@ def test_invalid_config_and_missing_ca_are_refused(tmp_path, device):
     r = flash("--image", str(img), "--config", str(tmp_path / "nope.toml"), *wheel)
     assert r.returncode == 1 and "config file not found" in r.stderr
     assert file_hash(img) == before
+
+
+def test_a_config_using_the_devices_own_ca_bundle_needs_no_ca_file(tmp_path, device):
+    """A broker with a publicly signed certificate: ca_file is the device's system bundle, which
+    neither flash.sh nor the installer provides or replaces."""
+    img = rpi_image(tmp_path)
+    cfg = tmp_path / "public-broker" / "agent.toml"
+    cfg.parent.mkdir()
+    cfg.write_text(AGENT_TOML.replace("/etc/fedal-agent/ca.crt", "/etc/ssl/certs/ca-certificates.crt"))
+    r = flash("--image", str(img), "--config", str(cfg), "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"))
+    assert r.returncode == 0, r.stderr
+    assert "/etc/ssl/certs/ca-certificates.crt as the device has it" in r.stdout
+    assert "fedal/ca.crt" not in fat_files(img)

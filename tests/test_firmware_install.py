@@ -257,3 +257,52 @@ def test_bad_inputs_fail_with_clear_messages(tmp_path, inputs):
     old.chmod(0o755)
     r = install("--root", root, "--config", cfg, "--python", str(old))
     assert r.returncode == 1 and "Python >= 3.11 is needed" in r.stderr and "3.9.2" in r.stderr
+
+
+def test_a_single_data_file_is_installed_as_the_configs_data_file(tmp_path, inputs):
+    """`--data pi-1-train.npz` with `data_file = ".../train.npz"` (as `fedal fleet init` writes it):
+    the agent finds its data under the name its config gives."""
+    root = tmp_path / "root"
+    (inputs / "pi-1-train.npz").write_bytes(b"pi-1's rows")
+    r = install("--root", str(root), "--config", str(inputs / "agent.toml"), "--skip-pip",
+                "--data", str(inputs / "pi-1-train.npz"))
+    assert r.returncode == 0, r.stderr + r.stdout
+    state = root / "var" / "lib" / "fedal-agent"
+    assert (state / "train.npz").read_bytes() == b"pi-1's rows"
+    assert not (state / "pi-1-train.npz").exists() and "the config's data_file" not in r.stdout
+    # several files keep their names; a data_file none of them provides is said at once
+    (inputs / "a.npz").write_bytes(b"a")
+    (inputs / "b.npz").write_bytes(b"b")
+    other = tmp_path / "other"
+    r = install("--root", str(other), "--config", str(inputs / "agent.toml"), "--skip-pip",
+                "--data", str(inputs / "a.npz"), "--data", str(inputs / "b.npz"))
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (other / "var/lib/fedal-agent").iterdir()) == ["a.npz", "b.npz"]
+    assert "data_file /var/lib/fedal-agent/train.npz does not exist" in r.stdout
+
+
+def test_a_ca_file_outside_the_agents_directory_is_never_replaced(tmp_path, inputs):
+    root = tmp_path / "root"
+    bundle = root / "etc" / "ssl" / "certs" / "ca-certificates.crt"
+    bundle.parent.mkdir(parents=True)
+    bundle.write_text("the system's CA bundle\n")
+    cfg = inputs / "system-ca.toml"
+    cfg.write_text(AGENT_TOML.replace("/etc/fedal-agent/ca.crt", "/etc/ssl/certs/ca-certificates.crt"))
+    r = install("--root", str(root), "--config", str(cfg), "--skip-pip", "--ca", str(inputs / "ca.crt"))
+    assert r.returncode == 1 and "exists and is not the --ca certificate" in r.stderr, r.stderr + r.stdout
+    assert bundle.read_text() == "the system's CA bundle\n" and not (root / "etc" / "fedal-agent").exists()
+    r = install("--root", str(root), "--config", str(cfg), "--skip-pip")  # without --ca: used as it is
+    assert r.returncode == 0, r.stderr
+    assert bundle.read_text() == "the system's CA bundle\n"
+    # a missing file there is created
+    cfg.write_text(AGENT_TOML.replace("/etc/fedal-agent/ca.crt", "/etc/ssl/private-broker-ca.crt"))
+    r = install("--root", str(root), "--config", str(cfg), "--skip-pip", "--ca", str(inputs / "ca.crt"))
+    assert r.returncode == 0, r.stderr
+    assert (root / "etc/ssl/private-broker-ca.crt").read_bytes() == (inputs / "ca.crt").read_bytes()
+
+
+def test_dry_run_does_not_create_its_root(tmp_path, inputs):
+    root = tmp_path / "not-yet"
+    r = install("--root", str(root), "--config", str(inputs / "agent.toml"), "--dry-run", "--skip-pip")
+    assert r.returncode == 0, r.stderr
+    assert not root.exists()
