@@ -42,6 +42,8 @@ def run_self_check() -> None:
     except SelfCheckError as exc:
         click.echo(f"self-check failed: {exc}", err=True)
         sys.exit(1)
+    if report["onnx"] != "ok":
+        click.echo(f"self-check: warning: {report['onnx']}", err=True)
     click.echo(json.dumps(report, indent=2))
     sys.exit(0)
 
