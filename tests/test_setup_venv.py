@@ -10,6 +10,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 from tests.test_firmware_install_real import checkout_copy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,3 +97,27 @@ def test_an_active_virtualenv_or_an_explicit_python_is_used_as_it_is(tmp_path):
     made = tmp_path / "venv"
     assert chosen_python({**env, "FEDAL_VENV": str(made)}) == f"{made}/bin/python"
     assert (made / "pyvenv.cfg").is_file()
+
+
+@pytest.mark.parametrize("machine, cpu_index_first", [("aarch64", True), ("x86_64", False)])
+def test_install_takes_torch_from_the_cpu_index_on_64_bit_arm(tmp_path, machine, cpu_index_first):
+    """PyPI's aarch64 torch from 2.11 on depends on the CUDA 13 toolkit (a 4.7 GB virtualenv):
+    on 64-bit ARM scripts/install.sh takes the pinned torch from PyTorch's CPU index first."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    log = tmp_path / "calls.log"
+    (bindir / "uname").write_text(f"#!/bin/sh\necho {machine}\n")
+    (bindir / "python").write_text(f"#!/bin/sh\n[ \"$1\" = -c ] && exit 0\necho \"$*\" >> {log}\n")
+    for tool in ("uname", "python"):
+        (bindir / tool).chmod(0o755)
+    env = {**clean_env(bindir), "PYTHON": str(bindir / "python")}
+    out = subprocess.run(["bash", "scripts/install.sh", "dev"], cwd=REPO, capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    calls = log.read_text().splitlines()
+    last = "-m pip install --quiet --disable-pip-version-check torch==2.13.0 -e .[dev]"
+    if cpu_index_first:
+        assert calls == ["-m pip install --quiet --disable-pip-version-check --index-url "
+                         "https://download.pytorch.org/whl/cpu torch==2.13.0", last]
+    else:
+        assert calls == [last]
