@@ -24,6 +24,8 @@ Usage: flash.sh --image IMG_OR_DEVICE --config agent.toml [options]
   --wheel FILE          the agent wheel to install (default: built from this checkout)
   --data FILE           private data file for /var/lib/fedal-agent (repeatable)
   --torch-index URL     passed to install-agent.sh on the device
+  --torch-version V     passed to install-agent.sh on the device (a Pi 3B+, 4 or Zero 2 W needs torch
+                        >= 2.11, from PyTorch's CPU index: --torch-index https://download.pytorch.org/whl/cpu)
   --wheelhouse DIR      a wheelhouse from `fedal fleet wheelhouse`: the device installs from it with no
                         package index (in fedal/ on the boot partition if it fits, else in
                         /opt/fedal-wheelhouse on the root partition); its agent wheel unless --wheel
@@ -40,7 +42,7 @@ SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$SCRIPT_DIR/.." && pwd)"
 PY="${FEDAL_PYTHON:-python3}"
 
-IMAGE="" CONFIG="" CA="" HOST="" SSID="" PSK="" COUNTRY="" SSH_KEY="" LOGIN=pi WHEEL="" TORCH_INDEX="" WHEELHOUSE=""
+IMAGE="" CONFIG="" CA="" HOST="" SSID="" PSK="" COUNTRY="" SSH_KEY="" LOGIN=pi WHEEL="" TORCH_INDEX="" TORCH_VERSION="" WHEELHOUSE=""
 MODE=auto BOOT_MOUNT=/boot/firmware PSK_SET=0
 DATA=()
 while [ $# -gt 0 ]; do
@@ -57,6 +59,7 @@ while [ $# -gt 0 ]; do
     --wheel) WHEEL="${2:?--wheel needs a file}"; shift 2 ;;
     --data) DATA+=("${2:?--data needs a file}"); shift 2 ;;
     --torch-index) TORCH_INDEX="${2:?--torch-index needs a URL}"; shift 2 ;;
+    --torch-version) TORCH_VERSION="${2:?--torch-version needs a version}"; shift 2 ;;
     --wheelhouse) WHEELHOUSE="${2:?--wheelhouse needs a directory}"; shift 2 ;;
     --mode) MODE="${2:?--mode needs a value}"; shift 2 ;;
     --boot-mount) BOOT_MOUNT="${2:?--boot-mount needs a path}"; shift 2 ;;
@@ -78,7 +81,16 @@ case "$IMAGE" in
   *.xz|*.gz|*.zip|*.zst|*.7z|*.bz2) die "$IMAGE is compressed: decompress it first (e.g. xz -dk $IMAGE)" ;;
 esac
 if [ -b "$IMAGE" ]; then
-  if grep -q "^$IMAGE" /proc/mounts; then die "$IMAGE has mounted partitions: unmount them first"; fi
+  # /proc/mounts names the kernel's devices (/dev/sdb1, /dev/mmcblk0p1) whatever name was given
+  # here (/dev/disk/by-id/..., a symlink): compared resolved, the device or any partition of it
+  dev="$(readlink -f "$IMAGE")"
+  while read -r source _; do
+    case "$source" in /dev/*) ;; *) continue ;; esac
+    real="$(readlink -f "$source" 2>/dev/null || printf '%s' "$source")"
+    case "$real" in
+      "$dev"|"$dev"[0-9]*|"$dev"p[0-9]*) die "$IMAGE ($dev) has mounted partitions ($real): unmount them first" ;;
+    esac
+  done </proc/mounts
 elif [ ! -f "$IMAGE" ]; then
   die "$IMAGE is neither an image file nor a block device"
 fi
@@ -122,6 +134,7 @@ if [ -n "$WHEELHOUSE" ]; then
   [ -f "$WHEELHOUSE/$WH_MANIFEST" ] \
     || die "$WHEELHOUSE is not a wheelhouse (no $WH_MANIFEST): build one with fedal fleet wheelhouse --arch aarch64 --out DIR"
   [ -z "$TORCH_INDEX" ] || die "--torch-index and --wheelhouse exclude each other: the wheelhouse holds torch"
+  [ -z "$TORCH_VERSION" ] || die "--torch-version and --wheelhouse exclude each other: the wheelhouse holds torch"
 fi
 
 # -- the boot partition ----------------------------------------------------------------------------
@@ -172,7 +185,7 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 if ! facts="$("$PY" -m fedal_cli.main fleet check "$CONFIG" 2>&1)"; then
   case "$facts" in
     *ModuleNotFoundError*|*"needs an extra"*)
-      die "cannot check the config: $PY must import this checkout's fedal-edge and its dependencies (pip install -e '${REPO}[fleet]')" ;;
+      die "cannot check the config: $PY must import this checkout's fedal-edge and its dependencies (bash $REPO/scripts/install.sh fleet, then FEDAL_PYTHON=$REPO/.venv/bin/python; under sudo too)" ;;
   esac
   die "invalid agent config: ${facts#Error: }"
 fi
@@ -272,6 +285,7 @@ cp "$SCRIPT_DIR"/constraints/*.txt "$P/constraints/"
 cp "$SCRIPT_DIR/boot/stage.sh" "$SCRIPT_DIR/boot/firstboot.sh" "$SCRIPT_DIR/boot/fedal-firstboot.service" "$P/"
 : >"$P/install-args"
 if [ -n "$TORCH_INDEX" ]; then printf -- '--torch-index\n%s\n' "$TORCH_INDEX" >>"$P/install-args"; fi
+if [ -n "$TORCH_VERSION" ]; then printf -- '--torch-version\n%s\n' "$TORCH_VERSION" >>"$P/install-args"; fi
 
 # -- the wheelhouse: on the boot partition if it fits there, else on the root partition ----------
 WH_WHERE=""

@@ -18,7 +18,9 @@ Usage: install-agent.sh --config agent.toml [options]
   --source DIR          install the agent from this source tree (default: the checkout holding this script)
   --torch-index URL     take torch from this pip index, e.g. https://download.pytorch.org/whl/cpu;
                         "pypi" takes it from PyPI (default: PyPI on aarch64, PyTorch's CPU index on x86_64)
-  --torch-version V     torch version (default: the pin in constraints/<arch>.txt)
+  --torch-version V     torch version (default: the pin in constraints/<arch>.txt); on aarch64 a
+                        torch >= 2.11 needs --torch-index (PyPI's pulls the CUDA toolkit), and a Pi 3B+,
+                        4 or Zero 2 W (ARMv8.0) needs one >= 2.11 (2.10 dies there with SIGILL)
   --wheelhouse DIR      install offline from this wheelhouse (`fedal fleet wheelhouse`): pip install
                         --no-index --find-links DIR, no package index contacted; the agent wheel is
                         the wheelhouse's unless --wheel or --source is given
@@ -76,6 +78,8 @@ while [ $# -gt 0 ]; do
 done
 
 # -- architecture: 64-bit userland only ---------------------------------------------------
+ARCH_DETECTED=0
+[ -n "$ARCH" ] || ARCH_DETECTED=1
 if [ -n "$ARCH" ]; then
   raw_arch="$ARCH"
 elif command -v dpkg >/dev/null 2>&1; then
@@ -101,6 +105,12 @@ if [ "$TORCH_INDEX_SET" -eq 0 ] && [ "$ARCH" = x86_64 ]; then
   TORCH_INDEX="$CPU_INDEX"  # PyPI's x86-64 torch pulls the CUDA libraries (GBs) an agent never uses
 fi
 [ "$TORCH_INDEX" = pypi ] && TORCH_INDEX=""
+torch_minor() {  # 2.10.0 -> 2010, 2.13.0+cpu -> 2013
+  printf '%s\n' "$1" | awk -F'[.+]' '{ printf "%d", $1 * 1000 + $2 }'
+}
+if [ "$ARCH" = aarch64 ] && [ -z "$TORCH_INDEX" ] && [ -z "$WHEELHOUSE" ] && [ "$(torch_minor "$TORCH_VERSION")" -ge 2011 ]; then
+  die "torch $TORCH_VERSION for aarch64 from PyPI depends on the CUDA 13 toolkit (a 4.7 GB virtualenv, 15+ minutes to install): take it from PyTorch's CPU index (--torch-index $CPU_INDEX), or keep the pinned $PINNED_TORCH"
+fi
 
 effective_constraints() {
   echo "# fedal agent constraints: arch $ARCH, torch $TORCH_VERSION from ${TORCH_INDEX:-PyPI}"
@@ -133,18 +143,29 @@ if [ -n "$WHEELHOUSE" ]; then
 import json, sys
 try:
     m = json.load(open(sys.argv[1]))
-    print(m["arch"], m["python"], m["agent_wheel"])
+    print(m["arch"], m["python"], m["agent_wheel"], m.get("torch") or "?")
 except (OSError, ValueError, KeyError, TypeError) as exc:
     sys.exit(f"install-agent: error: {sys.argv[1]} is not a wheelhouse manifest: {exc}")
 PYEOF
 )" || exit 1
-  read -r wh_arch wh_python wh_agent <<<"$wh_facts"
+  read -r wh_arch wh_python wh_agent wh_torch <<<"$wh_facts"
   [ "$wh_arch" = "$ARCH" ] || die "the wheelhouse $WHEELHOUSE is for $wh_arch, this machine is $ARCH: build it with --arch $ARCH"
   py_ver="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
   [ "$wh_python" = "$py_ver" ] \
     || die "the wheelhouse $WHEELHOUSE is for Python $wh_python, $PY is $py_ver: build it with --python-version $py_ver"
   TORCH_INDEX=""  # torch comes from the wheelhouse too
+  [ "$wh_torch" = "?" ] || TORCH_VERSION="$wh_torch"
   if [ -z "$WHEEL" ] && [ -z "$SOURCE" ]; then WHEEL="$WHEELHOUSE/$wh_agent"; fi
+fi
+# torch up to 2.10 (PyPI's newest CPU-only aarch64 wheel) dies with SIGILL at import on ARMv8.0
+# cores without LSE atomics (Pi 3B+, Pi 4, Zero 2 W; pytorch/pytorch#176993, fixed in 2.11):
+# said before a download, not as a crash after it. Checked on the machine installing onto itself
+# (FEDAL_CPUINFO: another cpuinfo, for tests).
+CPUINFO="${FEDAL_CPUINFO:-/proc/cpuinfo}"
+if [ "$ARCH" = aarch64 ] && { [ -n "${FEDAL_CPUINFO:-}" ] || { [ "$ARCH_DETECTED" -eq 1 ] && [ -z "$ROOT" ]; }; } \
+    && [ -r "$CPUINFO" ] && grep -q '^Features' "$CPUINFO" && ! grep '^Features' "$CPUINFO" | grep -qw atomics \
+    && [ "$(torch_minor "$TORCH_VERSION")" -le 2010 ]; then
+  die "this CPU has no LSE atomics (ARMv8.0: Pi 3B+, Pi 4, Zero 2 W), on which torch $TORCH_VERSION dies with 'Illegal instruction' at import (pytorch/pytorch#176993, fixed in torch 2.11): install torch 2.11 or later from PyTorch's CPU index: --torch-index $CPU_INDEX --torch-version 2.13.0$([ -n "$WHEELHOUSE" ] && echo ' (not with --wheelhouse: build one with a newer torch)')"
 fi
 if [ -n "$WHEEL" ]; then
   [ -f "$WHEEL" ] || die "wheel not found: $WHEEL"

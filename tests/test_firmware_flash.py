@@ -242,7 +242,8 @@ def test_cloud_init_image_is_prepared_the_cloud_init_way(tmp_path, device):
                                  "network-config": "network:\n  version: 2\n"})
     r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--hostname", "pi-7", "--wifi-ssid", 'Lab "5G"',
               "--wifi-psk", "correct horse", "--wifi-country", "fr", "--ssh-key", str(tmp_path / "id.pub"), "--user", "ops",
-              "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"), "--torch-index", "https://download.pytorch.org/whl/cpu")
+              "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"), "--torch-index", "https://download.pytorch.org/whl/cpu",
+              "--torch-version", "2.13.0")
     assert r.returncode == 0, r.stderr
     assert "cloud-init" in r.stdout
     files = fat_files(img)
@@ -264,7 +265,8 @@ def test_cloud_init_image_is_prepared_the_cloud_init_way(tmp_path, device):
     assert net["ethernets"]["eth0"]["dhcp4"] is True
     assert fat_read(img, "meta-data", tmp_path) == b"instance-id: rpios-image\n"
     assert fat_read(img, "fedal/user-data.orig", tmp_path).decode() == original_user_data
-    assert fat_read(img, "fedal/install-args", tmp_path) == b"--torch-index\nhttps://download.pytorch.org/whl/cpu\n"
+    assert fat_read(img, "fedal/install-args", tmp_path) == \
+        b"--torch-index\nhttps://download.pytorch.org/whl/cpu\n--torch-version\n2.13.0\n"
     assert fat_read(img, "fedal/agent.toml", tmp_path).decode() == AGENT_TOML
     cmdline = fat_read(img, "cmdline.txt", tmp_path).decode().split()
     assert cmdline == CMDLINE.split() + ["cfg80211.ieee80211_regdom=FR"]  # no systemd.run hook
@@ -365,3 +367,25 @@ def test_a_config_using_the_devices_own_ca_bundle_needs_no_ca_file(tmp_path, dev
     assert r.returncode == 0, r.stderr
     assert "/etc/ssl/certs/ca-certificates.crt as the device has it" in r.stdout
     assert "fedal/ca.crt" not in fat_files(img)
+
+
+def mounted_block_device() -> str | None:
+    for line in Path("/proc/mounts").read_text().splitlines():
+        source = line.split()[0]
+        if source.startswith("/dev/") and Path(source).is_block_device():
+            return source
+    return None
+
+
+def test_a_mounted_card_is_refused_under_any_of_its_names(tmp_path, device):
+    """A symlink (as /dev/disk/by-id/... is) to a mounted device is refused before anything else
+    about the card is read; the unknown --mode behind it is the next check, so even a check that
+    missed it would stop there, before the card is opened."""
+    mounted = mounted_block_device()
+    if mounted is None:
+        pytest.skip("no block device is mounted on this machine")
+    alias = tmp_path / "usb-SD_Card_Reader-0:0"
+    alias.symlink_to(mounted)
+    r = flash("--image", str(alias), "--config", str(device / "agent.toml"), "--mode", "not-a-mode")
+    assert r.returncode == 1
+    assert f"has mounted partitions ({os.path.realpath(mounted)})" in r.stderr, r.stderr

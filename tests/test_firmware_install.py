@@ -306,3 +306,32 @@ def test_dry_run_does_not_create_its_root(tmp_path, inputs):
     r = install("--root", str(root), "--config", str(inputs / "agent.toml"), "--dry-run", "--skip-pip")
     assert r.returncode == 0, r.stderr
     assert not root.exists()
+
+
+PI4_CPUINFO = "processor\t: 0\nBogoMIPS\t: 108.00\nFeatures\t: fp asimd evtstrm crc32 cpuid\nCPU part\t: 0xd08\n"
+PI5_CPUINFO = ("processor\t: 0\nBogoMIPS\t: 108.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp "
+               "asimdhp cpuid asimdrdm lrcpc dcpop asimddp\nCPU part\t: 0xd0b\n")
+
+
+def test_a_cuda_torch_from_pypi_is_refused_on_aarch64():
+    r = install("--print-constraints", "--torch-version", "2.13.0", arch="aarch64")
+    assert r.returncode == 1 and "depends on the CUDA 13 toolkit" in r.stderr and "--torch-index" in r.stderr
+    assert install("--print-constraints", "--torch-version", "2.13.0", "--torch-index", "pypi").returncode == 1
+    assert install("--print-constraints", "--torch-version", "2.13.0", arch="x86_64").returncode == 0
+    assert install("--print-constraints", "--torch-version", "2.9.1", arch="aarch64").returncode == 0
+
+
+def test_an_armv8_0_board_is_told_which_torch_it_needs_before_any_download(tmp_path, inputs):
+    """torch 2.10.0 (the aarch64 pin) dies with SIGILL at import on a Pi 4's cores (no LSE atomics)."""
+    (tmp_path / "pi4").write_text(PI4_CPUINFO)
+    (tmp_path / "pi5").write_text(PI5_CPUINFO)
+    args = ["--root", str(tmp_path / "root"), "--config", str(inputs / "agent.toml"), "--skip-pip"]
+    r = install(*args, env={"FEDAL_CPUINFO": str(tmp_path / "pi4")})
+    assert r.returncode == 1, r.stdout
+    assert "no LSE atomics" in r.stderr and "torch 2.10.0 dies with 'Illegal instruction'" in r.stderr
+    assert "--torch-index https://download.pytorch.org/whl/cpu --torch-version 2.13.0" in r.stderr
+    assert not (tmp_path / "root").exists()
+    ok = install(*args, "--torch-index", "https://download.pytorch.org/whl/cpu", "--torch-version", "2.13.0",
+                 env={"FEDAL_CPUINFO": str(tmp_path / "pi4")})
+    assert ok.returncode == 0, ok.stderr
+    assert install(*args, env={"FEDAL_CPUINFO": str(tmp_path / "pi5")}).returncode == 0  # a Pi 5's cores run it
