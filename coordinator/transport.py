@@ -8,6 +8,7 @@ engine knows nothing of topics, chunks or brokers.
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from collections import Counter
@@ -16,6 +17,8 @@ from coordinator.bus import CoordinatorBus
 from coordinator.config import CoordinatorBrokerSettings
 from fedal.engine import Arrival, Transport
 from fedal.protocol import EnvelopeError, Packet, Reassembler, topics
+
+log = logging.getLogger("coordinator.transport")
 
 
 class MqttTransport(Transport):
@@ -72,6 +75,10 @@ class MqttTransport(Transport):
             msg = self.reassembler.feed(t.client, payload)
         except EnvelopeError as exc:
             return Arrival("invalid", t.client, t.run, reason=f"malformed envelope: {exc}", reject_kind=exc.kind, topic=topic)
+        except Exception as exc:  # whatever a payload holds, it never ends the run: counted as an envelope refused
+            log.warning("unusable envelope from %s", t.client, exc_info=True)
+            return Arrival("invalid", t.client, t.run, reason=f"unusable envelope: {type(exc).__name__}: {exc}",
+                           reject_kind="envelope", topic=topic)
         self._partial_bytes[t.client] += len(payload)
         if msg is None:
             return None  # a chunk of a larger result

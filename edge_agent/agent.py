@@ -49,6 +49,7 @@ from fedal.strategies import StrategyParams, get_strategy
 log = logging.getLogger("edge_agent")
 
 CRASH_POINTS = ("after_journal", "after_publish", "next_task", "mid_snapshot")
+MAX_DEFERRED = 32  # tasks held until the run is joined (see Agent._defer)
 
 
 class CrashHook:
@@ -153,20 +154,24 @@ class Agent:
             except queue.Empty:
                 m = self.manifest
                 if m is not None and m.state != "finished" and self.client is None and time.monotonic() >= self.retry_at:
-                    self._join(self.manifest)  # the last attempt to join failed: try again
+                    self._guarded("joining the run again", self._join, m)  # the last attempt failed: again
                 continue
-            try:
-                self._dispatch(topic, payload)
-            except Exception:  # never let one message kill the agent
-                self.counters["errors"] += 1
-                log.exception("error while handling a message on %s", topic)
+            self._guarded(f"handling a message on {topic}", self._dispatch, topic, payload)
+
+    def _guarded(self, what: str, step: Any, *args: Any) -> None:
+        """`step(*args)`, counted and logged should it fail: nothing a message holds ends the worker."""
+        try:
+            step(*args)
+        except Exception:
+            self.counters["errors"] += 1
+            log.exception("error while %s", what)
 
     def _dispatch(self, topic: str, payload: bytes) -> None:
         if topic == self.link.manifest_topic:
             self._on_manifest(payload)
         elif topic == self.link.task_topic:
             if self.client is None:
-                self.deferred.append(payload)  # tasks may overtake the retained manifest
+                self._defer(payload)  # tasks may overtake the retained manifest
                 return
             self._on_task(payload)
         else:
@@ -226,10 +231,20 @@ class Agent:
             self.retry_at = time.monotonic() + self.join_backoff
             log.error("cannot join run %s (retrying in %.0f s): %s", manifest.run_id, self.join_backoff, exc)
             return False
-        for held in self.deferred:
-            self._on_task(held)
-        self.deferred.clear()
+        held, self.deferred = self.deferred, []
+        for payload in held:
+            self._guarded("handling a task held until the run was joined", self._on_task, payload)
         return True
+
+    def _defer(self, payload: bytes) -> None:
+        """Hold a task until the run is joined, within a bound (a few tasks overtake a manifest;
+        the coordinator sends its open tasks again anyway): beyond it the oldest go, counted."""
+        self.deferred.append(payload)
+        limit = 2 * self.config.broker.max_message_bytes
+        while len(self.deferred) > MAX_DEFERRED or (len(self.deferred) > 1 and sum(map(len, self.deferred)) > limit):
+            dropped = self.deferred.pop(0)
+            self._reject(f"dropped a task of {len(dropped)} bytes held before joining the run "
+                         f"(more than {MAX_DEFERRED} tasks or {limit} bytes held)", "deferred")
 
     def _setup(self, manifest: RunManifest) -> None:
         cfg = self.config

@@ -176,6 +176,8 @@ def test_the_engine_keeps_a_valid_health_report():
     ({**GOOD, "rss_bytes": 1.5}, {k: v for k, v in GOOD.items() if k != "rss_bytes"}, 1),
     ({**GOOD, "load1": float("nan")}, {k: v for k, v in GOOD.items() if k != "load1"}, 1),
     ({**GOOD, "mem_total_bytes": 10**30}, {k: v for k, v in GOOD.items() if k != "mem_total_bytes"}, 1),
+    ({**GOOD, "cpu_temp_c": 10**400}, {k: v for k, v in GOOD.items() if k != "cpu_temp_c"}, 1),  # no float holds it
+    ({**GOOD, "cpu_temp_c": -10**400}, {k: v for k, v in GOOD.items() if k != "cpu_temp_c"}, 1),
     ({**GOOD, "gpu_temp_c": 40}, GOOD, 1),  # a field of a newer agent: ignored, counted
     ({**GOOD, "versions": {"board": "x" * 129, "fedal": "0.1.0", "bios": "1"}}, {**GOOD, "versions": {"fedal": "0.1.0"}}, 1),
     ({**GOOD, "versions": ["torch"]}, {k: v for k, v in GOOD.items() if k != "versions"}, 1),

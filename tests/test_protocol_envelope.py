@@ -47,6 +47,8 @@ def test_wrong_version_is_refused():
         (msgpack.packb([2, {}, {"x": ["f4", [2], b"\0" * 4]}]), "do not hold"),
         (msgpack.packb([2, {}, {"x": ["bf16", [2], b"\0" * 4]}]), "unknown dtype"),
         (msgpack.packb([2, {}, {"x": ["f4", [-1], b""]}]), "non-negative"),
+        (msgpack.packb([2, {}, {"x": ["f4", [0, 2**62], b""]}]), "larger than"),  # empty, yet no array holds it
+        (msgpack.packb([2, {}, {"x": ["f4", [0, 2**20, 2**20, 2**20], b""]}]), "larger than"),
         (msgpack.packb([2, {}, {"x": ["f4", [1], "text"]}]), "binary"),
         (msgpack.packb([2, {}, {"x": ["f4", [1]]}]), "dtype, shape, bytes"),
         (msgpack.packb([2, {"r": [1, 2]}, {}]), "scalar"),
@@ -149,3 +151,8 @@ def test_malformed_packed_scales_are_refused(entry, needle):
     both = {"q": ["i1", [2, 2], b"\x00" * 4, b"\x00" * 4], "q.scale": ["f4", [1], b"\x00" * 4]}
     with pytest.raises(EnvelopeError, match="sent as well"):
         decode(msgpack.packb([PROTOCOL_VERSION, {}, both]))
+
+
+def test_an_empty_tensor_of_a_reasonable_shape_still_travels():
+    msg = decode(encode(Message({}, {"x": np.zeros((0, 10), np.float32)})))
+    assert msg.tensors["x"].shape == (0, 10)

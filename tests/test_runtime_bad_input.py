@@ -82,6 +82,7 @@ def attack_on_logits(c: ScriptedClient, task: Message, k: int) -> None:
     c.publish_raw(topics.status(RUN, "c01"), b"{not json")                          # malformed status
     c.publish_raw(topics.status(RUN, "c01"), b'{"state": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")  # deep nesting
     c.publish_raw(up, msgpack.packb([2, {**key, "e": float("inf")}, {"logits": data}]))  # epoch overflows
+    c.publish_raw(up, msgpack.packb([2, key, {"logits": ["f4", [0, 2**62], b""]}]))  # empty, no array holds its shape
     c.reply(task, {"logits": good})                                                 # finally, valid
     c.reply(task, {"logits": good})                                                 # and a duplicate
 
@@ -95,6 +96,8 @@ def attack_agent(c: ScriptedClient, instance: str) -> None:
     c.publish_raw(down, encode(Message({"phase": "transfer", **own, "instance": "an-earlier-run", "epoch": 0, "seq": 10**6})))
     c.publish_raw(down, encode(Message({"phase": "transfer", **own, "epoch": 0, "seq": 10**6,
                                         "round": 0, "iteration": 0}, {"fbar": np.zeros((3, 3), np.float32)})))
+    c.publish_raw(down, msgpack.packb([2, {"p": "transfer", "x": instance, "e": 0, "s": 10**6},
+                                       {"fbar": ["f4", [0, 2**62], b""]}]))  # empty, no array holds its shape
 
 
 @pytest.fixture()
@@ -152,8 +155,9 @@ def test_bad_input_is_rejected_counted_and_survived(deployment, mosquitto):
     assert all(attacked.values())
     counters = final["counters"]
     # garbage, shape, NaN, Inf, dtype, version 1, a long key, oversized, chunk limit, intruder, bad status,
-    # deeply nested status, overflowing epoch, bad accuracy
-    assert counters["rejected"] >= 14, counters
+    # deeply nested status, overflowing epoch, an impossible empty shape, bad accuracy
+    assert counters["rejected"] >= 15, counters
+    assert final["rejects"]["envelope"] >= 3, final["rejects"]  # garbage, version 1, the empty shape
     # the stale sequence number, and the duplicate (counted as a duplicate, or as stale once its phase closed)
     assert counters.get("stale", 0) + counters.get("duplicates", 0) >= 2, counters
     assert final["completed_rounds"] == 3
@@ -164,7 +168,8 @@ def test_bad_input_is_rejected_counted_and_survived(deployment, mosquitto):
     for cid in ("c00", "c01"):
         assert dep.agents[cid].wait(timeout=60) == 0
     status = json.loads((dep.agent_path("c00").parent / "agent-status.json").read_text())
-    assert status["counters"]["rejected"] >= 4, status
+    assert status["counters"]["rejected"] >= 5, status
+    assert status["rejects"].get("envelope", 0) >= 2 and not status["counters"].get("errors"), status
     assert status["counters"]["stale"] >= 1, status  # the task of another run instance
     results = dep.results()
     assert results["final"]["client_acc"][2] == 0.5

@@ -43,8 +43,9 @@ FIELDS = (*_NUMBERS, *_INTEGERS, "versions")
 def _number(value: Any, low: float, high: float) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    value = float(value)
-    return value if math.isfinite(value) and low <= value <= high else None
+    if not low <= value <= high:  # before float(): an int too large for a float is out of range, not an error
+        return None
+    return float(value)
 
 
 def _text(value: Any) -> str | None:

@@ -27,6 +27,7 @@ LONG_KEYS = {v: k for k, v in SHORT_KEYS.items()}
 DTYPES = {code: np.dtype("<" + code) for code in ("f4", "f2", "f8", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8")}
 DTYPES["b1"] = np.dtype(bool)
 MAX_NDIM = 8
+MAX_ELEMENTS = 1 << 31  # per tensor, also counting the axes of an empty one (a payload holds far fewer)
 _UNPACK_LIMITS = {"max_str_len": 1 << 16, "max_array_len": 1 << 16, "max_map_len": 1 << 12, "max_ext_len": 0}
 
 
@@ -155,6 +156,8 @@ def _tensor(name: str, spec: Any) -> np.ndarray:
         raise EnvelopeError(f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} non-negative integers")
     if not isinstance(data, bytes):
         raise EnvelopeError(f"tensor {name!r}: data must be binary")
+    if math.prod(max(n, 1) for n in shape) > MAX_ELEMENTS:  # an empty tensor's other axes too: numpy refuses them
+        raise EnvelopeError(f"tensor {name!r}: shape {shape} is larger than {MAX_ELEMENTS} elements")
     if math.prod(shape) * dtype.itemsize != len(data):
         raise EnvelopeError(f"tensor {name!r}: {len(data)} bytes do not hold {code} of shape {shape}")
     # a copy: receivers may write to what they get, and the payload's buffer is not theirs
