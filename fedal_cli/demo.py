@@ -35,7 +35,7 @@ from fedal.sim.runner import client_seed, standalone_fairness
 from fedal.strategies import get_strategy
 from fedal.strategies.global_model import global_model_line
 from fedal_cli.options import config_from_flags, run_options
-from fedal_cli.simulate import write_results
+from fedal_cli.simulate import check_outputs, write_results
 
 RUN_ID = "demo"
 
@@ -204,6 +204,21 @@ def summary_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def deployable(config: RunConfig) -> RunConfig:
+    """The config for a deployment, refused before anything starts where it asks for what only a
+    simulation has (the coordinator would refuse it, later and in its log). `vectorize`, which a
+    simulation's results file records, only said how that simulation ran its clients: dropped."""
+    if config.dropout or config.stragglers:
+        raise click.UsageError("dropout and stragglers are faults of the simulation (fedal simulate); the demo's "
+                               "clients are real processes, with real faults")
+    if config.backend != "inprocess":
+        raise click.UsageError(f"backend {config.backend!r} is where a simulation runs its clients (fedal simulate); "
+                               "the demo's clients are processes")
+    if config.vectorize:
+        return config.model_copy(update={"vectorize": None})
+    return config
+
+
 @click.command("demo")
 @run_options
 @click.option("--broker", help="External broker URL (mqtt://host:port) instead of the embedded one.")
@@ -212,12 +227,17 @@ def summary_table(results: dict) -> str:
 @click.option("--workdir", type=click.Path(file_okay=False), default="runs/demo", show_default=True,
               help=f"Workspace for the coordinator and the agents: a new or empty directory, or one an earlier demo "
                    f"made (it holds {workspace.MARKER}; its coordinator/ and agents/ are replaced).")
-@click.option("--out", type=click.Path(dir_okay=False), default="runs/demo/results.json", show_default=True)
-@click.option("--plot", type=click.Path(dir_okay=False), help="Also write accuracy vs round as a PNG.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Results JSON (default: results.json in --workdir).")
+@click.option("--plot", type=click.Path(dir_okay=False),
+              help="Accuracy vs round as a PNG (default: accuracy.png in --workdir).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, **flags) -> None:
     """Run a federated training across processes: broker, coordinator and N agents over MQTT."""
     config = config_from_flags(config_path, flags)
+    out = out or str(Path(workdir) / "results.json")
+    plot = plot or str(Path(workdir) / "accuracy.png")
+    check_outputs(out, plot, config_path)
+    config = deployable(config)
     if broker is not None:
         from fedal.protocol import parse_broker_url
 

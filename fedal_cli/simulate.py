@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -24,6 +25,7 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
     from fedal.sim.runner import simulate
 
     config = config_from_flags(config_path, flags)
+    check_outputs(out, plot, config_path)
     bar = tqdm(total=config.rounds, desc=config.strategy, unit="round", disable=quiet, file=sys.stderr)
 
     def progress(_round: int, entry: dict) -> None:
@@ -61,6 +63,48 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
 
     if global_model_line(final):  # FedAvg-type strategies: the aggregated model, personal accuracy
         click.echo(global_model_line(final))
+
+
+def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | Path | None) -> None:
+    """Usage errors, before the run, for outputs that could not be written after it (its results
+    would be lost) or that would overwrite the config file the run reads."""
+    for option, path in (("--out", out), ("--plot", plot)):
+        if path is None:
+            continue
+        target = Path(path)
+        if config_path is not None and target.resolve() == Path(config_path).resolve():
+            raise click.BadParameter(f"{path} is the config file this run reads: writing the results there would "
+                                     "overwrite it; give another path", param_hint=option)
+        if target.is_dir():
+            raise click.BadParameter(f"{path} is a directory", param_hint=option)
+        parent = target.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise click.BadParameter(f"{path} cannot be created: {parent} is not a directory", param_hint=option)
+        if not _writable(target, parent):
+            raise click.BadParameter(f"{path} is not writable here", param_hint=option)
+    if plot is not None:
+        from matplotlib.figure import Figure
+
+        formats = Figure().canvas.get_supported_filetypes()
+        suffix = Path(plot).suffix.lstrip(".").lower()
+        if suffix not in formats:
+            raise click.BadParameter(f"{plot}: a plot is written as {', '.join('.' + f for f in sorted(formats))}, "
+                                     f"not {'.' + suffix if suffix else 'a file without an extension'}", param_hint="--plot")
+
+
+def _writable(target: Path, parent: Path) -> bool:
+    """Tried, not asked (permission bits say nothing to root, or on /proc): the file opened for
+    appending, which changes nothing, or a scratch file made and removed where it will go."""
+    try:
+        if target.exists():
+            with open(target, "ab"):
+                return True
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".fedal-write-check-"):
+            return True
+    except OSError:
+        return False
 
 
 def write_results(results: dict, out: str | Path, plot: str | Path | None = None) -> None:

@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
 from fedal.strategies import STRATEGIES, STRATEGY_NAMES, StrategyParams, get_strategy
 from fedal.strategies.params import COMMON_PARAMS
@@ -68,36 +68,38 @@ class RunConfig(BaseModel):
     strategy: str = "fedal"
     dataset: str = "mnist1d"
     data_dir: str | None = Field(None, description="folder with dataset files (file-backed datasets only)")
-    clients: int = Field(10, ge=2, le=10_000)
+    clients: StrictInt = Field(10, ge=2, le=10_000)
     partition: str = "dirichlet-client"
-    alpha: float = Field(1.0, gt=0, description="Dirichlet concentration (per client or per class)")
-    shift_c: float = Field(5.0, gt=0, description="covariate-shift partitions: C = delta^T Sigma^-1 delta (paper: 2, 5, 10)")
+    alpha: float = Field(1.0, gt=0, allow_inf_nan=False, description="Dirichlet concentration (per client or per class)")
+    shift_c: float = Field(5.0, gt=0, allow_inf_nan=False,
+                           description="covariate-shift partitions: C = delta^T Sigma^-1 delta (paper: 2, 5, 10)")
     train_splits: str = Field("train", description="cinic10, celeba: train, or train+valid to add the validation split")
     celeba_attribute: str | None = Field(None, description="celeba: the binary attribute to predict (default Smiling)")
-    mnist1d_samples: int | None = Field(None, ge=10, description="mnist1d: samples generated, train and test together "
-                                        "(default 12000)")
-    samples_per_client: int | None = Field(None, ge=1, description="None: an equal share of what is left")
-    public_size: int = Field(1000, ge=1)
+    mnist1d_samples: StrictInt | None = Field(None, ge=10, le=10_000_000,
+                                              description="mnist1d: samples generated, train and test together "
+                                              "(default 12000)")
+    samples_per_client: StrictInt | None = Field(None, ge=1, description="None: an equal share of what is left")
+    public_size: StrictInt = Field(1000, ge=1)
     local_test_fraction: float = Field(0.0, ge=0.0, lt=1.0,
                                        description="share of each client's data held out as its local test split")
     models: list[str] | None = Field(None, description="assigned round-robin; default per dataset "
                                        "(its first model alone for strategies that average parameters)")
-    rounds: int = Field(20, ge=1)
-    seed: int = Field(0, ge=0)
-    eval_every: int = Field(1, ge=1, description="evaluate every k rounds (and always after the last)")
-    threads: int = Field(1, ge=1, description="torch intra-op threads (1 is fastest for tiny models)")
+    rounds: StrictInt = Field(20, ge=1)
+    seed: StrictInt = Field(0, ge=0, lt=2**63, description="0 <= seed < 2^63 (torch's seeds are 64-bit)")
+    eval_every: StrictInt = Field(1, ge=1, description="evaluate every k rounds (and always after the last)")
+    threads: StrictInt = Field(1, ge=1, le=1024, description="torch intra-op threads (1 is fastest for tiny models)")
     # faults of the in-process transport (simulation only; a deployment has real ones)
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="simulation: each client misses each phase with this probability")
     stragglers: float = Field(0.0, ge=0.0, le=1.0, description="simulation: this fraction of clients answers after the deadline")
-    straggle_every: int = Field(2, ge=1, description="simulation: stragglers are late every k-th phase")
-    vectorize: bool | None = Field(None, description="simulation: clients of one architecture run as one stacked "
+    straggle_every: StrictInt = Field(2, ge=1, description="simulation: stragglers are late every k-th phase")
+    vectorize: StrictBool | None = Field(None, description="simulation: clients of one architecture run as one stacked "
                                    "model where the strategy allows (fedal/strategies/stacked.py); unset: on in a "
                                    "simulation (false: the per-client reference path); a deployment refuses true")
     backend: Literal["inprocess", "ray"] = Field("inprocess", description="simulation: where client halves run: this "
                                                  "process, or Ray actors (docs/simulation.md)")
     ray_address: str | None = Field(None, description="ray backend: a cluster to join (auto, ray://host:port); "
                                     "none starts a local instance")
-    ray_actors: int | None = Field(None, ge=1, description="ray backend: actors hosting the clients (default: as many "
+    ray_actors: StrictInt | None = Field(None, ge=1, description="ray backend: actors hosting the clients (default: as many "
                                    "as the cluster's CPUs fit client_resources)")
     client_resources: str | None = Field(None, description="ray backend: resources of each actor, e.g. "
                                          "'num_cpus=1,num_gpus=0.25' (default num_cpus=1)")
@@ -218,6 +220,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     data: dict[str, Any] = {}
     if path is not None:
         data = _read_config_file(Path(path))
+        given = {k: v for k, v in (overrides or {}).items() if v is not None}
+        changed = {k for k in DERIVED_FROM if k in given and given[k] != data.get(k)}
+        if Path(path).suffix == ".json" and changed:
+            data = _without_derived(data)
     if "privacy" in data:  # the [privacy] table: travels with the strategy parameters to every device
         privacy = data.pop("privacy")
         data.setdefault("strategy_params", {})["privacy"] = privacy
@@ -237,6 +243,34 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         return RunConfig(**data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
+
+
+DERIVED_FIELDS = ("models", "mnist1d_samples", "celeba_attribute")
+DERIVED_FROM = ("strategy", "dataset", "seed", "rounds")  # what `resolved()` derives them from
+
+
+def _without_derived(data: dict[str, Any]) -> dict[str, Any]:
+    """A saved (resolved) config less what `resolved()` derives from its strategy, dataset, seed
+    and rounds (a strategy's preset parameters, the public rows' seed, the dataset's default
+    models and sizes): a flag that changes one of those derives them anew, as for a fresh run,
+    instead of running the new strategy with the old one's settings. Values that differ from
+    what was derived were chosen, and stay. Only where a flag changes one of those (unchanged,
+    the saved run is repeated exactly as saved)."""
+    base = {k: v for k, v in data.items() if k not in DERIVED_FIELDS and k != "strategy_params"}
+    try:
+        derived = RunConfig(**base).resolved()
+    except (ValidationError, ValueError, TypeError, KeyError):
+        return data  # the full config's own validation says what is wrong
+    out = {k: v for k, v in data.items() if not (k in DERIVED_FIELDS and v == getattr(derived, k))}
+    params = data.get("strategy_params")
+    if isinstance(params, dict):
+        defaults = derived.strategy_params.model_dump(mode="json")
+        kept = {k: v for k, v in params.items() if k == "privacy" or k not in defaults or v != defaults[k]}
+        privacy = kept.get("privacy")
+        if isinstance(privacy, dict) and privacy.get("planned_rounds") == data.get("rounds"):
+            kept["privacy"] = {k: v for k, v in privacy.items() if k != "planned_rounds"}
+        out["strategy_params"] = kept
+    return out
 
 
 def _read_config_file(path: Path) -> dict[str, Any]:

@@ -7,7 +7,7 @@ is saved with a run's results so the run can be repeated exactly.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -64,7 +64,8 @@ class StrategyParams(BaseModel):
         "row", description="wire_dtype int8: one scale per public row, or one per tensor"
     )
 
-    disc_hidden: list[int] = Field(default_factory=lambda: [32, 256], description="discriminator hidden widths")
+    disc_hidden: list[Annotated[int, Field(ge=1, le=65536)]] = Field(
+        default_factory=lambda: [32, 256], max_length=16, description="discriminator hidden widths")
     disc_lr: float = Field(1e-4, gt=0, description="discriminator Adam learning rate")
 
     # FedHKD (ALGORITHMS.md section 4); FedHKD* is hkd_gamma = 0

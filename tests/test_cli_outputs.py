@@ -1,0 +1,65 @@
+"""`fedal simulate` / `fedal demo` outputs: paths that could not be written after the run, and a
+`--out` that is the config file being read, are usage errors (exit 2) before the run starts;
+`fedal demo` writes its results and plot into its --workdir, and refuses simulation-only settings
+before it starts anything."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+QUICK = ["--dataset", "digits", "--clients", "2", "--rounds", "1", "--strategy", "fedmd", "--public-size", "60", "--quiet"]
+
+
+def fedal(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("fedal")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "fedal_cli.main"]
+    return subprocess.run([*cmd, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_results_file_is_never_overwritten_by_the_run_it_configures(tmp_path):
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps({"config": {"strategy": "fedmd", "dataset": "digits", "clients": 2, "rounds": 1}}))
+    before = saved.read_bytes()
+    r = fedal("simulate", "--config", "results.json", "--rounds", "1", cwd=tmp_path)  # --out defaults to results.json
+    assert r.returncode == 2, r.stderr
+    assert "is the config file this run reads" in r.stderr and "Traceback" not in r.stderr
+    assert saved.read_bytes() == before
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--out", "/proc/results.json"], "not writable"),
+    (["--out", "file.txt/results.json"], "is not a directory"),
+    (["--out", "."], "is a directory"),
+    (["--plot", "acc.txt"], "a plot is written as"),
+    (["--plot", "/proc/acc.png"], "not writable"),
+])
+def test_outputs_that_could_not_be_written_are_refused_before_the_run(tmp_path, extra, needle):
+    (tmp_path / "file.txt").write_text("a user's file\n")
+    r = fedal("simulate", *QUICK, *extra, cwd=tmp_path, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]  # nothing ran, nothing written
+
+
+def test_the_demo_refuses_simulation_faults_before_starting_anything(tmp_path):
+    (tmp_path / "faults.toml").write_text('strategy = "fedmd"\ndataset = "digits"\ndropout = 0.2\n')
+    r = fedal("demo", "--config", "faults.toml", "--workdir", "ws", cwd=tmp_path, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "faults of the simulation" in r.stderr and not (tmp_path / "ws").exists()
+
+
+def test_the_demo_writes_its_results_and_plot_into_its_workdir(tmp_path):
+    """...also from a simulation's results file, which records how it stacked its clients."""
+    sim = fedal("simulate", *QUICK, "--out", "sim.json", cwd=tmp_path)
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads((tmp_path / "sim.json").read_text())["config"]["vectorize"] is not False
+    r = fedal("demo", "--config", "sim.json", "--workdir", "ws", "--quiet", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    results = json.loads((tmp_path / "ws" / "results.json").read_text())
+    assert results["config"]["strategy"] == "fedmd" and (tmp_path / "ws" / "accuracy.png").stat().st_size > 0
+    assert not (tmp_path / "runs").exists()

@@ -1,0 +1,62 @@
+"""A results file as a config (`fedal simulate --config results.json`): unchanged it repeats its
+run exactly; a flag that changes the strategy, seed, dataset or rounds derives what those decide
+(a strategy's preset parameters, the public rows' seed, the dataset's default models and size)
+as a fresh run would, while the values the saved run chose itself stay."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fedal.sim.config import load_config
+from fedal.strategies import STRATEGIES
+
+FIELDS = dict(dataset="mnist1d", clients=3, rounds=2, samples_per_client=100, public_size=200, seed=0)
+
+
+def saved(tmp_path, **config) -> str:
+    """What a run writes as its results' `config`: the fully resolved config."""
+    path = tmp_path / "results.json"
+    resolved = load_config(None, config).resolved().model_dump(mode="json")
+    path.write_text(json.dumps({"config": resolved, "final": {}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_an_unchanged_results_file_repeats_its_run(tmp_path, strategy):
+    path = saved(tmp_path, strategy=strategy, **FIELDS)
+    again = load_config(path).resolved().model_dump(mode="json")
+    assert again == json.loads(open(path).read())["config"]
+
+
+def test_a_private_run_repeats_with_its_planned_rounds(tmp_path):
+    path = saved(tmp_path, strategy="fedal", dp_target_epsilon=5.0, **FIELDS)
+    assert load_config(path).resolved().model_dump(mode="json") == json.loads(open(path).read())["config"]
+    longer = load_config(path, {"rounds": 4}).resolved()
+    assert longer.strategy_params.privacy.planned_rounds == 4  # derived from the new rounds
+
+
+@pytest.mark.parametrize("strategy", ["fedmd", "fedavg", "fd", "fedhkd"])
+def test_another_strategy_gets_its_own_settings_not_the_saved_ones(tmp_path, strategy):
+    path = saved(tmp_path, strategy="fedal", **FIELDS)
+    switched = load_config(path, {"strategy": strategy}).resolved()
+    fresh = load_config(None, {"strategy": strategy, **FIELDS}).resolved()
+    assert switched.model_dump() == fresh.model_dump()
+
+
+def test_another_seed_or_dataset_derives_what_they_decide(tmp_path):
+    path = saved(tmp_path, strategy="fedal", **FIELDS)
+    reseeded = load_config(path, {"seed": 1}).resolved()
+    assert reseeded.strategy_params.rows_seed == 1
+    assert reseeded.model_dump() == load_config(None, {"strategy": "fedal", **{**FIELDS, "seed": 1}}).resolved().model_dump()
+    digits = load_config(path, {"dataset": "digits"}).resolved()  # the saved mnist1d size no longer applies
+    assert digits.mnist1d_samples is None and digits.models == load_config(
+        None, {"strategy": "fedal", **{**FIELDS, "dataset": "digits"}}).resolved().models
+
+
+def test_values_the_saved_run_chose_stay(tmp_path):
+    path = saved(tmp_path, strategy="fedal", models=["mlp"], tau=3, **FIELDS)
+    switched = load_config(path, {"strategy": "fedmd"}).resolved()
+    assert switched.strategy_params.tau == 3 and switched.models == ["mlp"]
+    assert switched.strategy_params.lambda_adv == 0.0  # fedmd's own

@@ -1,0 +1,49 @@
+"""Run-config values no run can use are refused when the config is read (exit 2 on the command
+line), not deep inside a run: infinite concentrations or shifts, seeds torch cannot take, absurd
+thread counts, and TOML values of the wrong type that a lenient parser would coerce
+(`rounds = true` ran one round, `vectorize = "yes"` stacked)."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from fedal.sim.config import ConfigError, load_config
+from fedal_cli.main import cli
+
+
+@pytest.mark.parametrize("values, needle", [
+    ({"alpha": float("inf")}, "alpha: Input should be a finite number"),
+    ({"shift_c": float("inf"), "partition": "covariate-shift"}, "shift_c: Input should be a finite number"),
+    ({"seed": 2**64}, "seed: Input should be less than"),
+    ({"threads": 100_000}, "threads: Input should be less than or equal to 1024"),
+])
+def test_values_no_run_can_use_are_refused(values, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, values)
+
+
+@pytest.mark.parametrize("toml, needle", [
+    ("rounds = true\n", "rounds: Input should be a valid integer"),
+    ("clients = 3.0\n", "clients: Input should be a valid integer"),
+    ('seed = "1"\n', "seed: Input should be a valid integer"),
+    ('vectorize = "yes"\n', "vectorize: Input should be a valid boolean"),
+])
+def test_toml_values_of_the_wrong_type_are_not_coerced(tmp_path, toml, needle):
+    path = tmp_path / "run.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=needle):
+        load_config(path)
+    r = CliRunner().invoke(cli, ["simulate", "--config", str(path), "--quiet", "--out", str(tmp_path / "r.json")])
+    assert r.exit_code == 2 and needle in r.output
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("hidden, needle", [
+    ([0, 3], "greater than or equal to 1"),
+    ([10**6], "less than or equal to 65536"),
+    ([3] * 20, "at most 16 items"),
+])
+def test_a_discriminator_of_no_or_absurd_width_is_refused(hidden, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, {"disc_hidden": hidden})
