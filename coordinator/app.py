@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.config import RunSpec
 from coordinator.dashboard import STATIC_DIR
-from coordinator.events import sse_format
+from coordinator.events import CLOSED, sse_format
 from coordinator.metrics import registry_for
 from coordinator.run import Run
 from coordinator.runs import InvalidRunSpec, RunConflict, RunManager
@@ -205,7 +205,8 @@ def create_app(runs: RunManager | Run) -> FastAPI:
 
     @app.get("/api/v1/events", dependencies=reads)
     async def events(request: Request) -> StreamingResponse:
-        """Server-Sent Events: run, round, phase and client events as they happen."""
+        """Server-Sent Events: run, round, phase and client events as they happen. The stream
+        ends when the client leaves or when the coordinator shuts down (the event hub is closed)."""
         subscription = runs.events.subscribe()
 
         async def stream():
@@ -217,6 +218,8 @@ def create_app(runs: RunManager | Run) -> FastAPI:
                     except queue.Empty:
                         yield ": keep-alive\n\n"
                         continue
+                    if event is CLOSED:  # shutting down: end the response, so the server can stop
+                        return
                     yield sse_format(event)
             finally:
                 runs.events.unsubscribe(subscription)

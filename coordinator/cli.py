@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import click
 
 from fedal.settings import SettingsError, exposed_secrets
 
 
-@click.command("coordinator")
+@click.command("coordinator", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), required=True,
               help="Coordinator TOML; FEDAL_COORD_* env vars override it.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
@@ -24,8 +25,26 @@ def coordinator_cmd(config_path: str, log_level: str) -> None:
         config = load_coordinator_config(config_path)
     except SettingsError as exc:
         raise click.UsageError(str(exc)) from None
+    check_files(config)
     warn_if_secrets_exposed(config_path)
     sys.exit(serve(config))
+
+
+def check_files(config) -> None:
+    """The files the config names, checked before anything starts or is created (the state
+    directory, the broker connection): a missing or unusable one is a usage error, not a traceback."""
+    from coordinator.run import read_public_file
+
+    ca_file = config.broker.ca_file
+    if ca_file is not None and not Path(ca_file).is_file():
+        raise click.UsageError(f"broker.ca_file {ca_file} does not exist (the CA the broker's certificate is checked against)")
+    if config.public_file is not None:
+        try:
+            read_public_file(Path(config.public_file))
+        except OSError as exc:
+            raise click.UsageError(f"public_file {config.public_file}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
 
 
 SECRET_KEYS = ["api.token", "broker.password", "broker.url"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fedal.engine.health import HealthLimits
@@ -67,6 +67,32 @@ def _check_no_simulated_faults(v: RunConfig) -> RunConfig:
     return v
 
 
+# What a run may ask the coordinator to allocate. The discriminator (FedAL) lives on the server,
+# sized num_classes -> strategy_params.disc_hidden -> one output per client: 2^24 parameters is
+# 64 MiB of float32 (four times that with Adam's moments and the gradients), over a thousand times
+# the default's (about 10,000 for a few clients); beyond it a run spec, which may come over the
+# API, could take the server's memory.
+MAX_DISCRIMINATOR_PARAMS = 1 << 24
+MAX_NUM_CLASSES = 10_000  # the output width of every model and of the discriminator's input
+
+
+def discriminator_params(num_classes: int, hidden: list[int], num_clients: int) -> int:
+    """Parameters of fedal.strategies.discriminator.Discriminator(num_classes, num_clients, hidden)."""
+    widths = [num_classes, *hidden, num_clients]
+    return sum(a * b + b for a, b in zip(widths, widths[1:]))
+
+
+def _check_server_sizes(run: RunConfig, num_classes: int, client_ids: list[str] | None) -> None:
+    """Refuse a run whose server half would be too large to allocate, before anything is built."""
+    hidden = list(run.strategy_params.disc_hidden)  # each width 1..65536 (StrategyParams)
+    clients = max(2, len(client_ids or []))
+    params = discriminator_params(num_classes, hidden, clients)
+    if params > MAX_DISCRIMINATOR_PARAMS:
+        raise ValueError(f"run.strategy_params.disc_hidden {hidden}: the discriminator ({num_classes} classes, "
+                         f"{clients} clients) would hold {params:,} parameters, more than the "
+                         f"{MAX_DISCRIMINATOR_PARAMS:,} a coordinator allocates; use smaller widths (default [32, 256])")
+
+
 def _check_client_ids(v: list[str] | None) -> list[str] | None:
     if v is None:
         return v
@@ -83,13 +109,18 @@ class RunSpec(BaseModel):
     run_id: str
     run: RunConfig = Field(default_factory=RunConfig, description="strategy, rounds, seed and the rest of the run")
     client_ids: list[str] = Field(description="enrolled clients, in enrolment order (the discriminator's classes)")
-    num_classes: int = Field(10, ge=2)
+    num_classes: int = Field(10, ge=2, le=MAX_NUM_CLASSES)
     public_file: Path | None = Field(None, description="public set .npz on the coordinator; default: derived from run.dataset")
     phases: PhaseSettings | None = Field(None, description="deadlines and quorum; default: the coordinator's")
 
     _run_id = field_validator("run_id")(_check_run_id)
     _clients = field_validator("client_ids")(_check_client_ids)
     _run = field_validator("run")(_check_no_simulated_faults)
+
+    @model_validator(mode="after")
+    def _sizes(self) -> RunSpec:
+        _check_server_sizes(self.run, self.num_classes, self.client_ids)
+        return self
 
 
 class CoordinatorConfig(BaseSettings):
@@ -99,7 +130,7 @@ class CoordinatorConfig(BaseSettings):
     run: RunConfig = Field(default_factory=RunConfig, description="strategy, rounds, seed and the rest of the run")
     client_ids: list[str] | None = Field(None, description="enrolled clients, in enrolment order (the discriminator's "
                                          "classes); none: start no run, wait for POST /api/v1/runs")
-    num_classes: int = Field(10, ge=2)
+    num_classes: int = Field(10, ge=2, le=MAX_NUM_CLASSES)
     public_file: Path | None = Field(None, description=".npz with x: the public set served to agents")
     state_dir: Path = Path("coordinator-state")
     store_url: str | None = Field(None, description="SQLAlchemy URL of the run store; default sqlite:///<state_dir>/coordinator.db")
@@ -116,6 +147,11 @@ class CoordinatorConfig(BaseSettings):
     _run_id = field_validator("run_id")(_check_run_id)
     _clients = field_validator("client_ids")(_check_client_ids)
     _run = field_validator("run")(_check_no_simulated_faults)
+
+    @model_validator(mode="after")
+    def _sizes(self) -> CoordinatorConfig:
+        _check_server_sizes(self.run, self.num_classes, self.client_ids)
+        return self
 
     def initial_run(self) -> RunSpec | None:
         """The run this config starts by itself, if it names clients."""

@@ -1,7 +1,9 @@
 """Live run events for Server-Sent Events subscribers: round, phase, client and run changes.
 
 The round engine publishes from its own thread; each subscriber has a bounded queue, so a slow
-or vanished dashboard never blocks the engine (its oldest events are dropped instead).
+or vanished dashboard never blocks the engine (its oldest events are dropped instead). When the
+service stops, close() ends every subscription: each subscriber then reads CLOSED, so an open
+event stream ends and never holds the shutdown up.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import threading
 import time
 from typing import Any
 
+CLOSED: dict[str, Any] = {"type": "_closed"}  # what a subscriber reads once the hub is closed (compare with `is`)
+
 
 class EventHub:
     def __init__(self, max_queue: int = 1000):
@@ -21,29 +25,52 @@ class EventHub:
         self._subscribers: set[queue.Queue] = set()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def publish(self, kind: str, **data: Any) -> None:
         event = {"id": next(self._ids), "type": kind, "ts": time.time(), **data}
         with self._lock:
             subscribers = list(self._subscribers)
         for q in subscribers:
-            while True:
-                try:
-                    q.put_nowait(event)
-                    break
-                except queue.Full:
-                    with contextlib.suppress(queue.Empty):  # another reader may have emptied it
-                        q.get_nowait()  # drop the oldest
+            _put(q, event)
 
     def subscribe(self) -> queue.Queue:
+        """A new subscriber's queue; on a closed hub it holds CLOSED alone."""
         q: queue.Queue = queue.Queue(maxsize=self.max_queue)
         with self._lock:
+            if self._closed:
+                q.put_nowait(CLOSED)
+                return q
             self._subscribers.add(q)
         return q
+
+    def close(self) -> None:
+        """End every subscription, now and to come: each subscriber reads CLOSED next (after at
+        most what it has queued). Called when the service shuts down; idempotent."""
+        with self._lock:
+            self._closed = True
+            subscribers = list(self._subscribers)
+            self._subscribers.clear()
+        for q in subscribers:
+            _put(q, CLOSED)
 
     def unsubscribe(self, q: queue.Queue) -> None:
         with self._lock:
             self._subscribers.discard(q)
+
+
+def _put(q: queue.Queue, item: dict[str, Any]) -> None:
+    while True:
+        try:
+            q.put_nowait(item)
+            return
+        except queue.Full:
+            with contextlib.suppress(queue.Empty):  # another reader may have emptied it
+                q.get_nowait()  # drop the oldest
 
 
 def sse_format(event: dict[str, Any]) -> str:

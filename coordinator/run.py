@@ -13,11 +13,15 @@ import hashlib
 import io
 import json
 import logging
+import pickle
 import socket
 import threading
 import time
 import uuid
+import zipfile
+import zlib
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,6 +48,32 @@ def pick_device(setting: str) -> str:
     return setting
 
 
+def read_public_file(path: Path) -> tuple[bytes, np.ndarray]:
+    """The public set file's bytes (served to agents as they are) and its rows `x` as float32.
+    Anything but an .npz holding a numeric array `x` of at least one finite row raises ValueError
+    saying what is wrong (a file that cannot be read: OSError)."""
+    data = path.read_bytes()
+    try:
+        loaded = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, EOFError, OSError, zipfile.BadZipFile, pickle.UnpicklingError) as exc:
+        raise ValueError(f"public_file {path} is not a readable .npz file: {exc}") from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise ValueError(f"public_file {path} is a single .npy array, not an .npz holding an array x")
+    with loaded as z:
+        if "x" not in z.files:
+            raise ValueError(f"public_file {path} holds no array x (it holds: {', '.join(z.files) or 'nothing'})")
+        try:
+            x = np.ascontiguousarray(z["x"], dtype=np.float32)
+        except (ValueError, TypeError, EOFError, OSError, zipfile.BadZipFile, zlib.error) as exc:
+            raise ValueError(f"public_file {path}: its array x cannot be read as float32 rows: {exc}") from None
+    if x.ndim < 2 or len(x) == 0:
+        raise ValueError(f"public_file {path}: x must hold at least one row of features (shape [rows, ...]), "
+                         f"got shape {list(x.shape)}")
+    if not np.isfinite(x).all():
+        raise ValueError(f"public_file {path}: x holds NaN or infinite values")
+    return data, x
+
+
 class Run:
     """One run. `store` and `events` are shared by all runs of a coordinator (RunManager)."""
 
@@ -65,9 +95,7 @@ class Run:
         self.public_hash: str | None = None
         public_size, public_x = 0, None
         if config.public_file is not None:
-            self.public_bytes = config.public_file.read_bytes()
-            with np.load(io.BytesIO(self.public_bytes), allow_pickle=False) as z:
-                x = np.ascontiguousarray(z["x"], dtype=np.float32)
+            self.public_bytes, x = read_public_file(config.public_file)
             self.public_hash, public_size = content_hash(x), len(x)
             public_x = x
         elif self.spec.uses_public_set:

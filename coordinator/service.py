@@ -19,11 +19,29 @@ log = logging.getLogger("coordinator")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+# Backstop for the requests still open when the server stops (a client that stopped reading an
+# event stream, a slow download of the public set): uvicorn waits this long for them, then cancels them.
+GRACEFUL_SHUTDOWN_S = 3
+
+
 class _Server(uvicorn.Server):
     """uvicorn re-raises a captured SIGINT/SIGTERM once the server is down, which kills the
     process (status 143) or raises KeyboardInterrupt before serve() has stopped the runs: no
     `stopped` published, no state saved. Here a stop signal only stops the server; serve() then
-    shuts down in order and returns 0. SIGHUP (a closed terminal) stops it the same way."""
+    shuts down in order and returns 0. SIGHUP (a closed terminal) stops it the same way.
+
+    uvicorn's shutdown waits for every open response to end, and an event stream (the
+    dashboard's GET /api/v1/events) never ends by itself: `on_shutdown` (the event hub's close)
+    runs first, so open streams end at once, and GRACEFUL_SHUTDOWN_S bounds the rest."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown=None):
+        super().__init__(config)
+        self.on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.on_shutdown is not None:
+            self.on_shutdown()
+        await super().shutdown(sockets=sockets)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -44,7 +62,9 @@ def serve(config: CoordinatorConfig) -> int:
     runs = RunManager(config)
     runs.restore()
     server = _Server(
-        uvicorn.Config(create_app(runs), host=config.api.host, port=config.api.port, log_level="warning", lifespan="off")
+        uvicorn.Config(create_app(runs), host=config.api.host, port=config.api.port, log_level="warning", lifespan="off",
+                       timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
+        on_shutdown=runs.events.close,
     )
 
     def _start_when_api_is_up() -> None:

@@ -6,13 +6,14 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import click
 
 from fedal.settings import SettingsError
 
 
-@click.command("agent")
+@click.command("agent", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Agent TOML; FEDAL_AGENT_* env vars override it.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @click.option("--self-check", is_flag=True, help="Check that training, ONNX export and onnxruntime work here, print JSON, exit.")
@@ -28,6 +29,10 @@ def agent_cmd(config_path: str | None, log_level: str, self_check: bool) -> None
         config = load_agent_config(config_path)
     except SettingsError as exc:
         raise click.UsageError(str(exc)) from None
+    ca_file = config.broker.ca_file
+    if ca_file is not None and not Path(ca_file).is_file():  # else a traceback from the TLS set-up, at connect
+        raise click.UsageError(f"broker.ca_file {ca_file} does not exist (the CA the broker's certificate is checked "
+                               "against; `fedal fleet init --tls` writes one per device)")
     agent = Agent(config)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal closed
         signal.signal(sig, lambda *_: agent.stop())

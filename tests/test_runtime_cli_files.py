@@ -1,0 +1,69 @@
+"""`fedal agent` / `fedal coordinator` (and their `python -m` forms) on the command line: -h as
+--help, and a config naming a missing CA file or a missing or unusable public set is a one-line
+usage error before anything starts or is created (they were tracebacks, the coordinator's after
+it had made its state directory)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from coordinator.cli import coordinator_cmd
+from edge_agent.cli import agent_cmd
+
+CONFIG = """client_id = "c00"
+run_id = "lab"
+model = "mlp"
+data_file = "{data}"
+workspace = "{workspace}"
+
+[broker]
+url = "mqtts://127.0.0.1:8883"
+ca_file = "{ca}"
+"""
+
+
+def test_dash_h_is_help():
+    for module in ("edge_agent", "coordinator"):
+        out = subprocess.run([sys.executable, "-m", module, "-h"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.startswith(f"Usage: python -m {module}")
+
+
+def test_a_missing_ca_file_is_a_usage_error(tmp_path):
+    config = tmp_path / "agent.toml"
+    config.write_text(CONFIG.format(data=tmp_path / "train.npz", workspace=tmp_path / "ws", ca=tmp_path / "missing-ca.crt"))
+    r = CliRunner().invoke(agent_cmd, ["--config", str(config)])
+    assert r.exit_code == 2, r.output
+    assert f"broker.ca_file {tmp_path / 'missing-ca.crt'} does not exist" in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+    assert not (tmp_path / "ws").exists()  # nothing started
+
+
+COORDINATOR = """run_id = "lab"
+client_ids = ["c00", "c01"]
+state_dir = "{state}"
+public_file = "{public}"
+
+[run]
+strategy = "fedmd"
+dataset = "digits"
+clients = 2
+
+[broker]
+url = "mqtt://127.0.0.1:1883"
+"""
+
+
+def test_a_coordinator_config_with_a_missing_or_unusable_public_set_starts_nothing(tmp_path):
+    config = tmp_path / "coordinator.toml"
+    state = tmp_path / "state"
+    config.write_text(COORDINATOR.format(state=state, public=tmp_path / "public.npz"))
+    r = CliRunner().invoke(coordinator_cmd, ["--config", str(config)])
+    assert r.exit_code == 2, r.output
+    assert f"public_file {tmp_path / 'public.npz'}: No such file or directory" in r.output
+    (tmp_path / "public.npz").write_bytes(b"not an npz")
+    r = CliRunner().invoke(coordinator_cmd, ["--config", str(config)])
+    assert r.exit_code == 2 and "is not a readable .npz file" in r.output, r.output
+    assert not state.exists()
