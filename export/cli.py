@@ -13,12 +13,27 @@ from pathlib import Path
 
 import click
 
+from export.onnx_export import MAX_OPSET, MIN_OPSET
 from fedal.models import MODEL_NAMES
 
 DATASETS = ("mnist1d", "digits")
 PARITY_ATOL = 1e-4
 PARITY_RANDOM_ROWS = 16
 PARITY_REAL_ROWS = 256
+STATIC_INT8_MIN_OPSET = 13  # per-channel QDQ: DequantizeLinear's axis attribute arrived in opset 13
+
+
+def _check_opset(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    """Refuse an opset the exporter cannot write while parsing, before any work is done."""
+    if not MIN_OPSET <= value <= MAX_OPSET:
+        raise click.BadParameter(f"{value} is not supported: the exporter writes opsets {MIN_OPSET} to "
+                                 f"{MAX_OPSET}")
+    return value
+
+
+def _one_line(message: str) -> str:
+    """The first non-empty line of an error message: the command promises one-line errors."""
+    return next((line.strip() for line in message.splitlines() if line.strip()), message.strip())
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -40,7 +55,8 @@ def _parse_shape(text: str) -> tuple[int, ...]:
 @click.option("--input-shape", help="Per-sample shape, e.g. 1,8,8 (required without --dataset).")
 @click.option("--num-classes", type=int, help="Number of classes (required without --dataset).")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output .onnx file.")
-@click.option("--opset", type=int, default=17, show_default=True, help="ONNX opset.")
+@click.option("--opset", type=int, default=17, show_default=True, callback=_check_opset,
+              help=f"ONNX opset, {MIN_OPSET} to {MAX_OPSET} (static int8 needs {STATIC_INT8_MIN_OPSET}+).")
 @click.option("--quantize", type=click.Choice(["int8"]), help="Also write <out stem>.int8.onnx.")
 @click.option("--quantize-mode", type=click.Choice(["dynamic", "static"]),
               help="int8 mode. Default: static (QDQ, calibrated on the train split) with --dataset, else dynamic.")
@@ -56,13 +72,19 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
 
     from export.checkpoint import load_checkpoint
     from export.layout import CHANNEL_MULTIPLE, has_1d_layers, nchwc_available
-    from export.onnx_export import export_onnx
+    from export.onnx_export import export_onnx, written_opset
     from export.parity import ParityError, check_parity
     from export.quantize import accuracy_delta, quantize_int8
     from fedal.models import build_model
 
     if threads is not None and threads < 1:
         raise click.UsageError("--threads must be >= 1")
+    mode = quantize_mode or ("static" if dataset else "dynamic")
+    if quantize and mode == "static" and not dataset:
+        raise click.UsageError("--quantize-mode static needs --dataset for calibration samples")
+    if quantize and mode == "static" and opset < STATIC_INT8_MIN_OPSET:
+        raise click.UsageError(f"static int8 (per-channel QDQ) needs --opset {STATIC_INT8_MIN_OPSET} or later, "
+                               f"got {opset}; use --quantize-mode dynamic or a newer opset")
     train = test = None
     if dataset:
         from fedal.data import load_dataset
@@ -80,9 +102,6 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
         if not input_shape or num_classes is None:
             raise click.UsageError("without --dataset, both --input-shape and --num-classes are required")
         shape, classes = _parse_shape(input_shape), num_classes
-    mode = quantize_mode or ("static" if dataset else "dynamic")
-    if quantize and mode == "static" and not dataset:
-        raise click.UsageError("--quantize-mode static needs --dataset for calibration samples")
 
     try:
         model = build_model(model_name, shape, classes)
@@ -92,7 +111,7 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
         try:
             load_checkpoint(model, checkpoint)
         except (ValueError, FileNotFoundError) as exc:
-            raise click.ClickException(str(exc)) from None
+            raise click.ClickException(_one_line(str(exc))) from None
     else:
         click.echo("note: no --checkpoint, exporting untrained weights", err=True)
     model.eval()
@@ -105,9 +124,11 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
     try:
         export_onnx(model, random_x[:2], out, opset=opset, channel_multiple=channel_multiple)
     except Exception as exc:
-        raise click.ClickException(f"ONNX export of {model_name} failed: {exc}") from None
+        raise click.ClickException(_one_line(f"ONNX export of {model_name} failed: {exc}")) from None
     report: dict = {"model": model_name, "input_shape": list(shape), "num_classes": classes,
-                    "checkpoint": checkpoint, "dataset": dataset, "opset": opset, "onnx": str(out),
+                    "checkpoint": checkpoint, "dataset": dataset,
+                    # read back from the file, so the report cannot disagree with it
+                    "opset": written_opset(out), "onnx": str(out),
                     "onnx_bytes": out.stat().st_size, "parity_max_diff": None, "int8": None,
                     # 1-D conv stacks are exported as 2-D; null: the model has none
                     "conv1d_channel_multiple": channel_multiple if has_1d_layers(model) else None}
@@ -119,7 +140,7 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
                 diffs.append(check_parity(model, out, torch.from_numpy(test.x[:PARITY_REAL_ROWS]),
                                           atol=PARITY_ATOL))
         except ParityError as exc:
-            raise click.ClickException(f"parity check failed: {exc}") from None
+            raise click.ClickException(_one_line(f"parity check failed: {exc}")) from None
         report["parity_max_diff"] = max(diffs)
         click.echo(f"parity ok: max |onnx - torch| = {max(diffs):.2e} (atol {PARITY_ATOL:g})")
 
@@ -128,12 +149,15 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
         try:
             quantize_int8(out, int8_path, mode=mode, calibration=None if train is None else train.x)
         except Exception as exc:
-            raise click.ClickException(f"int8 quantization failed: {exc}") from None
+            raise click.ClickException(_one_line(f"int8 quantization failed: {exc}")) from None
         report["int8"] = {"path": str(int8_path), "mode": mode, "bytes": int8_path.stat().st_size,
                           "accuracy": None}
         click.echo(f"wrote {int8_path} ({mode}, {int8_path.stat().st_size} bytes)")
         if test is not None:
-            acc = accuracy_delta(out, int8_path, test.x, test.y, threads=threads)
+            try:
+                acc = accuracy_delta(out, int8_path, test.x, test.y, threads=threads)
+            except Exception as exc:
+                raise click.ClickException(_one_line(f"int8 accuracy check failed: {exc}")) from None
             report["int8"]["accuracy"] = acc
             click.echo(f"{dataset} test accuracy: fp32 {acc['fp32_acc']:.4f}, int8 {acc['int8_acc']:.4f} "
                        f"({acc['delta_points']:+.2f} points)")

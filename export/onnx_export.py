@@ -30,7 +30,16 @@ import torch
 
 from .layout import CHANNEL_MULTIPLE, has_1d_layers, lift_1d_to_2d, nchwc_available
 
-__all__ = ["export_onnx", "INPUT_NAME", "OUTPUT_NAME", "BATCH_AXIS_NAME"]
+__all__ = ["export_onnx", "written_opset", "INPUT_NAME", "OUTPUT_NAME", "BATCH_AXIS_NAME", "MIN_OPSET",
+           "MAX_OPSET"]
+
+# The opsets export_onnx accepts: the legacy TorchScript exporter's range in torch 2.10-2.13
+# (torch.onnx._constants.ONNX_MIN_OPSET .. ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET). Below 7
+# onnxruntime does not guarantee to run the file; above 20 torch warns that the opset is not
+# supported by this exporter. Anything else is refused instead of being handed to the dynamo
+# fallback, which would silently write opset 18.
+MIN_OPSET = 7
+MAX_OPSET = 20
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
@@ -61,7 +70,13 @@ def export_onnx(
     `CHANNEL_MULTIPLE` where this machine's onnxruntime has NCHWc kernels, else no padding
     (export on the device that will run the file, or pass the value for that device).
     The model passed in is not modified.
+
+    `opset` must be in MIN_OPSET..MAX_OPSET (ValueError otherwise). The file normally has that
+    opset; if the legacy exporter fails, the dynamo fallback may leave it at 18 (a warning is
+    logged): `written_opset(path)` tells what was written.
     """
+    if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ValueError(f"opset {opset!r} is not supported: choose {MIN_OPSET} to {MAX_OPSET}")
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
         raise ValueError("example_input must be a batched tensor [B, *input_shape]")
     if example_input.shape[0] < 1:
@@ -93,13 +108,24 @@ def export_onnx(
             except Exception as exc:  # legacy exporter removed or unable to trace the model
                 _log.warning("legacy ONNX export failed (%s); retrying with dynamo", exc)
                 _export_dynamo(traced, example, path, opset)
-                _warn_if_opset_differs(path, opset)
     finally:
         model.train(was_training)
 
     # Path form lets the checker handle external data; full_check also runs shape inference.
     onnx.checker.check_model(str(path), full_check=True)
+    actual = written_opset(path)
+    if actual != opset:
+        _log.warning("ONNX file %s has opset %d instead of the requested %d", path, actual, opset)
     return path
+
+
+def written_opset(path: str | os.PathLike[str]) -> int:
+    """The opset of the default ONNX domain ("" / "ai.onnx") that the file at `path` imports."""
+    proto = onnx.load(str(path), load_external_data=False)
+    versions = {o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")}
+    if len(versions) != 1:
+        raise ValueError(f"ONNX file {path} imports {len(versions)} versions of the default opset domain")
+    return versions.pop()
 
 
 def _export_legacy(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
@@ -107,6 +133,8 @@ def _export_legacy(model: torch.nn.Module, example: torch.Tensor, path: Path, op
         # "You are using the legacy TorchScript-based ONNX export" and friends; tracer notes.
         for category in (DeprecationWarning, FutureWarning, torch.jit.TracerWarning):
             warnings.simplefilter("ignore", category)
+        # Opsets 7-8: torch keeps the initializers as graph inputs (valid ONNX IR 3) and says so.
+        warnings.filterwarnings("ignore", message=".*keep_initializers_as_inputs", category=UserWarning)
         torch.onnx.export(
             model,
             (example,),
@@ -135,13 +163,6 @@ def _export_dynamo(model: torch.nn.Module, example: torch.Tensor, path: Path, op
             external_data=False,  # one self-contained file to ship to the agents
             verbose=False,
         )
-
-
-def _warn_if_opset_differs(path: Path, opset: int) -> None:
-    proto = onnx.load(str(path), load_external_data=False)
-    actual = [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")]
-    if actual != [opset]:
-        _log.warning("ONNX file %s has opset %s instead of the requested %d", path, actual, opset)
 
 
 @contextlib.contextmanager
