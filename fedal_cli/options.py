@@ -74,9 +74,9 @@ FAULT_OPTIONS = [
                  help="This fraction of clients answers after the phase deadline every k-th phase."),
     click.option("--straggle-every", type=click.IntRange(min=1), help="k for --stragglers (default 2)."),
     click.option("--vectorize/--no-vectorize", default=None,
-                 help="Run clients of one architecture as one stacked model where the strategy allows "
-                      "(fedal, fedmd, fedmd-lf); the others one by one. Default on; --no-vectorize runs the "
-                      "per-client reference path."),
+                 help="Run the clients of one architecture as one stacked model (every strategy; a group a "
+                      "strategy cannot stack, e.g. models with BatchNorm, runs one by one). Default on; "
+                      "--no-vectorize runs the per-client reference path."),
     click.option("--backend", type=click.Choice(["inprocess", "ray"]),
                  help="Where client halves run: this process (default) or Ray actors (the `ray` extra)."),
     click.option("--ray-address", help="ray backend: a cluster to join (auto, ray://host:port); default: start a "
