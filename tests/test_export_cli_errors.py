@@ -17,6 +17,7 @@ import onnx
 import pytest
 import torch
 
+from export.checkpoint import load_checkpoint
 from fedal.models import build_model
 
 SUPPORTED = "7 to 20"  # the range docs/export.md promises
@@ -38,7 +39,7 @@ def _error_lines(stderr: str) -> list[str]:
 MLP = ("--model", "mlp", "--input-shape", "40", "--num-classes", "10")
 
 
-@pytest.mark.parametrize("opset", ["3", "6", "21", "999"])
+@pytest.mark.parametrize("opset", ["6", "21"])  # just below and above the range
 def test_opset_outside_the_supported_range_is_a_usage_error_before_any_work(tmp_path, opset):
     result = _export(*MLP, "--out", "x.onnx", "--opset", opset, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
@@ -118,16 +119,24 @@ def _truncated_checkpoint(path):
     ("model.pkl", _plain_pickle, "pickle"),
     ("model.pt", _truncated_checkpoint, "zip archive"),
 ])
-def test_file_that_is_not_a_torch_checkpoint_fails_with_one_line(tmp_path, name, write, reason):
+def test_file_that_is_not_a_torch_checkpoint_is_named_in_one_line(tmp_path, name, write, reason):
     path = tmp_path / name
     write(path)
+    with pytest.raises(ValueError) as refused:
+        load_checkpoint(build_model("mlp", (40,), 10), path)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{path} is not a model checkpoint saved by torch.save (")
+    assert reason in message and message.endswith(")") and "weights_only" not in message
+
+
+def test_the_command_reports_a_results_file_as_checkpoint_in_one_line(tmp_path):
+    path = tmp_path / "results.json"
+    _results_json(path)
     result = _export(*MLP, "--checkpoint", str(path), "--out", "x.onnx", cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith(f"Error: {path} is not a model checkpoint saved by torch.save (")
-    assert reason in lines[0] and lines[0].endswith(")")
-    assert "weights_only" not in result.stderr and "Traceback" not in result.stderr
+    assert lines == [f"Error: {path} is not a model checkpoint saved by torch.save (it is a text file starting "
+                     "'{ \"run\": \"abc\", \"rounds\"')"], result.stderr
     assert not (tmp_path / "x.onnx").exists()
 
 

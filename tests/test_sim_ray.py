@@ -48,7 +48,8 @@ def test_ray_gives_the_in_process_results(strategy):
     local = simulate(_config(strategy))
     remote = simulate(_config(strategy, backend="ray"))
     _same(local, remote)
-    assert remote["backend"] == {"name": "ray", "actors": 2, "restored_clients": 0}
+    assert remote["backend"] == {"name": "ray", "actors": 2, "actor_failures": 0, "lost_tasks": 0, "refused_tasks": 0,
+                                 "restored_clients": 0}
     assert remote["config"]["backend"] == "ray" and "backend" not in local
 
 

@@ -13,15 +13,23 @@ An actor keeps each client's round-start state in a snapshot file (the session's
 actor dies, the tasks it held get no answer (counted), Ray restarts it, and the restarted actor
 loads its clients from their last round-start snapshots: the engine closes the round by its
 quorum rules, re-sends, and the clients take part again from the next round on.
+
+Before any actor is made, what the actors ask (actors x each of --client-resources) is checked
+against the cluster's resources, and the wait for the actors to start is bounded: a run the
+cluster cannot host stops with one line (RayClusterError) instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
+import math
 import os
 import shutil
+import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +48,20 @@ from fedal.sim.build import build_clients, build_data, client_ids, client_tests
 from fedal.sim.config import ConfigError, RunConfig, parse_resources
 
 log = logging.getLogger("fedal.sim.ray")
+
+# how long the actors may take to be placed and started (their clients are built after that, unbounded):
+# past it, the run stops instead of waiting for resources that other work holds (FEDAL_RAY_START_TIMEOUT_S sets it)
+ACTOR_START_TIMEOUT_S = 120.0
+# what --client-resources calls a resource -> what Ray's cluster_resources() calls it
+RAY_RESOURCE_NAMES = {"num_cpus": "CPU", "num_gpus": "GPU"}
+# the counts a run's `backend` results always carry (0: nothing of the kind happened)
+BACKEND_COUNTS = ("actor_failures", "lost_tasks", "refused_tasks")
+
+
+class RayClusterError(ConfigError):
+    """What was asked of Ray cannot run there: no cluster at --ray-address, no Ray Client for a
+    ray:// address, or actors that ask more than the cluster has. One line that says what to
+    change; a usage error (of --ray-address, --ray-actors, --client-resources)."""
 
 
 class SnapshotStore:
@@ -108,6 +130,10 @@ class ClientGroup:
                 session.restore(None, None, start[0], set())
                 self.restored += 1
             self.sessions[cid] = session
+
+    def started(self) -> int:
+        """Answers once the actor is placed and its process is up (nothing built yet)."""
+        return os.getpid()
 
     def ready(self, public: list[Any]) -> dict[str, Any]:
         import resource
@@ -193,10 +219,64 @@ def start_ray(address: str | None, num_cpus: int | None, verbose: bool) -> bool:
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": verbose,
                                "logging_level": logging.INFO if verbose else logging.ERROR}
     if address:
-        ray.init(address=address, **options)
+        client = address.startswith("ray://")
+        if client and importlib.util.find_spec("grpc") is None:  # what Ray Client needs (ray[client])
+            raise RayClusterError(_no_ray_client(address))
+        try:
+            ray.init(address=address, **options)
+        except ConnectionError:
+            raise RayClusterError(f"no Ray cluster at {address}: start one with `ray start --head`, or leave "
+                                  "--ray-address out for a local instance") from None
+        except ValueError as exc:
+            if client and "ray[client]" in str(exc):
+                raise RayClusterError(_no_ray_client(address)) from None
+            raise
     else:
         ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", **options)
     return True
+
+
+def _start_timeout() -> float:
+    """FEDAL_RAY_START_TIMEOUT_S, or ACTOR_START_TIMEOUT_S where it is not set."""
+    text = os.environ.get("FEDAL_RAY_START_TIMEOUT_S", "").strip()
+    if not text:
+        return ACTOR_START_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"FEDAL_RAY_START_TIMEOUT_S: seconds (a number > 0), got {text!r}")
+    return value
+
+
+def _no_ray_client(address: str) -> str:
+    import ray
+
+    return (f"--ray-address {address} needs Ray Client, which the `ray` extra does not install: "
+            f"pip install 'ray[client]=={ray.__version__}' into this toolkit's virtualenv ({sys.prefix})")
+
+
+def _resource_text(resources: dict[str, float]) -> str:
+    return ",".join(f"{name}={value:g}" for name, value in resources.items())
+
+
+def check_cluster_fits(n_actors: int, resources: dict[str, float], cluster: dict[str, float]) -> None:
+    """Refuse `n_actors` actors of `resources` each (--client-resources) when the cluster's total
+    resources (ray.cluster_resources()) cannot hold them all at once: Ray would never place the rest."""
+    need = {RAY_RESOURCE_NAMES.get(name, name): n_actors * each for name, each in resources.items() if each > 0}
+    short = {key: amount for key, amount in need.items() if amount > float(cluster.get(key, 0.0)) + 1e-9}
+    if not short:
+        return
+    fit = min(int(math.floor(float(cluster.get(RAY_RESOURCE_NAMES.get(name, name), 0.0)) / each + 1e-9))
+              for name, each in resources.items() if each > 0)
+    asked = ", ".join(f"{key}={amount:g}" for key, amount in short.items())
+    has = ", ".join(f"{key}={float(cluster.get(key, 0.0)):g}" for key in short)
+    asks = (f"1 Ray actor of {_resource_text(resources)} needs {asked}" if n_actors == 1 else
+            f"{n_actors} Ray actors of {_resource_text(resources)} each need {asked} in all")
+    fix = f"use --ray-actors {fit} or fewer, or ask less in --client-resources" if fit >= 1 else \
+        "ask less in --client-resources, or join a cluster that has it (--ray-address)"
+    raise RayClusterError(f"{asks}, but the Ray cluster has {has}: {fix}")
 
 
 class RayClients:
@@ -206,10 +286,23 @@ class RayClients:
                  actors: int | None = None, resources: dict[str, float] | None = None, verbose: bool = False):
         import ray
 
+        self.handles: list[Any] = []
+        self.actor_of: dict[str, Any] = {}
+        self.snapshot_dir: str | None = None
         self.started = start_ray(address, None, verbose)
-        resources = resources or {"num_cpus": 1.0}
-        n_actors = actors or max(1, int(ray.cluster_resources().get("CPU", 1) // max(resources.get("num_cpus", 1), 1e-9)))
+        try:
+            self._start(ray, config, data, run_id, actors, resources or {"num_cpus": 1.0})
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, ray: Any, config: RunConfig, data, run_id: str, actors: int | None,
+               resources: dict[str, float]) -> None:
+        cluster = ray.cluster_resources()
+        n_actors = actors or max(1, int(cluster.get("CPU", 1) // max(resources.get("num_cpus", 1), 1e-9)))
         n_actors = max(1, min(n_actors, config.clients))
+        check_cluster_fits(n_actors, resources, cluster)  # before any actor waits for what is not there
+        timeout_s = _start_timeout()
         self.snapshot_dir = tempfile.mkdtemp(prefix="fedal-ray-snapshots-")
         self.public = [ray.put(data.public_x)]  # once; every actor reads it from the store
         ids = client_ids(config.clients)
@@ -218,8 +311,6 @@ class RayClients:
         gpus = resources.get("num_gpus", 0.0)
         custom = {k: v for k, v in resources.items() if k not in ("num_cpus", "num_gpus")}
         cfg = config.model_dump(mode="json")
-        self.handles: list[Any] = []
-        self.actor_of: dict[str, Any] = {}
         for a in range(n_actors):
             indices = list(range(a, config.clients, n_actors))
             handle = remote.options(num_cpus=cpus, num_gpus=gpus, resources=custom or None).remote(
@@ -227,12 +318,28 @@ class RayClients:
             self.handles.append(handle)
             for i in indices:
                 self.actor_of[ids[i]] = handle
+        self._wait_started(ray, resources, timeout_s)
         ready = ray.get([h.ready.remote(self.public) for h in self.handles])
         self.pids = [r["pid"] for r in ready]
         if any(r["public_hash"] != data.public_hash for r in ready):  # a worker node with other data files
-            self.close()
             raise ConfigError("a Ray actor built another public set than the driver (different dataset files on "
                               "its node?); every node needs the same data")
+
+    def _wait_started(self, ray: Any, resources: dict[str, float], timeout_s: float) -> None:
+        """Every actor placed and up within `timeout_s`, or a one-line error (the cluster has the
+        resources in all, but other work holds them now)."""
+        pending = [h.started.remote() for h in self.handles]
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
+            ray.get(done)  # an actor that failed to start says why
+            if pending and time.monotonic() >= deadline:
+                free = ", ".join(f"{key}={amount:g}" for key, amount in _free(ray, resources).items())
+                raise ConfigError(
+                    f"only {len(self.handles) - len(pending)} of {len(self.handles)} Ray actors "
+                    f"({_resource_text(resources)} each) started within {timeout_s:g} s; the cluster "
+                    f"has {free} free now (other work holds the rest?): use fewer --ray-actors or less "
+                    "--client-resources, or raise FEDAL_RAY_START_TIMEOUT_S")
 
     def restored(self) -> int:
         """Clients the actors brought back from a snapshot (after Ray restarted them)."""
@@ -243,11 +350,21 @@ class RayClients:
     def close(self) -> None:
         import ray
 
-        for handle in self.handles:
-            ray.kill(handle, no_restart=True)
-        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
-        if self.started:
-            ray.shutdown()
+        try:
+            for handle in self.handles:
+                ray.kill(handle, no_restart=True)
+            if self.snapshot_dir:
+                shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        finally:
+            if self.started:
+                ray.shutdown()
+
+
+def _free(ray: Any, resources: dict[str, float]) -> dict[str, float]:
+    """What the cluster has free now of the resources the actors ask."""
+    available = ray.available_resources()
+    keys = [RAY_RESOURCE_NAMES.get(name, name) for name, each in resources.items() if each > 0]
+    return {key: float(available.get(key, 0.0)) for key in keys}
 
 
 def ray_engine(config: RunConfig, data, server, phase_kinds: dict[str, str], clients: RayClients,
@@ -282,7 +399,8 @@ def ray_run(config: RunConfig, global_metrics_of, verbose: bool = False):
 
     def close() -> dict[str, Any]:
         transport = engine.transport
-        info = {"name": "ray", "actors": len(clients.handles), **dict(getattr(transport, "counters", {}))}
+        info: dict[str, Any] = {"name": "ray", "actors": len(clients.handles), **dict.fromkeys(BACKEND_COUNTS, 0),
+                                **dict(getattr(transport, "counters", {}))}
         try:
             info["restored_clients"] = clients.restored()
         finally:
