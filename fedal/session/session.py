@@ -5,11 +5,13 @@ the last one handled is stale and ignored; the same one again (a QoS 1 redeliver
 coordinator re-sending) is answered from the cached result, never recomputed, so feedback is
 applied exactly once. A coordinator that restarts resumes after its last completed round under
 a new epoch: when a task repeats a step of the round under way, the session first goes back to
-its state at that round's start, so nothing is applied twice.
+its state at that round's start, so nothing is applied twice. A task refused after that (one
+the client half cannot apply) leaves the client as it was before it: the going back is undone.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -83,6 +85,7 @@ class ClientSession:
         self.last_result: Packet | None = None
         self.round_no: Any = None
         self.round_steps: set[tuple[str, Any]] = set()
+        self._undo_replay: Callable[[], None] | None = None  # set by a replay guard that went back
 
     def restore(self, last_key: tuple[int, int] | None, last_result: Packet | None, round_no: Any,
                 round_steps: set[tuple[str, Any]]) -> None:
@@ -95,7 +98,12 @@ class ClientSession:
         if not isinstance(early, NewTask):
             return early
         self.prepare(task)
-        return self.answer(task, self.compute(task))
+        try:
+            result = self.compute(task)
+        except TaskRefused:
+            self.refused_after_prepare()
+            raise
+        return self.answer(task, result)
 
     # on_task in its steps, for a transport that computes a group of clients' tasks at once
     # (vectorized simulation): admit and prepare each, compute together, answer each.
@@ -124,7 +132,15 @@ class ClientSession:
 
     def prepare(self, task: Message) -> None:
         """The replay guard for an admitted task, before it is computed."""
+        self._undo_replay = None
         self._refusing(task, lambda: self._replay_guard(task.meta.get("round"), (task.phase, task.meta.get("iteration"))))
+
+    def refused_after_prepare(self) -> None:
+        """The prepared task was refused: a replay guard that went back to the round's start is
+        undone (the client's state, its round's steps), as a refused task changes nothing."""
+        undo, self._undo_replay = self._undo_replay, None
+        if undo is not None:
+            undo()
 
     def compute(self, task: Message) -> Message:
         """The client half's result for an admitted, prepared task."""
@@ -159,7 +175,16 @@ class ClientSession:
             start = self.store.load_round_start() if self.store is not None else None
             if start is None or start[0] != round_no:
                 raise RuntimeError(f"round {round_no} is replayed but its start state is missing")
+            state, steps = copy.deepcopy(self.client.state_dict()), self.round_steps
+
+            def undo() -> None:
+                self.client.load_state_dict(state)
+                self.round_steps = steps
+                self.counters["round_replays"] -= 1
+                log.info("the task that replayed round %s was refused: back to the state before it", round_no)
+
             self.client.load_state_dict(start[1])
             self.round_steps = set()
             self.counters["round_replays"] += 1
+            self._undo_replay = undo
             log.info("the coordinator replays round %s: back to this client's state at its start", round_no)

@@ -1,0 +1,66 @@
+"""A task that repeats a step of the round under way makes the session go back to the round's
+start (a resumed coordinator replays the round). If the client half then refuses the task, the
+going back is undone: a refused task changes nothing, and the genuine next task is applied to
+the state the client had."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from fedal.protocol import Message
+from fedal.session import ClientSession, TaskRefused
+from tests.helpers import toy_federation
+
+
+class MemoryStore:
+    """The agent's SessionStore, kept in memory."""
+
+    def __init__(self):
+        self.start = None
+
+    def save_round_start(self, round_no, client_state):
+        self.start = (round_no, copy.deepcopy(client_state))
+
+    def load_round_start(self):
+        return self.start
+
+    def after_task(self, session):
+        pass
+
+
+def weights(client) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in client.model.state_dict().items()}
+
+
+def test_a_refused_task_that_repeats_a_step_leaves_the_client_as_it_was():
+    server, clients, params = toy_federation("fedal", n_clients=2, tau=2)
+    session = ClientSession("r", "c0", clients["c0"], "inst", evaluate=lambda t: t, store=MemoryStore())
+    ident = {"instance": "inst", "epoch": 0}
+    seq = iter(range(1, 100))
+
+    def send(task: Message, **meta) -> Message:
+        return session.on_task(Message({**task.meta, **ident, "seq": next(seq), **meta}, task.tensors)).received()
+
+    phase = server.begin_round(0)
+    results = {"c0": send(phase.tasks["c0"]), "c1": clients["c1"].handle(phase.tasks["c1"])}
+    phase = server.collect(phase, results)  # transfer, iteration 0
+    results = {"c0": send(phase.tasks["c0"]), "c1": clients["c1"].handle(phase.tasks["c1"])}
+    phase = server.collect(phase, results)  # transfer, iteration 1
+    before, steps = weights(clients["c0"]), set(session.round_steps)
+
+    # a new key for a step already taken (transfer iteration 0), with feedback no client can apply
+    bogus = phase.tasks["c0"].meta | {"iteration": 0}
+    with pytest.raises(TaskRefused):
+        send(Message(bogus, {"fbar": np.zeros((5, 10), np.float32)}))
+    after = weights(clients["c0"])
+    assert all(torch.equal(before[k], after[k]) for k in before)  # not the round's start: as before the task
+    assert session.round_steps == steps and not session.counters["round_replays"]
+
+    # the genuine task of the next step is applied to that state, not taken for a replay
+    send(phase.tasks["c0"])
+    assert session.counters["tasks"] == 3 and not session.counters["round_replays"]
+    assert not all(torch.equal(before[k], v) for k, v in weights(clients["c0"]).items())  # it trained
