@@ -109,3 +109,4 @@ def embedded_broker():
     broker = EmbeddedBroker(port=free_port()).start()
     yield broker.url
     broker.stop()
+

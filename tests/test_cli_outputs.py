@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+
+from fedal_cli.main import cli
 
 QUICK = ["--dataset", "digits", "--clients", "2", "--rounds", "1", "--strategy", "fedmd", "--public-size", "60", "--quiet"]
 
@@ -38,18 +41,21 @@ def test_a_results_file_is_never_overwritten_by_the_run_it_configures(tmp_path):
     (["--plot", "acc.txt"], "a plot is written as"),
     (["--plot", "/proc/acc.png"], "not writable"),
 ])
-def test_outputs_that_could_not_be_written_are_refused_before_the_run(tmp_path, extra, needle):
+def test_outputs_that_could_not_be_written_are_refused_before_the_run(tmp_path, monkeypatch, extra, needle):
     (tmp_path / "file.txt").write_text("a user's file\n")
-    r = fedal("simulate", *QUICK, *extra, cwd=tmp_path, timeout=60)
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert needle in r.stderr and "Traceback" not in r.stderr
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(cli, ["simulate", *QUICK, *extra])
+    assert r.exit_code == 2, r.output
+    assert needle in r.stderr, r.output
+    assert isinstance(r.exception, SystemExit)  # click's usage exit, no error raised out of the command
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]  # nothing ran, nothing written
 
 
-def test_the_demo_refuses_simulation_faults_before_starting_anything(tmp_path):
+def test_the_demo_refuses_simulation_faults_before_starting_anything(tmp_path, monkeypatch):
     (tmp_path / "faults.toml").write_text('strategy = "fedmd"\ndataset = "digits"\ndropout = 0.2\n')
-    r = fedal("demo", "--config", "faults.toml", "--workdir", "ws", cwd=tmp_path, timeout=60)
-    assert r.returncode == 2, r.stderr
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(cli, ["demo", "--config", "faults.toml", "--workdir", "ws"])
+    assert r.exit_code == 2, r.output
     assert "faults of the simulation" in r.stderr and not (tmp_path / "ws").exists()
 
 
