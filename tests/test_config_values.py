@@ -26,7 +26,7 @@ def test_values_no_run_can_use_are_refused(values, needle):
 @pytest.mark.parametrize("toml, needle", [
     ("rounds = true\n", "rounds: Input should be a valid integer"),
     ("clients = 3.0\n", "clients: Input should be a valid integer"),
-    ('seed = "1"\n', "seed: Input should be a valid integer"),
+    ("seed = 1.5\n", "seed: Input should be a valid integer"),
     ('vectorize = "yes"\n', "vectorize: Input should be a valid boolean"),
 ])
 def test_toml_values_of_the_wrong_type_are_not_coerced(tmp_path, toml, needle):
@@ -47,3 +47,17 @@ def test_toml_values_of_the_wrong_type_are_not_coerced(tmp_path, toml, needle):
 def test_a_discriminator_of_no_or_absurd_width_is_refused(hidden, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(None, {"disc_hidden": hidden})
+
+
+def test_environment_overrides_still_give_numbers_and_booleans_as_text(tmp_path, monkeypatch):
+    """FEDAL_COORD_RUN__ROUNDS=5 (a systemd Environment= line) is text: it stays accepted."""
+    from coordinator.config import load_coordinator_config
+
+    path = tmp_path / "coordinator.toml"
+    path.write_text('run_id = "lab"\nclient_ids = ["c00", "c01"]\nstate_dir = "%s"\n\n[run]\nstrategy = "fedmd"\n'
+                    'dataset = "digits"\nclients = 2\n\n[broker]\nurl = "mqtt://127.0.0.1:1883"\n' % (tmp_path / "state"))
+    monkeypatch.setenv("FEDAL_COORD_RUN__ROUNDS", "5")
+    monkeypatch.setenv("FEDAL_COORD_RUN__SEED", "7")
+    config = load_coordinator_config(str(path))
+    assert (config.run.rounds, config.run.seed) == (5, 7)
+    assert load_config(None, {"vectorize": "false"}).vectorize is False

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedal.strategies import STRATEGIES, STRATEGY_NAMES, StrategyParams, get_strategy
 from fedal.strategies.params import COMMON_PARAMS
@@ -36,6 +36,27 @@ SAME_WIDTH_MODELS = {"mnist1d": ["mlp", "cnn1d_wide"]}
 # the --dp-* flags and the [privacy] keys they set
 PRIVACY_FLAGS = {"dp_noise_multiplier": "noise_multiplier", "dp_max_grad_norm": "max_grad_norm", "dp_delta": "delta",
                  "dp_epsilon_budget": "epsilon_budget", "dp_target_epsilon": "target_epsilon"}
+
+
+def _whole_number(value: Any) -> Any:
+    """An int setting takes ints and their decimal strings (environment overrides), never a bool
+    or a float that a lenient parser would truncate (`rounds = true` ran one round)."""
+    if isinstance(value, (bool, float)):
+        raise ValueError("Input should be a valid integer (not a bool or a float)")
+    return value
+
+
+def _true_or_false(value: Any) -> Any:
+    """A bool setting takes true/false (or their strings, from the environment), never "yes" or 1."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if not isinstance(value, bool):
+        raise ValueError("Input should be a valid boolean (true or false)")
+    return value
+
+
+StrictInt = Annotated[int, BeforeValidator(_whole_number)]
+StrictBool = Annotated[bool, BeforeValidator(_true_or_false)]
 
 
 class ConfigError(ValueError):
