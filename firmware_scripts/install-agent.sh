@@ -39,6 +39,9 @@ EOF
 }
 
 die() { echo "install-agent: error: $*" >&2; exit 1; }
+# a refusal that another attempt on this device cannot change (its CPU, the torch asked for):
+# exit 3, which the first-boot installer does not retry
+refuse() { echo "install-agent: error: $*" >&2; exit 3; }
 say() { echo "install-agent: $*"; }
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -109,7 +112,7 @@ torch_minor() {  # 2.10.0 -> 2010, 2.13.0+cpu -> 2013
   printf '%s\n' "$1" | awk -F'[.+]' '{ printf "%d", $1 * 1000 + $2 }'
 }
 if [ "$ARCH" = aarch64 ] && [ -z "$TORCH_INDEX" ] && [ -z "$WHEELHOUSE" ] && [ "$(torch_minor "$TORCH_VERSION")" -ge 2011 ]; then
-  die "torch $TORCH_VERSION for aarch64 from PyPI depends on the CUDA 13 toolkit (a 4.7 GB virtualenv, 15+ minutes to install): take it from PyTorch's CPU index (--torch-index $CPU_INDEX), or keep the pinned $PINNED_TORCH"
+  refuse "torch $TORCH_VERSION for aarch64 from PyPI depends on the CUDA 13 toolkit (a 4.7 GB virtualenv, 15+ minutes to install): take it from PyTorch's CPU index (--torch-index $CPU_INDEX), or keep the pinned $PINNED_TORCH"
 fi
 
 effective_constraints() {
@@ -163,9 +166,9 @@ fi
 # (FEDAL_CPUINFO: another cpuinfo, for tests).
 CPUINFO="${FEDAL_CPUINFO:-/proc/cpuinfo}"
 if [ "$ARCH" = aarch64 ] && { [ -n "${FEDAL_CPUINFO:-}" ] || { [ "$ARCH_DETECTED" -eq 1 ] && [ -z "$ROOT" ]; }; } \
-    && [ -r "$CPUINFO" ] && grep -q '^Features' "$CPUINFO" && ! grep '^Features' "$CPUINFO" | grep -qw atomics \
+    && [ -r "$CPUINFO" ] && grep -q '^Features' "$CPUINFO" && ! grep -Eq '^Features.*[[:space:]]atomics([[:space:]]|$)' "$CPUINFO" \
     && [ "$(torch_minor "$TORCH_VERSION")" -le 2010 ]; then
-  die "this CPU has no LSE atomics (ARMv8.0: Pi 3B+, Pi 4, Zero 2 W), on which torch $TORCH_VERSION dies with 'Illegal instruction' at import (pytorch/pytorch#176993, fixed in torch 2.11): install torch 2.11 or later from PyTorch's CPU index: --torch-index $CPU_INDEX --torch-version 2.13.0$([ -n "$WHEELHOUSE" ] && echo ' (not with --wheelhouse: build one with a newer torch)')"
+  refuse "this CPU has no LSE atomics (ARMv8.0: Pi 3B+, Pi 4, Zero 2 W), on which torch $TORCH_VERSION dies with 'Illegal instruction' at import (pytorch/pytorch#176993, fixed in torch 2.11): install torch 2.11 or later from PyTorch's CPU index: --torch-index $CPU_INDEX --torch-version 2.13.0$([ -n "$WHEELHOUSE" ] && echo ' (not with --wheelhouse: build one with a newer torch)')"
 fi
 if [ -n "$WHEEL" ]; then
   [ -f "$WHEEL" ] || die "wheel not found: $WHEEL"
@@ -196,26 +199,33 @@ try:
 except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
     sys.exit(f"install-agent: error: config {sys.argv[1]} is not valid TOML: {exc}")
 broker = cfg.get("broker") if isinstance(cfg.get("broker"), dict) else {}
-for value in (broker.get("ca_file"), cfg.get("data_file")):
+for value in (broker.get("ca_file"), cfg.get("data_file"), cfg.get("test_file"), cfg.get("local_test_file"),
+              cfg.get("public_file")):
     print(value if isinstance(value, str) and "\n" not in value else "")
+print(".")  # the end: $(...) drops trailing empty lines
 PYEOF
 )" || exit 1
-{ IFS= read -r CA_PATH; IFS= read -r DATA_PATH; } <<<"$config_paths"
+{ IFS= read -r CA_PATH; IFS= read -r DATA_PATH; IFS= read -r TEST_PATH; IFS= read -r LOCAL_TEST_PATH
+  IFS= read -r PUBLIC_PATH; } <<<"$config_paths"
 if [ -n "$CA" ] && [ -z "$CA_PATH" ]; then
   CA_PATH="$ETC/ca.crt"
   say "note: the config sets no broker.ca_file; installing the CA at $CA_PATH (set ca_file to use it)"
 fi
 case "$CA_PATH" in ""|/*) ;; *) die "broker.ca_file in $CONFIG must be an absolute path: $CA_PATH" ;; esac
+case "$CA_PATH/" in *"/../"*|*"/./"*) die "broker.ca_file in $CONFIG must not contain . or .. components: $CA_PATH" ;; esac
 # outside /etc/fedal-agent a CA file is the system's or the user's (e.g. the system CA bundle):
 # --ca never replaces one there, it only creates a missing one
 if [ -n "$CA" ] && [ "${CA_PATH#"$ETC"/}" = "$CA_PATH" ] && [ -e "$ROOT$CA_PATH" ] && ! cmp -s "$CA" "$ROOT$CA_PATH"; then
   die "broker.ca_file is $CA_PATH, which exists and is not the --ca certificate: the installer replaces a CA only in $ETC. Point ca_file at $ETC/ca.crt, or leave --ca out to use $CA_PATH as it is"
 fi
 # a single --data file goes where the config's data_file expects it, if that is in the state dir
+# and the file is not one of the config's other files by name (a test set stays a test set)
+other_names=" "
+for p in "$TEST_PATH" "$LOCAL_TEST_PATH" "$PUBLIC_PATH"; do [ -z "$p" ] || other_names+="$(basename "$p") "; done
 DATA_DEST=()
 for f in ${DATA[@]+"${DATA[@]}"}; do
   if [ "${#DATA[@]}" -eq 1 ] && [ -n "$DATA_PATH" ] && [ "${DATA_PATH#"$STATE"/}" != "$DATA_PATH" ] \
-      && [ "${DATA_PATH#"$STATE"/}" = "$(basename "$DATA_PATH")" ]; then
+      && [ "${DATA_PATH#"$STATE"/}" = "$(basename "$DATA_PATH")" ] && [ "${other_names#* "$(basename "$f")" }" = "$other_names" ]; then
     DATA_DEST+=("$DATA_PATH")
   else
     DATA_DEST+=("$STATE/$(basename "$f")")

@@ -219,6 +219,12 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     with open(boot / "fedal" / "install-args", "a") as f:
         f.write(f"--pip\n{fake_pip}\n")
     env2 = {**env, "FEDAL_PAYLOAD": str(boot / "fedal"), "FEDAL_ARCH": "aarch64"}
+    # on a Pi 4's cores torch 2.10 cannot run: refused for good (exit 3: the unit does not retry it)
+    (tmp_path / "pi4-cpuinfo").write_text("processor\t: 0\nFeatures\t: fp asimd evtstrm crc32 cpuid\n")
+    pi4 = {**env2, "FEDAL_CPUINFO": str(tmp_path / "pi4-cpuinfo")}
+    run = subprocess.run([str(root / "usr/local/sbin/fedal-firstboot")], env=pi4, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert "not retrying" in run.stdout + run.stderr and not pip_log.exists() and (boot / "fedal").exists()
     run = subprocess.run([str(root / "usr/local/sbin/fedal-firstboot")], env=env2, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     calls = [json.loads(line) for line in pip_log.read_text().splitlines()]

@@ -315,8 +315,8 @@ PI5_CPUINFO = ("processor\t: 0\nBogoMIPS\t: 108.00\nFeatures\t: fp asimd evtstrm
 
 def test_a_cuda_torch_from_pypi_is_refused_on_aarch64():
     r = install("--print-constraints", "--torch-version", "2.13.0", arch="aarch64")
-    assert r.returncode == 1 and "depends on the CUDA 13 toolkit" in r.stderr and "--torch-index" in r.stderr
-    assert install("--print-constraints", "--torch-version", "2.13.0", "--torch-index", "pypi").returncode == 1
+    assert r.returncode == 3 and "depends on the CUDA 13 toolkit" in r.stderr and "--torch-index" in r.stderr
+    assert install("--print-constraints", "--torch-version", "2.13.0", "--torch-index", "pypi").returncode == 3
     assert install("--print-constraints", "--torch-version", "2.13.0", arch="x86_64").returncode == 0
     assert install("--print-constraints", "--torch-version", "2.9.1", arch="aarch64").returncode == 0
 
@@ -327,7 +327,7 @@ def test_an_armv8_0_board_is_told_which_torch_it_needs_before_any_download(tmp_p
     (tmp_path / "pi5").write_text(PI5_CPUINFO)
     args = ["--root", str(tmp_path / "root"), "--config", str(inputs / "agent.toml"), "--skip-pip"]
     r = install(*args, env={"FEDAL_CPUINFO": str(tmp_path / "pi4")})
-    assert r.returncode == 1, r.stdout
+    assert r.returncode == 3, r.stdout  # for good: the first-boot installer does not retry it
     assert "no LSE atomics" in r.stderr and "torch 2.10.0 dies with 'Illegal instruction'" in r.stderr
     assert "--torch-index https://download.pytorch.org/whl/cpu --torch-version 2.13.0" in r.stderr
     assert not (tmp_path / "root").exists()
@@ -335,3 +335,26 @@ def test_an_armv8_0_board_is_told_which_torch_it_needs_before_any_download(tmp_p
                  env={"FEDAL_CPUINFO": str(tmp_path / "pi4")})
     assert ok.returncode == 0, ok.stderr
     assert install(*args, env={"FEDAL_CPUINFO": str(tmp_path / "pi5")}).returncode == 0  # a Pi 5's cores run it
+
+
+def test_a_config_without_data_file_and_a_test_set_keep_their_names(tmp_path, inputs):
+    """data_file may come from the environment (FEDAL_AGENT_DATA_FILE): a config without it
+    installs; a single --data that is the config's test set is not renamed to its data_file."""
+    cfg = inputs / "env-data.toml"
+    cfg.write_text(AGENT_TOML.replace('data_file = "/var/lib/fedal-agent/train.npz"\n', ""))
+    r = install("--root", str(tmp_path / "a"), "--config", str(cfg), "--skip-pip")
+    assert r.returncode == 0, r.stderr + r.stdout
+    with_test = inputs / "with-test.toml"
+    with_test.write_text(AGENT_TOML.replace('workspace =', 'test_file = "/var/lib/fedal-agent/test.npz"\nworkspace ='))
+    (inputs / "test.npz").write_bytes(b"the common test set")
+    r = install("--root", str(tmp_path / "b"), "--config", str(with_test), "--skip-pip", "--data", str(inputs / "test.npz"))
+    assert r.returncode == 0, r.stderr
+    state = tmp_path / "b" / "var" / "lib" / "fedal-agent"
+    assert (state / "test.npz").read_bytes() == b"the common test set" and not (state / "train.npz").exists()
+
+
+def test_a_ca_path_with_dot_dot_is_refused(tmp_path, inputs):
+    cfg = inputs / "dotdot.toml"
+    cfg.write_text(AGENT_TOML.replace("/etc/fedal-agent/ca.crt", "/etc/fedal-agent/../ssl/certs/ca-certificates.crt"))
+    r = install("--root", str(tmp_path / "root"), "--config", str(cfg), "--skip-pip", "--ca", str(inputs / "ca.crt"))
+    assert r.returncode == 1 and "must not contain . or .. components" in r.stderr, r.stderr

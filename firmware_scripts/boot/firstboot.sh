@@ -46,7 +46,14 @@ if [ -n "$WH" ]; then
 fi
 if [ -n "$R" ]; then args+=(--root "$R"); fi
 log "installing the agent$([ -n "$WH" ] && echo " offline, from the wheelhouse $WH"): install-agent.sh ${args[*]}"
-if ! bash "$P/install-agent.sh" "${args[@]}"; then
+rc=0
+bash "$P/install-agent.sh" "${args[@]}" || rc=$?
+if [ "$rc" -ne 0 ]; then
+  if [ "$rc" -eq 3 ]; then
+    log "the installer refused this device's install for good (see above; e.g. a torch its CPU cannot run);"
+    log "not retrying: flash the card again with the options it names"
+    exit 3
+  fi
   if [ -n "$WH" ]; then
     log "the offline install from $WH failed (see above); not retrying, it would fail the same way:"
     log "fix the cause, then: systemctl start fedal-firstboot"
