@@ -38,7 +38,7 @@ from edge_agent import checkpoint
 from edge_agent.config import AgentConfig
 from edge_agent.inference import OnnxInference, write_final_onnx
 from edge_agent.mqtt_link import MqttLink
-from edge_agent.public_set import PublicSetError, load_public_set
+from edge_agent.public_set import load_public_set
 from fedal.data import ArrayDataset
 from fedal.models import build_model
 from fedal.protocol import EnvelopeError, ManifestError, Message, Packet, Reassembler, RunManifest, decode, encode
@@ -225,7 +225,7 @@ class Agent:
     def _join(self, manifest: RunManifest) -> bool:
         try:
             self._setup(manifest)
-        except (PublicSetError, ValueError, OSError) as exc:
+        except Exception as exc:  # a bad file of any kind (a truncated .npz, one without y): retried with backoff
             self.counters["setup_failures"] += 1
             self.join_backoff = min(30.0, self.join_backoff * 2)
             self.retry_at = time.monotonic() + self.join_backoff

@@ -74,3 +74,25 @@ def test_a_failing_retried_join_does_not_end_the_worker(tmp_path, monkeypatch):
     agent.worker.join(timeout=30)
     assert not agent.worker.is_alive() and len(calls) == 2
     assert agent.counters["errors"] == 1
+
+
+def test_a_join_that_fails_on_any_bad_file_backs_off(tmp_path, monkeypatch):
+    """A truncated .npz (BadZipFile) or one without y (KeyError) fails the join like an
+    unreadable file: counted, retried later with backoff, never at every idle tick."""
+    import time
+    import zipfile
+
+    agent = make_agent(tmp_path / "a")
+    for error in (zipfile.BadZipFile("File is not a zip file"), KeyError("y is not a file in the archive")):
+        def broken(manifest, error=error):
+            raise error
+
+        monkeypatch.setattr(agent, "_setup", broken)
+
+        class Manifest:
+            run_id = "run"
+
+        before = time.monotonic()
+        assert agent._join(Manifest()) is False  # type: ignore[arg-type]
+        assert agent.retry_at > before
+    assert agent.counters["setup_failures"] == 2 and not agent.counters["errors"]

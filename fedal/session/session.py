@@ -149,6 +149,7 @@ class ClientSession:
     def answer(self, task: Message, result: Message) -> Packet:
         """Record `result` as the answer to `task`, as it goes on the wire (encoded where a link
         needs the bytes: Packet)."""
+        self._undo_replay = None  # answered: its state before the replay is no longer needed
         ikey = (int(task.meta["epoch"]), int(task.meta["seq"]))  # type: ignore[arg-type]  # admitted: ints
         self.round_steps.add((task.phase, task.meta.get("iteration")))  # taken: a repeat means a replayed round
         wire = Packet.of(wire_result(result, ikey))
