@@ -6,6 +6,7 @@ its run still `running`, for as long as the dashboard stayed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -99,11 +100,9 @@ class EventStream:
         self.thread.start()
 
     def _read(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # a connection reset or cut also ends the stream (ended_cleanly tells which)
             while chunk := self.sock.recv(65536):
                 self.received += chunk
-        except OSError:
-            pass
         self.ended_at = time.monotonic()
 
     @property

@@ -21,6 +21,7 @@ class MemoryStore:
 
     def __init__(self):
         self.start = None
+        self.answered = 0  # after_task: called with each answer, before it is sent
 
     def save_round_start(self, round_no, client_state):
         self.start = (round_no, copy.deepcopy(client_state))
@@ -29,7 +30,7 @@ class MemoryStore:
         return self.start
 
     def after_task(self, session):
-        pass
+        self.answered += 1
 
 
 def weights(client) -> dict[str, torch.Tensor]:
@@ -38,7 +39,8 @@ def weights(client) -> dict[str, torch.Tensor]:
 
 def test_a_refused_task_that_repeats_a_step_leaves_the_client_as_it_was():
     server, clients, params = toy_federation("fedal", n_clients=2, tau=2)
-    session = ClientSession("r", "c0", clients["c0"], "inst", evaluate=lambda t: t, store=MemoryStore())
+    store = MemoryStore()
+    session = ClientSession("r", "c0", clients["c0"], "inst", evaluate=lambda t: t, store=store)
     ident = {"instance": "inst", "epoch": 0}
     seq = iter(range(1, 100))
 
@@ -59,8 +61,9 @@ def test_a_refused_task_that_repeats_a_step_leaves_the_client_as_it_was():
     after = weights(clients["c0"])
     assert all(torch.equal(before[k], after[k]) for k in before)  # not the round's start: as before the task
     assert session.round_steps == steps and not session.counters["round_replays"]
+    assert store.answered == 2  # nothing of the refused task was made durable
 
     # the genuine task of the next step is applied to that state, not taken for a replay
     send(phase.tasks["c0"])
-    assert session.counters["tasks"] == 3 and not session.counters["round_replays"]
+    assert session.counters["tasks"] == 3 == store.answered and not session.counters["round_replays"]
     assert not all(torch.equal(before[k], v) for k, v in weights(clients["c0"]).items())  # it trained
