@@ -35,9 +35,9 @@ def check_files(config) -> None:
     directory, the broker connection): a missing or unusable one is a usage error, not a traceback."""
     from coordinator.run import read_public_file
 
-    ca_file = config.broker.ca_file
-    if ca_file is not None and not Path(ca_file).is_file():
-        raise click.UsageError(f"broker.ca_file {ca_file} does not exist (the CA the broker's certificate is checked against)")
+    missing = config.broker.missing_file()
+    if missing:
+        raise click.UsageError(missing)
     if config.public_file is not None:
         try:
             read_public_file(Path(config.public_file))

@@ -6,7 +6,6 @@ import json
 import logging
 import signal
 import sys
-from pathlib import Path
 
 import click
 
@@ -29,10 +28,9 @@ def agent_cmd(config_path: str | None, log_level: str, self_check: bool) -> None
         config = load_agent_config(config_path)
     except SettingsError as exc:
         raise click.UsageError(str(exc)) from None
-    ca_file = config.broker.ca_file
-    if ca_file is not None and not Path(ca_file).is_file():  # else a traceback from the TLS set-up, at connect
-        raise click.UsageError(f"broker.ca_file {ca_file} does not exist (the CA the broker's certificate is checked "
-                               "against; `fedal fleet init --tls` writes one per device)")
+    missing = config.broker.missing_file()  # else a traceback from the TLS set-up, at connect
+    if missing:
+        raise click.UsageError(f"{missing}; `fedal fleet init --tls` writes one per device")
     agent = Agent(config)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal closed
         signal.signal(sig, lambda *_: agent.stop())

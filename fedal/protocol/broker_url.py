@@ -67,3 +67,11 @@ class BrokerSettings(BaseModel):
     def _url(cls, v: str) -> str:
         parse_broker_url(v)
         return v
+
+    def missing_file(self) -> str | None:
+        """Why this machine cannot use these settings' files (a CA file that is not there), else
+        None. Checked where a process starts, not in the model: a fleet's configs are written and
+        checked on a workstation that holds none of the devices' files."""
+        if self.ca_file is not None and not self.ca_file.is_file():
+            return f"broker.ca_file {self.ca_file} does not exist (the CA the broker's certificate is checked against)"
+        return None
