@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import torch
 from torch import nn
@@ -94,3 +97,10 @@ def without_timings(results):
     if isinstance(results, list):
         return [without_timings(v) for v in results]
     return results
+
+
+def fedal_command() -> list[str]:
+    """The `fedal` console script of this interpreter's environment, or its module where the
+    environment has none (an interpreter run without the package's scripts on disk)."""
+    exe = Path(sys.executable).with_name("fedal")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "fedal_cli.main"]

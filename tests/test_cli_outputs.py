@@ -7,21 +7,19 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from fedal_cli.main import cli
+from tests.helpers import fedal_command
 
 QUICK = ["--dataset", "digits", "--clients", "2", "--rounds", "1", "--strategy", "fedmd", "--public-size", "60", "--quiet"]
 
 
 def fedal(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    exe = Path(sys.executable).with_name("fedal")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "fedal_cli.main"]
-    return subprocess.run([*cmd, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*fedal_command(), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def test_a_results_file_is_never_overwritten_by_the_run_it_configures(tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,11 +15,11 @@ from fedal import workspace
 from fedal.sim import load_config
 from fedal_cli.demo import prepare_workspace
 from fedal_cli.main import cli
+from tests.helpers import fedal_command
 
 
 def fedal() -> list[str]:
-    exe = Path(sys.executable).with_name("fedal")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "fedal_cli.main"]
+    return fedal_command()
 
 
 def snapshot(root: Path) -> dict[str, bytes]:

@@ -12,7 +12,6 @@ import importlib.util
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ ray = pytest.importorskip("ray")
 
 from fedal.sim import load_config, simulate  # noqa: E402
 from fedal.sim.config import ConfigError  # noqa: E402
+from tests.helpers import fedal_command  # noqa: E402
 
 QUICK = ["--dataset", "digits", "--clients", "2", "--rounds", "1", "--strategy", "fedmd", "--public-size", "60",
          "--backend", "ray", "--quiet"]
@@ -30,8 +30,7 @@ QUICK = ["--dataset", "digits", "--clients", "2", "--rounds", "1", "--strategy",
 
 def fedal(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
     """`fedal ARGS` in its own session: one that hangs is ended with every Ray process it started."""
-    exe = Path(sys.executable).with_name("fedal")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "fedal_cli.main"]
+    cmd = fedal_command()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen([*cmd, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
