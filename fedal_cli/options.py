@@ -79,8 +79,8 @@ FAULT_OPTIONS = [
                       "--no-vectorize runs the per-client reference path."),
     click.option("--backend", type=click.Choice(["inprocess", "ray"]),
                  help="Where client halves run: this process (default) or Ray actors (the `ray` extra)."),
-    click.option("--ray-address", help="ray backend: a cluster to join (auto, ray://host:port); default: start a "
-                 "local instance."),
+    click.option("--ray-address", help="ray backend: a cluster to join (auto, HEAD:PORT on a node of it, "
+                 "ray://host:port); default: start a local instance."),
     click.option("--ray-actors", type=click.IntRange(min=1), help="ray backend: actors hosting the clients "
                  "(default: as many as the cluster's CPUs fit --client-resources)."),
     click.option("--client-resources", help="ray backend: each actor's resources, e.g. 'num_cpus=1,num_gpus=0.25'."),

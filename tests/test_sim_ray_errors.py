@@ -98,6 +98,28 @@ def test_cli_ray_client_address_without_ray_client_says_how_to_install_it(tmp_pa
     assert "fedal-edge[ray]" not in line  # the `ray` extra is installed: it is not what is missing
 
 
+
+def test_cli_ray_head_address_where_nothing_listens_is_one_line(tmp_path):
+    """Before: `--ray-address 127.0.0.1:PORT` with nothing listening waited inside ray.init forever."""
+    from tests.waiting import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    r = fedal("simulate", *QUICK, "--ray-address", address, cwd=tmp_path, timeout=60)
+    _one_line_error(r, f"no Ray cluster at {address} (", "`ray start --head`")
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.parametrize("address", ["nohost", "host:port", ":6379", "10.0.0.1:70000"])
+def test_ray_addresses_that_are_not_host_port_are_refused(address):
+    from fedal.sim.ray_backend import RayClusterError, start_ray
+
+    with pytest.raises(RayClusterError, match="not host:port, auto or ray://host:port"):
+        start_ray(address, None, verbose=False)
+    assert not ray.is_initialized()
+
+
 # in this process, on a local instance of its own
 
 

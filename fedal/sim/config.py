@@ -118,7 +118,7 @@ class RunConfig(BaseModel):
                                    "simulation (false: the per-client reference path); a deployment refuses true")
     backend: Literal["inprocess", "ray"] = Field("inprocess", description="simulation: where client halves run: this "
                                                  "process, or Ray actors (docs/simulation.md)")
-    ray_address: str | None = Field(None, description="ray backend: a cluster to join (auto, ray://host:port); "
+    ray_address: str | None = Field(None, description="ray backend: a cluster to join (auto, head:port, ray://host:port); "
                                     "none starts a local instance")
     ray_actors: StrictInt | None = Field(None, ge=1, description="ray backend: actors hosting the clients (default: as many "
                                    "as the cluster's CPUs fit client_resources)")

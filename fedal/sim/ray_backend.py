@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -56,6 +57,8 @@ ACTOR_START_TIMEOUT_S = 120.0
 RAY_RESOURCE_NAMES = {"num_cpus": "CPU", "num_gpus": "GPU"}
 # the counts a run's `backend` results always carry (0: nothing of the kind happened)
 BACKEND_COUNTS = ("actor_failures", "lost_tasks", "refused_tasks")
+# how long a head's host:port may take to accept a connection before the run says nothing is there
+GCS_PROBE_TIMEOUT_S = 10.0
 
 
 class RayClusterError(ConfigError):
@@ -222,6 +225,11 @@ def start_ray(address: str | None, num_cpus: int | None, verbose: bool) -> bool:
         client = address.startswith("ray://")
         if client and importlib.util.find_spec("grpc") is None:  # what Ray Client needs (ray[client])
             raise RayClusterError(_no_ray_client(address))
+        if not client and address not in ("auto", "local"):  # host:port of a cluster's head: ray.init waits forever for no one
+            problem = _unreachable(address)
+            if problem is not None:
+                raise RayClusterError(f"no Ray cluster at {address} ({problem}): start one there with "
+                                      "`ray start --head`, or leave --ray-address out for a local instance")
         try:
             ray.init(address=address, **options)
         except ConnectionError:
@@ -234,6 +242,18 @@ def start_ray(address: str | None, num_cpus: int | None, verbose: bool) -> bool:
     else:
         ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", **options)
     return True
+
+
+def _unreachable(address: str, timeout_s: float = GCS_PROBE_TIMEOUT_S) -> str | None:
+    """Why nothing answers at a head's host:port (None when something listens there)."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        return "not host:port, auto or ray://host:port"
+    try:
+        with socket.create_connection((host.strip("[]"), int(port_text)), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
 
 
 def _start_timeout() -> float:
