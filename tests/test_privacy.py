@@ -8,6 +8,7 @@ import contextlib
 import copy
 import logging
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -112,6 +113,28 @@ def test_the_accountant_of_the_plain_gaussian_mechanism_is_the_closed_form():
     closed = min(steps * a / (2 * sigma**2) + math.log((a - 1) / a) - (math.log(delta) + math.log(a)) / (a - 1)
                  for a in RDPAccountant.DEFAULT_ALPHAS)
     assert accountant.epsilon(delta) == pytest.approx(closed, rel=1e-9)
+
+def test_the_remembered_rdp_gives_opacus_epsilon_to_the_bit():
+    """The per-step RDP is computed once per (sample rate, noise) and scaled by the steps: every
+    ledger's epsilon is still exactly what Opacus's own accountant says for that history, asked
+    again or asked first (mixed entries, q = 1 releases, repeated entries)."""
+    from opacus.accountants import RDPAccountant
+
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        ours = PrivacyAccountant("rdp")
+        for _ in range(int(rng.integers(1, 4))):
+            sigma = float(rng.choice([0.7, 1.1, float(rng.uniform(0.4, 5.0))]))
+            q = float(rng.choice([1.0, 0.02, float(rng.uniform(0.001, 0.5))]))
+            ours.step(sigma, q, int(rng.integers(1, 3000)))
+        opacus = RDPAccountant()
+        opacus.history = list(ours._accountant.history)
+        delta = float(rng.choice([1e-5, 1e-6]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Opacus: the optimal order is an end of its range
+            assert ours.epsilon(delta) == float(opacus.get_epsilon(delta=delta))
+            assert ours.epsilon(delta) == float(opacus.get_epsilon(delta=delta))  # asked again: remembered
+
 
 
 def test_the_budget_refuses_steps_before_taking_any():
