@@ -5,6 +5,8 @@ import io
 import pickle
 import random
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -244,6 +246,39 @@ def test_mnist1d_default_cache_dir_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDAL_CACHE_DIR", str(tmp_path / "c"))
     load_mnist1d(num_samples=100, seed=1)
     assert len(list((tmp_path / "c").glob("mnist1d-*.npz"))) == 1
+
+
+def test_a_cached_dataset_loads_without_importing_its_package(tmp_path):
+    """A fresh process that finds MNIST-1D and digits in the cache never imports mnist1d (which
+    imports matplotlib and scipy) or scikit-learn: a second or more at every start otherwise.
+    The arrays are the ones the first process made (and not the other way round)."""
+    script = (
+        "import sys, numpy as np\n"
+        "from fedal.data.embedded import load_digits, load_mnist1d\n"
+        f"cache = {str(tmp_path / 'c')!r}\n"
+        "(tr, te), (dtr, dte) = load_mnist1d(num_samples=200, seed=5, cache_dir=cache), load_digits(cache_dir=cache)\n"
+        "np.savez(sys.argv[1], x=tr.x, y=te.y, dx=dtr.x, dy=dte.y)\n"
+        "print(sorted(m for m in ('mnist1d', 'sklearn', 'scipy', 'matplotlib') if m in sys.modules))\n"
+    )
+    first = subprocess.run([sys.executable, "-c", script, str(tmp_path / "a.npz")], capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "mnist1d" in first.stdout and "sklearn" in first.stdout  # made: both packages were needed
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "c").glob("*.npz")) == ["digits", "mnist1d"]
+    second = subprocess.run([sys.executable, "-c", script, str(tmp_path / "b.npz")], capture_output=True, text=True,
+                            timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.strip() == "[]"
+    with np.load(tmp_path / "a.npz") as a, np.load(tmp_path / "b.npz") as b:
+        assert all(np.array_equal(a[k], b[k]) for k in ("x", "y", "dx", "dy"))
+
+
+def test_digits_cache_is_keyed_by_its_split(tmp_path):
+    train, test = load_digits(cache_dir=tmp_path)
+    other, _ = load_digits(test_fraction=0.3, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("digits-*.npz"))) == 2 and len(other) < len(train)
+    again, _ = load_digits(cache_dir=tmp_path)
+    assert np.array_equal(again.x, train.x) and np.array_equal(again.y, train.y)
 
 
 def test_digits():

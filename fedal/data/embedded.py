@@ -1,7 +1,10 @@
 """Datasets that need no files and no network: MNIST-1D (generated) and scikit-learn's digits.
 
 They make every experiment and test reproducible offline. MNIST-1D is generated locally with
-the `mnist1d` package (never its download path) and cached, because generation takes seconds.
+the `mnist1d` package (never its download path). Both are cached as arrays, keyed by what
+determines them (the package's version, size, seed, split): generation takes seconds, and
+importing either package alone takes a second or more (mnist1d imports matplotlib and scipy), which
+every simulation, Ray actor and demo would pay at start.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import random
 import tempfile
 import zipfile
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -21,13 +25,34 @@ from fedal.data.arrays import ArrayDataset
 
 __all__ = ["MNIST1D_SAMPLES", "load_mnist1d", "load_digits", "default_cache_dir"]
 
-_CACHE_FORMAT = 1  # bump when the cached file layout changes
+_CACHE_FORMAT = 2  # bump when the cached file layout or key changes
 
 
 def default_cache_dir() -> Path:
     """`$FEDAL_CACHE_DIR` if set, else `~/.cache/fedal`."""
     env = os.environ.get("FEDAL_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "fedal"
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)  # the generator's or split's code may change with it
+    except metadata.PackageNotFoundError:  # pragma: no cover - vendored copy
+        return "unknown"
+
+
+def _cached(name: str, key: dict, build: Callable[[], dict[str, np.ndarray]],
+            cache_dir: str | os.PathLike | None) -> dict[str, np.ndarray]:
+    """The arrays `build` makes for `key`, from `<name>-<hash of key>.npz` in the cache when it
+    holds them (else built and written there)."""
+    key_json = json.dumps({**key, "cache_format": _CACHE_FORMAT}, sort_keys=True)
+    digest = hashlib.sha256(key_json.encode()).hexdigest()[:16]
+    path = Path(cache_dir if cache_dir is not None else default_cache_dir()) / f"{name}-{digest}.npz"
+    arrays = _read_cache(path, key_json)
+    if arrays is None:
+        arrays = build()
+        _write_atomic(path, arrays, key_json)
+    return arrays
 
 
 def _mnist1d_args(num_samples: int, seed: int):
@@ -37,17 +62,6 @@ def _mnist1d_args(num_samples: int, seed: int):
     args.num_samples = int(num_samples)
     args.seed = int(seed)
     return args
-
-
-def _generation_key(args) -> dict:
-    """Everything that determines the generated arrays (the download URL does not)."""
-    key = {k: v for k, v in sorted(vars(args).items()) if k != "url"}
-    try:
-        key["mnist1d_version"] = metadata.version("mnist1d")  # generator code may change
-    except metadata.PackageNotFoundError:  # pragma: no cover - vendored copy
-        key["mnist1d_version"] = "unknown"
-    key["cache_format"] = _CACHE_FORMAT
-    return key
 
 
 def _generate_mnist1d(args) -> dict[str, np.ndarray]:
@@ -102,30 +116,33 @@ def load_mnist1d(num_samples: int = MNIST1D_SAMPLES, seed: int = 42,
                  cache_dir: str | os.PathLike | None = None) -> tuple[ArrayDataset, ArrayDataset]:
     """MNIST-1D (train, test): x [n, 40] float32, 10 classes, the package's 80/20 split.
 
-    Generated with `mnist1d.data.make_dataset` (num_samples // 10 samples per class), cached as
-    `mnist1d-<hash of the generation args>.npz` in `cache_dir` (default: `default_cache_dir()`).
+    Generated with `mnist1d.data.make_dataset` (num_samples // 10 samples per class, the
+    package's default arguments otherwise, fixed by its version), cached as `mnist1d-<hash>.npz`
+    in `cache_dir` (default: `default_cache_dir()`).
     """
     if int(num_samples) < 10:
         raise ValueError(f"num_samples must be at least 10 (one per class), got {num_samples}")
-    args = _mnist1d_args(num_samples, seed)
-    key_json = json.dumps(_generation_key(args), sort_keys=True)
-    digest = hashlib.sha256(key_json.encode()).hexdigest()[:16]
-    path = Path(cache_dir if cache_dir is not None else default_cache_dir()) / f"mnist1d-{digest}.npz"
-
-    arrays = _read_cache(path, key_json)
-    if arrays is None:
-        arrays = _generate_mnist1d(args)
-        _write_atomic(path, arrays, key_json)
+    key = {"num_samples": int(num_samples), "seed": int(seed), "mnist1d_version": _version("mnist1d")}
+    arrays = _cached("mnist1d", key, lambda: _generate_mnist1d(_mnist1d_args(num_samples, seed)), cache_dir)
     name = "mnist1d"
     return (ArrayDataset(arrays["x"], arrays["y"], 10, name),
             ArrayDataset(arrays["x_test"], arrays["y_test"], 10, name + "-test"))
 
 
-def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[ArrayDataset, ArrayDataset]:
+def load_digits(test_fraction: float = 0.2, seed: int = 0,
+                cache_dir: str | os.PathLike | None = None) -> tuple[ArrayDataset, ArrayDataset]:
     """scikit-learn's bundled 8x8 digits (train, test): x [n, 1, 8, 8] float32 in [0, 1].
 
-    The split is stratified and fixed by `seed`, so every run sees the same test set.
+    The split is stratified and fixed by `seed`, so every run sees the same test set; cached as
+    `digits-<hash>.npz` like MNIST-1D.
     """
+    key = {"sklearn_version": _version("scikit-learn"), "test_fraction": float(test_fraction), "seed": int(seed)}
+    arrays = _cached("digits", key, lambda: _split_digits(test_fraction, seed), cache_dir)
+    return (ArrayDataset(arrays["x"], arrays["y"], 10, "digits"),
+            ArrayDataset(arrays["x_test"], arrays["y_test"], 10, "digits-test"))
+
+
+def _split_digits(test_fraction: float, seed: int) -> dict[str, np.ndarray]:
     from sklearn.datasets import load_digits as _sk_digits
     from sklearn.model_selection import train_test_split
 
@@ -135,5 +152,4 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[ArrayDataset
     idx_train, idx_test = train_test_split(np.arange(len(y)), test_size=test_fraction,
                                            random_state=seed, stratify=y)
     idx_train, idx_test = np.sort(idx_train), np.sort(idx_test)
-    return (ArrayDataset(x[idx_train], y[idx_train], 10, "digits"),
-            ArrayDataset(x[idx_test], y[idx_test], 10, "digits-test"))
+    return {"x": x[idx_train], "y": y[idx_train], "x_test": x[idx_test], "y_test": y[idx_test]}
