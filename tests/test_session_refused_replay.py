@@ -67,3 +67,41 @@ def test_a_refused_task_that_repeats_a_step_leaves_the_client_as_it_was():
     send(phase.tasks["c0"])
     assert session.counters["tasks"] == 3 == store.answered and not session.counters["round_replays"]
     assert not all(torch.equal(before[k], v) for k, v in weights(clients["c0"]).items())  # it trained
+
+
+def test_a_refused_task_that_opens_a_new_round_leaves_the_round_under_way():
+    """The replay guard's other branch: a task of another round is that round's first, so the
+    session saves its start and opens it before the client half looks at the task. Refused, the
+    round under way stays open with its steps: its next task is no round's first (its start, as
+    saved, would be that round's middle), and a replay of one of its steps is found as a replay
+    (refused here, the saved start being the refused round's) instead of being computed afresh on
+    the round's middle."""
+    server, clients, params = toy_federation("fedal", n_clients=2, tau=2)
+    store = MemoryStore()
+    saves = []
+    save = store.save_round_start
+    store.save_round_start = lambda round_no, state: (saves.append(round_no), save(round_no, state))
+    session = ClientSession("r", "c0", clients["c0"], "inst", evaluate=lambda t: t, store=store)
+    ident = {"instance": "inst", "epoch": 0}
+    seq = iter(range(1, 100))
+
+    def send(task: Message, **meta) -> Message:
+        return session.on_task(Message({**task.meta, **ident, "seq": next(seq), **meta}, task.tensors)).received()
+
+    phase = server.begin_round(0)
+    results = {"c0": send(phase.tasks["c0"]), "c1": clients["c1"].handle(phase.tasks["c1"])}
+    phase = server.collect(phase, results)  # transfer, iteration 0
+    first_transfer = phase.tasks["c0"]
+    results = {"c0": send(first_transfer), "c1": clients["c1"].handle(phase.tasks["c1"])}
+    phase = server.collect(phase, results)  # transfer, iteration 1
+    round_no, steps = session.round_no, set(session.round_steps)
+    assert saves == [round_no]
+
+    with pytest.raises(TaskRefused):  # another round's task, with feedback no client can apply
+        send(Message(phase.tasks["c0"].meta | {"round": round_no + 7}, {"fbar": np.zeros((5, 10), np.float32)}))
+    assert session.round_no == round_no and session.round_steps == steps
+
+    send(phase.tasks["c0"])  # the round's next step: no round's first, so no start is saved
+    assert saves == [round_no, round_no + 7] and session.counters["tasks"] == 3
+    with pytest.raises(TaskRefused, match="start state is missing"):  # a replay, found as one
+        send(first_transfer)

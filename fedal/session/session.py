@@ -85,7 +85,7 @@ class ClientSession:
         self.last_result: Packet | None = None
         self.round_no: Any = None
         self.round_steps: set[tuple[str, Any]] = set()
-        self._undo_replay: Callable[[], None] | None = None  # set by a replay guard that went back
+        self._undo_replay: Callable[[], None] | None = None  # set by a replay guard that went back or opened a round
 
     def restore(self, last_key: tuple[int, int] | None, last_result: Packet | None, round_no: Any,
                 round_steps: set[tuple[str, Any]]) -> None:
@@ -137,7 +137,8 @@ class ClientSession:
 
     def refused_after_prepare(self) -> None:
         """The prepared task was refused: a replay guard that went back to the round's start is
-        undone (the client's state, its round's steps), as a refused task changes nothing."""
+        undone (the client's state, its round's steps), and one that opened a new round is too
+        (the round under way and its steps), as a refused task changes nothing."""
         undo, self._undo_replay = self._undo_replay, None
         if undo is not None:
             undo()
@@ -171,7 +172,15 @@ class ClientSession:
         if round_no != self.round_no:  # the round's first task: remember where it started
             if self.store is not None:
                 self.store.save_round_start(round_no, self.client.state_dict())
+            previous = self.round_no, self.round_steps
+
+            def forget_round() -> None:  # a refused task opens no round: the next task of the one
+                # under way is no round's first (its start, as saved, would be that round's middle)
+                self.round_no, self.round_steps = previous
+                log.info("the task that opened round %s was refused: still in round %s", round_no, previous[0])
+
             self.round_no, self.round_steps = round_no, set()
+            self._undo_replay = forget_round
         elif step in self.round_steps:  # a resumed coordinator replays this round from its start
             start = self.store.load_round_start() if self.store is not None else None
             if start is None or start[0] != round_no:
