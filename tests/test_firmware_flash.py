@@ -175,14 +175,7 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     boot.mkdir()
     sh("mcopy", "-s", "-n", "-i", f"{img}@@{OFFSET}", "::/*", str(boot))
     root = tmp_path / "root"
-    (root / "etc").mkdir(parents=True)
-    (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
-    (root / "etc/group").write_text("root:x:0:\nsudo:x:27:\nadm:x:4:\n")
-    for name, line in (("shadow", "root:*:19000:0:99999:7:::\n"), ("gshadow", "root:*::\nsudo:*::\nadm:*::\n")):
-        (root / "etc" / name).write_text(line)
-    (root / "etc/hostname").write_text("raspberrypi\n")
-    (root / "etc/hosts").write_text("127.0.0.1\tlocalhost\n127.0.1.1\traspberrypi\n")
-    env = {**os.environ, "FEDAL_TARGET_ROOT": str(root)}
+    env = staging_root(root)
 
     run = subprocess.run(["bash", str(boot / "firstrun.sh")], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, (boot / "fedal" / "firstrun.log").read_text()
@@ -240,6 +233,64 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     assert not (boot / "fedal").exists()
     assert (root / "var/lib/fedal-agent/.firstboot-done").exists()
     assert not (root / "etc/systemd/system/multi-user.target.wants/fedal-firstboot.service").exists()
+
+
+def staging_root(root: Path) -> dict[str, str]:
+    """A Raspberry Pi OS root as the first boot finds it, for FEDAL_TARGET_ROOT; the environment."""
+    (root / "etc").mkdir(parents=True)
+    (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (root / "etc/group").write_text("root:x:0:\nsudo:x:27:\nadm:x:4:\n")
+    for name, line in (("shadow", "root:*:19000:0:99999:7:::\n"), ("gshadow", "root:*::\nsudo:*::\nadm:*::\n")):
+        (root / "etc" / name).write_text(line)
+    (root / "etc/hostname").write_text("raspberrypi\n")
+    (root / "etc/hosts").write_text("127.0.0.1\tlocalhost\n127.0.1.1\traspberrypi\n")
+    return {**os.environ, "FEDAL_TARGET_ROOT": str(root)}
+
+
+def test_a_setting_that_fails_is_named_and_the_others_still_apply(tmp_path, device):
+    """Before: a failed Wi-Fi set-up (or hostname, or SSH) went unnoticed; the log said `wi-fi Lab
+    Net` and the hook was removed. Now the failed step is logged as FAILED, named in
+    fedal-firstrun-FAILED.txt at the top of the boot partition, and the other steps still run;
+    the hook still goes (the same settings would fail again at every boot)."""
+    img = rpi_image(tmp_path)
+    r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--hostname", "pi-7", "--wifi-ssid", "Lab Net",
+              "--wifi-psk", "correct horse", "--wifi-country", "DE", "--ssh-key", str(tmp_path / "id.pub"),
+              "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"), "--data", str(tmp_path / "train.npz"))
+    assert r.returncode == 0, r.stderr
+    boot = tmp_path / "boot"
+    boot.mkdir()
+    sh("mcopy", "-s", "-n", "-i", f"{img}@@{OFFSET}", "::/*", str(boot))
+    (boot / "fedal-firstrun-FAILED.txt").write_text("from an earlier flash of this card\n")
+    root = tmp_path / "root"
+    env = staging_root(root)
+    (root / "etc/NetworkManager").write_text("a file where the connections' folder goes\n")  # Wi-Fi cannot be written
+
+    run = subprocess.run(["bash", str(boot / "firstrun.sh")], env=env, capture_output=True, text=True, timeout=60)
+    log = (boot / "fedal" / "firstrun.log").read_text()
+    assert run.returncode == 0, log
+    assert "FAILED: wi-fi" in log and "wi-fi Lab Net" not in log
+    assert "finished with failed steps: wi-fi; rebooting" in log
+    assert (boot / "fedal-firstrun-FAILED.txt").read_text().startswith("The first boot could not apply: wi-fi.\n")
+    # the other settings were applied, the installer staged, the hook and the secrets gone
+    assert (root / "etc/hostname").read_text() == "pi-7\n"
+    assert any(line.startswith("pi:") for line in (root / "etc/passwd").read_text().splitlines())
+    assert (root / "etc/systemd/system/fedal-firstboot.service").exists()
+    assert not (boot / "firstrun.sh").exists() and not (boot / "fedal" / "settings").exists()
+    assert "systemd.run" not in (boot / "cmdline.txt").read_text()
+    assert "correct horse" not in log
+
+    # a first boot where every step works leaves no FAILED file (an earlier one is removed)
+    img2 = rpi_image(tmp_path, name="ok.img")
+    assert flash("--image", str(img2), "--config", str(device / "agent.toml"), "--hostname", "pi-8",
+                 "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl")).returncode == 0
+    boot2 = tmp_path / "boot2"
+    boot2.mkdir()
+    sh("mcopy", "-s", "-n", "-i", f"{img2}@@{OFFSET}", "::/*", str(boot2))
+    (boot2 / "fedal-firstrun-FAILED.txt").write_text("from an earlier flash of this card\n")
+    env2 = staging_root(tmp_path / "root2")
+    run = subprocess.run(["bash", str(boot2 / "firstrun.sh")], env=env2, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and not (boot2 / "fedal-firstrun-FAILED.txt").exists()
+    assert "finished; rebooting" in (boot2 / "fedal" / "firstrun.log").read_text()
 
 
 def test_cloud_init_image_is_prepared_the_cloud_init_way(tmp_path, device):

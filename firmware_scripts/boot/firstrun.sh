@@ -4,6 +4,10 @@
 # Applies the settings flash.sh left in fedal/settings/ (hostname, Wi-Fi, SSH key), stages the
 # agent's installer for the next boot (it needs the network), then removes itself from
 # cmdline.txt. Prefers Raspberry Pi OS's own helpers (imager_custom, userconf) where they exist.
+# Each setting is a step of its own: one that fails is logged as FAILED and named in
+# fedal-firstrun-FAILED.txt at the top of the boot partition (readable from any PC), and the others
+# still run. The hook is removed all the same: the same settings would fail again at every boot,
+# and a Pi left at kernel-command-line.target has no network and no login to mend it from.
 # FEDAL_TARGET_ROOT (tests only) points every write into a staging root.
 set -u
 
@@ -15,16 +19,31 @@ USERCONF=/usr/lib/userconf-pi/userconf
 exec >>"$BOOT/fedal/firstrun.log" 2>&1
 log() { echo "fedal firstrun: $*"; }
 setting() { if [ -f "$S/$1" ]; then cat "$S/$1"; fi; }
+# shellcheck disable=SC2317  # called from the steps
 native() { [ -z "$R" ] && [ -x "$1" ]; }  # Raspberry Pi OS helpers only on the real system
 log "started $(date -u +%FT%TZ 2>/dev/null || true)"
+rm -f "$BOOT/fedal-firstrun-FAILED.txt"  # an earlier first boot's, on a card flashed again
 
 if [ -f "$BOOT/fedal/firstrun-previous.sh" ]; then
   log "running the firstrun.sh that was on the card before (e.g. Raspberry Pi Imager's)"
   bash "$BOOT/fedal/firstrun-previous.sh" || log "the previous firstrun.sh failed ($?); continuing"
 fi
 
-name="$(setting hostname)"
-if [ -n "$name" ]; then
+failed=()
+# run a setting's step under `set -e` (a subshell, so the first failing command ends only it)
+step() {
+  local what="$1" rc
+  shift
+  ( set -e; "$@" )
+  rc=$?
+  if [ "$rc" -ne 0 ]; then
+    log "FAILED: $what (exit $rc); the other settings go on"
+    failed+=("$what")
+  fi
+}
+
+# shellcheck disable=SC2317  # run through step()
+set_hostname() {
   if native "$IMAGER"; then
     "$IMAGER" set_hostname "$name"
   else
@@ -36,10 +55,12 @@ if [ -n "$name" ]; then
     fi
   fi
   log "hostname $name"
-fi
+}
+name="$(setting hostname)"
+if [ -n "$name" ]; then step hostname set_hostname; fi
 
-user="$(setting ssh-user)"
-if [ -s "$S/authorized_keys" ]; then
+# shellcheck disable=SC2317  # run through step()
+set_ssh() {
   mapfile -t keys <"$S/authorized_keys"
   if native "$IMAGER"; then
     "$IMAGER" enable_ssh -k "${keys[@]}"  # keys go to the first user, which userconf names below
@@ -63,10 +84,12 @@ if [ -s "$S/authorized_keys" ]; then
     ln -sfn /lib/systemd/system/ssh.service "$R/etc/systemd/system/multi-user.target.wants/ssh.service"
   fi
   log "ssh: key login for $user, passwords off"
-fi
+}
+user="$(setting ssh-user)"
+if [ -s "$S/authorized_keys" ]; then step ssh set_ssh; fi
 
-ssid="$(setting wifi-ssid)"
-if [ -n "$ssid" ]; then
+# shellcheck disable=SC2317  # run through step()
+set_wifi() {
   psk="$(setting wifi-psk)"
   country="$(setting wifi-country)"
   if native "$IMAGER"; then
@@ -89,14 +112,23 @@ if [ -n "$ssid" ]; then
     if [ -f "$f" ]; then echo 0 >"$f"; fi
   done
   log "wi-fi $ssid ($country)"
-fi
+}
+ssid="$(setting wifi-ssid)"
+if [ -n "$ssid" ]; then step wi-fi set_wifi; fi
 
 FEDAL_TARGET_ROOT="$R" bash "$BOOT/fedal/stage.sh" || { log "staging the agent installer failed"; exit 1; }
+if [ "${#failed[@]}" -gt 0 ]; then
+  {
+    echo "The first boot could not apply: ${failed[*]}."
+    echo "What each step did is in fedal/firstrun.log on this partition (and /var/log/fedal-firstrun.log)."
+    echo "Mend it on the Pi (console or Ethernet), or flash the card again."
+  } >"$BOOT/fedal-firstrun-FAILED.txt"
+fi
 
 # Done: never again. The settings hold the Wi-Fi passphrase.
 rm -rf "$S"
 rm -f "$BOOT/firstrun.sh"
 sed -i -e 's/ systemd\.run[^ ]*//g' -e 's/ systemd\.unit=kernel-command-line\.target//g' "$BOOT/cmdline.txt"
-log "finished; rebooting"
+if [ "${#failed[@]}" -gt 0 ]; then log "finished with failed steps: ${failed[*]}; rebooting"; else log "finished; rebooting"; fi
 if install -d "$R/var/log"; then cp "$BOOT/fedal/firstrun.log" "$R/var/log/fedal-firstrun.log"; fi  # fedal/ goes after the install
 exit 0
