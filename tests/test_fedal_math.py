@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedal.strategies.discriminator import Discriminator, per_sample_adversarial_grad
+from fedal.strategies.discriminator import Discriminator, discriminator_input, per_sample_adversarial_grad
 from fedal.strategies.fedal import frozen_copy
 from fedal.strategies.losses import kl_to_student
 from fedal.strategies.public_rows import public_rows
@@ -120,6 +120,30 @@ def test_trained_discriminator_on_identical_outputs_stays_at_chance():
     g_diff = per_sample_adversarial_grad(server2.disc, distinct, target, 2.0).norm()
     assert g_same < 0.05 * g_diff
 
+
+
+def test_the_toolkits_discriminator_learns_lemma_iv2s_posterior():
+    """Lemma IV.2 on the toolkit's own discriminator and step (not only the algebra above): three
+    clients emit two outputs, a and b, at different rates (client n emits a with probability
+    P_n). Trained by the server half's step on their rows, the discriminator's softmax at a
+    approaches h*_n(a) = P_n / sum_m P_m, and at b (1 - P_n) / sum_m (1 - P_m)."""
+    torch.manual_seed(0)
+    server, _, params = toy_federation("fedal", n_clients=3, tau=1, disc_lr=1e-2)
+    a, b = torch.tensor([[3.0, 0.0, -1.0, 0.5]]), torch.tensor([[-1.0, 2.0, 0.0, 1.0]])
+    emits_a = [32, 20, 8]  # of each client's 40 rows
+    rates = torch.tensor(emits_a, dtype=torch.float32) / 40
+    rows = torch.cat([torch.cat([a.repeat(n, 1), b.repeat(40 - n, 1)]) for n in emits_a])
+    target = torch.arange(3).repeat_interleave(40)
+    for _ in range(600):
+        server._discriminator_step(rows, target)
+    with torch.no_grad():
+        h = F.softmax(server.disc(discriminator_input(torch.cat([a, b]), params.temperature_disc)), dim=1)
+    torch.testing.assert_close(h[0], rates / rates.sum(), atol=0.02, rtol=0)
+    torch.testing.assert_close(h[1], (1 - rates) / (1 - rates).sum(), atol=0.02, rtol=0)
+    # and its CE is the lemma's value, below log N: the rates tell the clients apart
+    optimal = -sum(float(r * torch.log(r / rates.sum()) + (1 - r) * torch.log((1 - r) / (1 - rates).sum()))
+                   for r in rates) / 3
+    assert server.metrics["disc_loss"][-1] == pytest.approx(optimal, abs=0.01) and optimal < math.log(3) - 0.1
 
 def test_client_best_response_is_the_average():
     """Lemma IV.3: against the optimal discriminator, client n's objective is minimised by
