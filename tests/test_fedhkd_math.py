@@ -4,6 +4,7 @@ the model each knowledge term trains."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -51,7 +52,8 @@ def same_state(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
 
 
-@pytest.mark.parametrize("work", [{}, {"local_epochs": 1}], ids=["tau-steps", "one-epoch"])
+@pytest.mark.parametrize("work", [{"local_epochs": 0, "batch_size": 32}, {"local_epochs": 1, "batch_size": 32}],
+                         ids=["tau-steps", "one-epoch"])  # the same local work for both (FedHKD's preset: 5 epochs of 64)
 def test_zero_lambda_and_gamma_is_fedavg_exactly(work):
     hkd_server, hkd_clients = run_rounds("fedhkd", hkd_lambda=0.0, hkd_gamma=0.0, hkd_nu=0.0, **work)
     avg_server, avg_clients = run_rounds("fedavg", **work)
@@ -306,3 +308,24 @@ def test_client_and_server_state_round_trip():
     twin = FedHKDClient("c01", build_model("mlp", (64,), 10), c.train_data, None, c.params, seed=0)
     twin.load_state_dict(c.state_dict())
     assert torch.equal(twin.noise_generator.get_state(), c.noise_generator.get_state())
+
+
+def test_fedhkd_preset_is_the_papers(tmp_path):
+    """ALGORITHMS.md section 4: lambda = gamma = 0.05, T = 0.5, sigma = 7, nu = 0.25, zeta = 3,
+    5 local epochs, Adam 1e-3, batch 64. The batch is the preset's unless given (its own default
+    is 32 for every other strategy), and a saved FedHKD run switched to another strategy gets
+    that one's batch back."""
+    from fedal.strategies import get_strategy
+
+    p = StrategyParams().resolve(get_strategy("fedhkd").preset)
+    assert (p.hkd_lambda, p.hkd_gamma, p.hkd_temperature, p.hkd_sigma, p.hkd_nu, p.hkd_zeta) == (0.05, 0.05, 0.5, 7.0,
+                                                                                                 0.25, 3.0)
+    assert (p.local_epochs, p.batch_size, p.optimizer, p.lr) == (5, 64, "adam", 1e-3)
+    assert StrategyParams(batch_size=32).resolve(get_strategy("fedhkd").preset).batch_size == 32  # given: kept
+    assert p.resolve(get_strategy("fedhkd").preset) == p  # resolving again changes nothing
+    assert StrategyParams().resolve(get_strategy("fedavg").preset).batch_size == 32
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps({"config": load_config(None, {"strategy": "fedhkd"}).resolved().model_dump(mode="json")}))
+    assert load_config(saved).resolved().strategy_params.batch_size == 64
+    other = load_config(saved, {"strategy": "fedavg"}).resolved().strategy_params
+    assert (other.batch_size, other.local_epochs) == (32, 0)

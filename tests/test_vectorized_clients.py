@@ -49,8 +49,8 @@ def _assert_close_clients(a: dict, b: dict, atol: float) -> None:
     ("fd", {"strategy_params": {"tau": 6, "fd_beta": 0.0}}),
     ("fedproto", {"models": ["mlp", "cnn1d_wide"], "strategy_params": {"tau": 6}}),
     ("fedakd", {"models": ["cnn1d"], "strategy_params": {"tau": 4}}),
-    ("fedhkd", {"models": ["cnn1d_wide"], "strategy_params": {"tau": 4}}),
-    ("fedhkd", {"models": ["mlp"], "strategy_params": {"tau": 4, "hkd_preset": "paper"}}),
+    ("fedhkd", {"models": ["cnn1d_wide"], "strategy_params": {"tau": 4, "local_epochs": 0}}),  # tau steps, not 5 epochs
+    ("fedhkd", {"models": ["mlp"], "strategy_params": {"tau": 4, "local_epochs": 0, "hkd_preset": "paper"}}),
     ("cfd", {"strategy_params": {"tau": 4}}),
     ("mhat", {"strategy_params": {"tau": 4}}),
     ("fedproto-public", {"models": ["mlp", "cnn1d_wide"], "strategy_params": {"tau": 3}}),

@@ -32,8 +32,9 @@ from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.params import StrategyParams
 from fedal.strategies.training import minibatch_steps
 
-PRESET = {"tau": 5, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0,
-          "hkd_lambda": 0.05, "hkd_gamma": 0.05}
+# the paper's training (ALGORITHMS.md section 4): 5 local epochs of batch 64 a round
+PRESET = {"tau": 5, "local_epochs": 5, "batch_size": 64, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0,
+          "lambda_lf_glo": 0.0, "hkd_lambda": 0.05, "hkd_gamma": 0.05}
 # its own knobs, besides params.COMMON_PARAMS
 PARAMS = ("local_epochs", "hkd_preset", "hkd_lambda", "hkd_gamma", "hkd_temperature", "hkd_sigma", "hkd_nu",
           "hkd_zeta", "hkd_official_noise_std", "hkd_official_grad_clip", "privacy")

@@ -17,6 +17,8 @@ from fedal.protocol.wire_dtype import FLOAT16_MAX
 
 # what every strategy uses; each strategy module names its own further knobs (`PARAMS`)
 COMMON_PARAMS = ("tau", "optimizer", "lr", "momentum", "batch_size", "max_abs_value")
+# fields with a default of their own that a strategy's preset may still set (FedHKD: the paper's batch 64)
+PRESET_OVER_DEFAULT = ("batch_size",)
 # the knowledge-transfer stage shared by FedAL, FedMD(-LF) and FedDF(-AL)
 DISTILLATION_PARAMS = ("public_batch_size", "lambda_kd", "lambda_adv", "lambda_lf_loc", "lambda_lf_glo", "temperature_kd",
                        "temperature_lf", "temperature_disc", "kd_target", "disc_hidden", "disc_lr", "wire_dtype",
@@ -170,10 +172,11 @@ class StrategyParams(BaseModel):
         return out
 
     def resolve(self, preset: dict) -> StrategyParams:
-        """Fill unset fields from `preset`; fields the user set win."""
+        """Fill unset fields from `preset`; fields the user set win (a field with a plain default,
+        such as batch_size, is the preset's unless it was given)."""
         values = self.model_dump()
         for key, value in preset.items():
-            if values.get(key) is None:
+            if values.get(key) is None or (key in PRESET_OVER_DEFAULT and key not in self.model_fields_set):
                 values[key] = value
         for key in ("tau", "local_epochs", "lambda_kd", "lambda_adv", "lambda_lf_loc", "lambda_lf_glo"):
             if values[key] is None:
