@@ -38,7 +38,7 @@ TAU, BATCH = 60, 64  # about the paper's 5 local epochs at batch 64 of a client'
 def run_config(variant: str, seed: int, rounds: int) -> dict:
     strategy, extra = VARIANTS[variant]
     return {"strategy": strategy, "rounds": rounds, "seed": seed, "eval_every": max(1, rounds // 10), "threads": 1,
-            **SETTING, "strategy_params": {"tau": TAU, "batch_size": BATCH, **extra}}
+            **SETTING, "strategy_params": {"tau": TAU, "local_epochs": 0, "batch_size": BATCH, **extra}}  # tau steps for all
 
 
 def mean_std(xs: list[float]) -> str:
