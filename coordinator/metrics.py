@@ -14,7 +14,7 @@ from prometheus_client.registry import Collector
 from coordinator.runs import RunManager
 from fedal.engine.health import FLAGS, VERSION_KEYS
 
-STATES = ("pending", "running", "finished", "stopped", "failed")
+STATES = ("pending", "running", "paused", "finished", "stopped", "failed")
 HEALTH_GAUGES = (  # (field of the health report, gauge, help)
     ("ts", "fedal_client_health_timestamp_seconds", "when the device measured it (its clock)"),
     ("cpu_temp_c", "fedal_client_cpu_temperature_celsius", "CPU temperature"),
@@ -33,7 +33,9 @@ class RunCollector(Collector):
         self.runs = runs
 
     def collect(self) -> Iterator[Metric]:
-        snaps = [engine.snapshot() for engine in self.runs.list()]
+        engines = self.runs.list()
+        snaps = [engine.snapshot() for engine in engines]
+        evaluated = [last_evaluated(engine.rounds()) for engine in engines]
         state = GaugeMetricFamily("fedal_run_state", "1 for the run's current state", labels=["run", "state"])
         gauges = {name: GaugeMetricFamily(name, help_text, labels=["run"]) for name, help_text in (
             ("fedal_rounds_completed", "rounds completed"), ("fedal_rounds_total", "rounds the run will do"),
@@ -62,7 +64,7 @@ class RunCollector(Collector):
                                       "private data at the run's epsilon_budget", labels=["run", "client"])
         versions = InfoMetricFamily("fedal_client_software", "per client: the software versions and board it reports",
                                     labels=["run", "client"])
-        for snap in snaps:
+        for snap, scored in zip(snaps, evaluated):
             run = snap["run_id"]
             for s in STATES:
                 state.add_metric([run, s], 1.0 if snap["state"] == s else 0.0)
@@ -70,8 +72,8 @@ class RunCollector(Collector):
             last = snap.get("last_round") or {}
             values = {"fedal_rounds_completed": snap["completed_rounds"], "fedal_rounds_total": snap["rounds"],
                       "fedal_clients_online": sum(1 for c in clients.values() if c["online"]),
-                      "fedal_clients_enrolled": len(clients), "fedal_mean_accuracy": last.get("mean_acc"),
-                      "fedal_min_accuracy": last.get("min_acc"), "fedal_local_mean_accuracy": last.get("local_mean_acc")}
+                      "fedal_clients_enrolled": len(clients), "fedal_mean_accuracy": scored.get("mean_acc"),
+                      "fedal_min_accuracy": scored.get("min_acc"), "fedal_local_mean_accuracy": scored.get("local_mean_acc")}
             values.update({f"fedal_{k}": (last.get("server") or {}).get(k) for k in ("disc_loss", "disc_acc", "discrepancy")})
             for name, value in values.items():
                 if value is not None:
@@ -118,3 +120,8 @@ def registry_for(runs: RunManager) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(RunCollector(runs))
     return registry
+
+
+def last_evaluated(records: list[dict]) -> dict:
+    """The last round that evaluated (with eval_every > 1 the rounds between carry no accuracy)."""
+    return next((r for r in reversed(records) if r.get("mean_acc") is not None), {})

@@ -40,6 +40,7 @@ from fedal.strategies import ServerContext, get_strategy
 from fedal.strategies.global_model import fedavg_style_metrics, global_accuracy
 
 log = logging.getLogger("coordinator.run")
+FOLLOW_POLL_S = 0.25  # how long an ended run's thread waits for a message before it looks at close()
 
 
 def pick_device(setting: str) -> str:
@@ -120,6 +121,7 @@ class Run:
         self.lock = self.engine.lock  # one lock for what the API reads
         self.health_limits = config.health.limits()
         self.finished_event = threading.Event()
+        self.closing = threading.Event()  # set at the coordinator's shutdown (close)
         self.events = events or EventHub()
         self.records: list[dict[str, Any]] = []
         self.state = "pending"
@@ -127,6 +129,7 @@ class Run:
         self.round = 0
         self.started_at: float | None = None
         self.finished_at: float | None = None
+        self.finished_before: float | None = None  # when a run found finished in the store finished
         self.config_hash = hashlib.sha256(
             json.dumps([config.run_id, self.run_config.model_dump(mode="json"), self.client_ids, self.public_hash]).encode()
         ).hexdigest()
@@ -173,10 +176,12 @@ class Run:
                 raise Stopped()
             with self.lock:
                 self.started_at = self.started_at or time.time()
+            if start >= self.run_config.rounds:  # found finished in the store: it just finishes
+                self._finish("finished", at=self.finished_before)  # (again: as it finished then)
+                return
             self._set_state("running")
             self._publish_manifest()
-            if start < self.run_config.rounds:  # a run found finished in the store just finishes
-                self.engine.wait_for_clients(self.cfg.phases.start_timeout_s)
+            self.engine.wait_for_clients(self.cfg.phases.start_timeout_s)
             for r in range(start, self.run_config.rounds):
                 with self.lock:
                     self.round = r
@@ -190,14 +195,40 @@ class Run:
             self._finish("finished")
         except Stopped:
             self._finish("stopped")
-        except Exception as exc:  # the API must still report what happened
+        except Exception as exc:  # the API, the event stream and the store must still say what happened
             log.exception("run failed")
             with self.lock:
-                self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
-            self.finished_event.set()
+                self.error = f"{type(exc).__name__}: {exc}"
+            try:
+                self._finish("failed")
+            except Exception:  # e.g. the store is what failed: the API says it all the same
+                log.exception("could not record the failure")
+                with self.lock:
+                    self.state = "failed"
+                    self.finished_at = self.finished_at or time.time()
+                self.finished_event.set()
 
     def stop(self) -> None:
         self.engine.stop()
+
+    def close(self) -> None:
+        """The coordinator shuts down: stop the run if it runs, and stop following its clients."""
+        self.closing.set()
+        self.stop()
+
+    def follow_clients(self) -> None:
+        """After the run has ended, until close(): its clients' statuses still come (agents leave
+        with a retained `offline`, devices come and go) and keep `online` and `last_seen` true,
+        and anything else sent on its topics is handled as for a run (counted, late or refused)
+        instead of piling up in the inbox."""
+        while not self.closing.is_set():
+            arrival = self.transport.receive(FOLLOW_POLL_S)
+            if arrival is None:
+                continue
+            try:
+                self.engine.handle(arrival)
+            except Exception:  # noqa: BLE001 - a message to an ended run never ends the coordinator
+                log.exception("run %s: a message after the run's end could not be handled", self.cfg.run_id)
 
     def pause(self) -> None:
         """Hold the run before its next phase; open phases finish, agents keep their state."""
@@ -236,6 +267,7 @@ class Run:
             engine.epoch = stored.epoch + 1
             engine.instance = stored.instance or ""
             self.started_at = stored.started_at
+            self.finished_before = stored.finished_at if stored.state == "finished" else None
             for cid, info in stored.clients.items():
                 if cid in engine.clients:
                     engine.clients[cid] = ClientInfo(**{**info, "online": False})
@@ -256,16 +288,18 @@ class Run:
             info = {c: asdict(i) for c, i in self.engine.clients.items()}
         self.store.save(self.cfg.run_id, progress, records, info, self.server.state_dict() if server_state else None)
 
-    def _finish(self, state: str) -> None:
+    def _finish(self, state: str, at: float | None = None) -> None:
+        """End the run in `state`; `at`: when it ended before a restart (its results, written
+        then, stay as they are)."""
         with self.lock:
             self.engine.current = None
-            self.finished_at = time.time()
+            self.finished_at = at or time.time()
         self._set_state(state)
         if self.bus.connected.is_set():
             self._publish_manifest()
         self.store.set_state(self.cfg.run_id, state, self.finished_at)
-        if state == "finished":
-            path = self.cfg.results_file or (self.cfg.state_dir / "results.json")
+        path = self.cfg.results_file or (self.cfg.state_dir / "results.json")
+        if state == "finished" and (at is None or not path.exists()):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(self.results(), indent=2) + "\n")
         self.finished_event.set()

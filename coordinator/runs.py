@@ -121,6 +121,7 @@ class RunManager:
             with self.lock:
                 if all(e.finished_event.is_set() for e in self.by_id.values()):
                     self.all_done.set()
+            run.follow_clients()  # until the coordinator shuts down
 
         thread = threading.Thread(target=_run, name=f"run-{run_id}", daemon=True)
         self.threads[run_id] = thread
@@ -136,7 +137,7 @@ class RunManager:
 
     def stop(self, timeout_s: float = 30) -> None:
         for run in self.list():
-            run.stop()
+            run.close()
         for thread in list(self.threads.values()):
             thread.join(timeout=timeout_s)
         for run in self.list():

@@ -69,6 +69,13 @@ def test_api_after_a_real_run(mosquitto, tmp_path):
         one = get(f"{dep.api}/api/v1/clients/c01")
         with urllib.request.urlopen(f"{dep.api}/metrics", timeout=5) as resp:
             metrics = metric_values(resp.read().decode())
+        # the agents leave when the run is finished (a retained `offline`): the coordinator still
+        # follows its clients (before: `online` forever once the run had ended)
+        for agent in dep.agents.values():
+            assert agent.wait(timeout=60) == 0
+        dep.wait_for(lambda r: not any(c["online"] for c in r["clients"].values()), 30, "the clients shown offline")
+        with urllib.request.urlopen(f"{dep.api}/metrics", timeout=5) as resp:
+            assert metric_values(resp.read().decode())[("fedal_clients_online", (("run", "demo"),))] == 0
     finally:
         dep.close()
     assert [r["round"] for r in rounds] == [1, 2]

@@ -82,8 +82,13 @@ def test_dashboard_follows_a_live_run(mosquitto, tmp_path):
         shot = tmp_path / "dashboard.png"
         assert driver.save_screenshot(str(shot))
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+        # from here on, count the refreshes the event stream asks for (the 2 s poll asks with delay 0)
+        driver.execute_script("window.fromEvents = 0; const asked = window.scheduleRefresh;"
+                              "window.scheduleRefresh = (delayMs) => {"
+                              " if (delayMs === undefined) window.fromEvents += 1; return asked(delayMs); };")
         dep.control("resume")
         wait_until(lambda: round_counter() > 3, 180, "the round counter to advance past 3")
+        wait_until(lambda: driver.execute_script("return window.fromEvents") > 0, 60, "a refresh on a server-sent event")
     finally:
         if driver is not None:
             driver.quit()

@@ -137,7 +137,8 @@ function listen() {
   const badge = document.getElementById("live");
   const source = new EventSource("/api/v1/events");
   source.onopen = () => { badge.textContent = "live"; badge.className = "badge on"; };
-  source.onmessage = () => scheduleRefresh();
+  // every event is sent with its type (`event: round`, ...), which onmessage never sees
+  for (const type of ["run", "phase", "round", "client"]) source.addEventListener(type, () => scheduleRefresh());
   source.onerror = () => { badge.textContent = "polling"; badge.className = "badge off"; };
 }
 

@@ -1,0 +1,126 @@
+"""How a run's end looks to whoever watches the coordinator: a run that fails says so on the event
+stream, in the store and with its end time; a run found finished at a restart keeps when it
+finished and the results it wrote; the metrics name a paused run's state and keep the last
+evaluated accuracy between evaluations."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from coordinator.app import create_app
+from coordinator.config import load_coordinator_config
+from coordinator.run import Run
+from coordinator.runs import RunManager
+from fedal.engine import RoundEngine
+from fedal.sim import load_config, simulate
+from tests.test_coordinator_api import metric_values
+
+
+def drain(q) -> list[dict]:
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
+def wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_failed_run_says_so_on_the_event_stream_in_the_store_and_with_its_end(mosquitto, tmp_path, monkeypatch):
+    """Before: the API said `failed`, but no `run` event went out, `finished_at` stayed null and
+    the store kept `pending`."""
+    def broken(self, r):
+        raise RuntimeError(f"a server-side error in round {r}")
+
+    monkeypatch.setattr(RoundEngine, "run_round", broken)
+    cfg = load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": "tok"},
+                                  broker={"url": mosquitto}, phases={"start_timeout_s": 0})
+    runs = RunManager(cfg)
+    events = runs.events.subscribe()
+    runs.start()
+    try:
+        api = TestClient(create_app(runs))
+        created = api.post("/api/v1/runs", headers={"Authorization": "Bearer tok"},
+                           json={"run_id": "f1", "client_ids": ["a", "b"],
+                                 "run": {"strategy": "fedmd", "dataset": "digits", "rounds": 2, "public_size": 50}})
+        assert created.status_code == 201, created.text
+        wait(lambda: api.get("/api/v1/runs/f1").json()["state"] == "failed", 60, "the run to fail")
+        snap = api.get("/api/v1/runs/f1").json()
+        assert snap["error"] == "RuntimeError: a server-side error in round 0"
+        assert snap["finished_at"] is not None and snap["finished_at"] >= snap["started_at"]
+        states = [e["state"] for e in drain(events) if e["type"] == "run" and e["run_id"] == "f1"]
+        assert states == ["running", "failed"]
+        assert runs.store.load("f1").state == "failed" and runs.store.load("f1").finished_at == snap["finished_at"]
+    finally:
+        runs.stop()
+        runs.store.close()
+
+
+def test_a_run_found_finished_at_a_restart_keeps_its_end_and_its_results(mosquitto, tmp_path):
+    """Before: a restarted coordinator finished the run again: `finished_at` became the restart's
+    time, and results.json was rewritten with a wall time that counted the downtime."""
+    np.savez(tmp_path / "public.npz", x=np.zeros((20, 64), np.float32))
+    spec = dict(strategy="fedmd", dataset="digits", rounds=1, public_size=50, seed=0, clients=2)
+    cfg = load_coordinator_config(None, run_id="done", client_ids=["c00", "c01"], num_classes=10,
+                                  state_dir=tmp_path / "state", broker={"url": mosquitto},
+                                  run={k: v for k, v in spec.items() if k != "clients"})
+    first = Run(cfg)
+    first._resume()  # registered as a fresh start would, then its one round and its end recorded
+    records = simulate(load_config(None, {**spec, "vectorize": False}))["rounds"]
+    first.store.save("done", {"completed_rounds": 1, "state": "finished", "started_at": 1000.0}, records, {},
+                     first.server.state_dict())
+    first.store.set_state("done", "finished", 1040.0)
+    results = cfg.state_dir / "results.json"
+    results.write_text('{"written": "when it finished"}\n')
+    first.store.close()
+
+    again = Run(load_coordinator_config(None, **json.loads(cfg.model_dump_json())))
+    events = again.events.subscribe()
+    thread = threading.Thread(target=again.run, daemon=True)
+    thread.start()
+    assert again.finished_event.wait(60)
+    thread.join(10)
+    try:
+        snap = again.snapshot()
+        assert snap["state"] == "finished" and (snap["started_at"], snap["finished_at"]) == (1000.0, 1040.0)
+        assert again.results()["timings"]["wall_seconds"] == 40.0
+        assert results.read_text() == '{"written": "when it finished"}\n'
+        assert [e["state"] for e in drain(events) if e["type"] == "run"] == ["finished"]  # never `running` again
+        assert again.store.load("done").finished_at == 1040.0
+    finally:
+        again.transport.stop()
+        again.store.close()
+
+
+@pytest.fixture()
+def engine(tmp_path):
+    np.savez(tmp_path / "public.npz", x=np.zeros((20, 40), np.float32))
+    cfg = load_coordinator_config(None, run_id="unit", client_ids=["a", "b"], num_classes=10,
+                                  public_file=tmp_path / "public.npz", state_dir=tmp_path / "state")
+    return Run(cfg)
+
+
+def test_metrics_name_a_paused_run_and_keep_the_last_evaluated_accuracy(engine):
+    """Before: a paused run was 0 in every `fedal_run_state` series, and with eval_every > 1 the
+    accuracy gauges vanished after every round that did not evaluate."""
+    engine.records = [{"round": 1, "mean_acc": 0.5, "min_acc": 0.25, "local_mean_acc": 0.75},
+                      {"round": 2, "mean_acc": None, "min_acc": None, "local_mean_acc": None}]
+    engine.state = "paused"
+    values = metric_values(TestClient(create_app(engine)).get("/metrics").text)
+    states = {dict(labels)["state"]: v for (name, labels), v in values.items() if name == "fedal_run_state"}
+    assert states == {"pending": 0, "running": 0, "paused": 1, "finished": 0, "stopped": 0, "failed": 0}
+    run = (("run", "unit"),)
+    assert (values[("fedal_mean_accuracy", run)], values[("fedal_min_accuracy", run)],
+            values[("fedal_local_mean_accuracy", run)]) == (0.5, 0.25, 0.75)
