@@ -179,7 +179,12 @@ class Run:
             if start >= self.run_config.rounds:  # found finished in the store: it just finishes
                 self._finish("finished", at=self.finished_before)  # (again: as it finished then)
                 return
-            self._set_state("running")
+            with self.lock:  # paused while pending: it stays paused, held before its first phase
+                held = self.state == "paused"
+                if not held:
+                    self.state = "running"
+            if not held:
+                self.events.publish("run", run_id=self.cfg.run_id, state="running")
             self._publish_manifest()
             self.engine.wait_for_clients(self.cfg.phases.start_timeout_s)
             for r in range(start, self.run_config.rounds):
@@ -231,10 +236,14 @@ class Run:
                 log.exception("run %s: a message after the run's end could not be handled", self.cfg.run_id)
 
     def pause(self) -> None:
-        """Hold the run before its next phase; open phases finish, agents keep their state."""
-        if self.state == "running":
+        """Hold the run before its next phase (a pending run: before its first); open phases
+        finish, agents keep their state."""
+        with self.lock:
+            if self.state not in ("pending", "running"):
+                return
             self.engine.pause()
-            self._set_state("paused")
+            self.state = "paused"
+        self.events.publish("run", run_id=self.cfg.run_id, state="paused")
 
     def resume(self) -> None:
         if self.state == "paused":

@@ -124,3 +124,39 @@ def test_metrics_name_a_paused_run_and_keep_the_last_evaluated_accuracy(engine):
     run = (("run", "unit"),)
     assert (values[("fedal_mean_accuracy", run)], values[("fedal_min_accuracy", run)],
             values[("fedal_local_mean_accuracy", run)]) == (0.5, 0.25, 0.75)
+
+
+def test_a_run_paused_before_it_starts_holds_before_its_first_phase(mosquitto, engine_on_broker):
+    """Before: pausing a pending run answered 200 and was dropped: the run went straight to
+    `running` when the broker came."""
+    run = engine_on_broker
+    api = TestClient(create_app(run))
+    assert run.state == "pending"
+    token = {"Authorization": "Bearer tok"}
+    paused = api.post("/api/v1/runs/unit/pause", headers=token)
+    assert paused.status_code == 200 and paused.json()["state"] == "paused"
+    events = run.events.subscribe()
+    thread = threading.Thread(target=run.run, daemon=True)
+    thread.start()
+    try:
+        wait(lambda: run.snapshot()["held_before"] is not None, 60, "the run to hold before its first phase")
+        snap = run.snapshot()
+        assert snap["state"] == "paused" and snap["completed_rounds"] == 0
+        assert snap["held_before"] == {"round": 1, "phase": "local_train", "iteration": 0}
+        assert api.post("/api/v1/runs/unit/resume", headers=token).json()["state"] == "running"
+        wait(lambda: run.snapshot()["held_before"] is None, 30, "the run to go on")
+        assert [e["state"] for e in drain(events) if e["type"] == "run"] == ["running"]  # paused all along, then resumed
+    finally:
+        run.stop()
+        thread.join(30)
+        run.transport.stop()
+
+
+@pytest.fixture()
+def engine_on_broker(mosquitto, tmp_path):
+    np.savez(tmp_path / "public.npz", x=np.zeros((20, 64), np.float32))
+    cfg = load_coordinator_config(None, run_id="unit", client_ids=["a", "b"], num_classes=10,
+                                  public_file=tmp_path / "public.npz", state_dir=tmp_path / "state",
+                                  broker={"url": mosquitto}, phases={"start_timeout_s": 0}, api={"token": "tok"},
+                                  run={"strategy": "fedmd", "dataset": "digits", "rounds": 2})
+    return Run(cfg)
