@@ -70,6 +70,7 @@ class RoundEngine:
         if past:
             raise ValueError(f"phases.pause_at: {', '.join(past)} is past the run's {rounds} rounds")
         self.held_before: dict[str, Any] | None = None  # the phase a paused run holds before
+        self.held_s = 0.0  # time held by pauses, all rounds: a round's wall_s leaves it out
         self.instance = instance
         self.epoch = epoch
         self.seq = 0
@@ -111,7 +112,7 @@ class RoundEngine:
 
     # -- rounds and phases -------------------------------------------------------------------
     def run_round(self, r: int) -> dict[str, Any]:
-        t0 = time.monotonic()
+        t0, held0 = time.monotonic(), self.held_s
         self.round_rejects = []
         up0, down0 = self._bytes()
         t = time.monotonic()
@@ -132,7 +133,7 @@ class RoundEngine:
         record["rejected"] = len(self.round_rejects)
         record["server"] = self.server.round_metrics()
         record["phases"] = stats.summary()
-        record["wall_s"] = round(time.monotonic() - t0, 4)
+        record["wall_s"] = round(time.monotonic() - t0 - (self.held_s - held0), 4)  # a pause is no round's time
         for point in [p for p in self.pause_points if p.round == r + 1]:  # a phase this round never had: a typo
             self.pause_points.remove(point)
             log.warning("phases.pause_at: round %d had no phase matching %s; it never paused the run", r + 1, point.label())
@@ -180,11 +181,13 @@ class RoundEngine:
         if not self.resume_event.is_set():
             with self.lock:
                 self.held_before = {"round": phase.round + 1, "phase": phase.phase, "iteration": phase.iteration}
+            held_from = time.monotonic()
             while not self.resume_event.is_set():  # paused: keep handling messages, send nothing new
                 self.pump()
                 computed_from = None  # a pause is neither compute nor network time
             with self.lock:
                 self.held_before = None
+                self.held_s += time.monotonic() - held_from
         self.seq += 1
         key = (self.epoch, self.seq)
         packets = {}
