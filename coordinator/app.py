@@ -7,6 +7,7 @@ import asyncio
 import json
 import queue
 import secrets
+import time
 from typing import Any
 
 from fastapi import Body, Depends, FastAPI, HTTPException, Request
@@ -213,9 +214,8 @@ def create_app(runs: RunManager | Run) -> FastAPI:
             try:
                 yield sse_format({"id": 0, "type": "hello", "runs": {e.cfg.run_id: e.state for e in runs.list()}})
                 while not await request.is_disconnected():
-                    try:
-                        event = await asyncio.to_thread(subscription.get, True, 1.0)
-                    except queue.Empty:
+                    event = await next_event(subscription, KEEP_ALIVE_S)
+                    if event is None:
                         yield ": keep-alive\n\n"
                         continue
                     if event is CLOSED:  # shutting down: end the response, so the server can stop
@@ -245,3 +245,21 @@ def create_app(runs: RunManager | Run) -> FastAPI:
     app.mount("/dashboard", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
     app.add_middleware(RequestGuard, token=token, max_body_bytes=api.max_body_bytes)
     return app
+
+
+KEEP_ALIVE_S = 1.0  # an event stream with nothing to say sends a comment this often
+EVENT_POLL_S = 0.05
+
+
+async def next_event(subscription: queue.Queue, timeout_s: float) -> dict[str, Any] | None:
+    """The subscription's next event, or None after timeout_s. Polled on the event loop: a
+    blocking get in a worker thread per stream shared the loop's few threads among every open
+    stream, and with a few dozen dashboards open each stream's keep-alive came seconds late."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return subscription.get_nowait()
+        except queue.Empty:
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(EVENT_POLL_S)
