@@ -193,20 +193,28 @@ def test_group_members_start_from_one_initialisation_once():
     assert server.begin_round(1).phase == "local_train"  # once the groups are known, never again
 
 
-def test_less_forgetting_references_round_start_and_group_average():
-    server, clients = federation("feddf-al", [TinyNet, TinyNet], [20, 60], tau=3)
+@pytest.mark.parametrize("ref_glo", ["local_train", "average"])
+def test_less_forgetting_references_round_start_and_after_local_training_or_the_average(ref_glo):
+    """theta_ref_loc is the round's start. theta_ref_glo (feddf_ref_glo): by default, as
+    ALGORITHMS.md says, the client's model right after local training (what it uploaded), so the
+    transfer stage's LF term pulls toward the client's own locally trained model and is not zero
+    at the stage's start; `average`: the group average the client then loads."""
+    server, clients = federation("feddf-al", [TinyNet, TinyNet], [20, 60], tau=3, feddf_ref_glo=ref_glo)
     c = clients["c0"]
     start = weights_of(c.model)
     phase, results = local_train(server, clients)
     for key, value in c.ref_loc.state_dict().items():
         np.testing.assert_array_equal(value.numpy(), start[key].astype(np.float32))  # theta_ref_loc: round start
+    uploaded = {k[len(WEIGHTS):]: v for k, v in results["c0"].tensors.items() if k.startswith(WEIGHTS)}
     avg = server.collect(phase, results)
     c.handle(avg.tasks["c0"])
-    for a, b in zip(c.ref_glo.parameters(), c.model.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)  # theta_ref_glo: the group average
     expected = sent_average(avg.tasks["c0"])
     for key, value in c.model.state_dict().items():
-        np.testing.assert_array_equal(value.numpy(), expected[key])
+        np.testing.assert_array_equal(value.numpy(), expected[key])  # the transfer stage starts from the average
+    want = uploaded if ref_glo == "local_train" else expected
+    for key, value in c.ref_glo.state_dict().items():
+        np.testing.assert_array_equal(value.numpy(), want[key])
+    assert not all(np.array_equal(uploaded[k], expected[k]) for k in expected)  # the two readings differ here
 
 
 @pytest.mark.parametrize("change, needle", [

@@ -50,7 +50,7 @@ MAX_TAG = 128
 # the phases of a round and their kind: "train" phases get the training deadline
 PHASES = {"init": "exchange", "local_train": "train", "average": "exchange", "transfer": "exchange"}
 # its own knobs, besides params.COMMON_PARAMS: FedAL's transfer stage
-PARAMS = DISTILLATION_PARAMS + ("privacy",)  # local training is its only step on private data
+PARAMS = DISTILLATION_PARAMS + ("feddf_ref_glo", "privacy")  # local training is its only step on private data
 
 
 def architecture_tag(model: torch.nn.Module) -> str:
@@ -180,10 +180,13 @@ class FedDFClient(FedALClient):
             self.load_group_weights(task)  # round 0: the group's common start
             # over the privacy budget: the weights as loaded
             report = self.training_report(lambda: self.local_steps(task.integer("steps", self.params.tau)))
+            if self.params.feddf_ref_glo == "local_train":  # ALGORITHMS.md: right after local training
+                self.snapshot_ref_glo()
             return self.reply(task, self.weights(), num_samples=len(self.y_train), arch=self.arch, **report)
         if task.phase == "average":
             weights = self.load_group_weights(task)
-            self.snapshot_ref_glo()  # the transfer stage starts from the group average
+            if self.params.feddf_ref_glo == "average":  # the model the transfer stage starts from
+                self.snapshot_ref_glo()
             logits = self._upload_logits(task.integer("round"), 0)
             return self.reply(task, logits, averaged=weights)
         return super().handle(task)

@@ -70,6 +70,12 @@ class StrategyParams(BaseModel):
         default_factory=lambda: [32, 256], max_length=16, description="discriminator hidden widths")
     disc_lr: float = Field(1e-4, gt=0, description="discriminator Adam learning rate")
 
+    # FedDF-AL and FedDF (ALGORITHMS.md section 1, variants)
+    feddf_ref_glo: Literal["local_train", "average"] = Field(
+        "local_train", description="FedDF(-AL): theta_ref_glo of the transfer stage's less-forgetting term: the "
+        "client's model right after local training (ALGORITHMS.md), or the group average it then loads"
+    )
+
     # FedHKD (ALGORITHMS.md section 4); FedHKD* is hkd_gamma = 0
     hkd_preset: Literal["paper", "official"] = Field(
         "paper", description="FedHKD: the paper's method, or what the authors' published code does"

@@ -177,6 +177,9 @@ def handle_feddf_group(clients: Sequence[FedDFClient], tasks: Sequence[Message])
         if w:
             load_numpy_into(c.model, w)  # loading twice loads the same: a refusal below leaves it exact
     diags, _ = stacked_local_steps(clients, tasks)
+    for c in clients:
+        if c.params.feddf_ref_glo == "local_train":  # as FedDFClient.handle
+            c.snapshot_ref_glo()
     return [c.reply(t, c.weights(), num_samples=len(c.y_train), arch=c.arch, **d)
             for c, t, d in zip(clients, tasks, diags)]
 
