@@ -20,7 +20,7 @@ CLEAR_EVERY_S = 1.0  # at most one clearing publish per topic this often: a junk
 
 
 class CoordinatorBus:
-    def __init__(self, settings: CoordinatorBrokerSettings, run_id: str, inbox: queue.Queue[tuple[str, bytes]]):
+    def __init__(self, settings: CoordinatorBrokerSettings, run_id: str, inbox: queue.Queue[tuple]):
         self.settings = settings
         self.run_id = run_id
         self.inbox = inbox
@@ -108,4 +108,4 @@ class CoordinatorBus:
     def _on_message(self, _client, _userdata, message) -> None:
         if message.retain and message.payload and "/up/" in message.topic:
             self.clear_retained(message.topic)  # results are never retained: whatever it is, the broker drops it
-        self.inbox.put((message.topic, bytes(message.payload)))
+        self.inbox.put((message.topic, bytes(message.payload), bool(message.retain)))

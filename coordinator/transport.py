@@ -25,7 +25,7 @@ class MqttTransport(Transport):
     def __init__(self, settings: CoordinatorBrokerSettings, run_id: str, client_ids: list[str]):
         self.run_id = run_id
         self.clients = set(client_ids)
-        self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.inbox: queue.Queue[tuple] = queue.Queue()  # (topic, payload, retained)
         self.bus = CoordinatorBus(settings, run_id, self.inbox)
         self.reassembler = Reassembler(max_size=settings.max_message_bytes,
                                        max_sender_bytes=settings.reassembly_bytes_per_client,
@@ -49,12 +49,12 @@ class MqttTransport(Transport):
 
     def receive(self, timeout_s: float) -> Arrival | None:
         try:
-            topic, payload = self.inbox.get(timeout=timeout_s)
+            topic, payload, *retain = self.inbox.get(timeout=timeout_s)  # (topic, payload[, retained])
         except queue.Empty:
             return None
-        return self.arrival(topic, payload)
+        return self.arrival(topic, payload, bool(retain and retain[0]))
 
-    def arrival(self, topic: str, payload: bytes) -> Arrival | None:
+    def arrival(self, topic: str, payload: bytes, retained: bool = False) -> Arrival | None:
         """What the engine gets for one MQTT message; None for nothing to handle."""
         if topic == "$connected":
             return Arrival("connected")
@@ -70,7 +70,7 @@ class MqttTransport(Transport):
         if not payload:
             return None  # a retained message cleared (by the coordinator itself, or the broker's tooling)
         if t.kind == "status":
-            return Arrival("status", t.client, t.run, payload, topic=topic)
+            return Arrival("status", t.client, t.run, payload, topic=topic, retained=retained)
         try:
             msg = self.reassembler.feed(t.client, payload)
         except EnvelopeError as exc:

@@ -160,3 +160,40 @@ def engine_on_broker(mosquitto, tmp_path):
                                   broker={"url": mosquitto}, phases={"start_timeout_s": 0}, api={"token": "tok"},
                                   run={"strategy": "fedmd", "dataset": "digits", "rounds": 2})
     return Run(cfg)
+
+
+def publish_status(url: str, run_id: str, cid: str, state: str, retain: bool) -> None:
+    import paho.mqtt.client as mqtt
+
+    from fedal.protocol import parse_broker_url, topics
+
+    addr = parse_broker_url(url)
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"test-status-{cid}")
+    client.connect(addr.host, addr.port)
+    client.loop_start()
+    try:
+        client.publish(topics.status(run_id, cid), json.dumps({"state": state, "ts": time.time() - 3600}),
+                       qos=1, retain=retain).wait_for_publish(10)
+    finally:
+        client.loop_stop()
+        client.disconnect()
+
+
+def test_a_retained_status_sets_online_but_not_last_seen(mosquitto, engine_on_broker):
+    """Before: the broker's retained copy of a status, delivered when the coordinator subscribes
+    (at every restart), set `last_seen` to that moment: a device gone for an hour was shown seen
+    just now. A live status still sets it."""
+    run = engine_on_broker
+    publish_status(mosquitto, "unit", "a", "online", retain=True)  # what a device left behind
+    thread = threading.Thread(target=run.run, daemon=True)
+    thread.start()
+    try:
+        wait(lambda: run.snapshot()["clients"]["a"]["online"], 30, "the retained status applied")
+        assert run.snapshot()["clients"]["a"]["last_seen"] is None
+        publish_status(mosquitto, "unit", "b", "online", retain=False)  # live
+        wait(lambda: run.snapshot()["clients"]["b"]["online"], 30, "the live status applied")
+        assert run.snapshot()["clients"]["b"]["last_seen"] >= time.time() - 60
+    finally:
+        run.stop()
+        thread.join(30)
+        run.transport.stop()  # (the `mosquitto` fixture clears retained messages for the next test)

@@ -275,11 +275,11 @@ class RoundEngine:
             self.reject(None, f"message from unknown client {arrival.client!r} (run {arrival.run!r})", "topic")
             return
         if arrival.kind == "status":
-            self._on_status(arrival.client, arrival.payload)
+            self._on_status(arrival.client, arrival.payload, arrival.retained)
         elif arrival.kind == "result":
             self._on_result(arrival.client, arrival.payload, arrival.wire_bytes, arrival.message)
 
-    def _on_status(self, cid: str, payload: bytes) -> None:
+    def _on_status(self, cid: str, payload: bytes, retained: bool = False) -> None:
         try:
             status = json.loads(payload)
             state, ts = status["state"], float(status.get("ts", 0.0))
@@ -291,7 +291,8 @@ class RoundEngine:
         with self.lock:
             was_online = info.online
             info.online = state == "online"
-            info.last_seen = time.time()
+            if not retained:  # a retained copy comes at subscribing (e.g. a restart): it was seen then, not now
+                info.last_seen = time.time()
             if health:
                 info.health = health
         if info.online != was_online:

@@ -29,6 +29,7 @@ class Arrival:
     reject_kind: str = "topic"  # kind "invalid": the reason it is counted under
     topic: str = ""  # where it came from, for the transport's own use (refused())
     message: Message | None = None  # kind "result": already decoded by the transport (else payload is decoded)
+    retained: bool = False  # kind "status": the broker's retained copy (sent at subscribing), not a live message
 
 
 class Transport(ABC):
