@@ -124,12 +124,13 @@ class RawClient:
 
 
 def wait_for(inbox: queue.Queue, want, timeout_s: float = 20) -> list:
-    """Items of `inbox` up to and including the first for which want(item) holds."""
+    """The (topic, payload) of the items of `inbox` up to and including the first for which
+    want((topic, payload)) holds (the coordinator's bus adds a third field, the retain flag)."""
     seen = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            seen.append(inbox.get(timeout=0.2))
+            seen.append(tuple(inbox.get(timeout=0.2)[:2]))
         except queue.Empty:
             continue
         if want(seen[-1]):

@@ -42,7 +42,7 @@ def record(client, callback: str) -> list:
 def test_a_device_account_cannot_disconnect_another_device_or_the_coordinator(tmp_path):
     files = provision(tmp_path, 3, run_id=RUN)
     broker = start_broker(files, tmp_path / "mosquitto")
-    coord_inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+    coord_inbox: queue.Queue[tuple] = queue.Queue()
     bus = CoordinatorBus(files.coordinator_settings(), RUN, coord_inbox)  # the coordinator's own code and settings
     bus_drops, bus_connects = record(bus.client, "on_disconnect"), record(bus.client, "on_connect")
     link_inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
@@ -189,7 +189,7 @@ def test_one_coordinator_account_drives_several_runs_at_once(tmp_path):
     buses = {}
     try:
         for run in ("run-a", "run-b"):
-            inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+            inbox: queue.Queue[tuple] = queue.Queue()
             bus = CoordinatorBus(files.coordinator_settings(), run, inbox)
             buses[run] = (bus, inbox, record(bus.client, "on_disconnect"))
             assert bus.start(stop, warn_every_s=10)
