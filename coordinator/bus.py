@@ -25,6 +25,7 @@ class CoordinatorBus:
         self.run_id = run_id
         self.inbox = inbox
         self.connected = threading.Event()
+        self.stopping = False
         self.bytes_down = 0
         self._clears: dict[str, float] = {}  # topic -> when it was last cleared
         self._clear_timers: dict[str, threading.Timer] = {}
@@ -52,6 +53,7 @@ class CoordinatorBus:
         return True
 
     def stop(self) -> None:
+        self.stopping = True  # the disconnect that follows is ours: no warning, no reconnect said
         self.client.disconnect()
         self.client.loop_stop()
 
@@ -103,6 +105,9 @@ class CoordinatorBus:
 
     def _on_disconnect(self, _client, _userdata, _flags, reason_code, _properties) -> None:
         self.connected.clear()
+        if self.stopping:
+            log.info("disconnected from the broker")
+            return
         log.warning("disconnected from the broker (%s); reconnecting", reason_code)
 
     def _on_message(self, _client, _userdata, message) -> None:
