@@ -135,7 +135,7 @@ def create_app(runs: RunManager | Run) -> FastAPI:
             raise HTTPException(status_code=404, detail=f"no run {run_id!r}")
         return engine
 
-    @app.get("/healthz")
+    @app.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD: what many uptime checkers send
     def healthz() -> dict[str, Any]:
         engines = runs.list()
         return {"status": "ok", "broker_connected": all(e.bus.connected.is_set() for e in engines) if engines else None,

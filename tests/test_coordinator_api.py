@@ -38,6 +38,8 @@ def metric_values(text: str) -> dict[tuple[str, tuple], float]:
 def test_endpoints_before_the_run_starts(engine):
     client = TestClient(create_app(engine))
     assert client.get("/healthz").json() == {"status": "ok", "broker_connected": False, "runs": {"unit": "pending"}}
+    head = client.head("/healthz")  # what uptime checkers send: 200, no body
+    assert head.status_code == 200 and head.content == b""
     runs = client.get("/api/v1/runs").json()
     assert [r["run_id"] for r in runs] == ["unit"] and runs[0]["state"] == "pending"
     assert client.get("/api/v1/runs/unit/rounds").json() == []
