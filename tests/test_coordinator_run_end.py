@@ -19,7 +19,7 @@ from coordinator.run import Run
 from coordinator.runs import RunManager
 from fedal.engine import RoundEngine
 from fedal.sim import load_config, simulate
-from tests.test_coordinator_api import metric_values
+from tests.test_coordinator_api import engine, metric_values  # noqa: F401 (engine: its Run fixture)
 
 
 def drain(q) -> list[dict]:
@@ -102,14 +102,6 @@ def test_a_run_found_finished_at_a_restart_keeps_its_end_and_its_results(mosquit
     finally:
         again.transport.stop()
         again.store.close()
-
-
-@pytest.fixture()
-def engine(tmp_path):
-    np.savez(tmp_path / "public.npz", x=np.zeros((20, 40), np.float32))
-    cfg = load_coordinator_config(None, run_id="unit", client_ids=["a", "b"], num_classes=10,
-                                  public_file=tmp_path / "public.npz", state_dir=tmp_path / "state")
-    return Run(cfg)
 
 
 def test_metrics_name_a_paused_run_and_keep_the_last_evaluated_accuracy(engine):

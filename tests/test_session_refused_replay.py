@@ -21,9 +21,11 @@ class MemoryStore:
 
     def __init__(self):
         self.start = None
+        self.saves: list = []  # the round of each save_round_start
         self.answered = 0  # after_task: called with each answer, before it is sent
 
     def save_round_start(self, round_no, client_state):
+        self.saves.append(round_no)
         self.start = (round_no, copy.deepcopy(client_state))
 
     def load_round_start(self):
@@ -37,21 +39,30 @@ def weights(client) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in client.model.state_dict().items()}
 
 
-def test_a_refused_task_that_repeats_a_step_leaves_the_client_as_it_was():
-    server, clients, params = toy_federation("fedal", n_clients=2, tau=2)
+def two_steps_into_a_round():
+    """FedAL, two clients; c0 through its session (with a MemoryStore), c1 directly, through
+    local training and the first transfer iteration. Returns the clients, the session, its store,
+    send(task) (a new key each call), the first transfer's task to c0 and the next phase."""
+    server, clients, _ = toy_federation("fedal", n_clients=2, tau=2)
     store = MemoryStore()
     session = ClientSession("r", "c0", clients["c0"], "inst", evaluate=lambda t: t, store=store)
     ident = {"instance": "inst", "epoch": 0}
     seq = iter(range(1, 100))
 
-    def send(task: Message, **meta) -> Message:
-        return session.on_task(Message({**task.meta, **ident, "seq": next(seq), **meta}, task.tensors)).received()
+    def send(task: Message) -> Message:
+        return session.on_task(Message({**task.meta, **ident, "seq": next(seq)}, task.tensors)).received()
 
     phase = server.begin_round(0)
     results = {"c0": send(phase.tasks["c0"]), "c1": clients["c1"].handle(phase.tasks["c1"])}
     phase = server.collect(phase, results)  # transfer, iteration 0
-    results = {"c0": send(phase.tasks["c0"]), "c1": clients["c1"].handle(phase.tasks["c1"])}
+    first_transfer = phase.tasks["c0"]
+    results = {"c0": send(first_transfer), "c1": clients["c1"].handle(phase.tasks["c1"])}
     phase = server.collect(phase, results)  # transfer, iteration 1
+    return clients, session, store, send, first_transfer, phase
+
+
+def test_a_refused_task_that_repeats_a_step_leaves_the_client_as_it_was():
+    clients, session, store, send, _, phase = two_steps_into_a_round()
     before, steps = weights(clients["c0"]), set(session.round_steps)
 
     # a new key for a step already taken (transfer iteration 0), with feedback no client can apply
@@ -76,24 +87,8 @@ def test_a_refused_task_that_opens_a_new_round_leaves_the_round_under_way():
     saved, would be that round's middle), and a replay of one of its steps is found as a replay
     (refused here, the saved start being the refused round's) instead of being computed afresh on
     the round's middle."""
-    server, clients, params = toy_federation("fedal", n_clients=2, tau=2)
-    store = MemoryStore()
-    saves = []
-    save = store.save_round_start
-    store.save_round_start = lambda round_no, state: (saves.append(round_no), save(round_no, state))
-    session = ClientSession("r", "c0", clients["c0"], "inst", evaluate=lambda t: t, store=store)
-    ident = {"instance": "inst", "epoch": 0}
-    seq = iter(range(1, 100))
-
-    def send(task: Message, **meta) -> Message:
-        return session.on_task(Message({**task.meta, **ident, "seq": next(seq), **meta}, task.tensors)).received()
-
-    phase = server.begin_round(0)
-    results = {"c0": send(phase.tasks["c0"]), "c1": clients["c1"].handle(phase.tasks["c1"])}
-    phase = server.collect(phase, results)  # transfer, iteration 0
-    first_transfer = phase.tasks["c0"]
-    results = {"c0": send(first_transfer), "c1": clients["c1"].handle(phase.tasks["c1"])}
-    phase = server.collect(phase, results)  # transfer, iteration 1
+    clients, session, store, send, first_transfer, phase = two_steps_into_a_round()
+    saves = store.saves
     round_no, steps = session.round_no, set(session.round_steps)
     assert saves == [round_no]
 
