@@ -100,3 +100,20 @@ def test_a_refused_task_that_opens_a_new_round_leaves_the_round_under_way():
     assert saves == [round_no, round_no + 7] and session.counters["tasks"] == 3
     with pytest.raises(TaskRefused, match="start state is missing"):  # a replay, found as one
         send(first_transfer)
+
+
+def test_a_refused_replay_is_undone_on_the_vectorized_path_too():
+    """compute_tasks (a vectorized simulation, a Ray actor's group) admits and prepares every
+    task before computing any: a task refused there leaves its session as on_task does."""
+    from fedal.engine.inprocess import compute_tasks
+
+    clients, session, store, _, _, phase = two_steps_into_a_round()
+    before, steps = weights(clients["c0"]), set(session.round_steps)
+    bogus = Message(phase.tasks["c0"].meta | {"iteration": 0, "instance": "inst", "epoch": 0, "seq": 50},
+                    {"fbar": np.zeros((5, 10), np.float32)})
+    with pytest.raises(TaskRefused):  # a group of one: computed client by client, and refused
+        compute_tasks({"c0": session}, [("c0", bogus)], vectorize=True)
+    after = weights(clients["c0"])
+    assert all(torch.equal(before[k], after[k]) for k in before)  # not the round's start
+    assert session.round_steps == steps and not session.counters["round_replays"]
+    assert store.answered == 2

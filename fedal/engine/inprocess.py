@@ -39,7 +39,7 @@ from fedal.engine.rounds import RoundEngine
 from fedal.engine.settings import PhaseSettings
 from fedal.engine.transport import Arrival, Transport
 from fedal.protocol import Message, Packet
-from fedal.session import ClientSession, NewTask, evaluation_reply
+from fedal.session import ClientSession, NewTask, TaskRefused, evaluation_reply
 from fedal.strategies import ClientHalf, ServerHalf, group_step
 from fedal.strategies.stacked import NotStackable, layout_key
 
@@ -244,11 +244,26 @@ def compute_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[s
     """Each task's result through its client's session (None: stale), in order, and how they
     were computed (Stacking). With `vectorize`, the new tasks of clients whose half has a group
     step run together per (class, phase, round, iteration, architecture), in parts of at most
-    MAX_GROUP clients; a group the step
-    refuses (NotStackable: nothing changed) and everything else run one by one."""
+    MAX_GROUP clients; a group the step refuses (NotStackable: nothing changed) and everything
+    else run one by one. A task refused (TaskRefused, raised) leaves every session it did not
+    answer as before its task, as on_task does for one: a replay guard that went back is undone,
+    and a computed task is answered before the next is computed."""
     results: list[Packet | None] = [None] * len(items)
     groups: dict[tuple, list[int]] = {}
     stacking = Stacking()
+    prepared: list[ClientSession] = []  # admitted and prepared; answering one forgets its undo
+    try:
+        _compute_tasks(sessions, items, vectorize, results, groups, stacking, prepared)
+    except TaskRefused:
+        for session in prepared:
+            session.refused_after_prepare()
+        raise
+    return results, stacking
+
+
+def _compute_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[str, Message]], vectorize: bool,
+                   results: list[Packet | None], groups: dict[tuple, list[int]], stacking: Stacking,
+                   prepared: list[ClientSession]) -> None:
     for k, (client_id, task) in enumerate(items):
         session = sessions[client_id]
         if not vectorize or task.phase == "evaluate" or group_step(session.client) is None:
@@ -262,6 +277,7 @@ def compute_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[s
         if not isinstance(verdict, NewTask):  # stale, or a repeat answered from the cache
             results[k] = verdict
             continue
+        prepared.append(session)
         session.prepare(task)
         group = (type(client), task.phase, task.meta.get("round"), task.meta.get("iteration"), _layout(client.model))
         groups.setdefault(group, []).append(k)
@@ -277,10 +293,11 @@ def compute_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[s
             stacking.stacked += len(ks)
         except NotStackable as exc:  # nothing was changed: client by client, as without vectorize
             stacking.refused(str(exc), len(ks))
-            answers = [s.compute(task) for s, task in zip(group_sessions, tasks)]
+            for k, s, task in zip(ks, group_sessions, tasks):  # each answered once computed, so a
+                results[k] = s.answer(task, s.compute(task))  # later one refused leaves it answered
+            continue
         for k, s, task, answer in zip(ks, group_sessions, tasks, answers):
             results[k] = s.answer(task, answer)
-    return results, stacking
 
 
 def in_process_engine(server: ServerHalf, clients: Mapping[str, ClientHalf], *, phase_kinds: Mapping[str, str],
