@@ -13,13 +13,10 @@ import hashlib
 import io
 import json
 import logging
-import pickle
 import socket
 import threading
 import time
 import uuid
-import zipfile
-import zlib
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -31,7 +28,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.events import EventHub
 from coordinator.store import RunStore, default_store_url
 from coordinator.transport import MqttTransport
-from fedal.data import content_hash, load_dataset, public_set
+from fedal.data import content_hash, load_dataset, public_rows_from_npz, public_set
 from fedal.engine import ClientInfo, RoundEngine, Stopped
 from fedal.engine.health import health_flags
 from fedal.engine.results import build_results, final_summary
@@ -50,29 +47,11 @@ def pick_device(setting: str) -> str:
 
 
 def read_public_file(path: Path) -> tuple[bytes, np.ndarray]:
-    """The public set file's bytes (served to agents as they are) and its rows `x` as float32.
-    Anything but an .npz holding a numeric array `x` of at least one finite row raises ValueError
-    saying what is wrong (a file that cannot be read: OSError)."""
+    """The public set file's bytes (served to agents as they are) and its rows `x` as float32
+    (fedal.data.public_rows_from_npz: ValueError for anything else; a file that cannot be read:
+    OSError)."""
     data = path.read_bytes()
-    try:
-        loaded = np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, EOFError, OSError, zipfile.BadZipFile, pickle.UnpicklingError) as exc:
-        raise ValueError(f"public_file {path} is not a readable .npz file: {exc}") from None
-    if not isinstance(loaded, np.lib.npyio.NpzFile):
-        raise ValueError(f"public_file {path} is a single .npy array, not an .npz holding an array x")
-    with loaded as z:
-        if "x" not in z.files:
-            raise ValueError(f"public_file {path} holds no array x (it holds: {', '.join(z.files) or 'nothing'})")
-        try:
-            x = np.ascontiguousarray(z["x"], dtype=np.float32)
-        except (ValueError, TypeError, EOFError, OSError, zipfile.BadZipFile, zlib.error) as exc:
-            raise ValueError(f"public_file {path}: its array x cannot be read as float32 rows: {exc}") from None
-    if x.ndim < 2 or len(x) == 0:
-        raise ValueError(f"public_file {path}: x must hold at least one row of features (shape [rows, ...]), "
-                         f"got shape {list(x.shape)}")
-    if not np.isfinite(x).all():
-        raise ValueError(f"public_file {path}: x holds NaN or infinite values")
-    return data, x
+    return data, public_rows_from_npz(data, f"public_file {path}")
 
 
 class Run:

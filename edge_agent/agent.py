@@ -22,11 +22,14 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import queue
 import signal
 import threading
 import time
 import uuid
+import zipfile
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -88,9 +91,26 @@ class ReplayDiverged(RuntimeError):
 
 
 def load_npz_dataset(path: Path, num_classes: int, name: str) -> ArrayDataset:
-    with np.load(path, allow_pickle=False) as z:
-        x, y = z["x"], z["y"]
-    return ArrayDataset(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(y, np.int64), num_classes, name)
+    """A provisioned .npz of rows `x` and integer labels `y`. Anything else is a ValueError that
+    names the file: labels that are not whole numbers are refused, not truncated, and rows with
+    NaN or infinite values never reach training."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if not isinstance(z, np.lib.npyio.NpzFile) or not {"x", "y"} <= set(z.files):
+                raise ValueError(f"it holds {', '.join(getattr(z, 'files', [])) or 'no arrays'}, not arrays x and y")
+            x, y = np.ascontiguousarray(z["x"], np.float32), np.asarray(z["y"])
+    except (ValueError, TypeError, EOFError, OSError, zipfile.BadZipFile, zlib.error, pickle.UnpicklingError) as exc:
+        raise ValueError(f"{path} is not an .npz of rows x and labels y: {exc}") from None
+    if y.dtype == bool or not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)) \
+            or (np.issubdtype(y.dtype, np.floating) and not np.array_equal(y, np.round(y))):
+        raise ValueError(f"{path}: labels y must be integers, got {y.dtype}"
+                         + (" with fractional values" if np.issubdtype(y.dtype, np.floating) else ""))
+    if not np.isfinite(x).all():
+        raise ValueError(f"{path}: x holds NaN or infinite values")
+    try:
+        return ArrayDataset(x, np.ascontiguousarray(y, np.int64), num_classes, name)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 class Agent:

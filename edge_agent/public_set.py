@@ -1,15 +1,20 @@
-"""The shared public set: a provisioned file, or fetched once from the coordinator over HTTP;
-either way checked against the run's content hash before use."""
+"""The shared public set: a provisioned file, or fetched once from the coordinator over HTTP and
+cached; either way checked against the run's content hash before use. A cached copy that is
+unreadable or not the run's (a power cut mid-write, another run's set) is a cache miss: fetched
+again and replaced, never a reason to stop joining."""
 
 from __future__ import annotations
 
-import io
+import logging
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 
-from fedal.data import content_hash
+from fedal.atomic import write_bytes_atomic
+from fedal.data import content_hash, public_rows_from_npz
+
+log = logging.getLogger("edge_agent.public_set")
 
 
 class PublicSetError(RuntimeError):
@@ -18,13 +23,19 @@ class PublicSetError(RuntimeError):
 
 def load_public_set(expected_hash: str | None, file: Path | None, url: str | None, cache: Path,
                     timeout_s: float = 60) -> np.ndarray:
-    for candidate in (file, cache):
-        if candidate is not None and candidate.exists():
-            x = _read_npz(candidate.read_bytes(), str(candidate))
+    if file is not None and file.exists():  # provisioned: the operator's file, used or refused
+        x = _read(file)
+        if expected_hash is not None and content_hash(x) != expected_hash:
+            raise PublicSetError(f"public set {file} has hash {content_hash(x)[:12]}…, the run expects {expected_hash[:12]}…")
+        return x
+    if cache.exists():
+        try:
+            x = _read(cache)
+        except PublicSetError as exc:
+            log.warning("%s: fetching it again", exc)
+        else:
             if expected_hash is None or content_hash(x) == expected_hash:
                 return x
-            if candidate == file:
-                raise PublicSetError(f"public set {file} has hash {content_hash(x)[:12]}…, the run expects {expected_hash[:12]}…")
     if not url:
         raise PublicSetError("no public set: provision public_file or let the coordinator announce a public_url")
     try:
@@ -32,20 +43,23 @@ def load_public_set(expected_hash: str | None, file: Path | None, url: str | Non
             payload = resp.read()
     except OSError as exc:
         raise PublicSetError(f"cannot fetch the public set from {url}: {exc}") from None
-    x = _read_npz(payload, url)
+    x = _rows(payload, f"the public set from {url}")
     if expected_hash is not None and content_hash(x) != expected_hash:
         raise PublicSetError(f"public set from {url} does not match the run's content hash")
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    tmp.write_bytes(payload)
-    tmp.replace(cache)
+    write_bytes_atomic(cache, payload)  # synced before it replaces the cache: never a torn file
     return x
 
 
-def _read_npz(payload: bytes, where: str) -> np.ndarray:
+def _read(path: Path) -> np.ndarray:
     try:
-        with np.load(io.BytesIO(payload), allow_pickle=False) as z:
-            x = z["x"]
-    except (ValueError, KeyError, OSError) as exc:
-        raise PublicSetError(f"{where} is not an .npz with an array 'x': {exc}") from None
-    return np.ascontiguousarray(x, dtype=np.float32)
+        payload = path.read_bytes()
+    except OSError as exc:
+        raise PublicSetError(f"cannot read the public set {path}: {exc}") from None
+    return _rows(payload, f"public set {path}")
+
+
+def _rows(payload: bytes, where: str) -> np.ndarray:
+    try:
+        return public_rows_from_npz(payload, where)
+    except ValueError as exc:
+        raise PublicSetError(str(exc)) from None

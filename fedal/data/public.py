@@ -8,12 +8,16 @@ P. Its content hash goes into the run config, so results name exactly which P th
 from __future__ import annotations
 
 import hashlib
+import io
+import pickle
+import zipfile
+import zlib
 
 import numpy as np
 
 from fedal.data.arrays import ArrayDataset
 
-__all__ = ["split_public", "split_public_indices", "content_hash"]
+__all__ = ["split_public", "split_public_indices", "content_hash", "public_rows_from_npz"]
 
 
 def split_public_indices(n: int, public_size: int,
@@ -52,3 +56,28 @@ def content_hash(x: np.ndarray) -> str:
     h.update(f"{x.dtype.str}|{tuple(int(d) for d in x.shape)}|".encode())
     h.update(x.tobytes())
     return h.hexdigest()
+
+
+def public_rows_from_npz(data: bytes, where: str) -> np.ndarray:
+    """The rows `x` of a public set file's bytes as float32, for the coordinator that serves it
+    and the agent that fetches or is provisioned with it. Anything but an .npz holding a numeric
+    array `x` of at least one finite row raises ValueError, naming `where` and what is wrong."""
+    try:
+        loaded = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, EOFError, OSError, zipfile.BadZipFile, pickle.UnpicklingError) as exc:
+        raise ValueError(f"{where} is not a readable .npz file: {exc}") from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise ValueError(f"{where} is a single .npy array, not an .npz holding an array x")
+    with loaded as z:
+        if "x" not in z.files:
+            raise ValueError(f"{where} holds no array x (it holds: {', '.join(z.files) or 'nothing'})")
+        try:
+            x = np.ascontiguousarray(z["x"], dtype=np.float32)
+        except (ValueError, TypeError, EOFError, OSError, zipfile.BadZipFile, zlib.error) as exc:
+            raise ValueError(f"{where}: its array x cannot be read as float32 rows: {exc}") from None
+    if x.ndim < 2 or len(x) == 0:
+        raise ValueError(f"{where}: x must hold at least one row of features (shape [rows, ...]), "
+                         f"got shape {list(x.shape)}")
+    if not np.isfinite(x).all():
+        raise ValueError(f"{where}: x holds NaN or infinite values")
+    return x

@@ -1,0 +1,135 @@
+"""The agent's data files: the public set (provisioned, cached or fetched) and its private
+.npz files. A torn or foreign cache is fetched again; anything unusable is one error naming
+the file, never a set with NaN rows or labels silently truncated."""
+
+from __future__ import annotations
+
+import http.server
+import io
+import threading
+
+import numpy as np
+import pytest
+
+from edge_agent.agent import load_npz_dataset
+from edge_agent.public_set import PublicSetError, load_public_set
+from fedal.data import content_hash
+
+X = np.arange(24, dtype=np.float32).reshape(6, 4)
+
+
+def npz_bytes(**arrays) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+@pytest.fixture
+def served():
+    """A loopback HTTP server answering every GET with the public set; counts the fetches."""
+    payload = npz_bytes(x=X)
+    hits = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/public.npz", payload, hits
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("torn", [b"", npz_bytes(x=X)[:50], b"not a zip at all"])
+def test_a_torn_cache_is_fetched_again_and_replaced(tmp_path, served, torn):
+    url, payload, hits = served
+    cache = tmp_path / "public.npz"
+    cache.write_bytes(torn)  # e.g. a power cut while the cache was written
+    x = load_public_set(content_hash(X), None, url, cache)
+    assert np.array_equal(x, X) and len(hits) == 1
+    assert cache.read_bytes() == payload
+    assert np.array_equal(load_public_set(content_hash(X), None, url, cache), X) and len(hits) == 1  # cached now
+    assert not [p.name for p in tmp_path.iterdir() if p.name != "public.npz"]  # no temporary file left
+
+
+def test_a_cache_of_another_run_is_replaced(tmp_path, served):
+    url, payload, hits = served
+    cache = tmp_path / "public.npz"
+    cache.write_bytes(npz_bytes(x=X + 1))
+    assert np.array_equal(load_public_set(content_hash(X), None, url, cache), X) and len(hits) == 1
+    assert cache.read_bytes() == payload
+
+
+@pytest.mark.parametrize(("arrays", "problem"), [
+    ({"x": np.array([[np.nan, 1.0]], np.float32)}, "NaN or infinite"),
+    ({"x": np.zeros(0, np.float32)}, "at least one row"),
+    ({"x": np.zeros((0, 4), np.float32)}, "at least one row"),
+    ({"y": X}, "holds no array x"),
+    ({"x": np.array(["a", "b"])}, "cannot be read as float32"),
+])
+def test_an_unusable_provisioned_public_set_is_one_error_naming_it(tmp_path, arrays, problem):
+    file = tmp_path / "public.npz"
+    file.write_bytes(npz_bytes(**arrays))
+    with pytest.raises(PublicSetError, match=problem) as err:
+        load_public_set(None, file, None, tmp_path / "cache.npz")
+    assert str(file) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_torn_provisioned_public_set_is_one_error_naming_it(tmp_path, served):
+    url, _, hits = served
+    file = tmp_path / "public.npz"
+    file.write_bytes(npz_bytes(x=X)[:60])
+    with pytest.raises(PublicSetError, match="is not a readable .npz file") as err:
+        load_public_set(content_hash(X), file, url, tmp_path / "cache.npz")  # the operator's file: not replaced
+    assert str(file) in str(err.value) and not hits
+
+
+def test_a_fetched_public_set_with_nan_rows_is_refused(tmp_path):
+    bad = np.array([[np.nan, 1.0]], np.float32)
+    url = (tmp_path / "served.npz")
+    url.write_bytes(npz_bytes(x=bad))
+    with pytest.raises(PublicSetError, match="NaN or infinite"):
+        load_public_set(None, None, url.as_uri(), tmp_path / "cache.npz")
+    assert not (tmp_path / "cache.npz").exists()
+
+
+def test_private_files_load_with_whole_labels(tmp_path):
+    path = tmp_path / "train.npz"
+    np.savez(path, x=X, y=np.array([0, 1, 2, 3, 4, 5], np.uint8))
+    data = load_npz_dataset(path, 10, "train")
+    assert data.y.tolist() == [0, 1, 2, 3, 4, 5] and data.x.dtype == np.float32
+    np.savez(path, x=X, y=np.array([0.0, 1.0, 2.0, 3.0, 4.0, 5.0]))  # whole numbers written as floats
+    assert load_npz_dataset(path, 10, "train").y.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(("arrays", "problem"), [
+    ({"x": X, "y": np.array([0.5, 1.9, 2.7, 3.2, 4.99, 5.0])}, "labels y must be integers, got float64 with fractional"),
+    ({"x": X, "y": np.array([True, False] * 3)}, "labels y must be integers, got bool"),
+    ({"x": np.where(X > 20, np.nan, X), "y": np.arange(6)}, "NaN or infinite"),
+    ({"x": X}, "not arrays x and y"),
+    ({"x": X, "y": np.arange(5)}, "6 rows but y has 5 labels"),
+    ({"x": X, "y": np.arange(6) + 7}, r"labels must lie in \[0, 10\)"),
+])
+def test_unusable_private_files_are_one_error_naming_the_file(tmp_path, arrays, problem):
+    path = tmp_path / "train.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(ValueError, match=problem) as err:
+        load_npz_dataset(path, 10, "train")
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_torn_private_file_is_one_error_naming_it(tmp_path):
+    path = tmp_path / "train.npz"
+    path.write_bytes(npz_bytes(x=X, y=np.arange(6))[:80])
+    with pytest.raises(ValueError, match="is not an .npz of rows x and labels y") as err:
+        load_npz_dataset(path, 10, "train")
+    assert str(path) in str(err.value)
