@@ -102,6 +102,50 @@ def test_load_mnist_dir(tmp_path, mnist_arrays):
         load_mnist_dir(tmp_path, kind="emnist")
 
 
+def test_mnist_images_must_be_28x28(tmp_path, mnist_arrays):
+    """Another image size is no MNIST: refused up front, not trained on (or failed at the first
+    evaluation for a test set of another size than the training set)."""
+    imgs, labs = mnist_arrays
+    write(tmp_path / "train-images-idx3-ubyte", idx_images(imgs), False)
+    write(tmp_path / "train-labels-idx1-ubyte", idx_labels(labs), False)
+    write(tmp_path / "t10k-images-idx3-ubyte", idx_images(imgs[:2, :14, :14]), False)
+    write(tmp_path / "t10k-labels-idx1-ubyte", idx_labels(labs[:2]), False)
+    with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte holds 14x14 images, mnist-test images are 28x28"):
+        load_mnist_dir(tmp_path)
+    with pytest.raises(ValueError, match=r"holds 0x0 images"):  # any IDX pair: images of no pixel
+        load_idx(write(tmp_path / "i", struct.pack(">iiii", 2051, 3, 0, 0), False),
+                 write(tmp_path / "l", idx_labels(labs[:3]), False), "mine")
+
+
+def test_idx_dimensions_whose_product_overflows_int64_are_refused_by_size(tmp_path, mnist_arrays):
+    ip = write(tmp_path / "i", struct.pack(">iiii", 2051, 2**30, 2**30, 16), False)  # 2**64 bytes: 0 in int64
+    lp = write(tmp_path / "l", struct.pack(">ii", 2049, 2**30), False)
+    with pytest.raises(ValueError, match=r"promises 18446744073709551616 bytes of data, file has 0"):
+        load_idx(ip, lp, "mnist")
+
+
+def test_a_gzip_idx_is_read_no_further_than_its_header_promises(tmp_path, mnist_arrays):
+    """A small .gz that inflates far beyond what its header promises is refused after at most
+    one byte past the promise: memory bounded by the header, not by the file's expansion."""
+    imgs, labs = mnist_arrays
+    path = tmp_path / "i.gz"
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(idx_images(imgs))
+        for _ in range(8):
+            f.write(bytes(16 << 20))  # 128 MiB of zeros: about 130 KB compressed
+    assert path.stat().st_size < 1 << 20
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match="promises 3920 bytes of data, file has more than that"):
+            load_idx(path, write(tmp_path / "l", idx_labels(labs), False), "mnist")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+
+
 # ---------------------------------------------------------------- CIFAR-10 python batches
 
 class Py2Pickler(pickle._Pickler):
@@ -173,6 +217,23 @@ def test_load_cifar10_errors(tmp_path):
     (tmp_path / "data_batch_3").write_bytes(pickle.dumps(bad, protocol=2))
     with pytest.raises(ValueError, match="3072"):
         load_cifar10_dir(tmp_path)
+    ragged = {b"data": np.zeros((10, 3072), np.uint8), b"labels": [[1, 2], [3]] + [1] * 8}
+    (tmp_path / "data_batch_3").write_bytes(pickle.dumps(ragged, protocol=2))
+    with pytest.raises(ValueError, match=r"data_batch_3: b'data' and b'labels' must be arrays"):
+        load_cifar10_dir(tmp_path)
+
+
+def test_a_cifar_batch_with_an_impossible_length_field_is_one_error(tmp_path):
+    """A bytes object whose length field says 2**62 bytes (the unpickler asks for them before
+    reading: MemoryError) is a damaged file, said in one line, not a traceback."""
+    write_cifar(tmp_path)
+    good = pickle.dumps({b"data": np.full((1, 3072), 7, np.uint8), b"labels": [1]}, protocol=3)
+    at = good.index(bytes([7]) * 3072) - 5  # BINBYTES, its 4-byte length, the array's bytes
+    assert good[at:at + 1] == pickle.BINBYTES and struct.unpack("<I", good[at + 1:at + 5])[0] == 3072
+    damaged = good[:at] + pickle.BINBYTES8 + struct.pack("<Q", 2**62) + good[at + 5:]
+    (tmp_path / "data_batch_3").write_bytes(damaged)
+    with pytest.raises(ValueError, match=r"data_batch_3: not a readable CIFAR-10 batch \((MemoryError|OverflowError)"):
+        load_cifar10_dir(tmp_path)
 
 
 # ---------------------------------------------------------------- SVHN .mat
@@ -207,6 +268,13 @@ def test_load_svhn_errors(tmp_path):
     write_svhn(tmp_path / "test_32x32.mat", 3, labels=[1, 11, 2])
     with pytest.raises(ValueError, match="1..10"):
         load_svhn_dir(tmp_path)
+    import scipy.io
+
+    x = np.zeros((32, 32, 3, 12), np.uint8)
+    for y in (np.ones((6, 2), np.uint8), np.full((12, 1), 1 + 1j)):  # 12 labels as a matrix; complex
+        scipy.io.savemat(tmp_path / "test_32x32.mat", {"X": x, "y": y})
+        with pytest.raises(ValueError, match=r"'y' must be real labels of shape \[n\] or \[n, 1\]"):
+            load_svhn_dir(tmp_path)
 
 
 # ---------------------------------------------------------------- embedded

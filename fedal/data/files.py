@@ -8,10 +8,13 @@ FileNotFoundError naming what was expected and where; corrupt or mismatched file
 from __future__ import annotations
 
 import gzip
+import math
 import pickle
 import struct
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -29,41 +32,67 @@ def _require_file(path: Path, what: str) -> Path:
     return path
 
 
-def _read_maybe_gzip(path: Path) -> bytes:
-    """File contents, transparently gunzipped (decided by the gzip magic, not the name)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    if data[:2] == b"\x1f\x8b":
+def _read_idx_bytes(path: Path, header: int, size: Callable[[bytes], int]) -> bytes:
+    """The file's header and data, gunzipped where it starts with gzip's magic (not by its name).
+    `size(header bytes)` says how many data bytes the header promises: no more than one byte past
+    that is read or decompressed, so a corrupt or hostile file costs no more memory than its
+    header admits."""
+    with open(path, "rb") as raw:
+        gzipped = raw.read(2) == b"\x1f\x8b"
+        raw.seek(0)
+        f: BinaryIO = gzip.GzipFile(fileobj=raw) if gzipped else raw  # type: ignore[assignment]
         try:
-            data = gzip.decompress(data)
+            head = f.read(header)
+            if len(head) < header:
+                raise ValueError(f"{path}: too short for an IDX header ({len(head)} bytes)")
+            want = size(head) + 1
+            chunks, got = [], 0
+            while got < want:
+                chunk = f.read(min(want - got, 1 << 20))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
         except (OSError, EOFError, zlib.error) as e:
             raise ValueError(f"{path}: corrupt gzip data ({e})") from e
-    return data
+    return head + b"".join(chunks)
 
 
 def _parse_idx(path: Path, magic: int, ndim: int) -> np.ndarray:
-    data = _read_maybe_gzip(path)
     header = 4 + 4 * ndim
-    if len(data) < header:
-        raise ValueError(f"{path}: too short for an IDX header ({len(data)} bytes)")
-    got_magic = struct.unpack(">i", data[:4])[0]
-    if got_magic != magic:
-        raise ValueError(f"{path}: bad IDX magic number {got_magic}, expected {magic}")
-    dims = struct.unpack(">" + "i" * ndim, data[4:header])
-    if any(d < 0 for d in dims):
-        raise ValueError(f"{path}: negative IDX dimension in {dims}")
-    expected = int(np.prod(dims, dtype=np.int64))
+    dims: tuple[int, ...] = ()
+
+    def promised(head: bytes) -> int:
+        nonlocal dims
+        got_magic = struct.unpack(">i", head[:4])[0]
+        if got_magic != magic:
+            raise ValueError(f"{path}: bad IDX magic number {got_magic}, expected {magic}")
+        dims = struct.unpack(">" + "i" * ndim, head[4:header])
+        if any(d < 0 for d in dims):
+            raise ValueError(f"{path}: negative IDX dimension in {dims}")
+        return math.prod(dims)  # Python ints: no wrap-around
+
+    data = _read_idx_bytes(path, header, promised)
+    expected = math.prod(dims)
     if len(data) - header != expected:
         raise ValueError(f"{path}: IDX header {dims} promises {expected} bytes of data, "
-                         f"file has {len(data) - header} (truncated or corrupt)")
+                         f"file has {'more than that' if len(data) - header > expected else len(data) - header} "
+                         "(truncated or corrupt)")
     return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)
 
 
-def load_idx(images_path, labels_path, name: str, num_classes: int = 10) -> ArrayDataset:
-    """An MNIST-style IDX pair (gzip or raw): x [n, 1, rows, cols] float32 in [0, 1]."""
+def load_idx(images_path, labels_path, name: str, num_classes: int = 10,
+             image_shape: tuple[int, int] | None = None) -> ArrayDataset:
+    """An MNIST-style IDX pair (gzip or raw): x [n, 1, rows, cols] float32 in [0, 1]. With
+    `image_shape`, images of another (rows, cols) are refused."""
     images_path = _require_file(Path(images_path), f"{name} images")
     labels_path = _require_file(Path(labels_path), f"{name} labels")
     images = _parse_idx(images_path, _IDX_IMAGES_MAGIC, 3)
+    rows_cols = tuple(images.shape[1:])
+    if 0 in rows_cols or (image_shape is not None and rows_cols != tuple(image_shape)):
+        expected = f"{image_shape[0]}x{image_shape[1]}" if image_shape is not None else "at least 1x1"
+        raise ValueError(f"{name}: {images_path} holds {rows_cols[0]}x{rows_cols[1]} images, "
+                         f"{name} images are {expected}")
     labels = _parse_idx(labels_path, _IDX_LABELS_MAGIC, 1)
     if len(images) != len(labels):
         raise ValueError(f"{name}: {images_path} has {len(images)} images but "
@@ -109,8 +138,8 @@ def load_mnist_dir(root, kind: str = "mnist") -> tuple[ArrayDataset, ArrayDatase
                 f"expected the files train-images-idx3-ubyte, train-labels-idx1-ubyte, "
                 f"t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (optionally .gz)")
         found[stem] = path
-    return (load_idx(found["train-images"], found["train-labels"], name),
-            load_idx(found["t10k-images"], found["t10k-labels"], name + "-test"))
+    return (load_idx(found["train-images"], found["train-labels"], name, image_shape=(28, 28)),
+            load_idx(found["t10k-images"], found["t10k-labels"], name + "-test", image_shape=(28, 28)))
 
 
 class _NumpyOnlyUnpickler(pickle.Unpickler):
@@ -141,14 +170,19 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         with open(path, "rb") as f:
             # encoding="bytes" is the official way to read these Python 2 pickles (keys are bytes).
+            # A corrupt length field has the unpickler allocate what it says before reading: a
+            # MemoryError (or OverflowError) here means a damaged file, not a full machine.
             batch = _NumpyOnlyUnpickler(f, encoding="bytes").load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-            IndexError, KeyError, struct.error, UnicodeDecodeError) as e:
+            IndexError, KeyError, struct.error, UnicodeDecodeError, MemoryError, OverflowError) as e:
         raise ValueError(f"{path}: not a readable CIFAR-10 batch ({type(e).__name__}: {e})") from e
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise ValueError(f"{path}: expected a dict with b'data' and b'labels'")
-    data = np.asarray(batch[b"data"])
-    labels = np.asarray(batch[b"labels"])
+    try:
+        data = np.asarray(batch[b"data"])
+        labels = np.asarray(batch[b"labels"])
+    except (ValueError, TypeError) as e:  # e.g. labels nested at uneven depth
+        raise ValueError(f"{path}: b'data' and b'labels' must be arrays ({e})") from None
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
         raise ValueError(f"{path}: b'data' must be uint8 [n, 3072], got {data.dtype} {data.shape}")
     if labels.ndim != 1 or len(labels) != len(data) or not np.issubdtype(labels.dtype, np.integer):
@@ -191,7 +225,10 @@ def _read_svhn(path: Path, name: str) -> ArrayDataset:
         raise ValueError(f"{path}: not a readable SVHN .mat file ({type(e).__name__}: {e})") from e
     if "X" not in mat or "y" not in mat:
         raise ValueError(f"{path}: expected variables 'X' and 'y'")
-    xs, ys = np.asarray(mat["X"]), np.asarray(mat["y"]).reshape(-1)
+    xs, ys = np.asarray(mat["X"]), np.asarray(mat["y"])
+    if not (ys.ndim == 1 or (ys.ndim == 2 and ys.shape[1] == 1)) or np.iscomplexobj(ys):
+        raise ValueError(f"{path}: 'y' must be real labels of shape [n] or [n, 1], got {ys.dtype} {list(ys.shape)}")
+    ys = ys.reshape(-1)
     if xs.dtype != np.uint8 or xs.ndim != 4 or xs.shape[:3] != (32, 32, 3):
         raise ValueError(f"{path}: 'X' must be uint8 [32, 32, 3, n], got {xs.dtype} {xs.shape}")
     if xs.shape[3] != len(ys):
