@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fedal.model_names import MODEL_NAMES
 from fedal.protocol import MAX_MESSAGE_BYTES, BrokerSettings, topics
 from fedal.settings import load_settings
 
@@ -53,6 +54,15 @@ class AgentConfig(BaseSettings):
     @classmethod
     def _ids(cls, v: str) -> str:
         return topics.check_id(v)
+
+    @field_validator("model")
+    @classmethod
+    def _zoo_model(cls, v: str) -> str:
+        """Checked wherever the config is read (fleet init and check, flash.sh, the agent's start),
+        not first on the device when it joins a run."""
+        if v not in MODEL_NAMES:
+            raise ValueError(f"unknown model {v!r}; valid names: {', '.join(MODEL_NAMES)}")
+        return v
 
 
 def load_agent_config(path: str | Path | None = None, **overrides) -> AgentConfig:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from fedal.model_names import MODEL_NAMES
+
 
 @click.group("fleet")
 def fleet_cmd() -> None:
@@ -24,7 +26,8 @@ def fleet_cmd() -> None:
 @click.option("--server-name", "server_names", multiple=True,
               help="Extra DNS name or IP for the server certificate (the URL's host is always in it); repeatable.")
 @click.option("--coordinator-user", default="coordinator", show_default=True, help="The coordinator's broker account.")
-@click.option("--model", default="cnn1d", show_default=True, help="Private model written into every agent config.")
+@click.option("--model", type=click.Choice(MODEL_NAMES), default="cnn1d", show_default=True,
+              help="Private model written into every agent config.")
 @click.option("--bind", help="Address the Mosquitto listener binds to (default: all interfaces).")
 @click.option("--broker-dir", default="/etc/mosquitto/fedal", show_default=True,
               help="Where the broker's files will live; used for the paths in fedal.conf.")

@@ -226,6 +226,7 @@ def test_agent_comes_online_over_tls_with_generated_credentials(tmp_path):
     (["--devices", "2", "--broker", "mqtt://h", "--prefix", "pi/"], "invalid client id"),
     (["--devices", "2", "--broker", "mqtt://h", "--prefix", "c", "--start", "1", "--coordinator-user", "c2"], "collides"),
     (["--devices", "0", "--broker", "mqtt://h"], "--devices"),
+    (["--devices", "2", "--broker", "mqtt://h", "--model", "cnn2d"], "'cnn2d' is not one of 'mlp', 'cnn1d'"),
 ])
 def test_init_refuses_options_that_cannot_work(tmp_path, args, message):
     code, output = fleet_init(*args, "--out", str(tmp_path / "out"))
@@ -249,3 +250,7 @@ def test_init_refuses_to_overwrite_credentials_and_check_reports_configs(tmp_pat
     bad.write_text((out / "devices" / "pi-2" / "agent.toml").read_text().replace('client_id = "pi-2"', 'client_id = "pi 2"'))
     result = CliRunner().invoke(cli, ["fleet", "check", str(bad)])
     assert result.exit_code == 1 and "client_id" in result.output and "invalid" in result.output
+    # a model the zoo does not have: refused on the workstation, not first on the device
+    bad.write_text((out / "devices" / "pi-2" / "agent.toml").read_text().replace('model = "cnn1d"', 'model = "foo"'))
+    result = CliRunner().invoke(cli, ["fleet", "check", str(bad)])
+    assert result.exit_code == 1 and "unknown model 'foo'; valid names: mlp, cnn1d" in result.output

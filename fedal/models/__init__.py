@@ -15,6 +15,8 @@ from functools import partial
 
 from torch import nn
 
+from fedal.model_names import MODEL_NAMES
+
 from . import cnn1d, lenet, resnet, smallcnn, wrn
 from .base import SplitModel
 from .cnn1d import CNN1D
@@ -51,7 +53,7 @@ _BUILDERS: dict[str, Callable[[Sequence[int], int], SplitModel]] = {
     "resnet18": ResNet18,
 }
 
-MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+assert tuple(_BUILDERS) == MODEL_NAMES, "fedal/model_names.py lists the zoo"
 
 _SHAPE_CHECKS: dict[str, Callable[[Sequence[int]], object]] = {
     "mlp": normalize_input_shape,
