@@ -42,3 +42,13 @@ def free_port() -> int:
         _given.add(port)
         return port
     raise RuntimeError(f"no free loopback port in {lo}..{low - 1}")
+
+
+def unreachable(host: str, port: int, timeout_s: float = 10.0) -> str | None:
+    """Why nothing answers at host:port over TCP (None when something listens there): a check
+    before handing an address to a client that would otherwise retry it silently for ever."""
+    try:
+        with socket.create_connection((host.strip("[]"), port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from fedal import procs, workspace
 from fedal.data import build_federated
 from fedal.engine.results import privacy_line
-from fedal.ports import free_port
+from fedal.ports import free_port, unreachable
 from fedal.sim.config import RunConfig
 from fedal.sim.fairness import fairness_line
 from fedal.sim.runner import client_ids as make_client_ids
@@ -38,6 +38,7 @@ from fedal_cli.options import config_from_flags, run_options
 from fedal_cli.simulate import check_outputs, write_results
 
 RUN_ID = "demo"
+BROKER_PROBE_TIMEOUT_S = 10.0  # how long `--broker`'s host:port is given to accept a TCP connection
 
 
 
@@ -131,7 +132,7 @@ def run_demo(config: RunConfig, workdir: Path, broker: str | None = None, api_po
         if not quiet:
             click.echo(f"broker {broker} | dashboard {api}/dashboard/ | REST API {api}/api/v1/runs/{RUN_ID} "
                        f"| workspace {workdir}", err=True)
-        results = _follow(api, children, config.rounds, quiet, timeout_s)
+        results = _follow(api, children, config.rounds, quiet, timeout_s, workdir / "coordinator" / "coordinator.log")
         results["data"] = {**data_info, **results.get("data", {})}
         results["clients"] = [{"id": c["id"], "model": config.models[i % len(config.models)]}
                               for i, c in enumerate(results["clients"])]
@@ -150,13 +151,17 @@ def run_demo(config: RunConfig, workdir: Path, broker: str | None = None, api_po
             embedded.stop()
 
 
-def _follow(api: str, children: list[subprocess.Popen], rounds: int, quiet: bool, timeout_s: float) -> dict:
+def _follow(api: str, children: list[subprocess.Popen], rounds: int, quiet: bool, timeout_s: float,
+            coordinator_log: Path | None = None) -> dict:
+    """The run's results, following it round by round. `timeout_s` bounds the wait for the next
+    round (a stalled run), not the whole run: a long demo is not cut off."""
     bar = tqdm(total=rounds, desc="demo", unit="round", disable=quiet, file=sys.stderr)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
             if children[0].poll() is not None:
-                raise click.ClickException(f"the coordinator exited with status {children[0].returncode}; see its log")
+                raise click.ClickException(f"the coordinator exited with status {children[0].returncode}"
+                                           + _last_error(coordinator_log))
             try:
                 run = get_json(f"{api}/api/v1/runs/{RUN_ID}")
             except (urllib.error.URLError, OSError, ValueError):
@@ -167,14 +172,28 @@ def _follow(api: str, children: list[subprocess.Popen], rounds: int, quiet: bool
                 bar.set_postfix(mean_acc=f"{last['mean_acc']:.3f}", refresh=False)
             if run["completed_rounds"] > bar.n:
                 bar.update(run["completed_rounds"] - bar.n)
+                deadline = time.monotonic() + timeout_s
             if run["state"] == "finished":
                 return get_json(f"{api}/api/v1/runs/{RUN_ID}/results", timeout=10)
             if run["state"] in ("failed", "stopped"):
                 raise click.ClickException(f"the run {run['state']}: {run.get('error')}")
             time.sleep(0.3)
-        raise click.ClickException(f"the run did not finish within {timeout_s:.0f} s")
+        raise click.ClickException(f"no round completed within {timeout_s:.0f} s" + _last_error(coordinator_log))
     finally:
         bar.close()
+
+
+def _last_error(log: Path | None) -> str:
+    """': <the log's last error or warning line> (log: <path>)', or '' without a log."""
+    if log is None:
+        return ""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return f" (log: {log})"
+    said = next((line for line in reversed(lines) if any(m in line for m in (" ERROR ", " CRITICAL ", "ERROR:"))), None) \
+        or next((line for line in reversed(lines) if " WARNING " in line), None)
+    return (f": {said.strip()}" if said else "") + f" (log: {log})"
 
 
 def summary_table(results: dict) -> str:
@@ -242,9 +261,16 @@ def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, *
         from fedal.protocol import parse_broker_url
 
         try:
-            parse_broker_url(broker)
+            address = parse_broker_url(broker)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--broker") from None
+        problem = unreachable(address.host, address.port, BROKER_PROBE_TIMEOUT_S)
+        if problem is not None:  # else the coordinator and the agents would wait for it silently
+            raise click.BadParameter(f"nothing answers at {address.redacted()} ({problem}): start the broker first, "
+                                     "or leave --broker out to use the embedded one", param_hint="--broker")
+    if api_port and unreachable("127.0.0.1", api_port, 2.0) is None:
+        raise click.BadParameter(f"port {api_port} is in use on 127.0.0.1: give another, or 0 for a free one",
+                                 param_hint="--api-port")
     try:
         workspace.claim(Path(workdir), "fedal demo")  # refused before anything starts
     except workspace.WorkspaceError as exc:

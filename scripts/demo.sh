@@ -8,5 +8,6 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh all
 # shellcheck source=scripts/python-env.sh
 source scripts/python-env.sh
-"$PYTHON" -m fedal_cli.main demo --config examples/demo.toml \
+# exec: a signal to this script (its PID) reaches the demo, which stops its coordinator and agents
+exec "$PYTHON" -m fedal_cli.main demo --config examples/demo.toml \
   --workdir runs/demo --out runs/demo/results.json --plot runs/demo/accuracy.png "$@"

@@ -16,4 +16,4 @@ lint-imports --no-cache
 "$PYTHON" -m ruff check --quiet .
 "$PYTHON" -m mypy
 # two workers (pytest-xdist), one per core; a test file's tests stay on one worker
-"$PYTHON" -m pytest -q -n "${FEDAL_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec "$PYTHON" -m pytest -q -n "${FEDAL_TEST_WORKERS:-2}" --dist loadfile "$@"

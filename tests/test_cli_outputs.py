@@ -67,3 +67,52 @@ def test_the_demo_writes_its_results_and_plot_into_its_workdir(tmp_path):
     results = json.loads((tmp_path / "ws" / "results.json").read_text())
     assert results["config"]["strategy"] == "fedmd" and (tmp_path / "ws" / "accuracy.png").stat().st_size > 0
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_demo_refuses_a_broker_nothing_answers_at_and_a_busy_api_port(tmp_path, monkeypatch):
+    """Both were waited for silently (the demo sat at 0 % for an hour); now usage errors before
+    anything starts."""
+    import socket
+
+    from fedal.ports import free_port
+
+    monkeypatch.chdir(tmp_path)
+    port = free_port()  # nothing listens there
+    r = CliRunner().invoke(cli, ["demo", "--broker", f"mqtt://127.0.0.1:{port}", "--workdir", "ws", "--quiet"])
+    assert r.exit_code == 2, r.output
+    assert f"nothing answers at mqtt://127.0.0.1:{port}" in r.stderr and "start the broker first" in r.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = CliRunner().invoke(cli, ["demo", "--api-port", str(busy.getsockname()[1]), "--workdir", "ws", "--quiet"])
+    assert r.exit_code == 2, r.output
+    assert "is in use on 127.0.0.1" in r.stderr
+    assert not (tmp_path / "ws").exists()
+
+
+def test_a_stalled_demo_names_the_coordinators_last_error_and_its_log(tmp_path):
+    """The follow loop's limit is on the wait for the next round, and its error (as a
+    coordinator's exit) quotes the log's last error line and says where the log is."""
+    import click
+
+    from fedal_cli.demo import _follow
+
+    log = tmp_path / "coordinator.log"
+    log.write_text("2026-01-01 00:00:00,000 coordinator INFO run demo (fedal)\n"
+                   "2026-01-01 00:00:01,000 coordinator.bus WARNING still waiting for the broker at mqtt://h:1\n")
+    alive = subprocess.Popen(["sleep", "30"])
+    try:
+        with pytest.raises(click.ClickException) as err:
+            _follow("http://127.0.0.1:9", [alive], 3, True, 1.0, log)
+    finally:
+        alive.kill()
+        alive.wait()
+    assert err.value.message == ("no round completed within 1 s: 2026-01-01 00:00:01,000 coordinator.bus WARNING "
+                                 f"still waiting for the broker at mqtt://h:1 (log: {log})")
+    exited = subprocess.Popen(["sh", "-c", "exit 3"])
+    exited.wait()
+    log.write_text(log.read_text() + "ERROR:    [Errno 98] error while attempting to bind: address already in use\n")
+    with pytest.raises(click.ClickException) as err:
+        _follow("http://127.0.0.1:9", [exited], 3, True, 30.0, log)
+    assert err.value.message == ("the coordinator exited with status 3: ERROR:    [Errno 98] error while attempting "
+                                 f"to bind: address already in use (log: {log})")

@@ -40,3 +40,14 @@ def test_shellcheck():
     assert r.returncode == 0, r.stdout + r.stderr  # shellcheck names file and line of every finding
     not_executable = [str(p) for p in scripts if p.is_relative_to(REPO / "firmware_scripts") and not os.access(p, os.X_OK)]
     assert not_executable == []
+
+
+@pytest.mark.parametrize("script", ["scripts/demo.sh", "scripts/test.sh"])
+def test_the_two_commands_hand_their_process_to_python(script):
+    """The README's two commands end by exec'ing Python: a signal to the script's PID (a
+    supervisor, `timeout`, CI) then reaches the demo or pytest, which stop what they started.
+    Without exec only bash dies and the demo, its coordinator and agents run on under init."""
+    commands = [line.strip() for line in (REPO / script).read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#") and not line.startswith((" ", "\t"))]
+    last = commands[-1]
+    assert last.startswith('exec "$PYTHON" -m '), last

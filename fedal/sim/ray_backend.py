@@ -27,7 +27,6 @@ import logging
 import math
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ from fedal.atomic import torch_save_atomic
 from fedal.engine.inprocess import Faults, Pending, SimulatedTransport, Stacking, compute_tasks, simulated_round_engine
 from fedal.engine.rounds import RoundEngine
 from fedal.engine.settings import PhaseSettings
+from fedal.ports import unreachable
 from fedal.protocol import Message, Packet
 from fedal.session import ClientSession, TaskRefused, evaluation_reply
 from fedal.sim.build import build_clients, build_data, client_ids, client_tests
@@ -249,11 +249,7 @@ def _unreachable(address: str, timeout_s: float = GCS_PROBE_TIMEOUT_S) -> str | 
     host, sep, port_text = address.rpartition(":")
     if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         return "not host:port, auto or ray://host:port"
-    try:
-        with socket.create_connection((host.strip("[]"), int(port_text)), timeout=timeout_s):
-            return None
-    except OSError as exc:
-        return exc.strerror or type(exc).__name__
+    return unreachable(host, int(port_text), timeout_s)
 
 
 def _start_timeout() -> float:
