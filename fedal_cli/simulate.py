@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
+from fedal import procs
 from fedal_cli.options import config_from_flags, fault_options, run_options
 
 
@@ -35,7 +36,12 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
         bar.update(1)
 
     try:
-        results = simulate(config, progress, verbose=verbose)
+        with procs.stop_signals_interrupt():  # SIGTERM/SIGHUP end the run as Ctrl-C does: Ray's actors
+            results = simulate(config, progress, verbose=verbose)  # and snapshots are cleaned up
+    except procs.Stopped as exc:
+        bar.close()
+        click.echo(f"stopped by {exc}: no results written", err=True)
+        sys.exit(exc.exit_status)
     except ImportError as exc:
         extra = "privacy" if exc.name == "opacus" else "ray"
         needs = "differential privacy needs" if extra == "privacy" else "the ray backend needs"

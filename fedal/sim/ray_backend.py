@@ -21,6 +21,7 @@ cluster cannot host stops with one line (RayClusterError) instead of waiting for
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -240,8 +241,40 @@ def start_ray(address: str | None, num_cpus: int | None, verbose: bool) -> bool:
                 raise RayClusterError(_no_ray_client(address)) from None
             raise
     else:
-        ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", **options)
+        context = ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", **options)
+        global _local_session
+        _local_session = getattr(context, "address_info", {}).get("session_dir")
     return True
+
+
+_local_session: str | None = None  # the session directory of the local instance start_ray started
+
+
+def shutdown_local_ray() -> None:
+    """`ray.shutdown()` of the instance start_ray started, then an end to any of its processes
+    left: shut down while a call was interrupted (a stop signal), Ray leaves its dashboard and
+    runtime-env agents to notice on their own, a minute or two later. They are found by the
+    instance's session directory on their command lines, so no other Ray instance is touched."""
+    import psutil
+    import ray
+
+    global _local_session
+    session, _local_session = _local_session, None
+    ray.shutdown()
+    if not session:
+        return
+    left = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if proc.pid != os.getpid() and any(session in arg for arg in proc.info["cmdline"] or ()):
+                proc.terminate()
+                left.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    _gone, alive = psutil.wait_procs(left, timeout=5)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
 
 
 def _unreachable(address: str, timeout_s: float = GCS_PROBE_TIMEOUT_S) -> str | None:
@@ -295,6 +328,27 @@ def check_cluster_fits(n_actors: int, resources: dict[str, float], cluster: dict
     raise RayClusterError(f"{asks}, but the Ray cluster has {has}: {fix}")
 
 
+SNAPSHOT_PREFIX = "fedal-ray-snapshots-"
+
+
+def snapshot_dir(parent: str | None = None) -> str:
+    """A new directory for the actors' round snapshots, named after this driver's PID. Those
+    of drivers no longer alive (killed before they could remove theirs: SIGKILL) are removed
+    first: only directories of this name, of this user."""
+    parent = parent or tempfile.gettempdir()
+    for path in Path(parent).glob(f"{SNAPSHOT_PREFIX}*-*"):
+        pid_text = path.name[len(SNAPSHOT_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+    return tempfile.mkdtemp(prefix=f"{SNAPSHOT_PREFIX}{os.getpid()}-", dir=parent)
+
+
 class RayClients:
     """The actors of one run and what it takes to end them (and the snapshots) afterwards."""
 
@@ -305,7 +359,12 @@ class RayClients:
         self.handles: list[Any] = []
         self.actor_of: dict[str, Any] = {}
         self.snapshot_dir: str | None = None
-        self.started = start_ray(address, None, verbose)
+        try:
+            self.started = start_ray(address, None, verbose)
+        except BaseException:  # e.g. a stop signal within ray.init: what it started so far goes too
+            if not address:
+                shutdown_local_ray()
+            raise
         try:
             self._start(ray, config, data, run_id, actors, resources or {"num_cpus": 1.0})
         except BaseException:
@@ -319,7 +378,7 @@ class RayClients:
         n_actors = max(1, min(n_actors, config.clients))
         check_cluster_fits(n_actors, resources, cluster)  # before any actor waits for what is not there
         timeout_s = _start_timeout()
-        self.snapshot_dir = tempfile.mkdtemp(prefix="fedal-ray-snapshots-")
+        self.snapshot_dir = snapshot_dir()
         self.public = [ray.put(data.public_x)]  # once; every actor reads it from the store
         ids = client_ids(config.clients)
         remote: Any = ray.remote(max_restarts=-1, max_task_retries=0)(ClientGroup)
@@ -373,7 +432,7 @@ class RayClients:
                 shutil.rmtree(self.snapshot_dir, ignore_errors=True)
         finally:
             if self.started:
-                ray.shutdown()
+                shutdown_local_ray()
 
 
 def _free(ray: Any, resources: dict[str, float]) -> dict[str, float]:

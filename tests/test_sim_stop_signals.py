@@ -1,0 +1,102 @@
+"""`fedal simulate` stopped by a signal: SIGHUP (a closed terminal) and SIGTERM end the run as
+Ctrl-C does, through its clean-up (a Ray backend's actors and snapshots), with the shell's exit
+status for the signal. Snapshot directories a killed driver could not remove (SIGKILL) are
+removed by the next run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fedal.sim.ray_backend import SNAPSHOT_PREFIX, snapshot_dir
+from tests.helpers import fedal_command
+
+
+def stopped_run(tmp_path, sig: int, *extra: str) -> tuple[subprocess.Popen, str]:
+    """A long `fedal simulate` sent `sig` once its progress bar has counted a round; (process, stderr)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([*fedal_command(), "simulate", "--dataset", "digits", "--clients", "2", "--rounds", "100000",
+                             "--strategy", "fedmd", "--public-size", "60", "--out", "r.json", *extra],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+    err: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        while chunk := proc.stderr.read(1):
+            err.append(chunk)
+            if re.search(r"\| [1-9]\d*/100000", "".join(err[-200:])):  # a round done: the run is under way
+                started.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert started.wait(120), "".join(err)
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    time.sleep(0.2)
+    return proc, "".join(err)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_a_stop_signal_ends_a_simulation_through_its_clean_up(tmp_path, sig):
+    proc, text = stopped_run(tmp_path, sig)
+    assert proc.returncode == 128 + sig, text
+    assert f"stopped by {signal.Signals(sig).name}: no results written" in text and "Traceback" not in text
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_snapshot_directories_of_drivers_no_longer_alive_are_removed(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"{SNAPSHOT_PREFIX}{gone.pid}-abc"
+    alive = tmp_path / f"{SNAPSHOT_PREFIX}{os.getppid()}-def"  # a live process: its run may be under way
+    foreign = tmp_path / f"{SNAPSHOT_PREFIX}notapid-x"
+    for d in (dead, alive, foreign):
+        d.mkdir()
+        (d / "c00.pt").write_bytes(b"snapshot")
+    made = snapshot_dir(str(tmp_path))
+    assert not dead.exists() and alive.exists() and foreign.exists()
+    assert os.path.basename(made).startswith(f"{SNAPSHOT_PREFIX}{os.getpid()}-") and os.path.isdir(made)
+
+
+@pytest.mark.timeout(240)
+def test_a_ray_simulation_closed_by_sighup_leaves_no_ray_process_or_snapshot(tmp_path):
+    """A closed terminal (SIGHUP): the actors, the local Ray instance it started (its dashboard
+    and runtime-env agents too, which Ray leaves behind when a call is cut short) and the
+    snapshot directory all end with the run."""
+    psutil = pytest.importorskip("psutil")
+    pytest.importorskip("ray")
+    proc, text = stopped_run(tmp_path, signal.SIGHUP, "--backend", "ray")
+    assert proc.returncode == 128 + signal.SIGHUP, text
+    assert "stopped by SIGHUP: no results written" in text
+    session = f"_{proc.pid}"  # Ray names its session directory after the driver's PID
+
+    def left() -> list[str]:
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                line = " ".join(p.info["cmdline"] or ())
+                if "/session_" in line and any(a.endswith(session) or f"{session}/" in a for a in p.info["cmdline"]):
+                    found.append(f"{p.pid} {line[:120]}")
+        return found
+
+    deadline = time.monotonic() + 15
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left() == []
+    import tempfile
+
+    assert not list(Path(tempfile.gettempdir()).glob(f"{SNAPSHOT_PREFIX}{proc.pid}-*"))
