@@ -20,11 +20,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import glob
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -174,3 +177,26 @@ def stop_signals_interrupt() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def pid_dir(parent: str | Path, prefix: str) -> str:
+    """A new directory `<prefix><this PID>-<random>` in `parent`, for work this process removes
+    when it is done; those of processes no longer alive are removed first (reap_pid_dirs)."""
+    reap_pid_dirs(parent, prefix)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+
+
+def reap_pid_dirs(parent: str | Path, prefix: str) -> None:
+    """Remove the pid_dir directories in `parent` of processes no longer alive (ended by SIGKILL
+    before they could remove theirs): only directories of that name and of this user, so nothing
+    the toolkit did not make, and nothing a live process still uses."""
+    for path in Path(parent).glob(f"{glob.escape(prefix)}*-*"):
+        pid_text = path.name[len(prefix):].split("-", 1)[0]
+        try:
+            if not pid_text.isdigit() or path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # alive (another user's: PermissionError), or gone meanwhile
+            continue

@@ -3,10 +3,12 @@ offline wheelhouse for the devices (`wheelhouse`)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
 
+from fedal import procs
 from fedal.model_names import MODEL_NAMES
 
 
@@ -104,7 +106,11 @@ def wheelhouse_cmd(**options) -> None:
     options["find_links"] = list(options["find_links"])
     spec = WheelhouseSpec(**options)
     try:
-        manifest = build_wheelhouse(spec, progress=lambda msg: click.echo(f"wheelhouse: {msg}", err=True))
+        with procs.stop_signals_interrupt():  # SIGTERM/SIGHUP as Ctrl-C: pip ended, the work directory removed
+            manifest = build_wheelhouse(spec, progress=lambda msg: click.echo(f"wheelhouse: {msg}", err=True))
+    except procs.Stopped as exc:
+        click.echo(f"stopped by {exc}: pip ended, its work directory removed", err=True)
+        sys.exit(exc.exit_status)
     except UsageProblem as exc:
         raise click.UsageError(str(exc)) from None
     except WheelhouseError as exc:

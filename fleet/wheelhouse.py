@@ -27,8 +27,11 @@ from email.parser import Parser
 from pathlib import Path
 from typing import Any
 
+from fedal import procs
+
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = "fedal-wheelhouse.json"
+WORK_PREFIX = ".fedal-wheelhouse-"  # a run's work directory inside --out, removed when it ends
 FORMAT = 1
 # glibc of the oldest supported device OS: Raspberry Pi OS Bookworm (Debian 12) has 2.36
 GLIBC_MINOR = 36
@@ -109,6 +112,8 @@ def _claim(out: Path) -> None:
     """Make out usable: new or empty, or a wheelhouse of ours emptied of the files it lists."""
     if out.exists() and not out.is_dir():
         raise UsageProblem(f"--out {out} exists and is not a directory")
+    if out.is_dir():  # the work directories of runs killed before they could remove theirs
+        procs.reap_pid_dirs(out, WORK_PREFIX)
     if not out.is_dir() or not any(out.iterdir()):
         return
     if not is_wheelhouse(out):
@@ -153,10 +158,17 @@ def pinned_requirements(constraints: Path, arch: str, python_version: str) -> li
 
 
 def _pip(spec: WheelhouseSpec, *args: str) -> None:
+    """pip as a child that dies with this process (procs.spawn), and is ended with it when a
+    stop signal or an error ends the wait."""
     cmd = [spec.python, "-m", "pip", *args, "--disable-pip-version-check", "--no-input"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = procs.spawn(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        output, _ = proc.communicate()
+    except BaseException:
+        procs.terminate([proc], grace_s=5)
+        raise
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        tail = "\n".join(output.strip().splitlines()[-15:])
         raise WheelhouseError(f"pip {args[0]} failed (exit {proc.returncode}):\n{tail}")
 
 
@@ -264,7 +276,7 @@ def build_wheelhouse(spec: WheelhouseSpec, progress=lambda msg: None) -> dict:
 
     out = spec.out
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".fedal-wheelhouse-", dir=out))  # inside out: no leftovers elsewhere
+    work = Path(procs.pid_dir(out, WORK_PREFIX))  # inside out: no leftovers elsewhere
     try:
         progress(f"the agent's wheel{'' if spec.wheel else ' (built from ' + str(REPO) + ')'}")
         agent = _agent_wheel(spec, work)

@@ -176,3 +176,53 @@ def test_bad_arguments_exit_2_with_the_reason(tmp_path, inputs, extra, message):
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr, r.stderr
     assert not (tmp_path / "wh").exists()
+
+
+def test_a_stopped_wheelhouse_ends_pip_and_leaves_nothing_in_out(tmp_path, inputs):
+    """SIGTERM while pip downloads from an index that never answers: pip ends with the command
+    (it ran on under init), the work directory inside --out goes, and the next run takes --out.
+    A work directory left by a run killed outright (SIGKILL) is removed by the next one."""
+    import signal
+    import socket
+    import time
+
+    import psutil
+
+    idx, constraints, wheel = inputs
+    out = tmp_path / "wh"
+    out.mkdir()
+    with socket.socket() as stalled:  # accepts connections, never answers: a stalled index
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen(16)
+        url = f"http://127.0.0.1:{stalled.getsockname()[1]}/simple"
+        proc = subprocess.Popen([sys.executable, "-m", "fedal_cli.main", "fleet", "wheelhouse", "--arch", "aarch64",
+                                 "--out", str(out), "--index-url", url, "--constraints", str(constraints),
+                                 "--wheel", str(wheel)], cwd=REPO, env=hermetic_pip_env(tmp_path / "none"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            pips: list = []
+            while not pips and time.monotonic() < deadline:
+                time.sleep(0.2)
+                pips = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                        if "download" in " ".join(c.cmdline())]
+            assert pips, proc.stderr.read() if proc.poll() is not None else "no pip download started"
+            time.sleep(1)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM: pip ended" in err and "Traceback" not in err
+    psutil.wait_procs(pips, timeout=10)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in pips)
+    assert list(out.iterdir()) == []
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (out / f".fedal-wheelhouse-{gone.pid}-x1y2z3").mkdir()  # a run killed with SIGKILL left its work
+    r = wheelhouse("--arch", "aarch64", "--out", str(out), *offline(idx, constraints, wheel))
+    assert r.returncode == 0, r.stderr
+    assert not list(out.glob(".fedal-wheelhouse-*"))

@@ -44,6 +44,7 @@ from fedal.engine.inprocess import Faults, Pending, SimulatedTransport, Stacking
 from fedal.engine.rounds import RoundEngine
 from fedal.engine.settings import PhaseSettings
 from fedal.ports import unreachable
+from fedal.procs import pid_dir
 from fedal.protocol import Message, Packet
 from fedal.session import ClientSession, TaskRefused, evaluation_reply
 from fedal.sim.build import build_clients, build_data, client_ids, client_tests
@@ -332,21 +333,9 @@ SNAPSHOT_PREFIX = "fedal-ray-snapshots-"
 
 
 def snapshot_dir(parent: str | None = None) -> str:
-    """A new directory for the actors' round snapshots, named after this driver's PID. Those
-    of drivers no longer alive (killed before they could remove theirs: SIGKILL) are removed
-    first: only directories of this name, of this user."""
-    parent = parent or tempfile.gettempdir()
-    for path in Path(parent).glob(f"{SNAPSHOT_PREFIX}*-*"):
-        pid_text = path.name[len(SNAPSHOT_PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit() or not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:  # alive, another user's
-            pass
-    return tempfile.mkdtemp(prefix=f"{SNAPSHOT_PREFIX}{os.getpid()}-", dir=parent)
+    """A new directory for the actors' round snapshots (procs.pid_dir: those of drivers killed
+    before they could remove theirs are removed first)."""
+    return pid_dir(parent or tempfile.gettempdir(), SNAPSHOT_PREFIX)
 
 
 class RayClients:
