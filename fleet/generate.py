@@ -182,6 +182,9 @@ def build_fleet(spec: FleetSpec) -> dict:
         raise FleetError(f"--out {out}: {', '.join(in_the_way[:5])}{' ...' if len(in_the_way) > 5 else ''} "
                          f"exist(s) and no `fedal fleet init` wrote them; nothing was written (move them away)")
     new = set(rel.values())
+    if not out.exists():  # made here: only its owner may list the credentials in it. A directory
+        out.mkdir(parents=True)  # the user had keeps its mode (its group, setgid): the
+        os.chmod(out, 0o700)  # secrets themselves are written 0600
     _write(out / MARKER, _marker_text(previous | new), 0o644)  # a crash midway still knows every file it wrote
     for path, (text, mode) in plan.items():
         _write(path, text, mode)
@@ -226,8 +229,6 @@ def _plan_fleet(spec: FleetSpec) -> dict:
     """Every file of the fleet, through _write; returns the fleet.json summary."""
     ids, addr = _check(spec)
     out = spec.out
-    out.mkdir(parents=True, exist_ok=True)
-    os.chmod(out, 0o700)
     secrets = {cid: passwords.new_password() for cid in [spec.coordinator_user, *ids]}
 
     ca_pem = None

@@ -254,3 +254,25 @@ def test_init_refuses_to_overwrite_credentials_and_check_reports_configs(tmp_pat
     bad.write_text((out / "devices" / "pi-2" / "agent.toml").read_text().replace('model = "cnn1d"', 'model = "foo"'))
     result = CliRunner().invoke(cli, ["fleet", "check", str(bad)])
     assert result.exit_code == 1 and "unknown model 'foo'; valid names: mlp, cnn1d" in result.output
+
+
+def test_init_makes_its_out_private_and_leaves_a_users_directory_mode_alone(tmp_path):
+    import stat
+
+    made = tmp_path / "made"
+    assert fleet_init("--devices", "1", "--broker", "mqtt://h", "--out", str(made))[0] == 0
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    shared = tmp_path / "shared"  # a user's empty group directory: setgid, group access
+    shared.mkdir()
+    os.chmod(shared, 0o2770)
+    assert fleet_init("--devices", "1", "--broker", "mqtt://h", "--out", str(shared))[0] == 0
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o2770
+    assert (shared / "devices" / "pi-1" / "agent.toml").stat().st_mode & 0o077 == 0  # the secrets stay private
+    refused = tmp_path / "refused"  # an earlier fleet and a file of the user's in the way: nothing changes
+    assert fleet_init("--devices", "2", "--broker", "mqtt://h", "--out", str(refused))[0] == 0
+    os.chmod(refused, 0o755)
+    (refused / "devices" / "pi-3").mkdir()
+    (refused / "devices" / "pi-3" / "agent.toml").write_text("mine\n")
+    code, output = fleet_init("--devices", "3", "--broker", "mqtt://h", "--out", str(refused), "--force")
+    assert code == 2 and "nothing was written" in output
+    assert stat.S_IMODE(refused.stat().st_mode) == 0o755
