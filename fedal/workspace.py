@@ -9,12 +9,16 @@ non-empty directory is refused before anything in it is touched.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 MARKER = ".fedal-workspace"
+LOCK = ".fedal-workspace.lock"  # held (flock) by the run using the workspace; the kernel drops it when that process ends
 
 
 class WorkspaceError(ValueError):
@@ -57,3 +61,25 @@ def clear(path: str | Path, parts: Iterable[str]) -> None:
             target.unlink()  # a link goes, never what it points to
         elif target.is_dir():
             shutil.rmtree(target)
+
+
+@contextlib.contextmanager
+def held(path: str | Path, owner: str) -> Iterator[Path]:
+    """The marked workspace `path`, for this run alone while within: a second run on it (another
+    demo on the same --workdir) is refused instead of clearing the files of the one under way.
+    An exclusive flock on LOCK, which the kernel releases however this process ends."""
+    path = Path(path)
+    if not is_workspace(path):
+        raise WorkspaceError(f"{path} is not a FedAL workspace (no {MARKER})")
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another run"
+            raise WorkspaceError(f"{path} is in use by {holder}: wait for it to end, or give another directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"`{owner}` (PID {os.getpid()})\n".encode(), 0)
+        yield path
+    finally:
+        os.close(fd)  # releases the lock

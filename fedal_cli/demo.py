@@ -113,8 +113,16 @@ terminate = procs.terminate
 def run_demo(config: RunConfig, workdir: Path, broker: str | None = None, api_port: int = 0, linger_s: float = 0,
              quiet: bool = False, timeout_s: float = 3600, on_results: Callable[[dict], None] | None = None) -> dict:
     """The run's results. on_results(results) is called as soon as the run has finished, before
-    the linger: the results are on disk while the dashboard is still up."""
+    the linger: the results are on disk while the dashboard is still up. The workspace is this
+    run's alone until it returns: another demo on it is refused (workspace.WorkspaceError)."""
     config = config.resolved()
+    workspace.claim(workdir, "fedal demo")
+    with workspace.held(workdir, "fedal demo"):
+        return _run_demo(config, workdir, broker, api_port, linger_s, quiet, timeout_s, on_results)
+
+
+def _run_demo(config: RunConfig, workdir: Path, broker: str | None, api_port: int, linger_s: float, quiet: bool,
+              timeout_s: float, on_results: Callable[[dict], None] | None) -> dict:
     api_port = api_port or free_port()
     embedded = None
     if broker is None:
@@ -284,6 +292,8 @@ def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, *
     try:
         with procs.stop_signals_interrupt():  # SIGTERM/SIGHUP: the same orderly shutdown as Ctrl-C
             run_demo(config, Path(workdir), broker, api_port, linger, quiet, on_results=_report)
+    except workspace.WorkspaceError as exc:  # e.g. another demo runs on it
+        raise click.BadParameter(str(exc), param_hint="--workdir") from None
     except procs.Stopped as exc:
         click.echo(f"stopped by {exc}: the coordinator, the agents and the broker are shut down", err=True)
         sys.exit(exc.exit_status)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -10,6 +11,8 @@ import time
 from pathlib import Path
 
 import click
+
+from fedal import workspace
 
 
 @click.command("fleet")
@@ -77,7 +80,14 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
         signal.signal(sig, _on_signal)  # before anything starts: every way out goes through the finally below
     coordinator = None
     api = None
+    held = contextlib.ExitStack()  # the workspace's lock, with --start-coordinator
     if start_coordinator:
+        from fedal.strategies import get_strategy
+
+        try:
+            get_strategy(strategy)
+        except ValueError as exc:  # names the valid choices
+            raise click.BadParameter(str(exc), param_hint="--strategy") from None
         from hil.coordinator_setup import start_coordinator as spawn_coordinator
         from hil.coordinator_setup import stop_process, wait_for_run, write_coordinator_config
 
@@ -91,7 +101,9 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
             extra["broker"] = tomllib.loads(account.read_text()).get("broker", {})
         from fedal.workspace import WorkspaceError
 
-        try:
+        try:  # this run's alone until it ends: another on the same --workdir is refused, not mixed in
+            held.enter_context(workspace.held(workspace.claim(wd, "fedal hil fleet --start-coordinator"),
+                                              "fedal hil fleet --start-coordinator"))
             path = write_coordinator_config(wd, broker, run_id, ids, api_port=api_port, strategy=strategy, rounds=rounds,
                                             seed=seed, num_classes=num_classes, public_size=public_size,
                                             public_batch_size=batch, tau=tau, extra=extra)
@@ -109,6 +121,7 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
     except BaseException:
         if coordinator is not None:
             stop_process(coordinator)
+        held.close()
         raise
     bar = tqdm(total=None, desc=f"fleet {run_id}", unit="round", disable=quiet, file=sys.stderr)
     deadline = time.monotonic() + timeout if timeout else None
@@ -134,6 +147,8 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
             time.sleep(1.0)
     finally:
         fleet.stop()
+        if not quiet:
+            _progress(bar, fleet)  # where the run ended (the loop leaves before its last update)
         bar.close()
         if status_file:
             fleet.write_status(status_file)
@@ -144,6 +159,7 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
                 except (TimeoutError, RuntimeError) as exc:
                     click.echo(f"coordinator: {exc}", err=True)
             stop_process(coordinator)
+        held.close()
     summary = fleet.summary()
     summary.pop("per_client")
     click.echo(json.dumps({"outcome": outcome, **summary}, indent=1))

@@ -99,3 +99,37 @@ def test_hil_fleet_refuses_a_workdir_it_did_not_create(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "--workdir" in proc.stderr and workspace.MARKER in proc.stderr
     assert snapshot(mine) == before
+
+
+def test_a_workspace_in_use_by_a_live_run_is_refused_and_released_when_it_ends(tmp_path):
+    """A second demo on the --workdir of one under way would clear its coordinator's database and
+    its agents' checkpoints: refused while the first holds the workspace (a real process), taken
+    once it has ended, however it ended (the kernel drops the lock with the process)."""
+    import sys
+    import time
+
+    ws = workspace.claim(tmp_path / "ws", "fedal demo")
+    (ws / "coordinator").mkdir()
+    (ws / "coordinator" / "coordinator.db").write_bytes(b"live state")
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import sys, time\nfrom fedal import workspace\n"
+                               "with workspace.held(sys.argv[1], 'fedal demo'):\n"
+                               "    print('held', flush=True)\n    time.sleep(120)\n", str(ws)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(workspace.WorkspaceError, match=rf"is in use by `fedal demo` \(PID {holder.pid}\)"):
+            with workspace.held(ws, "fedal demo"):
+                pass
+        r = CliRunner().invoke(cli, demo_args(str(ws), tmp_path / "r.json"))
+        assert r.exit_code == 2, r.output
+        assert f"is in use by `fedal demo` (PID {holder.pid})" in r.stderr
+        assert (ws / "coordinator" / "coordinator.db").read_bytes() == b"live state"  # untouched
+    finally:
+        holder.kill()  # SIGKILL: no clean-up of its own
+        holder.wait()
+    time.sleep(0.1)
+    with workspace.held(ws, "fedal demo"):
+        with pytest.raises(workspace.WorkspaceError, match=r"in use"):  # also within one process
+            with workspace.held(ws, "another"):
+                pass

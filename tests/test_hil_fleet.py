@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -169,6 +170,10 @@ def test_fleet_cli_refuses_bad_arguments():
                  ["--clients", "2", "--run-id", "r", "--broker", "http://x"]):
         result = CliRunner().invoke(hil_cmd, ["fleet", *args])
         assert result.exit_code == 2, (args, result.output)
+    result = CliRunner().invoke(hil_cmd, ["fleet", "--clients", "2", "--run-id", "r", "--start-coordinator",
+                                          "--strategy", "fedxx", "--workdir", "unused"])
+    assert result.exit_code == 2, result.output  # was a traceback (exit 1)
+    assert "unknown strategy 'fedxx'; valid choices: fedal" in result.stderr and not Path("unused").exists()
 
 
 def test_fleet_of_100_drives_a_real_coordinator(mosquitto, tmp_path):
