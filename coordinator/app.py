@@ -202,6 +202,8 @@ def create_app(runs: RunManager | Run) -> FastAPI:
         if run.state in ("finished", "stopped", "failed"):
             raise HTTPException(status_code=409, detail=f"the run is {run.state}")
         getattr(run, action)()
+        if action == "stop" and run.started_at is not None:  # its thread stops between two steps:
+            run.finished_event.wait(STOP_WAIT_S)  # answer with the state it reaches
         return {"run_id": run_id, "action": action, "state": run.state}
 
     @app.get("/api/v1/events", dependencies=reads)
@@ -247,6 +249,7 @@ def create_app(runs: RunManager | Run) -> FastAPI:
     return app
 
 
+STOP_WAIT_S = 10.0  # how long a stop request waits for the run to reach `stopped` before it answers
 KEEP_ALIVE_S = 1.0  # an event stream with nothing to say sends a comment this often
 EVENT_POLL_S = 0.05
 

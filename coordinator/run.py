@@ -37,6 +37,7 @@ from fedal.strategies import ServerContext, get_strategy
 from fedal.strategies.global_model import fedavg_style_metrics, global_accuracy
 
 log = logging.getLogger("coordinator.run")
+ALWAYS_COUNTED = ("rejected", "stale", "duplicates", "quorum_missed")  # docs/api.md: a run's `counters`
 FOLLOW_POLL_S = 0.25  # how long an ended run's thread waits for a message before it looks at close()
 
 
@@ -316,8 +317,9 @@ class Run:
     # -- what the API reads ------------------------------------------------------------------
     @property
     def counters(self) -> dict[str, int]:
-        """The run-wide counters, with the unfinished chunked messages the transport dropped."""
-        return {**self.engine.counters, **self.transport.counters()}
+        """The run-wide counters, with the unfinished chunked messages the transport dropped. The
+        always-present ones are 0 until counted (an API reader may index them)."""
+        return {**dict.fromkeys(ALWAYS_COUNTED, 0), **self.engine.counters, **self.transport.counters()}
 
     def snapshot(self) -> dict[str, Any]:
         engine = self.engine

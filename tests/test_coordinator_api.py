@@ -42,6 +42,9 @@ def test_endpoints_before_the_run_starts(engine):
     assert head.status_code == 200 and head.content == b""
     runs = client.get("/api/v1/runs").json()
     assert [r["run_id"] for r in runs] == ["unit"] and runs[0]["state"] == "pending"
+    counters = client.get("/api/v1/runs/unit").json()["counters"]  # the documented keys, 0 until counted
+    assert {k: counters[k] for k in ("rejected", "stale", "duplicates", "quorum_missed")} == dict.fromkeys(
+        ("rejected", "stale", "duplicates", "quorum_missed"), 0)
     assert client.get("/api/v1/runs/unit/rounds").json() == []
     assert [c["id"] for c in client.get("/api/v1/clients").json()] == ["a", "b"]
     assert client.get("/api/v1/clients/a").json()["online"] is False
@@ -203,3 +206,22 @@ def test_pause_at_holds_the_run_before_the_named_phases(mosquitto, tmp_path):
     assert final["final"]["client_acc"] == simulate(per_client(config))["final"]["client_acc"]
     log = (dep.workdir / "coordinator" / "coordinator.log").read_text()
     assert "pausing before round 2 transfer iteration 1" in log and "pausing before round 3 local_train" in log
+
+
+def test_stop_answers_with_the_state_the_run_reaches(mosquitto, tmp_path):
+    """POST .../stop answered "running" (the engine stops between two steps, in its own thread);
+    it now answers once the run has stopped."""
+    import httpx
+
+    config = load_config(None, dict(strategy="fedmd", dataset="digits", clients=3, rounds=500, tau=1, public_size=100, seed=4))
+    dep = Deployment(config, tmp_path / "dep", mosquitto, coordinator={"api": {"token": "tok"}})
+    try:
+        dep.start_coordinator()
+        for cid in ("c00", "c01", "c02"):
+            dep.start_agent(cid)
+        dep.wait_for(lambda r: r["completed_rounds"] >= 1, what="a round")
+        answer = httpx.post(f"{dep.api}/api/v1/runs/demo/stop", headers={"Authorization": "Bearer tok"}, timeout=30)
+        assert answer.status_code == 200 and answer.json() == {"run_id": "demo", "action": "stop", "state": "stopped"}
+        assert get(f"{dep.api}/api/v1/runs/demo")["state"] == "stopped"
+    finally:
+        dep.close()
