@@ -25,10 +25,11 @@ import tomli_w
 from tqdm import tqdm
 
 from fedal import procs, workspace
-from fedal.data import build_federated
 from fedal.engine.results import privacy_line
+from fedal.models import check_model_input
 from fedal.ports import free_port, unreachable
-from fedal.sim.config import RunConfig
+from fedal.sim.build import build_data
+from fedal.sim.config import ConfigError, RunConfig
 from fedal.sim.fairness import fairness_line
 from fedal.sim.runner import client_ids as make_client_ids
 from fedal.sim.runner import client_seed, standalone_fairness
@@ -51,10 +52,12 @@ def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_por
     otherwise, before anything is touched).
     """
     workspace.claim(workdir, "fedal demo")
-    data = build_federated(config.dataset, num_clients=config.clients, partition=config.partition, alpha=config.alpha,
-                           samples_per_client=config.samples_per_client, public_size=config.public_size,
-                           seed=config.seed, data_dir=config.data_dir, local_test_fraction=config.local_test_fraction,
-                           shift_c=config.shift_c, **config.dataset_options())
+    data = build_data(config)  # as `fedal simulate` builds it: ConfigError where it cannot be split as asked
+    for name in dict.fromkeys(config.resolved_models()):  # as simulate's build_clients: before the agents fail
+        try:
+            check_model_input(name, data.input_shape)
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (--models)") from None
     workspace.clear(workdir, ("coordinator", "agents"))
     (workdir / "coordinator").mkdir()
     public_file = workdir / "coordinator" / "public.npz"
@@ -294,6 +297,10 @@ def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, *
             run_demo(config, Path(workdir), broker, api_port, linger, quiet, on_results=_report)
     except workspace.WorkspaceError as exc:  # e.g. another demo runs on it
         raise click.BadParameter(str(exc), param_hint="--workdir") from None
+    except ConfigError as exc:  # what the flags ask that the data or the models cannot do
+        raise click.UsageError(str(exc)) from None
+    except (ValueError, FileNotFoundError) as exc:  # e.g. a damaged dataset file
+        raise click.ClickException(str(exc)) from None
     except procs.Stopped as exc:
         click.echo(f"stopped by {exc}: the coordinator, the agents and the broker are shut down", err=True)
         sys.exit(exc.exit_status)

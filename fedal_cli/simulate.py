@@ -23,7 +23,7 @@ from fedal_cli.options import config_from_flags, fault_options, run_options
 @click.option("--verbose", is_flag=True, help="Let the Ray backend's own logs through.")
 def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
     """Run a federated simulation in this process and write its results."""
-    from fedal.sim.ray_backend import RayClusterError
+    from fedal.sim.config import ConfigError
     from fedal.sim.runner import simulate
 
     config = config_from_flags(config_path, flags)
@@ -46,7 +46,7 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
         extra = "privacy" if exc.name == "opacus" else "ray"
         needs = "differential privacy needs" if extra == "privacy" else "the ray backend needs"
         raise click.ClickException(f"{exc}: {needs} the `{extra}` extra (pip install 'fedal-edge[{extra}]')") from None
-    except RayClusterError as exc:  # what the Ray cluster cannot do: the flags asked for it
+    except ConfigError as exc:  # what the flags ask that the data, the models or the Ray cluster cannot do
         raise click.UsageError(str(exc)) from None
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None

@@ -116,3 +116,21 @@ def test_a_stalled_demo_names_the_coordinators_last_error_and_its_log(tmp_path):
         _follow("http://127.0.0.1:9", [exited], 3, True, 30.0, log)
     assert err.value.message == ("the coordinator exited with status 3: ERROR:    [Errno 98] error while attempting "
                                  f"to bind: address already in use (log: {log})")
+
+
+@pytest.mark.parametrize("command", ["simulate", "demo"])
+@pytest.mark.parametrize("extra, needle", [
+    (["--public-size", "100000"], "digits: public_size must be at most"),
+    (["--samples-per-client", "100000"], "samples each"),
+    (["--models", "mlp,cnn1d"], "(--models)"),  # a signal model on digits' images
+])
+def test_settings_the_dataset_cannot_take_are_usage_errors(tmp_path, monkeypatch, command, extra, needle):
+    """Bad arguments exit with status 2 (they exited 1, and the demo with a traceback)."""
+    monkeypatch.chdir(tmp_path)
+    args = [a for a in QUICK if a not in ("--public-size", "60")] + extra
+    if command == "demo":
+        args += ["--workdir", "ws"]
+    r = CliRunner().invoke(cli, [command, *args])
+    assert r.exit_code == 2, r.output
+    assert needle in r.stderr and "Traceback" not in r.output
+    assert not (tmp_path / "results.json").exists()

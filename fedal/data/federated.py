@@ -23,7 +23,7 @@ from fedal.data.partition import PARTITIONERS, by_identity, label_histogram
 from fedal.data.public import content_hash, split_public_indices
 from fedal.data.shift import FEATURE_PARTITIONERS, feature_partition
 
-__all__ = ["DATASETS", "DEFAULT_CELEBA_ATTRIBUTE", "GROUP_PARTITIONS", "VALID_SPLIT_DATASETS", "FederatedData",
+__all__ = ["DATASETS", "DEFAULT_CELEBA_ATTRIBUTE", "GROUP_PARTITIONS", "SplitError", "VALID_SPLIT_DATASETS", "FederatedData",
            "check_dataset_options", "build_federated", "load_dataset", "public_set", "split_local_tests"]
 
 DATASETS = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn", "cinic10", "celeba")
@@ -143,7 +143,23 @@ def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-
         raise ValueError(f"local_test_fraction must lie in [0, 1), got {local_test_fraction}")
     train, test = load_dataset(dataset, data_dir, train_splits=train_splits, celeba_attribute=celeba_attribute,
                                mnist1d_samples=mnist1d_samples)
+    try:
+        return _split(train, test, num_clients, partition, alpha, samples_per_client, public_size, seed,
+                      local_test_fraction, shift_c)
+    except SplitError:
+        raise
+    except ValueError as exc:  # the dataset, as loaded, cannot be split as asked
+        raise SplitError(f"{dataset}: {exc}") from None
 
+
+class SplitError(ValueError):
+    """A dataset that loaded, but cannot be split as asked (too few samples for the clients or the
+    public set, a partition it has no groups for): a choice of the run's settings, not a damaged file."""
+
+
+def _split(train: ArrayDataset, test: ArrayDataset, num_clients: int, partition: str, alpha: float,
+           samples_per_client: int | None, public_size: int, seed: int, local_test_fraction: float,
+           shift_c: float) -> FederatedData:
     public_seq, partition_seq, local_test_seq = seed_streams(seed)
     public_idx, remaining = split_public_indices(len(train), public_size,
                                                  np.random.default_rng(public_seq))

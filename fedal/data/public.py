@@ -23,9 +23,10 @@ __all__ = ["split_public", "split_public_indices", "content_hash", "public_rows_
 def split_public_indices(n: int, public_size: int,
                          rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """(public indices, remaining indices) of a uniformly random hold-out; both sorted int64."""
-    if not 0 <= public_size <= n:
-        raise ValueError(f"public_size must be between 0 and {n} (the training split size), "
-                         f"got {public_size}")
+    if public_size > n:
+        raise ValueError(f"public_size must be at most {n} (the training split's size), got {public_size}")
+    if public_size < 0:
+        raise ValueError(f"public_size must not be negative, got {public_size}")
     perm = rng.permutation(n)
     return (np.sort(perm[:public_size]).astype(np.int64),
             np.sort(perm[public_size:]).astype(np.int64))

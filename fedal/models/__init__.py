@@ -38,6 +38,7 @@ __all__ = [
     "MODEL_NAMES",
     "SplitModel",
     "build_model",
+    "check_model_input",
     "count_parameters",
     "models_for_input",
 ]
@@ -113,6 +114,18 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int) -> Spli
     shape = normalize_input_shape(input_shape)
     try:
         return _BUILDERS[name](shape, num_classes)
+    except ValueError as exc:
+        hint = ", ".join(models_for_input(shape)) or "none"
+        raise ValueError(f"{exc}; models for input_shape {shape}: {hint}") from None
+
+
+def check_model_input(name: str, input_shape: Sequence[int]) -> None:
+    """build_model's ValueError for `name` and `input_shape`, without building the model."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODEL_NAMES)}")
+    shape = normalize_input_shape(input_shape)
+    try:
+        _SHAPE_CHECKS[name](shape)
     except ValueError as exc:
         hint = ", ".join(models_for_input(shape)) or "none"
         raise ValueError(f"{exc}; models for input_shape {shape}: {hint}") from None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedal.data import build_federated
+from fedal.data import SplitError, build_federated
 from fedal.models import build_model
 from fedal.sim.config import ConfigError, RunConfig
 from fedal.strategies import ServerContext, get_strategy
@@ -30,7 +30,15 @@ def build_run(config: RunConfig):
 
 
 def build_data(config: RunConfig):
-    """The federated data of `config`: deterministic from it, so any process can build it."""
+    """The federated data of `config`: deterministic from it, so any process can build it. A
+    dataset that cannot be split as the config asks is a ConfigError (its files were fine)."""
+    try:
+        return _federated(config)
+    except SplitError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _federated(config: RunConfig):
     return build_federated(
         config.dataset,
         num_clients=config.clients,
@@ -61,7 +69,10 @@ def build_clients(config: RunConfig, data, indices, public_x: np.ndarray | None 
     for i in indices:
         name = models[i % len(models)]
         torch.manual_seed(client_seed(config.seed, i))
-        model = build_model(name, data.input_shape, data.num_classes)
+        try:
+            model = build_model(name, data.input_shape, data.num_classes)
+        except ValueError as exc:  # a model the dataset's inputs do not fit: --models
+            raise ConfigError(f"{exc} (--models)") from None
         widths[name] = model.feature_dim
         clients[ids[i]] = spec.client(ids[i], model, data.clients[i], shared_public, params,
                                       seed=client_seed(config.seed, i))
