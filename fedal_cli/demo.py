@@ -290,7 +290,7 @@ def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, *
     def _report(results: dict) -> None:
         write_results(results, out, plot)
         click.echo(summary_table(results))
-        click.echo(f"results -> {out}")
+        click.echo(f"results -> {out}" + (f", plot -> {plot}" if plot else ""))
 
     try:
         with procs.stop_signals_interrupt():  # SIGTERM/SIGHUP: the same orderly shutdown as Ctrl-C

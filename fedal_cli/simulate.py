@@ -56,7 +56,7 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
     final = results["final"]
     click.echo(
         f"{config.strategy} on {config.dataset}: mean acc {final['mean_acc']:.4f} "
-        f"(min {final['min_acc']:.4f}, max {final['max_acc']:.4f}) -> {out}"
+        f"(min {final['min_acc']:.4f}, max {final['max_acc']:.4f}) -> {out}" + (f", plot -> {plot}" if plot else "")
     )
     if "cf" in final:
         from fedal.sim.fairness import fairness_line

@@ -607,3 +607,14 @@ def test_runtime_data_file_recipe_makes_files_agents_and_coordinator_accept(tmp_
     build_model("mlp", trains[0].input_shape, 10)
     public_strategies = sorted(s for s, spec in STRATEGIES.items() if spec.uses_public_set)
     assert [sorted(lst) for lst in marked_lists(text, "public-set")] == [public_strategies]
+
+
+def test_configuration_md_lists_every_strategy_parameter():
+    """Every [strategy_params] key a results file holds has its row in docs/configuration.md's
+    table (rows_seed and the FedProto keys were missing); `privacy` has its own section there."""
+    from fedal.strategies import StrategyParams
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    section = text.split("## Strategy parameters (`[strategy_params]`)", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `([a-z0-9_]+)` \|", section, re.M))
+    assert set(StrategyParams.model_fields) - {"privacy"} == documented

@@ -11,6 +11,7 @@ def plot_accuracy(runs: dict[str, dict], path: str | Path, x: str = "round") -> 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, res in runs.items():
@@ -18,6 +19,7 @@ def plot_accuracy(runs: dict[str, dict], path: str | Path, x: str = "round") -> 
         tau = res["config"]["strategy_params"]["tau"]
         xs = [r["round"] * (tau if x == "steps" else 1) for r in pts]
         ax.plot(xs, [r["mean_acc"] for r in pts], label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds and steps are whole numbers
     ax.set_xlabel("local steps (rounds x tau)" if x == "steps" else "round")
     ax.set_ylabel("mean client accuracy (common test set)")
     ax.grid(alpha=0.3)
