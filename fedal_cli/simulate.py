@@ -28,18 +28,28 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
 
     config = config_from_flags(config_path, flags)
     check_outputs(out, plot, config_path)
-    bar = tqdm(total=config.rounds, desc=config.strategy, unit="round", disable=quiet, file=sys.stderr)
+    bars = [tqdm(total=config.rounds, desc=f"{config.strategy} (preparing the data and clients)", unit="round",
+                 disable=quiet, file=sys.stderr)]
 
     def progress(_round: int, entry: dict) -> None:
         if "mean_acc" in entry:
-            bar.set_postfix(mean_acc=f"{entry['mean_acc']:.3f}")
-        bar.update(1)
+            bars[-1].set_postfix(mean_acc=f"{entry['mean_acc']:.3f}")
+        bars[-1].update(1)
+
+    def stage(name: str) -> None:  # the rounds' bar starts when they do; the CF baseline gets its own
+        if name == "rounds":
+            bars[-1].reset(total=config.rounds)
+            bars[-1].set_description(config.strategy)
+        elif name == "standalone":
+            bars[-1].close()
+            bars.append(tqdm(total=config.rounds, desc=f"{config.strategy}: standalone baseline for CF", unit="round",
+                             disable=quiet, file=sys.stderr))
 
     try:
         with procs.stop_signals_interrupt():  # SIGTERM/SIGHUP end the run as Ctrl-C does: Ray's actors
-            results = simulate(config, progress, verbose=verbose)  # and snapshots are cleaned up
+            results = simulate(config, progress, verbose=verbose, stage=stage)  # and snapshots are cleaned up
     except procs.Stopped as exc:
-        bar.close()
+        bars[-1].close()
         click.echo(f"stopped by {exc}: no results written", err=True)
         sys.exit(exc.exit_status)
     except ImportError as exc:
@@ -51,7 +61,7 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None
     finally:
-        bar.close()
+        bars[-1].close()
     write_results(results, out, plot)
     final = results["final"]
     click.echo(

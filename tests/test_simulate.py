@@ -162,3 +162,22 @@ def test_mnist1d_size_is_a_parameter_written_with_the_results(tmp_path):
     assert proc.returncode == 0, proc.stderr
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["config"]["mnist1d_samples"] == 2000 and saved["data"] == small["data"]
+
+
+def test_simulate_tells_when_its_long_parts_begin():
+    """The progress bar starts with the rounds (the data's preparation was counted in round 1),
+    and CF's standalone baseline, which ran after the bar had reached 100 %, reports its rounds."""
+    from fedal.sim import load_config, simulate
+
+    def seen(strategy: str) -> tuple[list[str], list[tuple[str, int]]]:
+        stages: list[str] = []
+        rounds: list[tuple[str, int]] = []
+        config = load_config(None, dict(strategy=strategy, dataset="digits", clients=2, rounds=2, public_size=60,
+                                        local_test_fraction=0.2 if strategy == "fedakd" else 0.0))
+        simulate(config, lambda r, _entry: rounds.append((stages[-1], r)), stage=stages.append)
+        return stages, rounds
+
+    for strategy, expected in (("fedmd", ["build", "rounds"]), ("fedakd", ["build", "rounds", "standalone"])):
+        stages, rounds = seen(strategy)
+        assert stages == expected
+        assert rounds == [(stage, r) for stage in expected[1:] for r in (1, 2)]

@@ -22,6 +22,7 @@ from fedal.strategies import get_strategy
 from fedal.strategies.global_model import fedavg_style_metrics, global_accuracy
 
 ProgressFn = Callable[[int, dict[str, Any]], None]
+StageFn = Callable[[str], None]
 
 
 def global_metrics_of(config: RunConfig, data, server) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -47,9 +48,14 @@ def simulated_engine(config: RunConfig, data, clients: dict, server):
                              global_metrics=global_metrics_of(config, data, server), vectorize=config.vectorized)
 
 
-def simulate(config: RunConfig, progress: ProgressFn | None = None, verbose: bool = False) -> dict[str, Any]:
+def simulate(config: RunConfig, progress: ProgressFn | None = None, verbose: bool = False,
+             stage: StageFn | None = None) -> dict[str, Any]:
     """Run `config` to the end and return its results; `verbose`: let the Ray backend's own logs
-    through (off: warnings and errors only)."""
+    through (off: warnings and errors only). `stage(name)` is told when the long parts begin:
+    "build" (the data and the clients; a Ray instance), "rounds", and for a strategy scored by
+    collaborative fairness "standalone" (its baseline, whose rounds also go to `progress`)."""
+    stage = stage or (lambda _name: None)
+    stage("build")
     config = config.resolved()
     config = config.model_copy(update={"vectorize": config.vectorized})  # the results say which path ran
     torch.set_num_threads(config.threads)
@@ -65,6 +71,7 @@ def simulate(config: RunConfig, progress: ProgressFn | None = None, verbose: boo
         engine = simulated_engine(config, data, clients, server)
         client_names = list(clients)
         close = None
+    stage("rounds")
     try:
         rounds = []
         for r in range(config.rounds):
@@ -78,7 +85,8 @@ def simulate(config: RunConfig, progress: ProgressFn | None = None, verbose: boo
 
     final = final_summary(rounds)
     if get_strategy(config.strategy).fairness:  # CF needs a standalone run of the same clients
-        final.update(standalone_fairness(config, final))
+        stage("standalone")
+        final.update(standalone_fairness(config, final, progress))
     data_info = {
         "public_hash": data.public_hash,
         "public_size": int(len(data.public_x)),
@@ -106,7 +114,8 @@ def simulate(config: RunConfig, progress: ProgressFn | None = None, verbose: boo
     return results
 
 
-def standalone_fairness(config: RunConfig, final: dict[str, Any]) -> dict[str, Any]:
+def standalone_fairness(config: RunConfig, final: dict[str, Any], progress: ProgressFn | None = None) -> dict[str, Any]:
     """Train the standalone baseline (the same clients, no collaboration) in this process and
-    report collaborative fairness for the federated `final`."""
-    return fairness_summary(final, simulate(standalone_config(config).model_copy(update={"backend": "inprocess"}))["final"])
+    report collaborative fairness for the federated `final`; its rounds go to `progress`."""
+    baseline = standalone_config(config).model_copy(update={"backend": "inprocess"})
+    return fairness_summary(final, simulate(baseline, progress)["final"])
