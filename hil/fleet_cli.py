@@ -50,12 +50,13 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
     """Emulated agents: N MQTT clients that follow the protocol exactly, with synthetic results (no torch)."""
     from tqdm import tqdm
 
+    from fedal.ports import unreachable
     from fedal.protocol import parse_broker_url, topics
     from hil.fleet import Fleet, client_ids, device_credentials
     from hil.mosquitto import free_port, raise_open_files_limit
 
     try:
-        parse_broker_url(broker)
+        address = parse_broker_url(broker)
         topics.check_id(run_id, "run id")
         if ids:
             ids = [topics.check_id(c.strip(), "client id") for c in ids.split(",") if c.strip()]
@@ -68,6 +69,10 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
         raise click.UsageError(str(exc)) from None
     if reconnect_max < reconnect_min:
         raise click.UsageError("--reconnect-max must be at least --reconnect-min")
+    problem = unreachable(address.host, address.port, 3.0)
+    if problem is not None:  # said once here; the agents keep retrying (a broker may come up later)
+        click.echo(f"warning: nothing answers at {address.redacted()} yet ({problem}); the emulated agents keep "
+                   "trying to connect", err=True)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     raise_open_files_limit(clients + 1024)  # one socket per emulated agent
 

@@ -209,3 +209,14 @@ def test_fleet_of_100_drives_a_real_coordinator(mosquitto, tmp_path):
     assert status["feedback_applied"] == 100 * rounds * tau
     assert status["feedback_applied_twice"] == {} and status["iterations_applied_twice"] == {}
     assert status["public_set_fetches"] == 1  # one download for the whole fleet, checked against the hash
+
+
+def test_fleet_says_when_nothing_answers_at_the_broker():
+    """It showed a bar at 0 rounds and nothing else (the refused connections were only counted)."""
+    from fedal.ports import free_port
+
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "hil", "fleet", "--clients", "2", "--broker", f"mqtt://127.0.0.1:{port}",
+                        "--run-id", "x", "--quiet", "--timeout", "2"], capture_output=True, text=True, timeout=120)
+    assert f"warning: nothing answers at mqtt://127.0.0.1:{port} yet" in r.stderr, r.stderr
+    assert json.loads(r.stdout)["outcome"] == "timed out"
