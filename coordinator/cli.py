@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from fedal.owned import ForeignFile, check_replaceable, is_results
 from fedal.settings import SettingsError, exposed_secrets
 
 
@@ -45,6 +46,11 @@ def check_files(config) -> None:
             raise click.UsageError(f"public_file {config.public_file}: {exc.strerror or exc}") from None
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
+    results = Path(config.results_file or Path(config.state_dir) / "results.json")
+    try:  # written at the run's end: a file there that is not a run's results is the user's
+        check_replaceable(results, is_results, "results file")
+    except ForeignFile as exc:
+        raise click.UsageError(f"results_file: {exc}") from None
 
 
 SECRET_KEYS = ["api.token", "broker.password", "broker.url"]

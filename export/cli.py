@@ -15,6 +15,7 @@ import click
 
 from export.onnx_export import MAX_OPSET, MIN_OPSET
 from fedal.models import MODEL_NAMES
+from fedal.owned import ForeignFile, check_replaceable, is_export_report, is_marked
 
 DATASETS = ("mnist1d", "digits")
 PARITY_ATOL = 1e-4
@@ -117,6 +118,15 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
     model.eval()
 
     out = Path(out)
+    report_path = Path(os.fspath(out) + ".json")
+    int8_path = out.with_name(out.stem + ".int8.onnx")
+    try:  # what this command writes, before it writes anything: only its own earlier files are replaced
+        check_replaceable(out, is_marked, "model")
+        check_replaceable(report_path, is_export_report, "export report")
+        if quantize:
+            check_replaceable(int8_path, is_marked, "model")
+    except ForeignFile as exc:
+        raise click.UsageError(str(exc)) from None
     gen = torch.Generator().manual_seed(0)
     random_x = torch.randn(PARITY_RANDOM_ROWS, *shape, generator=gen)
     if has_1d_layers(model) and channel_multiple is None:
@@ -145,7 +155,6 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
         click.echo(f"parity ok: max |onnx - torch| = {max(diffs):.2e} (atol {PARITY_ATOL:g})")
 
     if quantize:
-        int8_path = out.with_name(out.stem + ".int8.onnx")
         try:
             quantize_int8(out, int8_path, mode=mode, calibration=None if train is None else train.x)
         except Exception as exc:
@@ -162,6 +171,5 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
             click.echo(f"{dataset} test accuracy: fp32 {acc['fp32_acc']:.4f}, int8 {acc['int8_acc']:.4f} "
                        f"({acc['delta_points']:+.2f} points)")
 
-    report_path = Path(os.fspath(out) + ".json")
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     click.echo(f"wrote {out} ({report['onnx_bytes']} bytes) and {report_path}")

@@ -28,6 +28,8 @@ from pathlib import Path
 import onnx
 import torch
 
+from fedal.owned import MARK
+
 from .layout import CHANNEL_MULTIPLE, has_1d_layers, lift_1d_to_2d, nchwc_available
 
 __all__ = ["export_onnx", "written_opset", "INPUT_NAME", "OUTPUT_NAME", "BATCH_AXIS_NAME", "MIN_OPSET",
@@ -111,12 +113,23 @@ def export_onnx(
     finally:
         model.train(was_training)
 
+    mark_onnx(path)
     # Path form lets the checker handle external data; full_check also runs shape inference.
     onnx.checker.check_model(str(path), full_check=True)
     actual = written_opset(path)
     if actual != opset:
         _log.warning("ONNX file %s has opset %d instead of the requested %d", path, actual, opset)
     return path
+
+
+def mark_onnx(path: str | os.PathLike[str]) -> None:
+    """Record in the file's metadata that this toolkit wrote it (fedal.owned: a later export to
+    the same path may replace it; a file without the mark is refused)."""
+    proto = onnx.load(str(path))
+    if not any(p.key == "producer" and p.value == MARK for p in proto.metadata_props):
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = "producer", MARK
+        onnx.save(proto, str(path))
 
 
 def written_opset(path: str | os.PathLike[str]) -> int:

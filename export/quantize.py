@@ -33,6 +33,7 @@ from onnxruntime.quantization import (
     quantize_static,
 )
 
+from .onnx_export import mark_onnx
 from .session import OrtModel
 
 __all__ = ["MODES", "accuracy_delta", "quantize_int8"]
@@ -93,6 +94,7 @@ def quantize_int8(
                 per_channel=True,
                 calibrate_method=CalibrationMethod.MinMax,
             )
+    mark_onnx(out_path)
     return out_path
 
 

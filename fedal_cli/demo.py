@@ -266,7 +266,7 @@ def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, *
     config = config_from_flags(config_path, flags)
     out = out or str(Path(workdir) / "results.json")
     plot = plot or str(Path(workdir) / "accuracy.png")
-    check_outputs(out, plot, config_path)
+    check_outputs(out, plot, config_path, workspace_dir=Path(workdir))
     config = deployable(config)
     if broker is not None:
         from fedal.protocol import parse_broker_url

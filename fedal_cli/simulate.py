@@ -10,7 +10,8 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from fedal import procs
+from fedal import procs, workspace
+from fedal.owned import ForeignFile, check_replaceable, is_marked, is_results
 from fedal_cli.options import config_from_flags, fault_options, run_options
 
 
@@ -84,9 +85,11 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
         click.echo(global_model_line(final))
 
 
-def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | Path | None) -> None:
+def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | Path | None,
+                  workspace_dir: Path | None = None) -> None:
     """Usage errors, before the run, for outputs that could not be written after it (its results
-    would be lost) or that would overwrite the config file the run reads."""
+    would be lost), that would overwrite the config file the run reads, or a file the toolkit did
+    not write. `workspace_dir`: the run's workspace (fedal.workspace), whose files are its own."""
     for option, path in (("--out", out), ("--plot", plot)):
         if path is None:
             continue
@@ -96,6 +99,14 @@ def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | P
                                      "overwrite it; give another path", param_hint=option)
         if target.is_dir():
             raise click.BadParameter(f"{path} is a directory", param_hint=option)
+        in_workspace = workspace_dir is not None and workspace.is_workspace(workspace_dir) \
+            and target.resolve().is_relative_to(workspace_dir.resolve())
+        try:  # a file of ours is rewritten (a run repeated); anything else is the user's
+            if not in_workspace:
+                check_replaceable(target, is_results if option == "--out" else is_marked,
+                                  "results file" if option == "--out" else "plot")
+        except ForeignFile as exc:
+            raise click.BadParameter(str(exc), param_hint=option) from None
         parent = target.parent
         while not parent.exists() and parent != parent.parent:
             parent = parent.parent

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fedal.owned import MARK, MARKED_PLOT_FORMATS
+
 
 def plot_accuracy(runs: dict[str, dict], path: str | Path, x: str = "round") -> Path:
     """One line per run label: mean client accuracy against rounds (or local steps)."""
@@ -27,6 +29,7 @@ def plot_accuracy(runs: dict[str, dict], path: str | Path, x: str = "round") -> 
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fmt = path.suffix.lstrip(".").lower()  # the Creator says the toolkit wrote it (fedal.owned)
+    fig.savefig(path, dpi=120, metadata={"Creator": MARK} if fmt in MARKED_PLOT_FORMATS else None)
     plt.close(fig)
     return path

@@ -1,0 +1,100 @@
+"""Outputs go where the user says, and never over a file the toolkit did not write: a results
+file, a plot, an exported model or its report of an earlier run is replaced (a run repeated into
+the same path); any other file there is refused before the run, untouched."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import click
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fedal.owned import ForeignFile, check_replaceable, is_export_report, is_marked, is_results
+from fedal_cli.main import cli
+
+QUICK = ["--dataset", "digits", "--clients", "2", "--rounds", "1", "--strategy", "fedmd", "--public-size", "60", "--quiet"]
+
+
+def test_simulate_replaces_its_own_outputs_and_refuses_anyone_elses(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = CliRunner().invoke(cli, ["simulate", *QUICK, "--plot", "acc.png"])  # default --out results.json
+    assert first.exit_code == 0, first.output
+    assert is_results(tmp_path / "results.json") and is_marked(tmp_path / "acc.png")
+    again = CliRunner().invoke(cli, ["simulate", *QUICK, "--seed", "3", "--plot", "acc.png"])  # its own: replaced
+    assert again.exit_code == 0, again.output
+    assert json.loads((tmp_path / "results.json").read_text())["config"]["seed"] == 3
+
+    (tmp_path / "mine.json").write_text('{"user": "results of another tool"}\n')
+    (tmp_path / "figure.png").write_bytes(b"\x89PNG\r\n\x1a\n a figure of the user's")
+    for extra, option in ((["--out", "mine.json"], "--out"), (["--out", "r2.json", "--plot", "figure.png"], "--plot")):
+        r = CliRunner().invoke(cli, ["simulate", *QUICK, *extra])
+        assert r.exit_code == 2, r.output
+        assert f"Invalid value for {option}" in r.stderr and "is not a" in r.stderr and "this toolkit wrote" in r.stderr
+    assert (tmp_path / "mine.json").read_text() == '{"user": "results of another tool"}\n'
+    assert (tmp_path / "figure.png").read_bytes() == b"\x89PNG\r\n\x1a\n a figure of the user's"
+    assert not (tmp_path / "r2.json").exists()
+
+
+def _export(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fedal_cli.main", "export", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=180)
+
+
+def test_export_replaces_its_own_files_and_refuses_anyone_elses(tmp_path):
+    args = ["--model", "mlp", "--input-shape", "40", "--num-classes", "10", "--out", "m.onnx", "--quantize", "int8"]
+    assert _export(*args, cwd=tmp_path).returncode == 0
+    assert is_marked(tmp_path / "m.onnx") and is_marked(tmp_path / "m.int8.onnx")
+    assert is_export_report(tmp_path / "m.onnx.json")
+    again = _export(*args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    for name in ("m.onnx", "m.int8.onnx", "m.onnx.json"):  # each alone is in the way
+        kept = (tmp_path / name).read_bytes()
+        (tmp_path / name).write_bytes(b"the user's own " + name.encode())
+        r = _export(*args, cwd=tmp_path)
+        assert r.returncode == 2 and "refusing to overwrite it" in r.stderr and name in r.stderr, r.stderr
+        assert (tmp_path / name).read_bytes() == b"the user's own " + name.encode()
+        (tmp_path / name).write_bytes(kept)
+
+
+def test_the_coordinator_refuses_a_results_file_it_did_not_write(tmp_path):
+    from coordinator.cli import check_files
+    from coordinator.config import load_coordinator_config
+
+    np.savez(tmp_path / "public.npz", x=np.zeros((20, 40), np.float32))
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "results.json").write_text("my thesis numbers\n")
+    config = load_coordinator_config(None, run_id="r", client_ids=["a", "b"], num_classes=10,
+                                     public_file=tmp_path / "public.npz", state_dir=state)
+    with pytest.raises(click.UsageError, match="results_file: .*results.json exists and is not a results file"):
+        check_files(config)
+    (state / "results.json").write_text(json.dumps({"config": {}, "rounds": [], "final": {}}))
+    check_files(config)  # a run's results (an earlier run's): the next run may replace them
+
+
+def test_what_is_not_a_file_of_ours_is_foreign(tmp_path):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "real.json").write_text(json.dumps({"config": {}, "rounds": [], "final": {}}))
+    (tmp_path / "link.json").symlink_to(tmp_path / "real.json")
+    check_replaceable(tmp_path / "new.json", is_results, "results file")  # nothing there
+    check_replaceable(tmp_path / "real.json", is_results, "results file")
+    for path in ("dir", "link.json"):  # a link is never written through
+        with pytest.raises(ForeignFile):
+            check_replaceable(tmp_path / path, is_results, "results file")
+
+
+def test_a_demos_outputs_inside_its_own_workspace_are_its_own(tmp_path):
+    """The demo's default outputs live in its workspace (the marker says the toolkit made it): a
+    plot an older version wrote there without the mark is replaced; outside, it would be refused."""
+    from fedal import workspace
+    from fedal_cli.simulate import check_outputs
+
+    ws = workspace.claim(tmp_path / "ws", "fedal demo")
+    (ws / "accuracy.png").write_bytes(b"\x89PNG\r\n\x1a\n written before plots carried the mark")
+    check_outputs(ws / "results.json", ws / "accuracy.png", None, workspace_dir=ws)
+    with pytest.raises(click.BadParameter, match="this toolkit wrote"):
+        check_outputs(tmp_path / "results.json", ws / "accuracy.png", None)
