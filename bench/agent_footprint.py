@@ -47,16 +47,22 @@ if str(REPO) not in sys.path:  # runnable from a checkout without an install, li
 sys.path.insert(0, str(REPO / "bench"))
 from loopback_broker import loopback_broker  # noqa: E402
 
+from fedal import procs  # noqa: E402
+
 # -- measuring one process ---------------------------------------------------------------------
 # The kernel's peak RSS of a process (ru_maxrss) starts from its parent's at fork/exec: an agent
 # spawned straight from this benchmark (torch imported, ~350 MB) would report at least that much.
 # So every measured process is started by this small launcher (python -S, about 8 MB), which
 # forks, execs the command, writes the child's pid at once and its wait4() rusage at the end.
 LAUNCHER = r"""
-import json, os, signal, sys
+import ctypes, json, os, signal, sys
 out, cmd = sys.argv[1], sys.argv[2:]
+parent = os.getpid()
 pid = os.fork()
 if pid == 0:
+    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG: ends with this launcher
+    if os.getppid() != parent:
+        os._exit(1)
     os.execvp(cmd[0], cmd)
 with open(out + ".pid", "w") as f:
     f.write(str(pid))
@@ -77,7 +83,8 @@ class Measured:
         report.unlink(missing_ok=True)
         Path(f"{report}.pid").unlink(missing_ok=True)
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-S", "-E", "-c", LAUNCHER, str(report), *command], **popen)
+        self.proc = subprocess.Popen([sys.executable, "-S", "-E", "-c", LAUNCHER, str(report), *command],
+                                     preexec_fn=procs.dies_with_this_process(), **popen)  # ends with the bench
         self._pid: int | None = None
 
     @property
@@ -419,7 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     workdir = Path(tempfile.mkdtemp(prefix="fedal-footprint-"))
     try:
-        report = measure(args, datasets, workdir)
+        with procs.stop_signals_interrupt():  # SIGTERM/SIGHUP as Ctrl-C: the agents stopped, workdir removed
+            report = measure(args, datasets, workdir)
+    except procs.Stopped as exc:
+        print(f"stopped by {exc}", file=sys.stderr)
+        return exc.exit_status
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     out = Path(args.out)

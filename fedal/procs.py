@@ -68,6 +68,12 @@ def _load_prctl():
 _PRCTL = _load_prctl()  # resolved here, not in the forked child
 
 
+def dies_with_this_process():
+    """A preexec_fn for a subprocess.Popen made elsewhere: the child gets SIGTERM when this
+    process ends (as procs.spawn's children do)."""
+    return _die_with(os.getpid())
+
+
 def _die_with(parent_pid: int):
     """preexec_fn: SIGTERM to this child when the forking thread ends; gone at once if it already has."""
     prctl = _PRCTL

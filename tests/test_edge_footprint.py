@@ -66,3 +66,34 @@ def test_agent_closure_has_torch_and_mqtt_but_no_web_stack(footprint):
     closure = {name.lower() for name in footprint.dependency_closure("fedal-edge", ("agent",))}
     assert {"torch", "paho-mqtt", "onnxruntime", "numpy"} <= closure
     assert not closure & {"fastapi", "uvicorn", "amqtt", "starlette"}
+
+
+def test_a_measured_process_ends_with_its_launcher(footprint, tmp_path):
+    """The agents the benchmark measures ran on under init, retrying a dead broker, when the
+    benchmark was stopped: the measured process now gets SIGTERM when its launcher ends (and the
+    launcher when the benchmark does)."""
+    import os
+    import signal
+    import time
+
+    m = footprint.Measured([sys.executable, "-S", "-c", "import time; time.sleep(120)"], tmp_path / "sleep.json")
+    deadline = time.monotonic() + 30
+    while m.pid is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert m.pid is not None
+    os.kill(m.proc.pid, signal.SIGKILL)  # the launcher killed outright: nothing of its own runs
+    m.proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(m.pid, 0)
+        except ProcessLookupError:
+            break
+        try:  # a zombie of init's, not yet reaped, counts as gone
+            if Path(f"/proc/{m.pid}/stat").read_text().split()[2] == "Z":
+                break
+        except OSError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the measured process outlived its launcher")
