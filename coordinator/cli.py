@@ -28,7 +28,13 @@ def coordinator_cmd(config_path: str, log_level: str) -> None:
         raise click.UsageError(str(exc)) from None
     check_files(config)
     warn_if_secrets_exposed(config_path)
-    sys.exit(serve(config))
+    from coordinator.store import StoreError
+
+    try:
+        status = serve(config)
+    except StoreError as error:  # e.g. a damaged coordinator.db: one line, the file left as it is
+        raise click.ClickException(str(error)) from None
+    sys.exit(status)
 
 
 def check_files(config) -> None:

@@ -28,11 +28,12 @@ from sqlalchemy import (
     create_engine,
     delete,
     event,
+    exc,
     insert,
     select,
     update,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 
 metadata = MetaData()
 
@@ -108,13 +109,22 @@ def flat_metrics(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+class StoreError(RuntimeError):
+    """The run store cannot be used (a damaged database file, a database that refuses us)."""
+
+
 class RunStore:
     """The coordinator's persistence; one instance is shared by every run of a coordinator."""
 
     def __init__(self, url: str):
         self.url = url
         self.engine: Engine = _make_engine(url)
-        metadata.create_all(self.engine)
+        try:
+            metadata.create_all(self.engine)
+        except exc.SQLAlchemyError as error:  # e.g. a coordinator.db that is no database (damaged, foreign)
+            reason = str(getattr(error, "orig", None) or error).splitlines()[0]
+            shown = make_url(url).render_as_string(hide_password=True)
+            raise StoreError(f"the run store {shown} cannot be opened: {reason}") from None
 
     # -- runs --------------------------------------------------------------------------------
     def register(self, run_id: str, spec: dict[str, Any], origin: str) -> None:

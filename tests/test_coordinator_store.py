@@ -130,3 +130,29 @@ def test_postgresql_store_through_a_url(postgres_url):
             time.sleep(0.5)
     exercise(store)
     store.close()
+
+
+def test_a_damaged_store_is_one_line_and_left_as_it_is(tmp_path):
+    """A coordinator.db that is no database was a SQLAlchemy traceback at start."""
+    import numpy as np
+    from click.testing import CliRunner
+
+    from coordinator.store import RunStore, StoreError
+    from fedal.ports import free_port
+    from fedal_cli.main import cli
+
+    state = tmp_path / "state"
+    state.mkdir()
+    damaged = b"not a database: a file damaged by a power cut " * 100
+    (state / "coordinator.db").write_bytes(damaged)
+    with pytest.raises(StoreError, match=r"^the run store sqlite:///.*coordinator.db cannot be opened: file is not a "
+                                         r"database$"):
+        RunStore(f"sqlite:///{state / 'coordinator.db'}")
+    np.savez(tmp_path / "public.npz", x=np.zeros((20, 40), np.float32))
+    (tmp_path / "c.toml").write_text(f'run_id = "r"\nclient_ids = ["a", "b"]\nnum_classes = 10\n'
+                                     f'public_file = "{tmp_path / "public.npz"}"\nstate_dir = "{state}"\n'
+                                     f'[api]\nport = {free_port()}\n')
+    r = CliRunner().invoke(cli, ["coordinator", "--config", str(tmp_path / "c.toml")])
+    assert r.exit_code == 1, r.output
+    assert "Error: the run store" in r.output and "file is not a database" in r.output and "Traceback" not in r.output
+    assert (state / "coordinator.db").read_bytes() == damaged
