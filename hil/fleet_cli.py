@@ -168,6 +168,8 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
     summary = fleet.summary()
     summary.pop("per_client")
     click.echo(json.dumps({"outcome": outcome, **summary}, indent=1))
+    if stop["signal"] is not None and outcome == "interrupted":  # as a shell reports a process ended by it
+        raise SystemExit(128 + int(stop["signal"]))
     if outcome != "finished":
         raise SystemExit(1)
 

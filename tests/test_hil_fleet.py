@@ -220,3 +220,37 @@ def test_fleet_says_when_nothing_answers_at_the_broker():
                         "--run-id", "x", "--quiet", "--timeout", "2"], capture_output=True, text=True, timeout=120)
     assert f"warning: nothing answers at mqtt://127.0.0.1:{port} yet" in r.stderr, r.stderr
     assert json.loads(r.stdout)["outcome"] == "timed out"
+
+
+def test_a_fleet_stopped_by_sigterm_exits_as_the_shell_reports_it():
+    import signal
+    import time
+
+    from fedal.ports import free_port
+
+    proc = subprocess.Popen([sys.executable, "-m", "hil", "fleet", "--clients", "2", "--broker",
+                             f"mqtt://127.0.0.1:{free_port()}", "--run-id", "x", "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not catches_sigterm(proc.pid):  # its handler is in place
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err  # was 1
+    assert json.loads(out)["outcome"] == "interrupted"
+
+
+def catches_sigterm(pid: int) -> bool:
+    """The process has a handler for SIGTERM (/proc's SigCgt mask)."""
+    import signal
+
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (signal.SIGTERM - 1) & 1)
