@@ -28,7 +28,10 @@ def test_same_results_as_before_the_engine_was_unified(path):
     assert len(new["rounds"]) == len(old["rounds"])
     for before, after in zip(old["rounds"], new["rounds"]):
         for key, value in before.items():
-            if key not in ("bytes_up", "bytes_down"):
+            if key == "server":  # diagnostics: float32 means whose summation order follows the CPU's vector
+                # width (AVX-512 against AVX2 moves them by about 1e-6 relative); accuracies stay exact
+                assert after[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (before["round"], key)
+            elif key not in ("bytes_up", "bytes_down"):
                 assert after[key] == value, (before["round"], key)
         for key in ("bytes_up", "bytes_down"):
             assert 0 < after[key] <= value_of(before, key), (before["round"], key)
