@@ -75,7 +75,7 @@ class OnnxInference:
 
         self.exports += 1
         path = self.workdir / "snapshots" / f"snapshot-{self.exports % 2}.onnx"
-        export_onnx(frozen, self.example, path)
+        export_onnx(frozen, self.example, path, mark=False)  # a round's snapshot, read by this agent alone
         ort = OrtModel(path, threads=self.threads)
         with torch.no_grad():
             want = frozen(self.example).numpy()

@@ -5,6 +5,7 @@ again and replaced, never a reason to stop joining."""
 
 from __future__ import annotations
 
+import glob
 import logging
 import urllib.request
 from pathlib import Path
@@ -28,6 +29,8 @@ def load_public_set(expected_hash: str | None, file: Path | None, url: str | Non
         if expected_hash is not None and content_hash(x) != expected_hash:
             raise PublicSetError(f"public set {file} has hash {content_hash(x)[:12]}…, the run expects {expected_hash[:12]}…")
         return x
+    for torn in cache.parent.glob(f".{glob.escape(cache.name)}.*.tmp"):  # a write cut short (power, SIGKILL):
+        torn.unlink(missing_ok=True)  # write_bytes_atomic's temporary name; only this agent writes here
     if cache.exists():
         try:
             x = _read(cache)

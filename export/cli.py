@@ -15,7 +15,7 @@ import click
 
 from export.onnx_export import MAX_OPSET, MIN_OPSET
 from fedal.models import MODEL_NAMES
-from fedal.owned import ForeignFile, check_replaceable, is_export_report, is_marked
+from fedal.owned import ForeignFile, check_replaceable, is_export_report, is_our_onnx
 
 DATASETS = ("mnist1d", "digits")
 PARITY_ATOL = 1e-4
@@ -121,10 +121,10 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
     report_path = Path(os.fspath(out) + ".json")
     int8_path = out.with_name(out.stem + ".int8.onnx")
     try:  # what this command writes, before it writes anything: only its own earlier files are replaced
-        check_replaceable(out, is_marked, "model")
+        check_replaceable(out, is_our_onnx, "model")
         check_replaceable(report_path, is_export_report, "export report")
         if quantize:
-            check_replaceable(int8_path, is_marked, "model")
+            check_replaceable(int8_path, is_our_onnx, "model")
     except ForeignFile as exc:
         raise click.UsageError(str(exc)) from None
     gen = torch.Generator().manual_seed(0)

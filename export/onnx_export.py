@@ -28,6 +28,7 @@ from pathlib import Path
 import onnx
 import torch
 
+from fedal.atomic import write_bytes_atomic
 from fedal.owned import MARK
 
 from .layout import CHANNEL_MULTIPLE, has_1d_layers, lift_1d_to_2d, nchwc_available
@@ -57,6 +58,7 @@ def export_onnx(
     opset: int = 17,
     conv1d_as_2d: bool = True,
     channel_multiple: int | None = None,
+    mark: bool = True,
 ) -> Path:
     """Write `model` as ONNX to `path` and return it as a Path, after `onnx.checker` passes.
 
@@ -75,7 +77,8 @@ def export_onnx(
 
     `opset` must be in MIN_OPSET..MAX_OPSET (ValueError otherwise). The file normally has that
     opset; if the legacy exporter fails, the dynamo fallback may leave it at 18 (a warning is
-    logged): `written_opset(path)` tells what was written.
+    logged): `written_opset(path)` tells what was written. `mark`: record in its metadata that the
+    toolkit wrote it (mark_onnx), so a later export may replace it (fedal.owned).
     """
     if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
         raise ValueError(f"opset {opset!r} is not supported: choose {MIN_OPSET} to {MAX_OPSET}")
@@ -113,7 +116,8 @@ def export_onnx(
     finally:
         model.train(was_training)
 
-    mark_onnx(path)
+    if mark:  # a file for someone else (fedal export, an agent's final model); not a per-round snapshot
+        mark_onnx(path)
     # Path form lets the checker handle external data; full_check also runs shape inference.
     onnx.checker.check_model(str(path), full_check=True)
     actual = written_opset(path)
@@ -129,7 +133,7 @@ def mark_onnx(path: str | os.PathLike[str]) -> None:
     if not any(p.key == "producer" and p.value == MARK for p in proto.metadata_props):
         entry = proto.metadata_props.add()
         entry.key, entry.value = "producer", MARK
-        onnx.save(proto, str(path))
+        write_bytes_atomic(path, proto.SerializeToString())  # never a torn model at `path`
 
 
 def written_opset(path: str | os.PathLike[str]) -> int:

@@ -3,11 +3,17 @@ already holds one of the toolkit's own files is rewritten (a run repeated into t
 path holding anything else is refused, never overwritten.
 
 Results JSON and export reports are recognised by their shape; plots and ONNX files carry MARK
-(a plot's Creator metadata, an ONNX model's metadata_props), which this module looks for."""
+(a plot's Creator metadata, an ONNX model's metadata_props), which this module looks for where
+each format keeps it. A plot in a format without such metadata (jpg, tiff, webp) cannot be
+recognised: an existing one is always refused."""
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
+import re
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,14 +36,44 @@ def is_export_report(path: Path) -> bool:
     return _json_with(path, {"model", "onnx", "opset", "onnx_bytes"})
 
 
-def is_marked(path: Path) -> bool:
-    """A plot or an ONNX model the toolkit wrote (MARK inside)."""
+def is_our_plot(path: Path) -> bool:
+    """A plot the toolkit wrote: MARK as its Creator, where each format keeps it (not merely the
+    letters anywhere: an EPS names its own file in its title)."""
+    fmt = path.suffix.lstrip(".").lower()
+    data = _read(path)
+    if data is None or fmt not in MARKED_PLOT_FORMATS:
+        return False
+    if fmt == "svgz":
+        try:
+            data = gzip.GzipFile(fileobj=io.BytesIO(data)).read(_MAX_SCAN)
+        except (OSError, EOFError, zlib.error):
+            return False
+    mark = MARK.encode()
+    if fmt == "png":  # a tEXt chunk of exactly "Creator\0" + MARK
+        text = b"Creator\x00" + mark
+        return len(text).to_bytes(4, "big") + b"tEXt" + text in data
+    if fmt == "pdf":
+        return b"/Creator (" + mark + b")" in data
+    if fmt in ("svg", "svgz"):
+        return re.search(rb"<dc:creator>\s*<cc:Agent>\s*<dc:title>" + re.escape(mark) + rb"</dc:title>", data) is not None
+    return b"\n%%Creator: " + mark + b"\n" in data  # ps, eps
+
+
+def is_our_onnx(path: Path) -> bool:
+    """An ONNX model the toolkit wrote: its metadata_props hold producer = MARK (the entry's
+    protobuf encoding, looked for without parsing the model)."""
+    data = _read(path)
+    entry = b"\n" + bytes([len("producer")]) + b"producer" + b"\x12" + bytes([len(MARK)]) + MARK.encode()
+    return data is not None and entry in data
+
+
+def _read(path: Path) -> bytes | None:
     try:
         if path.stat().st_size > _MAX_SCAN:
-            return False
-        return MARK.encode() in path.read_bytes()
+            return None
+        return path.read_bytes()
     except OSError:
-        return False
+        return None
 
 
 def check_replaceable(path: str | Path, ours: Callable[[Path], bool], what: str) -> None:

@@ -21,10 +21,12 @@ import contextlib
 import ctypes
 import ctypes.util
 import glob
+import hashlib
 import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -186,23 +188,36 @@ def stop_signals_interrupt() -> Iterator[None]:
 
 
 def pid_dir(parent: str | Path, prefix: str) -> str:
-    """A new directory `<prefix><this PID>-<random>` in `parent`, for work this process removes
-    when it is done; those of processes no longer alive are removed first (reap_pid_dirs)."""
+    """A new directory `<prefix><this PID>-<where>-<random>` in `parent`, for work this process
+    removes when it is done; those of processes no longer alive are removed first (reap_pid_dirs).
+    `<where>` names this host and PID namespace: a PID means nothing elsewhere."""
     reap_pid_dirs(parent, prefix)
-    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-{_where()}-", dir=parent)
 
 
 def reap_pid_dirs(parent: str | Path, prefix: str) -> None:
     """Remove the pid_dir directories in `parent` of processes no longer alive (ended by SIGKILL
-    before they could remove theirs): only directories of that name and of this user, so nothing
-    the toolkit did not make, and nothing a live process still uses."""
-    for path in Path(parent).glob(f"{glob.escape(prefix)}*-*"):
-        pid_text = path.name[len(prefix):].split("-", 1)[0]
+    before they could remove theirs): only directories of that name, made on this host and in
+    this PID namespace (a /tmp or --out shared with a container or over NFS holds others'), and
+    of this user, so nothing the toolkit did not make, and nothing a live process still uses."""
+    where = _where()
+    for path in Path(parent).glob(f"{glob.escape(prefix)}*-*-*"):
+        pid_text, made_at = (path.name[len(prefix):].split("-") + [""])[:2]
         try:
-            if not pid_text.isdigit() or path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+            if not pid_text.isdigit() or made_at != where or path.is_symlink() or not path.is_dir() \
+                    or path.stat().st_uid != os.getuid():
                 continue
             os.kill(int(pid_text), 0)
         except ProcessLookupError:
             shutil.rmtree(path, ignore_errors=True)
-        except OSError:  # alive (another user's: PermissionError), or gone meanwhile
+        except (OSError, OverflowError):  # alive (another user's: PermissionError), gone meanwhile; no PID
             continue
+
+
+def _where() -> str:
+    """This host and PID namespace, as a short tag."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return hashlib.sha256(f"{socket.gethostname()}/{namespace}".encode()).hexdigest()[:8]

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import shutil
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+
+log = logging.getLogger("fedal.workspace")
 
 MARKER = ".fedal-workspace"
 LOCK = ".fedal-workspace.lock"  # held (flock) by the run using the workspace; the kernel drops it when that process ends
@@ -71,15 +74,22 @@ def held(path: str | Path, owner: str) -> Iterator[Path]:
     path = Path(path)
     if not is_workspace(path):
         raise WorkspaceError(f"{path} is not a FedAL workspace (no {MARKER})")
-    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:  # never through a link: what it points to is not the toolkit's to write
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise WorkspaceError(f"{path / LOCK} cannot be opened ({exc.strerror or exc}); remove it if it is a link") \
+            from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another run"
             raise WorkspaceError(f"{path} is in use by {holder}: wait for it to end, or give another directory") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"`{owner}` (PID {os.getpid()})\n".encode(), 0)
+        except OSError as exc:  # a filesystem without locks (some NFS): the run goes on unguarded
+            log.warning("%s cannot be locked (%s): nothing stops a second run on it", path, exc.strerror or exc)
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"`{owner}` (PID {os.getpid()})\n".encode(), 0)
         yield path
     finally:
         os.close(fd)  # releases the lock

@@ -11,7 +11,7 @@ import click
 from tqdm import tqdm
 
 from fedal import procs, workspace
-from fedal.owned import ForeignFile, check_replaceable, is_marked, is_results
+from fedal.owned import ForeignFile, check_replaceable, is_our_plot, is_results
 from fedal_cli.options import config_from_flags, fault_options, run_options
 
 
@@ -103,7 +103,7 @@ def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | P
             and target.resolve().is_relative_to(workspace_dir.resolve())
         try:  # a file of ours is rewritten (a run repeated); anything else is the user's
             if not in_workspace:
-                check_replaceable(target, is_results if option == "--out" else is_marked,
+                check_replaceable(target, is_results if option == "--out" else is_our_plot,
                                   "results file" if option == "--out" else "plot")
         except ForeignFile as exc:
             raise click.BadParameter(str(exc), param_hint=option) from None

@@ -54,6 +54,7 @@ def test_a_torn_cache_is_fetched_again_and_replaced(tmp_path, served, torn):
     url, payload, hits = served
     cache = tmp_path / "public.npz"
     cache.write_bytes(torn)  # e.g. a power cut while the cache was written
+    (tmp_path / ".public.npz.k2j3h4.tmp").write_bytes(b"half")  # and what a cut-short atomic write leaves
     x = load_public_set(content_hash(X), None, url, cache)
     assert np.array_equal(x, X) and len(hits) == 1
     assert cache.read_bytes() == payload

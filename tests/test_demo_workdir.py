@@ -133,3 +133,14 @@ def test_a_workspace_in_use_by_a_live_run_is_refused_and_released_when_it_ends(t
         with pytest.raises(workspace.WorkspaceError, match=r"in use"):  # also within one process
             with workspace.held(ws, "another"):
                 pass
+
+
+def test_the_workspace_lock_is_never_written_through_a_link(tmp_path):
+    ws = workspace.claim(tmp_path / "ws", "fedal demo")
+    precious = tmp_path / "precious.txt"
+    precious.write_text("a user's file\n")
+    (ws / workspace.LOCK).symlink_to(precious)
+    with pytest.raises(workspace.WorkspaceError, match="remove it if it is a link"):
+        with workspace.held(ws, "fedal demo"):
+            pass
+    assert precious.read_text() == "a user's file\n"

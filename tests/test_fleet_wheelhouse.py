@@ -222,7 +222,9 @@ def test_a_stopped_wheelhouse_ends_pip_and_leaves_nothing_in_out(tmp_path, input
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    (out / f".fedal-wheelhouse-{gone.pid}-x1y2z3").mkdir()  # a run killed with SIGKILL left its work
+    from fedal.procs import _where
+
+    (out / f".fedal-wheelhouse-{gone.pid}-{_where()}-x1y2z3").mkdir()  # a run killed with SIGKILL left its work
     r = wheelhouse("--arch", "aarch64", "--out", str(out), *offline(idx, constraints, wheel))
     assert r.returncode == 0, r.stderr
     assert not list(out.glob(".fedal-wheelhouse-*"))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from fedal.owned import ForeignFile, check_replaceable, is_export_report, is_marked, is_results
+from fedal.owned import ForeignFile, check_replaceable, is_export_report, is_our_onnx, is_our_plot, is_results
 from fedal_cli.main import cli
 
 QUICK = ["--dataset", "digits", "--clients", "2", "--rounds", "1", "--strategy", "fedmd", "--public-size", "60", "--quiet"]
@@ -23,7 +23,7 @@ def test_simulate_replaces_its_own_outputs_and_refuses_anyone_elses(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     first = CliRunner().invoke(cli, ["simulate", *QUICK, "--plot", "acc.png"])  # default --out results.json
     assert first.exit_code == 0, first.output
-    assert is_results(tmp_path / "results.json") and is_marked(tmp_path / "acc.png")
+    assert is_results(tmp_path / "results.json") and is_our_plot(tmp_path / "acc.png")
     again = CliRunner().invoke(cli, ["simulate", *QUICK, "--seed", "3", "--plot", "acc.png"])  # its own: replaced
     assert again.exit_code == 0, again.output
     assert json.loads((tmp_path / "results.json").read_text())["config"]["seed"] == 3
@@ -47,7 +47,7 @@ def _export(*args: str, cwd) -> subprocess.CompletedProcess:
 def test_export_replaces_its_own_files_and_refuses_anyone_elses(tmp_path):
     args = ["--model", "mlp", "--input-shape", "40", "--num-classes", "10", "--out", "m.onnx", "--quantize", "int8"]
     assert _export(*args, cwd=tmp_path).returncode == 0
-    assert is_marked(tmp_path / "m.onnx") and is_marked(tmp_path / "m.int8.onnx")
+    assert is_our_onnx(tmp_path / "m.onnx") and is_our_onnx(tmp_path / "m.int8.onnx")
     assert is_export_report(tmp_path / "m.onnx.json")
     again = _export(*args, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
@@ -98,3 +98,24 @@ def test_a_demos_outputs_inside_its_own_workspace_are_its_own(tmp_path):
     check_outputs(ws / "results.json", ws / "accuracy.png", None, workspace_dir=ws)
     with pytest.raises(click.BadParameter, match="this toolkit wrote"):
         check_outputs(tmp_path / "results.json", ws / "accuracy.png", None)
+
+
+def test_plots_are_recognised_by_their_creator_not_by_the_letters_anywhere(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fedal.owned import MARKED_PLOT_FORMATS
+    from fedal.sim.plot import plot_accuracy
+
+    results = {"config": {"strategy_params": {"tau": 5}}, "rounds": [{"round": 1, "mean_acc": 0.1}]}
+    for fmt in MARKED_PLOT_FORMATS:
+        assert is_our_plot(plot_accuracy({"x": results}, tmp_path / f"ours.{fmt}")), fmt
+        fig, ax = plt.subplots()  # the user's own figure, whose name holds the mark's letters
+        ax.plot([1, 2])
+        fig.savefig(tmp_path / f"fedal-edge-figure.{fmt}")
+        plt.close(fig)
+        assert not is_our_plot(tmp_path / f"fedal-edge-figure.{fmt}"), fmt
+    assert not is_our_plot(plot_accuracy({"x": results}, tmp_path / "ours.jpg"))  # no metadata there: never
+    assert not is_our_onnx(tmp_path / "ours.png")

@@ -61,27 +61,33 @@ def test_a_stop_signal_ends_a_simulation_through_its_clean_up(tmp_path, sig):
 def test_snapshot_directories_of_drivers_no_longer_alive_are_removed(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    dead = tmp_path / f"{SNAPSHOT_PREFIX}{gone.pid}-abc"
-    alive = tmp_path / f"{SNAPSHOT_PREFIX}{os.getppid()}-def"  # a live process: its run may be under way
-    foreign = tmp_path / f"{SNAPSHOT_PREFIX}notapid-x"
-    for d in (dead, alive, foreign):
+    from fedal.procs import _where
+
+    here = _where()
+    dead = tmp_path / f"{SNAPSHOT_PREFIX}{gone.pid}-{here}-abc"
+    alive = tmp_path / f"{SNAPSHOT_PREFIX}{os.getppid()}-{here}-def"  # a live process: its run may be under way
+    elsewhere = tmp_path / f"{SNAPSHOT_PREFIX}{gone.pid}-0a1b2c3d-ghi"  # another host's or container's PID
+    foreign = tmp_path / f"{SNAPSHOT_PREFIX}notapid-{here}-x"
+    huge = tmp_path / f"{SNAPSHOT_PREFIX}{10**30}-{here}-y"
+    for d in (dead, alive, elsewhere, foreign, huge):
         d.mkdir()
         (d / "c00.pt").write_bytes(b"snapshot")
     made = snapshot_dir(str(tmp_path))
-    assert not dead.exists() and alive.exists() and foreign.exists()
-    assert os.path.basename(made).startswith(f"{SNAPSHOT_PREFIX}{os.getpid()}-") and os.path.isdir(made)
+    assert not dead.exists() and alive.exists() and elsewhere.exists() and foreign.exists() and huge.exists()
+    assert os.path.basename(made).startswith(f"{SNAPSHOT_PREFIX}{os.getpid()}-{here}-") and os.path.isdir(made)
 
 
 @pytest.mark.timeout(240)
-def test_a_ray_simulation_closed_by_sighup_leaves_no_ray_process_or_snapshot(tmp_path):
-    """A closed terminal (SIGHUP): the actors, the local Ray instance it started (its dashboard
-    and runtime-env agents too, which Ray leaves behind when a call is cut short) and the
-    snapshot directory all end with the run."""
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_a_ray_simulation_stopped_by_a_signal_leaves_no_ray_process_or_snapshot(tmp_path, sig):
+    """A closed terminal (SIGHUP) or SIGTERM (which ray.init takes over for itself): the actors,
+    the local Ray instance it started (its dashboard and runtime-env agents too, which Ray leaves
+    behind when a call is cut short) and the snapshot directory all end with the run."""
     psutil = pytest.importorskip("psutil")
     pytest.importorskip("ray")
-    proc, text = stopped_run(tmp_path, signal.SIGHUP, "--backend", "ray")
-    assert proc.returncode == 128 + signal.SIGHUP, text
-    assert "stopped by SIGHUP: no results written" in text
+    proc, text = stopped_run(tmp_path, sig, "--backend", "ray")
+    assert proc.returncode == 128 + sig, text
+    assert f"stopped by {signal.Signals(sig).name}: no results written" in text
     session = f"_{proc.pid}"  # Ray names its session directory after the driver's PID
 
     def left() -> list[str]:
@@ -100,3 +106,18 @@ def test_a_ray_simulation_closed_by_sighup_leaves_no_ray_process_or_snapshot(tmp
     import tempfile
 
     assert not list(Path(tempfile.gettempdir()).glob(f"{SNAPSHOT_PREFIX}{proc.pid}-*"))
+
+
+@pytest.mark.timeout(240)
+def test_the_local_ray_instance_is_always_a_new_one(tmp_path):
+    """Without --ray-address a run starts its own instance, even where RAY_ADDRESS names a
+    cluster (ray.init would join it, and the run's clean-up would then end that cluster's
+    processes): here it names an address where nothing listens, which joining would fail on."""
+    pytest.importorskip("ray")
+    from fedal.ports import free_port
+
+    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{free_port()}"}
+    r = subprocess.run([*fedal_command(), "simulate", "--dataset", "digits", "--clients", "2", "--rounds", "1",
+                        "--strategy", "fedmd", "--public-size", "60", "--backend", "ray", "--quiet", "--out", "r.json"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=200, env=env)
+    assert r.returncode == 0, r.stderr

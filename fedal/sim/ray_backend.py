@@ -28,8 +28,10 @@ import logging
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -214,20 +216,34 @@ class RayTransport(SimulatedTransport):
 
 
 def start_ray(address: str | None, num_cpus: int | None, verbose: bool) -> bool:
-    """Join `address` or start a local instance on loopback; True if this call started it."""
+    """Join `address` or start a local instance on loopback; True if this call started it. A
+    stop signal's handler set before (procs.stop_signals_interrupt) is kept: ray.init puts its
+    own SIGTERM handler in place, which would end the run without its clean-up."""
+    if address == "local":
+        address = None
     if not address:  # a local instance: every Ray process on 127.0.0.1 (read when ray is imported)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     if ray.is_initialized():
         return False
+    on_sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    try:
+        _init(ray, address, num_cpus, verbose)
+    finally:
+        if on_sigterm is not None:
+            signal.signal(signal.SIGTERM, on_sigterm)
+    return True
+
+
+def _init(ray: Any, address: str | None, num_cpus: int | None, verbose: bool) -> None:
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": verbose,
                                "logging_level": logging.INFO if verbose else logging.ERROR}
     if address:
         client = address.startswith("ray://")
         if client and importlib.util.find_spec("grpc") is None:  # what Ray Client needs (ray[client])
             raise RayClusterError(_no_ray_client(address))
-        if not client and address not in ("auto", "local"):  # host:port of a cluster's head: ray.init waits forever for no one
+        if not client and address != "auto":  # host:port of a cluster's head: ray.init waits forever for no one
             problem = _unreachable(address)
             if problem is not None:
                 raise RayClusterError(f"no Ray cluster at {address} ({problem}): start one there with "
@@ -241,11 +257,12 @@ def start_ray(address: str | None, num_cpus: int | None, verbose: bool) -> bool:
             if client and "ray[client]" in str(exc):
                 raise RayClusterError(_no_ray_client(address)) from None
             raise
-    else:
-        context = ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", **options)
-        global _local_session
-        _local_session = getattr(context, "address_info", {}).get("session_dir")
-    return True
+    else:  # "local": always a new instance, never one RAY_ADDRESS or a `ray start --head` here names
+        context = ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", **options)
+        session = getattr(context, "address_info", {}).get("session_dir") or ""
+        if session.rstrip("/").endswith(f"_{os.getpid()}"):  # named after the driver that started it: ours
+            global _local_session
+            _local_session = session
 
 
 _local_session: str | None = None  # the session directory of the local instance start_ray started
@@ -350,8 +367,8 @@ class RayClients:
         self.snapshot_dir: str | None = None
         try:
             self.started = start_ray(address, None, verbose)
-        except BaseException:  # e.g. a stop signal within ray.init: what it started so far goes too
-            if not address:
+        except BaseException:  # e.g. a stop signal within ray.init: ray.shutdown() for what it started
+            if not address or address == "local":
                 shutdown_local_ray()
             raise
         try:
