@@ -11,6 +11,7 @@ everything down in order, and its children die with it even if it is killed (fed
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -236,17 +237,15 @@ def summary_table(results: dict) -> str:
 
 def deployable(config: RunConfig) -> RunConfig:
     """The config for a deployment, refused before anything starts where it asks for what only a
-    simulation has (the coordinator would refuse it, later and in its log). `vectorize`, which a
-    simulation's results file records, only said how that simulation ran its clients: dropped."""
+    simulation has (the coordinator would refuse it, later and in its log). `vectorize` and the
+    Ray backend's settings, which a simulation's results file records, only said how and where
+    that simulation computed its clients (the same numbers): dropped."""
     if config.dropout or config.stragglers:
         raise click.UsageError("dropout and stragglers are faults of the simulation (fedal simulate); the demo's "
                                "clients are real processes, with real faults")
-    if config.backend != "inprocess":
-        raise click.UsageError(f"backend {config.backend!r} is where a simulation runs its clients (fedal simulate); "
-                               "the demo's clients are processes")
-    if config.vectorize:
-        return config.model_copy(update={"vectorize": None})
-    return config
+    how = {"vectorize": None, "backend": "inprocess", "ray_address": None, "ray_actors": None,
+           "client_resources": None}
+    return config.model_copy(update=how)
 
 
 @click.command("demo")
@@ -304,3 +303,6 @@ def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, *
     except procs.Stopped as exc:
         click.echo(f"stopped by {exc}: the coordinator, the agents and the broker are shut down", err=True)
         sys.exit(exc.exit_status)
+    except KeyboardInterrupt:  # Ctrl-C: said as for the other stop signals (click would say "Aborted!")
+        click.echo("stopped by SIGINT: the coordinator, the agents and the broker are shut down", err=True)
+        sys.exit(128 + signal.SIGINT)

@@ -134,3 +134,47 @@ def test_settings_the_dataset_cannot_take_are_usage_errors(tmp_path, monkeypatch
     assert r.exit_code == 2, r.output
     assert needle in r.stderr and "Traceback" not in r.output
     assert not (tmp_path / "results.json").exists()
+
+
+def test_the_demo_takes_a_ray_simulations_results_as_its_config():
+    """Where a simulation computed its clients (Ray actors, stacked) does not change its numbers:
+    the demo drops it, as it dropped `vectorize`; faults stay refused."""
+    import click
+
+    from fedal.sim import load_config
+    from fedal_cli.demo import deployable
+
+    config = load_config(None, {"strategy": "fedmd", "dataset": "digits", "backend": "ray", "ray_actors": 2,
+                                "client_resources": "num_cpus=1", "vectorize": True})
+    deployed = deployable(config)
+    assert (deployed.backend, deployed.ray_actors, deployed.client_resources, deployed.vectorize) == \
+        ("inprocess", None, None, None)
+    with pytest.raises(click.UsageError, match="faults of the simulation"):
+        deployable(load_config(None, {"strategy": "fedmd", "dataset": "digits", "dropout": 0.1}))
+
+
+def test_ctrl_c_stops_the_demo_as_the_other_stop_signals_do(tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen([*fedal_command(), "demo", "--dataset", "digits", "--clients", "2", "--rounds", "10000",
+                             "--strategy", "fedmd", "--public-size", "60", "--quiet", "--workdir", "ws"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lock = tmp_path / "ws" / ".fedal-workspace.lock"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (lock.exists() and lock.read_text().strip()):
+            time.sleep(0.2)  # the workspace is held: the run is under way, its signal handling in place
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            import os
+
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "stopped by SIGINT: the coordinator, the agents and the broker are shut down" in err
+    assert "Aborted!" not in err and "Traceback" not in err
