@@ -129,7 +129,7 @@ def test_hil_fleet_with_its_coordinator_stopped_by_a_signal(mosquitto, tmp_path,
             fleet.kill()
             fleet.wait()
     if sig != signal.SIGKILL:
-        assert returncode == 1 and '"outcome": "interrupted"' in log.read_text(), log.read_text()[-3000:]
+        assert returncode == 128 + sig and '"outcome": "interrupted"' in log.read_text(), log.read_text()[-3000:]
     saved = RunStore(default_store_url(tmp_path / "ws" / "state")).load(run_id)
     assert saved.state == "stopped"
 
