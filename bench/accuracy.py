@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import at_least  # noqa: E402
 from sim_runs import mean_curve, run_simulations, save_figure  # noqa: E402
 
 STRATEGIES = ("local", "fedmd", "fedmd-lf", "fedal")
@@ -212,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
                          "(bench/accuracy_baselines.py); "
                          "vectorize: FedAL, FedMD vectorized vs per-client (bench/accuracy_vectorize.py)")
     ap.add_argument("--steps", type=int, default=600, help="local SGD steps per client (all strategies)")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=at_least(1), default=3)
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma list of {list(SETTINGS)}")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--workers", type=at_least(1), default=os.cpu_count() or 1)
     ap.add_argument("--cache", default="runs/bench-accuracy")
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--before", help="an earlier accuracy.json of this benchmark: add a before/after table")

@@ -31,6 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import accuracy  # noqa: E402  (the FedAL suite: its settings, tau and helpers)
 from accuracy import acc_at, mean_std  # noqa: E402
+from cli_args import at_least  # noqa: E402
 from sim_runs import mean_curve, run_simulations, save_figure  # noqa: E402
 
 from fedal.sim.config import SAME_WIDTH_MODELS  # noqa: E402
@@ -433,10 +434,10 @@ def plot(results: dict, seeds: list[int], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=600, help="local SGD steps per client (all methods)")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=at_least(1), default=3)
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma list of {list(SETTINGS)}")
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma list of {list(STRATEGIES)}")
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--workers", type=at_least(1), default=os.cpu_count() or 1)
     ap.add_argument("--cache", default="runs/bench-accuracy-baselines")
     ap.add_argument("--out", default="docs/results")
     args = ap.parse_args(argv)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import at_least  # noqa: E402
 from sim_runs import run_simulations, save_figure  # noqa: E402
 
 STRATEGIES = ("fedavg", "fedakd")
@@ -193,9 +194,9 @@ def plot(table: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20, help="rounds (one local epoch each)")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=at_least(1), default=3)
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma list of {list(SETTINGS)}")
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--workers", type=at_least(1), default=os.cpu_count() or 1)
     ap.add_argument("--cache", default="runs/bench-accuracy-fedakd")
     ap.add_argument("--out", default="docs/results")
     args = ap.parse_args(argv)

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import at_least  # noqa: E402
+from report_text import write_report  # noqa: E402
 from sim_runs import mean_curve, run_simulations, save_figure  # noqa: E402
 
 SETTING = dict(dataset="mnist1d", clients=10, partition="dirichlet-class", alpha=0.5, public_size=1,
@@ -132,10 +134,10 @@ def plot(results: dict, seeds: list[int], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--rounds", type=at_least(2), default=30)
+    ap.add_argument("--seeds", type=at_least(1), default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--workers", type=at_least(1), default=os.cpu_count() or 1)
     ap.add_argument("--cache", default="runs/bench-accuracy-fedhkd")
     ap.add_argument("--out", default="docs/results")
     args = ap.parse_args(argv)
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                                for v, seed in jobs], args.workers)
     text, summary = summarise(results, args.rounds, seeds)
     text += f"\nWall time of this benchmark run: {time.perf_counter() - started:.0f} s with {args.workers} workers.\n"
-    (out / "accuracy_fedhkd.md").write_text(text)
+    write_report(out / "accuracy_fedhkd.md", text)  # the hand-written reading below stays
     (out / "accuracy_fedhkd.json").write_text(json.dumps(
         {"rounds": args.rounds, "tau": TAU, "batch_size": BATCH, "seeds": seeds, "setting": SETTING,
          "variants": {v: VARIANTS[v] for v in variants}, "summary": summary}, indent=2))

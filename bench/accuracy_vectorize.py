@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import accuracy  # noqa: E402  (the FedAL suite: its settings, tau and config)
 from accuracy import mean_std  # noqa: E402
+from cli_args import at_least  # noqa: E402
 from sim_runs import run_simulations  # noqa: E402
 
 STRATEGIES = ("fedal", "fedmd")
@@ -80,8 +81,8 @@ def summarise(results: dict, seeds: list[int], steps: int) -> tuple[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--seeds", type=at_least(1), default=3)
+    ap.add_argument("--workers", type=at_least(1), default=os.cpu_count() or 1)
     ap.add_argument("--cache", default="runs/bench-accuracy")
     ap.add_argument("--out", default="docs/results")
     args = ap.parse_args(argv)
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     results = run_simulations(
         [((st, s, v), seed, run_config(st, s, seed, args.steps, v),
-          Path(args.cache) / f"{st}-{s}{'-vec' if v else ''}-s{seed}-{args.steps}.json") for st, s, v, seed in jobs],
+          # "-perclient" / "-vec": never the name of accuracy.py's runs, which share the cache and stack by default
+          Path(args.cache) / f"{st}-{s}-{'vec' if v else 'perclient'}-s{seed}-{args.steps}.json") for st, s, v, seed in jobs],
         args.workers)
     text, summary = summarise(results, seeds, args.steps)
     text += f"\nWall time of this benchmark run: {time.perf_counter() - started:.0f} s with {args.workers} workers.\n"

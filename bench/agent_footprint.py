@@ -46,6 +46,7 @@ if str(REPO) not in sys.path:  # runnable from a checkout without an install, li
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 from loopback_broker import loopback_broker  # noqa: E402
+from report_text import kept_reading  # noqa: E402
 
 from fedal import procs  # noqa: E402
 
@@ -502,18 +503,6 @@ def measure(args, datasets: list[str], workdir: Path) -> dict:
                  "met": cnn["training_rss_mb"] is not None and cnn["training_rss_mb"] <= GOAL_MB},
     }
     return report
-
-
-READING_MARK = "## Reading"
-
-
-def kept_reading(path: Path) -> str:
-    """A hand-written reading below the generated part survives a rerun."""
-    if not path.exists():
-        return ""
-    text = path.read_text()
-    i = text.find(READING_MARK)
-    return "" if i < 0 else "\n" + text[i:]
 
 
 def render(r: dict) -> str:

@@ -20,10 +20,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import at_least  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 PROBE = r"""
 import json, sys, time, torch
 from fedal.sim import load_config, simulate
+
 torch.set_num_threads(1)
 cfg = load_config(None, json.loads(sys.argv[1]))
 simulate(load_config(None, {**json.loads(sys.argv[1]), "rounds": 1}))  # warm-up: data cache, imports
@@ -36,14 +40,17 @@ print(json.dumps({"s_per_round": (time.perf_counter() - t0) / cfg.rounds}))
 def timed(tree: Path, config: dict) -> float:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(config)], cwd=tree, env=env, capture_output=True,
-                         text=True, check=True, timeout=3600)
+                         text=True, timeout=3600)
+    if out.returncode != 0:  # say why (e.g. the baseline needs a package this venv lacks), not just that it failed
+        tail = "\n".join(out.stderr.strip().splitlines()[-8:])
+        raise SystemExit(f"engine_speed: the run in {tree} failed (exit {out.returncode}):\n{tail}")
     return float(json.loads(out.stdout.strip().splitlines()[-1])["s_per_round"])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", required=True, help="git commit to compare against")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=at_least(1), default=3)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--clients", type=int, default=10)
     ap.add_argument("--out", type=Path)

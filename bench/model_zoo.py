@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from torch import nn
 
 from fedal.data.embedded import load_mnist1d
 from fedal.models import build_model, count_parameters
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import at_least  # noqa: E402
 
 
 class _AsChannels(nn.Module):
@@ -76,7 +80,7 @@ def train_once(make, x, y, xt, yt, seed: int, rows: int, steps: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--seeds", type=at_least(1), default=5)
     ap.add_argument("--rows", type=int, default=700)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--out", default="docs/results")

@@ -41,6 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import at_least  # noqa: E402
+
 STRATEGIES = ("fedal", "fedmd")
 SIGMAS = (0.0, 0.8, 1.5, 2.5, 4.0)  # 0: no differential privacy
 SURROGATE_ROUNDS = 10  # the coordinator distils each surrogate from the uploads of the last rounds
@@ -288,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--sigmas", type=float, nargs="+", default=list(SIGMAS))
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=at_least(1), default=2)
     ap.add_argument("--out", default="docs/results")
     args = ap.parse_args(argv)
     if 0.0 not in args.sigmas:

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -163,15 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="fedal-scale-"))
     load_before = os.getloadavg()
     rows: dict[str, list[dict]] = {"fedal": [], "fedmd": []}
-    for strategy in ["fedal"] + ([] if args.no_fedmd else ["fedmd"]):
-        for n in sizes:
-            print(f"{strategy}: {n} emulated clients ...", file=sys.stderr, flush=True)
-            row = one_run(workdir, strategy, n, args.rounds, args.tau, args.timeout, args.coordinator_threads or None)
-            if strategy == "fedal":
-                row["in_process_compute_s"] = round(in_process_compute(n, args.coordinator_threads or None), 4)
-            rows[strategy].append(row)
-            print(f"  compute {row['transfer_compute_s'] * 1000:.0f} ms, end-to-end "
-                  f"{row['transfer_end_to_end_s'] * 1000:.0f} ms", file=sys.stderr, flush=True)
+    try:
+        for strategy in ["fedal"] + ([] if args.no_fedmd else ["fedmd"]):
+            for n in sizes:
+                print(f"{strategy}: {n} emulated clients ...", file=sys.stderr, flush=True)
+                row = one_run(workdir, strategy, n, args.rounds, args.tau, args.timeout, args.coordinator_threads or None)
+                if strategy == "fedal":
+                    row["in_process_compute_s"] = round(in_process_compute(n, args.coordinator_threads or None), 4)
+                rows[strategy].append(row)
+                print(f"  compute {row['transfer_compute_s'] * 1000:.0f} ms, end-to-end "
+                      f"{row['transfer_end_to_end_s'] * 1000:.0f} ms", file=sys.stderr, flush=True)
+    finally:  # the runs' configs, logs and stores: this benchmark's alone
+        shutil.rmtree(workdir, ignore_errors=True)
     load_after = os.getloadavg()
     report = {
         "settings": {"B": B, "K": K, "tau": args.tau, "rounds": args.rounds, "broker": "mosquitto (loopback)",

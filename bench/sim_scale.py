@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import at_least  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("in-process per-client", "in-process vectorized", "ray, 2 CPUs, per-client", "ray, 2 CPUs, vectorized")
 
@@ -34,13 +37,14 @@ import torch
 torch.set_num_threads(1)
 from fedal.sim import load_config, build_run, simulated_engine
 from fedal.sim.runner import global_metrics_of
+
 spec = json.loads(sys.argv[1])
 config = load_config(None, spec["config"]).resolved()
 workers = 0.0
 if spec["variant"] == "ray":
     import ray
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-             logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,  # a new instance, as
+             _node_ip_address="127.0.0.1", logging_level="ERROR")  # `fedal simulate --backend ray` starts
     from fedal.sim.ray_backend import ray_run
     data, server, engine, close = ray_run(config, global_metrics_of)
 else:
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (N >= 1000: one)")
     ap.add_argument("--samples-per-client", type=int, default=60)
     ap.add_argument("--tau", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each variant below N = 1000")
+    ap.add_argument("--repeats", type=at_least(1), default=3, help="runs of each variant below N = 1000")
     ap.add_argument("--out", default="docs/results")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.clients.split(",") if x]

@@ -42,6 +42,9 @@ from fedal.strategies.losses import cross_entropy, kl_to_student
 from fedal.strategies.public_rows import public_rows
 from fedal.strategies.stacked import layout_key
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import at_least  # noqa: E402
+
 VARIANTS = ("per-client", "vectorized", "plain loop", "plain stacked loop")
 
 
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, default=10)
     ap.add_argument("--tau", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=40, help="timed rounds per variant")
+    ap.add_argument("--rounds", type=at_least(2), default=40, help="timed rounds per variant")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--models", default="mlp,cnn1d,cnn1d_wide", help="the zoo's MNIST-1D models, round-robin")

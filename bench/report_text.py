@@ -1,0 +1,22 @@
+"""What a benchmark's report keeps when it is written again: the hand-written reading below the
+generated part (from its "## Reading" heading on), so a rerun replaces the numbers only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+READING_MARK = "## Reading"
+
+
+def kept_reading(path: Path) -> str:
+    """The hand-written reading of the report at `path` ("" if it has none), to append."""
+    if not path.exists():
+        return ""
+    text = path.read_text()
+    i = text.find(READING_MARK)
+    return "" if i < 0 else "\n" + text[i:]
+
+
+def write_report(path: Path, generated: str) -> None:
+    """`generated` at `path`, followed by the reading the file held (kept_reading)."""
+    path.write_text(generated + kept_reading(path))
