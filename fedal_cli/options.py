@@ -42,7 +42,7 @@ RUN_OPTIONS = [
                  f"its first alone for {', '.join(n for n, s in STRATEGIES.items() if s.homogeneous_models)})."),
     click.option("--eval-every", type=int, help="Evaluate every k rounds."),
     click.option("--threads", type=int, help="torch threads per process."),
-    click.option("--dp-noise-multiplier", type=click.FloatRange(min=0),
+    click.option("--dp-noise-multiplier", type=click.FloatRange(min=0, min_open=True),
                  help="Differential privacy: noise multiplier sigma of DP-SGD on the private data (docs/privacy.md)."),
     click.option("--dp-max-grad-norm", type=click.FloatRange(min=0, min_open=True),
                  help="Differential privacy: per-sample gradient clipping norm C (default 1.0)."),

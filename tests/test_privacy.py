@@ -578,3 +578,51 @@ def test_fedakd_distils_both_ways_privately_and_releases_a_noisy_selection_count
     for eps in results["privacy"]["final_epsilon"].values():
         assert 3.95 <= eps <= 4.0
     assert results["final"]["global_acc"] is not None
+
+
+def test_a_stragglers_epsilon_counts_though_its_results_come_too_late():
+    """A straggler trains and answers after the deadline: its work was done and its privacy
+    spent, so its epsilon is reported (it was null all run, or a round behind)."""
+    plain = simulate(_dp_config(dp_noise_multiplier=1.0))["privacy"]
+    late = simulate(_dp_config(dp_noise_multiplier=1.0, stragglers=0.5, straggle_every=1))
+    stragglers = late["deployment"]["faults"]["stragglers"]
+    assert stragglers and late["deployment"]["faults"]["late_results"] > 0
+    for cid in stragglers:  # the same data, steps and noise as without the fault: the same epsilon
+        assert late["privacy"]["final_epsilon"][cid] == pytest.approx(plain["final_epsilon"][cid], rel=1e-12)
+    assert late["privacy"]["max_epsilon"] == pytest.approx(plain["max_epsilon"], rel=1e-12)
+
+
+def test_privacy_settings_no_run_can_use_are_refused():
+    for privacy, needle in (({"noise_multiplier": 0.0}, "adds no noise"),
+                            ({"noise_multiplier": float("inf")}, "finite"),
+                            ({"target_epsilon": float("inf")}, "finite")):
+        with pytest.raises(ConfigError, match=needle):
+            load_config(None, {"strategy": "fedal", "dataset": "digits", "privacy": privacy})
+
+
+def test_a_flag_choosing_how_the_noise_is_set_replaces_the_configs_choice(tmp_path):
+    (tmp_path / "run.toml").write_text('strategy = "fedal"\ndataset = "digits"\n[privacy]\nnoise_multiplier = 1.0\n')
+    config = load_config(tmp_path / "run.toml", {"dp_target_epsilon": 3.0}).resolved()
+    privacy = config.strategy_params.privacy
+    assert (privacy.noise_multiplier, privacy.target_epsilon, privacy.planned_rounds) == (None, 3.0, config.rounds)
+    config = load_config(tmp_path / "run.toml", {"dp_noise_multiplier": 0.5})
+    assert config.strategy_params.privacy.noise_multiplier == 0.5
+
+
+def test_the_results_state_every_privacy_setting():
+    results = simulate(_dp_config(dp_target_epsilon=3.0, rounds=1))
+    privacy = results["privacy"]
+    assert (privacy["target_epsilon"], privacy["planned_rounds"], privacy["accountant"]) == (3.0, 1, "rdp")
+    assert privacy["noise_multiplier"] is None and privacy["statistic_clip"] == 1.0
+
+
+def test_an_unreachable_target_epsilon_is_a_usage_error():
+    from click.testing import CliRunner
+
+    from fedal_cli.main import cli
+
+    r = CliRunner().invoke(cli, ["simulate", "--strategy", "fedal", "--dataset", "digits", "--clients", "2", "--rounds",
+                                 "1", "--public-size", "60", "--dp-target-epsilon", "1e-9", "--quiet", "--out",
+                                 "unused.json"])
+    assert r.exit_code == 2, r.output  # was 1
+    assert "no noise multiplier reaches target_epsilon 1e-09 in 1 rounds" in r.stderr

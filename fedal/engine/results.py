@@ -58,7 +58,9 @@ def privacy_summary(config: dict[str, Any], client_ids: list[str], records: list
     known = [e for e in final.values() if e is not None]
     return {
         "delta": settings.get("delta"), "noise_multiplier": settings.get("noise_multiplier"),
+        "target_epsilon": settings.get("target_epsilon"), "planned_rounds": settings.get("planned_rounds"),
         "max_grad_norm": settings.get("max_grad_norm"), "epsilon_budget": settings.get("epsilon_budget"),
+        "accountant": settings.get("accountant"), "statistic_clip": settings.get("statistic_clip"),
         "rounds": [r["round"] for r in rounds], "epsilon": per_client, "final_epsilon": final,
         "max_epsilon": max(known) if known else None, "exhausted": rounds[-1]["privacy"]["exhausted"],
     }

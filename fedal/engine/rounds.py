@@ -332,6 +332,7 @@ class RoundEngine:
         if cur is None or key != cur.key:
             with self.lock:
                 self.counters["stale"] += 1
+            self._note_privacy(info, msg)  # its work was done, its privacy spent: the epsilon still counts
             return
         refused = cur.refused.get(cid)
         fingerprint = hashlib.sha256(encode(msg)).digest() if refused is not None else b""
@@ -358,11 +359,9 @@ class RoundEngine:
         except Exception as exc:
             raise StrategyError(f"{type(self.server).__name__}.validate failed on {cid}'s {cur.phase.phase} result: "
                                 f"{type(exc).__name__}: {exc}") from exc
+        self._note_privacy(info, msg)
         with self.lock:
             cur.results[cid] = msg
-            if msg.meta.get("epsilon") is not None:
-                info.epsilon = float(msg.meta["epsilon"])  # type: ignore[arg-type]  # validated
-            info.dp_exhausted = info.dp_exhausted or msg.meta.get("dp_exhausted") is True
             cur.latencies.append(self.transport.now() - cur.started)
             cur.pending.discard(cid)
             info.answered += 1
@@ -371,6 +370,20 @@ class RoundEngine:
             info.online = True  # a valid answer proves it, should its retained "online" status have been lost
         if came_online:
             self.notify("client", client=cid, online=True)
+
+    def _note_privacy(self, info: ClientInfo, msg: Message) -> None:
+        """A result's epsilon into its client's ledger: the largest it reported (epsilon only grows;
+        a result that comes too late, or another phase's, was still paid for in privacy). A value
+        that is no epsilon is left out here; a current result with one is refused by validation."""
+        try:
+            self._validate_privacy(msg)
+        except InvalidResult:
+            return
+        with self.lock:
+            if msg.meta.get("epsilon") is not None:
+                eps = float(msg.meta["epsilon"])  # type: ignore[arg-type]  # validated
+                info.epsilon = eps if info.epsilon is None else max(info.epsilon, eps)
+            info.dp_exhausted = info.dp_exhausted or msg.meta.get("dp_exhausted") is True
 
     @staticmethod
     def _validate_privacy(msg: Message) -> None:

@@ -8,8 +8,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+class UnreachableTarget(ValueError):
+    """A target_epsilon no noise reaches for a client's steps: a setting of the run to change."""
+
+
 class PrivacyParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # an infinite sigma hung the accountant
 
     noise_multiplier: float | None = Field(
         None, ge=0, description="sigma: the Gaussian noise's std is sigma * max_grad_norm (unset: calibrated from "
@@ -61,7 +65,8 @@ class PrivacyParams(BaseModel):
         while epsilon(high) > target:
             low, high = high, 2 * high
             if high > 1e4:
-                raise ValueError(f"no noise multiplier reaches target_epsilon {target:g}")
+                raise UnreachableTarget(f"no noise multiplier reaches target_epsilon {target:g} in "
+                                        f"{rounds} rounds: ask for a larger target_epsilon")
         while epsilon(high) < target - 0.01 and high - low > 1e-4:
             mid = (low + high) / 2
             low, high = (mid, high) if epsilon(mid) > target else (low, mid)

@@ -57,9 +57,10 @@ def dp_compatible(model: torch.nn.Module, name: str = "model", announce: bool = 
     left = ModuleValidator.validate(fixed, strict=False)
     if left:
         raise ValueError(f"{name} cannot be trained with differential privacy: {'; '.join(map(str, left))}")
-    what = "; ".join(sorted({type(p).__name__ + ": " + str(p).split(":")[-1].strip() for p in problems}))
+    replaced = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)})
     log.log(logging.WARNING if announce else logging.DEBUG,
-            "%s: %s; using its DP-compatible variant (BatchNorm -> GroupNorm)", name, what)
+            "%s: %s mixes the samples of a batch, which per-sample clipping cannot bound; using its DP-compatible "
+            "variant (BatchNorm -> GroupNorm)", name, ", ".join(replaced) or "a layer Opacus cannot train per sample")
     return fixed
 
 

@@ -8,6 +8,7 @@ import torch
 
 from fedal.data import SplitError, build_federated
 from fedal.models import build_model
+from fedal.privacy.settings import UnreachableTarget
 from fedal.sim.config import ConfigError, RunConfig
 from fedal.strategies import ServerContext, get_strategy
 
@@ -74,8 +75,11 @@ def build_clients(config: RunConfig, data, indices, public_x: np.ndarray | None 
         except ValueError as exc:  # a model the dataset's inputs do not fit: --models
             raise ConfigError(f"{exc} (--models)") from None
         widths[name] = model.feature_dim
-        clients[ids[i]] = spec.client(ids[i], model, data.clients[i], shared_public, params,
-                                      seed=client_seed(config.seed, i))
+        try:
+            clients[ids[i]] = spec.client(ids[i], model, data.clients[i], shared_public, params,
+                                          seed=client_seed(config.seed, i))
+        except UnreachableTarget as exc:  # the privacy settings ask what no noise gives
+            raise ConfigError(f"privacy: {exc}") from None
     if spec.same_feature_dim and len(set(widths.values())) > 1:
         raise ConfigError(f"strategy {config.strategy!r} needs one feature width on every client; the models' are "
                           f"{widths}: choose models of one width (--models)")

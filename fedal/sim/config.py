@@ -169,6 +169,9 @@ class RunConfig(BaseModel):
         if unknown:
             raise ValueError(f"unknown model(s) {unknown}; valid choices: {', '.join(MODEL_NAMES)}")
         spec = get_strategy(self.strategy)
+        if self.strategy_params.privacy is not None and self.strategy_params.privacy.noise_multiplier == 0:
+            raise ValueError("privacy.noise_multiplier 0 adds no noise: epsilon would be unbounded; give a noise "
+                             "multiplier > 0 or a target_epsilon (clipping alone is no differential privacy)")
         if self.strategy_params.privacy is not None and "privacy" not in spec.params:
             private = ", ".join(n for n, s in STRATEGIES.items() if "privacy" in s.params)
             raise ValueError(f"strategy {self.strategy!r} has no differentially private training yet; privacy "
@@ -255,7 +258,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             params = data.setdefault("strategy_params", {})
             if not isinstance(params.get("privacy"), dict):
                 params["privacy"] = {}
-            params["privacy"][PRIVACY_FLAGS[key]] = value
+            name = PRIVACY_FLAGS[key]
+            rival = {"noise_multiplier": "target_epsilon", "target_epsilon": "noise_multiplier"}.get(name)
+            if rival is not None:  # a flag choosing how the noise is set replaces the config's choice
+                params["privacy"].pop(rival, None)
+                params["privacy"].pop("planned_rounds", None)  # the run sets it again for a target
+            params["privacy"][name] = value
         elif key in StrategyParams.model_fields:
             data.setdefault("strategy_params", {})[key] = value
         else:
