@@ -260,8 +260,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
                 params["privacy"] = {}
             name = PRIVACY_FLAGS[key]
             rival = {"noise_multiplier": "target_epsilon", "target_epsilon": "noise_multiplier"}.get(name)
-            given = {PRIVACY_FLAGS[k] for k, v in (overrides or {}).items() if k in PRIVACY_FLAGS and v is not None}
-            if rival is not None and rival not in given:  # a flag choosing how the noise is set replaces the
+            flagged = {PRIVACY_FLAGS[k] for k, v in (overrides or {}).items() if k in PRIVACY_FLAGS and v is not None}
+            if rival is not None and rival not in flagged:  # a flag choosing how the noise is set replaces the
                 params["privacy"].pop(rival, None)  # config's choice (both as flags: refused, "not both")
                 params["privacy"].pop("planned_rounds", None)  # the run sets it again for a target
             params["privacy"][name] = value
