@@ -39,7 +39,7 @@ def served():
             self.wfile.write(payload)
 
         def log_message(self, *args):
-            pass
+            """No access log on the test's stderr: the fetches are counted in `hits`."""
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

@@ -155,26 +155,16 @@ def test_the_demo_takes_a_ray_simulations_results_as_its_config():
 
 def test_ctrl_c_stops_the_demo_as_the_other_stop_signals_do(tmp_path):
     import signal
-    import time
+
+    from tests.waiting import signal_when_ready
 
     proc = subprocess.Popen([*fedal_command(), "demo", "--dataset", "digits", "--clients", "2", "--rounds", "10000",
                              "--strategy", "fedmd", "--public-size", "60", "--quiet", "--workdir", "ws"],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     lock = tmp_path / "ws" / ".fedal-workspace.lock"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (lock.exists() and lock.read_text().strip()):
-            time.sleep(0.2)  # the workspace is held: the run is under way, its signal handling in place
-        time.sleep(1)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            import os
-
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    # the workspace is held: the run is under way, its signal handling in place
+    _, err = signal_when_ready(proc, lambda: lock.exists() and lock.read_text().strip(), signal.SIGINT, settle_s=1)
     assert proc.returncode == 128 + signal.SIGINT, err
     assert "stopped by SIGINT: the coordinator, the agents and the broker are shut down" in err
     assert "Aborted!" not in err and "Traceback" not in err

@@ -120,7 +120,7 @@ def test_a_workspace_in_use_by_a_live_run_is_refused_and_released_when_it_ends(t
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(workspace.WorkspaceError, match=rf"is in use by `fedal demo` \(PID {holder.pid}\)"):
             with workspace.held(ws, "fedal demo"):
-                pass
+                pytest.fail("entered a workspace another run holds")
         r = CliRunner().invoke(cli, demo_args(str(ws), tmp_path / "r.json"))
         assert r.exit_code == 2, r.output
         assert f"is in use by `fedal demo` (PID {holder.pid})" in r.stderr
@@ -132,7 +132,7 @@ def test_a_workspace_in_use_by_a_live_run_is_refused_and_released_when_it_ends(t
     with workspace.held(ws, "fedal demo"):
         with pytest.raises(workspace.WorkspaceError, match=r"in use"):  # also within one process
             with workspace.held(ws, "another"):
-                pass
+                pytest.fail("entered a workspace this process holds")
 
 
 def test_the_workspace_lock_is_never_written_through_a_link(tmp_path):
@@ -142,5 +142,5 @@ def test_the_workspace_lock_is_never_written_through_a_link(tmp_path):
     (ws / workspace.LOCK).symlink_to(precious)
     with pytest.raises(workspace.WorkspaceError, match="remove it if it is a link"):
         with workspace.held(ws, "fedal demo"):
-            pass
+            pytest.fail("held a workspace through a lock file that is a link")
     assert precious.read_text() == "a user's file\n"

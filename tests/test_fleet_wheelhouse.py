@@ -184,9 +184,10 @@ def test_a_stopped_wheelhouse_ends_pip_and_leaves_nothing_in_out(tmp_path, input
     A work directory left by a run killed outright (SIGKILL) is removed by the next one."""
     import signal
     import socket
-    import time
 
     import psutil
+
+    from tests.waiting import signal_when_ready
 
     idx, constraints, wheel = inputs
     out = tmp_path / "wh"
@@ -199,21 +200,13 @@ def test_a_stopped_wheelhouse_ends_pip_and_leaves_nothing_in_out(tmp_path, input
                                  "--out", str(out), "--index-url", url, "--constraints", str(constraints),
                                  "--wheel", str(wheel)], cwd=REPO, env=hermetic_pip_env(tmp_path / "none"),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 120
-            pips: list = []
-            while not pips and time.monotonic() < deadline:
-                time.sleep(0.2)
-                pips = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                        if "download" in " ".join(c.cmdline())]
-            assert pips, proc.stderr.read() if proc.poll() is not None else "no pip download started"
-            time.sleep(1)
-            proc.send_signal(signal.SIGTERM)
-            _, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        pips: list = []
+
+        def downloading() -> bool:
+            pips[:] = [c for c in psutil.Process(proc.pid).children(recursive=True) if "download" in " ".join(c.cmdline())]
+            return bool(pips)
+
+        _, err = signal_when_ready(proc, downloading, signal.SIGTERM, settle_s=1)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM: pip ended" in err and "Traceback" not in err
     psutil.wait_procs(pips, timeout=10)

@@ -224,22 +224,14 @@ def test_fleet_says_when_nothing_answers_at_the_broker():
 
 def test_a_fleet_stopped_by_sigterm_exits_as_the_shell_reports_it():
     import signal
-    import time
 
     from fedal.ports import free_port
+    from tests.waiting import signal_when_ready
 
     proc = subprocess.Popen([sys.executable, "-m", "hil", "fleet", "--clients", "2", "--broker",
                              f"mqtt://127.0.0.1:{free_port()}", "--run-id", "x", "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not catches_sigterm(proc.pid):  # its handler is in place
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out, err = signal_when_ready(proc, lambda: catches_sigterm(proc.pid), signal.SIGTERM)  # its handler is in place
     assert proc.returncode == 128 + signal.SIGTERM, err  # was 1
     assert json.loads(out)["outcome"] == "interrupted"
 
