@@ -10,6 +10,7 @@ once the quorum answered; late clients are left out of that phase and rejoin wit
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -332,7 +333,9 @@ class RoundEngine:
         if cur is None or key != cur.key:
             with self.lock:
                 self.counters["stale"] += 1
-            self._note_privacy(info, msg)  # its work was done, its privacy spent: the epsilon still counts
+                with contextlib.suppress(InvalidResult):  # its work was done, its privacy spent: a valid
+                    self._validate_privacy(msg)  # epsilon still counts (an invalid one is left out)
+                    self._record_privacy(info, msg)
             return
         refused = cur.refused.get(cid)
         fingerprint = hashlib.sha256(encode(msg)).digest() if refused is not None else b""
@@ -359,8 +362,8 @@ class RoundEngine:
         except Exception as exc:
             raise StrategyError(f"{type(self.server).__name__}.validate failed on {cid}'s {cur.phase.phase} result: "
                                 f"{type(exc).__name__}: {exc}") from exc
-        self._note_privacy(info, msg)
         with self.lock:
+            self._record_privacy(info, msg)  # validated above
             cur.results[cid] = msg
             cur.latencies.append(self.transport.now() - cur.started)
             cur.pending.discard(cid)
@@ -371,19 +374,14 @@ class RoundEngine:
         if came_online:
             self.notify("client", client=cid, online=True)
 
-    def _note_privacy(self, info: ClientInfo, msg: Message) -> None:
-        """A result's epsilon into its client's ledger: the largest it reported (epsilon only grows;
-        a result that comes too late, or another phase's, was still paid for in privacy). A value
-        that is no epsilon is left out here; a current result with one is refused by validation."""
-        try:
-            self._validate_privacy(msg)
-        except InvalidResult:
-            return
-        with self.lock:
-            if msg.meta.get("epsilon") is not None:
-                eps = float(msg.meta["epsilon"])  # type: ignore[arg-type]  # validated
-                info.epsilon = eps if info.epsilon is None else max(info.epsilon, eps)
-            info.dp_exhausted = info.dp_exhausted or msg.meta.get("dp_exhausted") is True
+    @staticmethod
+    def _record_privacy(info: ClientInfo, msg: Message) -> None:
+        """A validated result's epsilon into its client's ledger (under the lock): the largest it
+        reported, as epsilon only grows and a result that came too late was still paid for."""
+        if msg.meta.get("epsilon") is not None:
+            eps = float(msg.meta["epsilon"])  # type: ignore[arg-type]  # validated
+            info.epsilon = eps if info.epsilon is None else max(info.epsilon, eps)
+        info.dp_exhausted = info.dp_exhausted or msg.meta.get("dp_exhausted") is True
 
     @staticmethod
     def _validate_privacy(msg: Message) -> None:
