@@ -3,8 +3,11 @@ a private Mosquitto, the tests' servers): one picker for all of them."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+
+SLICE_ENV = "FEDAL_PORT_SLICE"
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -18,6 +21,26 @@ def _ephemeral_range() -> tuple[int, int]:
 _given: set[int] = set()
 
 
+def _slice(lo: int, high: int) -> tuple[int, int]:
+    """The part of lo..high-1 this process picks from. Processes that start servers side by side
+    (parallel test workers, CI jobs on one machine) each set FEDAL_PORT_SLICE=K/N (K in 0..N-1),
+    inherited by what they start: their picks then never meet, and none takes a port another has
+    picked but not yet bound (the coordinator binds its API only after torch has loaded)."""
+    value = os.environ.get(SLICE_ENV, "").strip()
+    if not value:
+        return lo, high
+    try:
+        k, n = (int(part) for part in value.split("/"))
+    except ValueError:
+        raise ValueError(f"{SLICE_ENV}={value!r}: expected K/N, e.g. 0/2") from None
+    if not (n >= 1 and 0 <= k < n):
+        raise ValueError(f"{SLICE_ENV}={value!r}: K must be in 0..N-1")
+    width = (high - lo) // n
+    if width < 16:
+        raise ValueError(f"{SLICE_ENV}={value!r}: {high - lo} ports cannot be shared {n} ways")
+    return lo + k * width, lo + (k + 1) * width
+
+
 def free_port() -> int:
     """A loopback port nothing listens on, for a server started next.
 
@@ -29,9 +52,9 @@ def free_port() -> int:
     picking that very port in the same instant."""
     pick = random.SystemRandom()  # not the seeded global one: workers seeded alike would pick alike
     low, _high = _ephemeral_range()
-    lo = 10000 if low > 12000 else 1024
+    lo, high = _slice(10000 if low > 12000 else 1024, low)
     for _ in range(1000):
-        port = pick.randrange(lo, low)
+        port = pick.randrange(lo, high)
         if port in _given:
             continue
         with socket.socket() as s:
@@ -41,7 +64,7 @@ def free_port() -> int:
                 continue
         _given.add(port)
         return port
-    raise RuntimeError(f"no free loopback port in {lo}..{low - 1}")
+    raise RuntimeError(f"no free loopback port in {lo}..{high - 1}")
 
 
 def unreachable(host: str, port: int, timeout_s: float = 10.0) -> str | None:

@@ -4,6 +4,17 @@ from pathlib import Path
 import pytest
 
 
+def _share_ports_between_workers() -> None:
+    """Each xdist worker (and what it starts) picks server ports from a slice of its own: two
+    workers picking the same port before either binds it failed a coordinator with status 3."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and count.isdigit() and "FEDAL_PORT_SLICE" not in os.environ:
+        os.environ["FEDAL_PORT_SLICE"] = f"{int(worker[2:])}/{count}"
+
+
+_share_ports_between_workers()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _fedal_cache(tmp_path_factory):
     """Generated datasets go to a cache private to this test session (never the user's)."""

@@ -43,8 +43,12 @@ class Deployment:
     def agent_path(self, cid: str) -> Path:
         return next(p for p in self.agent_paths if p.parent.name == cid)
 
+    @property
+    def coordinator_log(self) -> Path:
+        return self.workdir / "coordinator" / "coordinator.log"
+
     def start_coordinator(self) -> None:
-        self.coordinator = spawn("coordinator", self.coord_path, self.workdir / "coordinator" / "coordinator.log")
+        self.coordinator = spawn("coordinator", self.coord_path, self.coordinator_log)
 
     def start_agent(self, cid: str) -> subprocess.Popen:
         path = self.agent_path(cid)
@@ -59,7 +63,9 @@ class Deployment:
         last = None
         while time.monotonic() < deadline:
             if self.coordinator is not None and self.coordinator.poll() is not None:
-                raise AssertionError(f"coordinator exited with {self.coordinator.returncode}")
+                tail = self.coordinator_log.read_text(errors="replace").splitlines()[-15:]
+                raise AssertionError(f"coordinator exited with {self.coordinator.returncode}; its log ends:\n"
+                                     + "\n".join(tail))
             state = poll_run(self.api)  # None while the API is down: never judge a state seen before
             if state is not None:
                 last = state
