@@ -1,3 +1,5 @@
+import contextlib
+import fcntl
 import os
 from pathlib import Path
 
@@ -121,3 +123,38 @@ def embedded_broker():
     yield broker.url
     broker.stop()
 
+
+
+@contextlib.contextmanager
+def _ray_lock(tmp_path_factory, exclusive: bool):
+    """A lock in the directory all xdist workers' temporary directories share: tests that start a
+    Ray instance hold it shared, a test that needs no Ray instance anywhere on the machine (Ray's
+    `auto` joins whichever it finds) holds it alone."""
+    path = tmp_path_factory.getbasetemp().parent / "fedal-ray-instances.lock"
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@pytest.fixture()
+def ray_may_start(tmp_path_factory):
+    """This test starts a Ray instance (in this process or in a command it runs)."""
+    with _ray_lock(tmp_path_factory, exclusive=False):
+        yield
+
+
+@pytest.fixture(scope="module")
+def ray_may_start_in_module(tmp_path_factory):
+    """As `ray_may_start`, for a module-scoped Ray instance."""
+    with _ray_lock(tmp_path_factory, exclusive=False):
+        yield
+
+
+@pytest.fixture()
+def no_ray_starts_meanwhile(tmp_path_factory):
+    """While this test runs, no other test on the machine starts a Ray instance."""
+    with _ray_lock(tmp_path_factory, exclusive=True):
+        yield

@@ -127,5 +127,7 @@ def poll_run(api: str, run_id: str = RUN_ID) -> dict | None:
 
 
 def get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=5) as resp:
+    # generous: right after a burst (10,000 fuzzed messages) the API shares the GIL with an engine
+    # still working through it
+    with urllib.request.urlopen(url, timeout=30) as resp:
         return json.loads(resp.read())

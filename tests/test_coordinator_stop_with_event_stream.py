@@ -138,10 +138,10 @@ def test_sigterm_stops_the_coordinator_while_an_event_stream_is_open(mosquitto, 
                                  f"{log.read_text()[-3000:]}") from None
         took = time.monotonic() - stopped_at
         assert returncode == 0, log.read_text()[-3000:]
-        assert took < 10, f"the coordinator took {took:.1f} s to stop"
+        assert took < 20, f"the coordinator took {took:.1f} s to stop"  # (it waited for ever)
         wait_until(lambda: stream.ended_at is not None, timeout_s=10, what="the event stream to end")
         assert stream.ended_cleanly, stream.received[-200:]  # ended by the app, not cut by a timeout
-        assert stream.ended_at - stopped_at < 5
+        assert stream.ended_at - stopped_at < 15
         wait_until(lambda: "stopped" in watcher.states, timeout_s=10, what="`stopped` to be published")
     finally:
         if stream is not None:

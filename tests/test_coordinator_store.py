@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from coordinator.store import RunStore, default_store_url, flat_metrics
+from fedal.ports import free_port
 
 
 def record(r: int) -> dict:
@@ -93,9 +94,7 @@ def postgres_url():
         shutil.chown(tmp_path, "nobody")
         run_as = ["runuser", "-u", "nobody", "--"]
         env["HOME"] = str(tmp_path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # not one the kernel hands out: initdb takes seconds before postgres binds it
     subprocess.run([*run_as, str(bindir / "initdb"), "-D", str(data), "-U", "fedal", "--auth=trust", "-E", "UTF8"],
                    check=True, capture_output=True, env=env)
     server = subprocess.Popen([*run_as, str(bindir / "postgres"), "-D", str(data), "-p", str(port), "-h", "127.0.0.1",
@@ -138,7 +137,6 @@ def test_a_damaged_store_is_one_line_and_left_as_it_is(tmp_path):
     from click.testing import CliRunner
 
     from coordinator.store import RunStore, StoreError
-    from fedal.ports import free_port
     from fedal_cli.main import cli
 
     state = tmp_path / "state"

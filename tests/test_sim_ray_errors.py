@@ -70,6 +70,7 @@ def _ray_running(wait_s: float = 15.0) -> bool:
         time.sleep(0.5)
 
 
+@pytest.mark.usefixtures("ray_may_start")
 def test_cli_actors_that_ask_more_than_the_cluster_has_stop_at_once(tmp_path):
     """Before: the actor was never placed and the run waited silently forever."""
     started = time.monotonic()
@@ -80,6 +81,7 @@ def test_cli_actors_that_ask_more_than_the_cluster_has_stop_at_once(tmp_path):
     assert not (tmp_path / "results.json").exists()
 
 
+@pytest.mark.usefixtures("no_ray_starts_meanwhile")  # another worker's instance would be joined
 def test_cli_ray_address_auto_without_a_cluster_is_one_line(tmp_path):
     if _ray_running():
         pytest.skip("a Ray instance runs on this machine: --ray-address auto would join it")
@@ -124,7 +126,7 @@ def test_ray_addresses_that_are_not_host_port_are_refused(address):
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def local_ray(ray_may_start_in_module):
     ray.init(num_cpus=2, resources={"fedal_test_slot": 1}, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1", logging_level="ERROR")
     yield

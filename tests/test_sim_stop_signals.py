@@ -78,6 +78,7 @@ def test_snapshot_directories_of_drivers_no_longer_alive_are_removed(tmp_path):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.usefixtures("ray_may_start")
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
 def test_a_ray_simulation_stopped_by_a_signal_leaves_no_ray_process_or_snapshot(tmp_path, sig):
     """A closed terminal (SIGHUP) or SIGTERM (which ray.init takes over for itself): the actors,
@@ -109,6 +110,7 @@ def test_a_ray_simulation_stopped_by_a_signal_leaves_no_ray_process_or_snapshot(
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.usefixtures("ray_may_start")
 def test_the_local_ray_instance_is_always_a_new_one(tmp_path):
     """Without --ray-address a run starts its own instance, even where RAY_ADDRESS names a
     cluster (ray.init would join it, and the run's clean-up would then end that cluster's

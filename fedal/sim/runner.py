@@ -53,7 +53,18 @@ def simulate(config: RunConfig, progress: ProgressFn | None = None, verbose: boo
     """Run `config` to the end and return its results; `verbose`: let the Ray backend's own logs
     through (off: warnings and errors only). `stage(name)` is told when the long parts begin:
     "build" (the data and the clients; a Ray instance), "rounds", and for a strategy scored by
-    collaborative fairness "standalone" (its baseline, whose rounds also go to `progress`)."""
+    collaborative fairness "standalone" (its baseline, whose rounds also go to `progress`).
+
+    The run sets torch's thread count to `config.threads` and gives the caller's back at its end:
+    a notebook or script calling it keeps its own."""
+    threads = torch.get_num_threads()
+    try:
+        return _simulate(config, progress, verbose, stage)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _simulate(config: RunConfig, progress: ProgressFn | None, verbose: bool, stage: StageFn | None) -> dict[str, Any]:
     stage = stage or (lambda _name: None)
     stage("build")
     config = config.resolved()
