@@ -81,12 +81,14 @@ def train_once(make, x, y, xt, yt, seed: int, rows: int, steps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=at_least(1), default=5)
-    ap.add_argument("--rows", type=int, default=700)
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--rows", type=at_least(1), default=700, help="training rows (at most the generated training set)")
+    ap.add_argument("--steps", type=at_least(1), default=600)
     ap.add_argument("--out", default="docs/results")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     train, test = load_mnist1d()
+    if args.rows > len(train.x):
+        ap.error(f"argument --rows: at most {len(train.x)} (the training set), got {args.rows}")
     x, y = torch.from_numpy(train.x), torch.from_numpy(train.y).long()
     xt, yt = torch.from_numpy(test.x), torch.from_numpy(test.y).long()
     started = time.perf_counter()

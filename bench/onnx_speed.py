@@ -260,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu", type=int, help="Pin this process to one CPU (like taskset -c N).")
     args = parser.parse_args(argv)
     if args.cpu is not None:
+        usable = sorted(os.sched_getaffinity(0))
+        if args.cpu not in usable:
+            parser.error(f"argument --cpu: {args.cpu} is not one of this process's CPUs {usable}")
         os.sched_setaffinity(0, {args.cpu})
     with tempfile.TemporaryDirectory() as tmp:
         rows, profiles = run(Path(tmp))

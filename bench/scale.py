@@ -32,6 +32,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cli_args import at_least  # noqa: E402
 
 from hil.coordinator_setup import get_json, start_coordinator, stop_process, wait_for_run, write_coordinator_config  # noqa: E402
 from hil.fleet import Fleet, client_ids  # noqa: E402
@@ -141,11 +144,17 @@ def growth(rows: list[dict], key: str) -> str:
     return f"x{b[key] / a[key]:.1f} for x{b['clients'] / a['clients']:.0f} clients"
 
 
+def client_counts(text: str) -> list[int]:
+    """--clients: comma-separated counts, each at least 2 (a federation)."""
+    parse = at_least(2)
+    return [parse(part.strip()) for part in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clients", default="100,300,1000", help="comma-separated N")
-    ap.add_argument("--tau", type=int, default=3, help="transfer iterations per round")
-    ap.add_argument("--rounds", type=int, default=2, help="the last round is reported (the first warms up)")
+    ap.add_argument("--clients", type=client_counts, default="100,300,1000", help="comma-separated N")
+    ap.add_argument("--tau", type=at_least(1), default=3, help="transfer iterations per round")
+    ap.add_argument("--rounds", type=at_least(1), default=2, help="the last round is reported (the first warms up)")
     ap.add_argument("--no-fedmd", action="store_true", help="skip the FedMD reference runs")
     ap.add_argument("--coordinator-threads", type=int, default=1,
                     help="torch threads of the coordinator (0: torch's default, one per core)")
@@ -155,11 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.render:
-        md = render(json.loads(Path(args.render).read_text()))
+        try:
+            md = render(json.loads(Path(args.render).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            ap.error(f"argument --render: {args.render} is not a readable scale.json ({type(exc).__name__}: {exc})")
+        out.mkdir(parents=True, exist_ok=True)
         (out / "scale.md").write_text(md)
         print(md)
         return 0
-    sizes = [int(x) for x in args.clients.split(",")]
+    sizes = args.clients
     raise_open_files_limit(max(sizes) * 3 + 1024)
     workdir = Path(tempfile.mkdtemp(prefix="fedal-scale-"))
     load_before = os.getloadavg()
