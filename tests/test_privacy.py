@@ -309,6 +309,24 @@ def test_the_engine_refuses_a_malformed_epsilon_and_counts_it():
     assert np.isfinite(record["privacy"]["epsilon"][0])
 
 
+@pytest.mark.parametrize("sigma", [0.0, -1.0, True, "1.0"])  # (non-finite: not encodable)
+def test_the_engine_refuses_a_malformed_noise_multiplier_and_counts_it(sigma):
+    from tests.helpers import in_process
+
+    server, clients, _ = toy_federation("fedal", tau=1, privacy={"noise_multiplier": 1.0})
+    handle = clients["c1"].handle
+
+    def lying(task):
+        result = handle(task)
+        return result.with_meta(noise_multiplier=sigma) if task.phase == "local_train" else result
+
+    clients["c1"].handle = lying
+    engine = in_process(server, clients)
+    record = engine.run_round(0)
+    assert engine.reject_reasons["privacy"] >= 1 and record["rejected"] >= 1
+    assert record["privacy"]["noise_multiplier"][1] is None and record["privacy"]["noise_multiplier"][0] == 1.0
+
+
 @pytest.mark.parametrize("strategy, privacy", [("fedal", {"dp_noise_multiplier": 1.1, "dp_max_grad_norm": 0.8}),
                                                ("fedmd", {"dp_target_epsilon": 6.0})])
 def test_a_private_deployment_over_mqtt_gives_the_simulations_numbers(strategy, privacy, embedded_broker, tmp_path):
@@ -336,6 +354,17 @@ def test_a_target_epsilon_calibrates_each_clients_noise_to_reach_it_at_the_end()
     assert len(set(sizes)) > 1
     for eps in results["privacy"]["final_epsilon"].values():
         assert 3.95 <= eps <= 4.0
+    # the noise each client calibrated is in the results: a larger client samples at a lower
+    # rate and needs less noise for the same target
+    sigma = results["privacy"]["client_noise_multiplier"]
+    assert results["privacy"]["noise_multiplier"] is None and len(sigma) == len(sizes)
+    by_size = sorted(zip(sizes, sigma.values()))
+    assert all(a[1] >= b[1] for a, b in zip(by_size, by_size[1:])) and by_size[0][1] > by_size[-1][1]
+    params = results["config"]["strategy_params"]
+    tau, batch = params["tau"], params["batch_size"]
+    privacy = PrivacyParams(**params["privacy"])
+    for n, got in zip(sizes, sigma.values()):  # what the client's own calibration gives for its size
+        assert got == privacy.sigma_for(min(1.0, batch / n), tau)
 
 
 def test_a_private_client_does_not_report_its_own_test_splits_accuracy():
@@ -614,6 +643,10 @@ def test_the_results_state_every_privacy_setting():
     privacy = results["privacy"]
     assert (privacy["target_epsilon"], privacy["planned_rounds"], privacy["accountant"]) == (3.0, 1, "rdp")
     assert privacy["noise_multiplier"] is None and privacy["statistic_clip"] == 1.0
+    assert set(privacy["client_noise_multiplier"]) == set(privacy["final_epsilon"])
+    assert all(s > 0 for s in privacy["client_noise_multiplier"].values())
+    fixed = simulate(_dp_config(dp_noise_multiplier=0.7, rounds=1))["privacy"]
+    assert fixed["noise_multiplier"] == 0.7 and set(fixed["client_noise_multiplier"].values()) == {0.7}
 
 
 def test_an_unreachable_target_epsilon_is_a_usage_error():

@@ -26,6 +26,7 @@ class ClientInfo:
     last_local_acc: float | None = None
     epsilon: float | None = None  # differential privacy: the epsilon it last reported (at the run's delta)
     dp_exhausted: bool = False  # it reported that more private training would exceed its epsilon_budget
+    noise_multiplier: float | None = None  # the DP noise multiplier it reported (its own under target_epsilon)
     health: dict[str, Any] | None = None  # the last valid fields of its status's `health` (fedal/engine/health.py)
 
 

@@ -55,6 +55,7 @@ def privacy_summary(config: dict[str, Any], client_ids: list[str], records: list
         return None
     per_client = {cid: [r["privacy"]["epsilon"][i] for r in rounds] for i, cid in enumerate(client_ids)}
     final = {cid: eps[-1] for cid, eps in per_client.items()}
+    sigma = rounds[-1]["privacy"].get("noise_multiplier") or [None] * len(client_ids)  # (older records: none)
     known = [e for e in final.values() if e is not None]
     return {
         "delta": settings.get("delta"), "noise_multiplier": settings.get("noise_multiplier"),
@@ -63,6 +64,7 @@ def privacy_summary(config: dict[str, Any], client_ids: list[str], records: list
         "accountant": settings.get("accountant"), "statistic_clip": settings.get("statistic_clip"),
         "rounds": [r["round"] for r in rounds], "epsilon": per_client, "final_epsilon": final,
         "max_epsilon": max(known) if known else None, "exhausted": rounds[-1]["privacy"]["exhausted"],
+        "client_noise_multiplier": dict(zip(client_ids, sigma)),
     }
 
 

@@ -146,9 +146,10 @@ class RoundEngine:
         with self.lock:
             eps = [self.clients[c].epsilon for c in self.client_ids]
             exhausted = [c for c in self.client_ids if self.clients[c].dp_exhausted]
+            sigma = [self.clients[c].noise_multiplier for c in self.client_ids]
         if all(e is None for e in eps):
             return None
-        return {"epsilon": eps, "exhausted": exhausted}
+        return {"epsilon": eps, "exhausted": exhausted, "noise_multiplier": sigma}
 
     def _evaluate(self, r: int, stats: PhaseStats) -> dict[str, Any]:
         tasks = {cid: Message({"phase": "evaluate", "round": r, "iteration": 0}) for cid in self.client_ids}
@@ -382,6 +383,8 @@ class RoundEngine:
             eps = float(msg.meta["epsilon"])  # type: ignore[arg-type]  # validated
             info.epsilon = eps if info.epsilon is None else max(info.epsilon, eps)
         info.dp_exhausted = info.dp_exhausted or msg.meta.get("dp_exhausted") is True
+        if msg.meta.get("noise_multiplier") is not None:
+            info.noise_multiplier = float(msg.meta["noise_multiplier"])  # type: ignore[arg-type]  # validated
 
     @staticmethod
     def _validate_privacy(msg: Message) -> None:
@@ -391,6 +394,10 @@ class RoundEngine:
             raise InvalidResult(f"epsilon {eps!r} is not a non-negative number", kind="privacy")
         if exhausted is not None and not isinstance(exhausted, bool):
             raise InvalidResult(f"dp_exhausted {exhausted!r} is not a boolean", kind="privacy")
+        sigma = msg.meta.get("noise_multiplier")
+        if sigma is not None and (isinstance(sigma, bool) or not isinstance(sigma, (int, float))
+                                  or not math.isfinite(sigma) or sigma <= 0):
+            raise InvalidResult(f"noise_multiplier {sigma!r} is not a positive number", kind="privacy")
 
     @staticmethod
     def _validate_evaluation(phase: PhaseTasks, cid: str, msg: Message) -> None:

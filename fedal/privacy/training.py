@@ -171,7 +171,8 @@ class PrivateTraining:
         except PrivacyBudgetExhausted as exc:
             log.info("%s trains no more on its private data: %s", who, exc)
             out, exhausted = None, True
-        return {"dp_exhausted": exhausted, "epsilon": self.epsilon()}, out
+        # the noise multiplier too: under target_epsilon each client calibrates its own
+        return {"dp_exhausted": exhausted, "epsilon": self.epsilon(), "noise_multiplier": self.sigma}, out
 
     def release_class_means(self, values: torch.Tensor, labels: torch.Tensor, num_classes: int,
                             clip: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
