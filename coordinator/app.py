@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import queue
 import secrets
 import time
 from typing import Any
 
 from fastapi import Body, Depends, FastAPI, HTTPException, Request
-from fastapi.responses import PlainTextResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -129,17 +132,29 @@ def create_app(runs: RunManager | Run) -> FastAPI:
     reads = [Depends(require_read)]
     writes = [Depends(require_token)]
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's own 422, except that the values it quotes back are made JSON: a body's NaN,
+        Infinity or 1e400 (Python's json reads them as floats) made the default answer a 500."""
+        return JSONResponse(status_code=422, content={"detail": json_safe(jsonable_encoder(exc.errors()))})
+
     def _run(run_id: str) -> Run:
         engine = runs.get(run_id)
         if engine is None:
+            if run_id in runs.unrestored:
+                raise HTTPException(status_code=409, detail=f"run {run_id!r} failed: a restart could not bring it back "
+                                                            f"from the store: {runs.unrestored[run_id]}")
             raise HTTPException(status_code=404, detail=f"no run {run_id!r}")
         return engine
+
+    def _unrestored() -> list[dict[str, Any]]:
+        return [snap for run_id in list(runs.unrestored) if (snap := runs.unrestored_snapshot(run_id)) is not None]
 
     @app.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD: what many uptime checkers send
     def healthz() -> dict[str, Any]:
         engines = runs.list()
         return {"status": "ok", "broker_connected": all(e.bus.connected.is_set() for e in engines) if engines else None,
-                "runs": {e.cfg.run_id: e.state for e in engines}}
+                "runs": {**{e.cfg.run_id: e.state for e in engines}, **dict.fromkeys(runs.unrestored, "failed")}}
 
     @app.get("/api/v1/runs", dependencies=reads)
     def list_runs() -> list[dict[str, Any]]:
@@ -147,7 +162,7 @@ def create_app(runs: RunManager | Run) -> FastAPI:
         for engine in runs.list():
             snap = engine.snapshot()
             out.append({k: snap[k] for k in RUN_SUMMARY})
-        return out
+        return out + [{k: snap[k] for k in RUN_SUMMARY} for snap in _unrestored()]
 
     @app.post("/api/v1/runs", status_code=201, dependencies=writes)
     def create_run(spec: RunSpec = Body(..., examples=[{
@@ -166,7 +181,8 @@ def create_app(runs: RunManager | Run) -> FastAPI:
 
     @app.get("/api/v1/runs/{run_id}", dependencies=reads)
     def get_run(run_id: str) -> dict[str, Any]:
-        return _run(run_id).snapshot()
+        unrestored = runs.unrestored_snapshot(run_id) if runs.get(run_id) is None else None
+        return unrestored if unrestored is not None else _run(run_id).snapshot()
 
     @app.get("/api/v1/runs/{run_id}/results", dependencies=reads)
     def get_results(run_id: str) -> dict[str, Any]:
@@ -202,7 +218,7 @@ def create_app(runs: RunManager | Run) -> FastAPI:
         if run.state in ("finished", "stopped", "failed"):
             raise HTTPException(status_code=409, detail=f"the run is {run.state}")
         getattr(run, action)()
-        if action == "stop" and run.started_at is not None:  # its thread stops between two steps:
+        if action == "stop" and run_id in runs.threads:  # its thread stops between two steps:
             run.finished_event.wait(STOP_WAIT_S)  # answer with the state it reaches
         return {"run_id": run_id, "action": action, "state": run.state}
 
@@ -247,6 +263,17 @@ def create_app(runs: RunManager | Run) -> FastAPI:
     app.mount("/dashboard", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
     app.add_middleware(RequestGuard, token=token, max_body_bytes=api.max_body_bytes)
     return app
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float written as text (strict JSON has no NaN or infinity)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 STOP_WAIT_S = 10.0  # how long a stop request waits for the run to reach `stopped` before it answers

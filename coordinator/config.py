@@ -24,7 +24,7 @@ class CoordinatorBrokerSettings(BrokerSettings):
 
 
 class ApiSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -38,7 +38,7 @@ class HealthSettings(BaseModel):
     """When a device's reported health is flagged (API `health_flags`, /metrics, the dashboard);
     throttling and under-voltage reported by the Pi's firmware are flagged whatever these say."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_cpu_temp_c: float = Field(80.0, description="flag `hot` at or above this CPU temperature "
                                   "(a Pi 4/5 starts to throttle at 80-85 C)")
@@ -104,7 +104,7 @@ def _check_client_ids(v: list[str] | None) -> list[str] | None:
 class RunSpec(BaseModel):
     """One run as `POST /api/v1/runs` takes it (and as the store keeps it to restart it)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     run_id: str
     run: RunConfig = Field(default_factory=RunConfig, description="strategy, rounds, seed and the rest of the run")
@@ -124,7 +124,8 @@ class RunSpec(BaseModel):
 
 
 class CoordinatorConfig(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FEDAL_COORD_", env_nested_delimiter="__", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="FEDAL_COORD_", env_nested_delimiter="__", extra="forbid",
+                                      allow_inf_nan=False)
 
     run_id: str = "run"
     run: RunConfig = Field(default_factory=RunConfig, description="strategy, rounds, seed and the rest of the run")

@@ -96,7 +96,8 @@ class Run:
         self.engine = RoundEngine(self.server, self.transport, run_id=config.run_id, phases=config.phases,
                                   phase_kinds=self.spec.phases, rounds=self.run_config.rounds,
                                   eval_every=self.run_config.eval_every, global_metrics=self._global_model_metrics,
-                                  notify=self._notify, on_reconnect=self._publish_manifest, on_pause=self.pause)
+                                  notify=self._notify, on_reconnect=self._publish_manifest,
+                                  on_pause=lambda: self.pause(by_operator=False))
         self.store = store or RunStore(config.store_url or default_store_url(config.state_dir))
         self.lock = self.engine.lock  # one lock for what the API reads
         self.health_limits = config.health.limits()
@@ -110,6 +111,8 @@ class Run:
         self.started_at: float | None = None
         self.finished_at: float | None = None
         self.finished_before: float | None = None  # when a run found finished in the store finished
+        self.was_paused = False  # the store had it paused: an operator's hold outlives a restart
+        self.operator_paused = False  # paused over the API (a phases.pause_at hold comes back by itself)
         self.config_hash = hashlib.sha256(
             json.dumps([config.run_id, self.run_config.model_dump(mode="json"), self.client_ids, self.public_hash]).encode()
         ).hexdigest()
@@ -152,8 +155,12 @@ class Run:
         try:
             start = self._resume()
             self.round = start
-            if not self.transport.start(self.engine.stop_event):
-                raise Stopped()
+            if self.was_paused and start < self.run_config.rounds:
+                log.info("run %s was paused when the coordinator stopped: it stays paused (resume it over the API)",
+                         self.cfg.run_id)
+                self.pause()
+            if not self.transport.start(self.engine.stop_event) or self.engine.stop_event.is_set():
+                raise Stopped()  # (stopped while it connected: never announced as running)
             with self.lock:
                 self.started_at = self.started_at or time.time()
             if start >= self.run_config.rounds:  # found finished in the store: it just finishes
@@ -215,19 +222,28 @@ class Run:
             except Exception:  # noqa: BLE001 - a message to an ended run never ends the coordinator
                 log.exception("run %s: a message after the run's end could not be handled", self.cfg.run_id)
 
-    def pause(self) -> None:
+    def pause(self, by_operator: bool = True) -> None:
         """Hold the run before its next phase (a pending run: before its first); open phases
-        finish, agents keep their state."""
+        finish, agents keep their state. An operator's pause is kept in the store, so the run
+        stays held across a restart or a crash of the coordinator; a `phases.pause_at` hold is
+        not (the restarted run reaches its point again and holds there)."""
         with self.lock:
             if self.state not in ("pending", "running"):
                 return
             self.engine.pause()
             self.state = "paused"
+            self.operator_paused = by_operator
+        if by_operator:
+            self.store.set_state(self.cfg.run_id, "paused")
         self.events.publish("run", run_id=self.cfg.run_id, state="paused")
 
     def resume(self) -> None:
         if self.state == "paused":
+            was_operator = self.operator_paused
+            self.operator_paused = False
             self._set_state("running")
+            if was_operator:
+                self.store.set_state(self.cfg.run_id, "running")
             self.engine.resume()
 
     def _set_state(self, state: str) -> None:
@@ -250,6 +266,7 @@ class Run:
         start = 0
         engine = self.engine
         if stored and stored.config_hash == self.config_hash:
+            self.was_paused = stored.state == "paused"
             self.server.load_state_dict(self.store.load_server_state(self.cfg.run_id))
             self.records = stored.records[: stored.completed_rounds]
             start = stored.completed_rounds
@@ -271,8 +288,9 @@ class Run:
 
     def _save(self, completed: int, server_state: bool = True) -> None:
         with self.lock:
+            state = "running" if self.state == "paused" and not self.operator_paused else self.state
             progress = {"config_hash": self.config_hash, "completed_rounds": completed, "epoch": self.engine.epoch,
-                        "instance": self.instance, "started_at": self.started_at, "state": self.state}
+                        "instance": self.instance, "started_at": self.started_at, "state": state}
             records = list(self.records)
             info = {c: asdict(i) for c, i in self.engine.clients.items()}
         self.store.save(self.cfg.run_id, progress, records, info, self.server.state_dict() if server_state else None)
@@ -283,10 +301,12 @@ class Run:
         with self.lock:
             self.engine.current = None
             self.finished_at = at or time.time()
+            # stopped by the coordinator's shutdown while an operator held it: held again after the restart
+            held = state == "stopped" and self.closing.is_set() and self.state == "paused" and self.operator_paused
         self._set_state(state)
         if self.bus.connected.is_set():
             self._publish_manifest()
-        self.store.set_state(self.cfg.run_id, state, self.finished_at)
+        self.store.set_state(self.cfg.run_id, "paused" if held else state, None if held else self.finished_at)
         path = self.cfg.results_file or (self.cfg.state_dir / "results.json")
         if state == "finished" and (at is None or not path.exists()):
             path.parent.mkdir(parents=True, exist_ok=True)

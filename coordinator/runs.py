@@ -43,6 +43,10 @@ class RunManager:
         self.store = store or RunStore(config.store_url or default_store_url(config.state_dir))
         self.events = events or EventHub()
         self.by_id: dict[str, Run] = {}
+        # stored runs a restart could not bring back (their spec no longer loads, a file moved):
+        # run id -> why. They stay visible as failed and keep their ids; the store keeps their history.
+        self.unrestored: dict[str, str] = {}
+        self.creating: set[str] = set()  # ids of runs being built by create(), outside the lock
         self.threads: dict[str, threading.Thread] = {}
         self.lock = threading.RLock()
         self.started = False
@@ -68,7 +72,10 @@ class RunManager:
                 spec = RunSpec.model_validate(stored.spec)
                 self._add(self._new_run(spec, "api"))
             except (ValidationError, ValueError, OSError) as exc:
-                log.error("cannot restore run %s from the store: %s", run_id, exc)
+                reason = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
+                log.error("cannot restore run %s from the store: %s (it is shown as failed; its stored "
+                          "rounds are kept)", run_id, reason)
+                self.unrestored[run_id] = reason
 
     def create(self, body: Any) -> Run:
         """Validate a run spec, store it and start it (if the coordinator is serving)."""
@@ -80,18 +87,47 @@ class RunManager:
             raise InvalidRunSpec(f"invalid run: public_file must lie inside the coordinator's state_dir "
                                  f"({self.config.state_dir}); or leave it out to derive the public set from run.dataset")
         with self.lock:
-            if spec.run_id in self.by_id:
-                raise RunConflict(f"run {spec.run_id!r} exists already")
-            try:
-                run = self._new_run(spec, "api")
-            except (ValueError, OSError) as exc:
-                raise InvalidRunSpec(f"invalid run: {exc}") from None
+            self._check_free(spec.run_id)
+            self.creating.add(spec.run_id)
+        try:  # built outside the lock: deriving a large public set takes a while, and every read waits on the lock
+            run = self._new_run(spec, "api")
+        except (ValueError, OSError) as exc:
+            raise InvalidRunSpec(f"invalid run: {exc}") from None
+        finally:
+            with self.lock:
+                self.creating.discard(spec.run_id)
+        with self.lock:
             self.store.register(spec.run_id, run.run_spec(), "api")
             self._add(run)
             if self.started:
                 self._start(run)
         log.info("created run %s (%s, %d clients)", spec.run_id, run.run_config.strategy, len(run.client_ids))
         return run
+
+    def _check_free(self, run_id: str) -> None:
+        """RunConflict unless `run_id` names no run: none running or ended, none being created,
+        none the store holds (one a restart could not bring back keeps its id and its history)."""
+        if run_id in self.by_id or run_id in self.creating:
+            raise RunConflict(f"run {run_id!r} exists already")
+        if run_id in self.unrestored:
+            raise RunConflict(f"run {run_id!r} exists already (stored; a restart could not bring it back: "
+                              f"{self.unrestored[run_id]})")
+        if run_id in self.store.run_ids():
+            raise RunConflict(f"run {run_id!r} exists already (in the store)")
+
+    def unrestored_snapshot(self, run_id: str) -> dict[str, Any] | None:
+        """What the API shows of a stored run a restart could not bring back: failed, and why."""
+        reason = self.unrestored.get(run_id)
+        if reason is None:
+            return None
+        stored = self.store.load(run_id)
+        spec = stored.spec if stored is not None else {}
+        run = spec.get("run") or {}
+        return {"run_id": run_id, "strategy": run.get("strategy"), "state": "failed",
+                "error": f"cannot restore the run from the store: {reason}", "round": stored.completed_rounds if stored else 0,
+                "rounds": run.get("rounds"), "completed_rounds": stored.completed_rounds if stored else 0,
+                "phase": None, "iteration": None, "started_at": stored.started_at if stored else None,
+                "finished_at": stored.finished_at if stored else None}
 
     def _new_run(self, spec: RunSpec, origin: str) -> Run:
         results = None if origin == "config" else self.config.state_dir / "runs" / spec.run_id / "results.json"

@@ -22,7 +22,8 @@ class AgentBrokerSettings(BrokerSettings):
 
 
 class AgentConfig(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FEDAL_AGENT_", env_nested_delimiter="__", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="FEDAL_AGENT_", env_nested_delimiter="__", extra="forbid",
+                                      allow_inf_nan=False)
 
     client_id: str
     run_id: str

@@ -21,7 +21,7 @@ from hil.proxy import Proxy
 
 
 class PartitionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     client: str = Field("*", description="client id or glob pattern")
     duration_s: float = Field(gt=0, le=86_400)
@@ -29,7 +29,7 @@ class PartitionRequest(BaseModel):
 
 
 class ResetRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     client: str = Field("*", description="client id or glob pattern")
 

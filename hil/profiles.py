@@ -28,7 +28,7 @@ class ProfileError(ValueError):
 class FaultSettings(BaseModel):
     """Faults on one link direction; None means "not set here" (the next layer decides)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     latency_ms: float | None = Field(None, ge=0, le=60_000, description="added one-way delay per packet")
     jitter_ms: float | None = Field(None, ge=0, le=60_000, description="extra delay, uniform in [0, jitter_ms]")
@@ -58,7 +58,7 @@ class FaultRule(FaultSettings):
 
 
 class Partition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     client: str = Field("*", description="client id or glob pattern (fnmatch); * = everyone")
     start_s: float = Field(ge=0, description="seconds after the proxy started")
@@ -77,7 +77,7 @@ class Partition(BaseModel):
 class Faults(BaseModel):
     """The part of a profile the control API can replace during a run."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     default: FaultRule = Field(default_factory=FaultRule)
     clients: dict[str, FaultRule] = Field(default_factory=dict, description="client id or glob -> overrides")

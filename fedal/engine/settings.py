@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class PausePoint(BaseModel):
     """A place where the run holds by itself, as if POST .../pause had come just before it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     round: int = Field(ge=1, description="the round (1-based, as the API counts)")
     phase: str | None = Field(None, pattern=r"^[a-z][a-z0-9_]*$",
@@ -27,7 +27,7 @@ class PausePoint(BaseModel):
 
 
 class PhaseSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     deadline_s: float = Field(60.0, gt=0, description="a phase closes at its deadline if the quorum answered")
     train_deadline_s: float = Field(300.0, gt=0, description="deadline of training phases (the strategy's `train` kind)")

@@ -52,7 +52,7 @@ def parse_broker_url(url: str) -> BrokerAddress:
 class BrokerSettings(BaseModel):
     """The `[broker]` table shared by the agent's and the coordinator's configs."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     url: str = "mqtt://127.0.0.1:1883"
     username: str | None = None

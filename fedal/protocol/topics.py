@@ -12,7 +12,9 @@ import re
 from dataclasses import dataclass
 
 ROOT = "fedal/v1"
-ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# not only dots: an id also names directories (a run's results, an agent's workspace), and "."
+# or ".." would name the directory itself or its parent
+ID_PATTERN = re.compile(r"(?!\.+$)[A-Za-z0-9_.-]{1,64}")
 KINDS = ("run", "down", "up", "status")
 
 
@@ -22,7 +24,7 @@ class TopicError(ValueError):
 
 def check_id(value: str, what: str = "id") -> str:
     if not isinstance(value, str) or not ID_PATTERN.fullmatch(value):
-        raise TopicError(f"invalid {what} {value!r}: use 1-64 characters from A-Z a-z 0-9 _ . -")
+        raise TopicError(f"invalid {what} {value!r}: use 1-64 characters from A-Z a-z 0-9 _ . -, not only dots")
     return value
 
 

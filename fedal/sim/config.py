@@ -84,7 +84,7 @@ def parse_resources(text: str | dict | None) -> dict[str, float]:
 
 
 class RunConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     strategy: str = "fedal"
     dataset: str = "mnist1d"

@@ -26,7 +26,7 @@ DISTILLATION_PARAMS = ("public_batch_size", "lambda_kd", "lambda_adv", "lambda_l
 
 
 class StrategyParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     tau: int | None = Field(None, ge=1, description="local steps and transfer iterations per round")
     optimizer: Literal["adam", "sgd"] = "adam"

@@ -1,0 +1,117 @@
+"""A run id names one run for good: a stored run a restart cannot bring back stays visible as
+failed and keeps its id and history (a POST with its id used to answer 201 and wipe it); a
+run being created holds its id and does not stall the API while its public set is derived; ids
+made only of dots (which name a directory or its parent) are refused; a body's NaN or
+out-of-range number is a 422, never a 500."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from coordinator.app import create_app
+from coordinator.config import load_coordinator_config
+from coordinator.runs import RunManager
+
+TOKEN = "tok"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def manager(state_dir) -> RunManager:
+    return RunManager(load_coordinator_config(None, state_dir=state_dir, api={"token": TOKEN}))
+
+
+def spec(run_id: str, **fields) -> dict:
+    return {"run_id": run_id, "client_ids": ["pi-1", "pi-2"],
+            "run": {"strategy": "fedmd", "dataset": "digits", "rounds": 5, "public_size": 50}, **fields}
+
+
+def test_a_stored_run_a_restart_cannot_bring_back_stays_failed_and_keeps_its_id_and_history(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    np.savez(state / "public.npz", x=np.random.default_rng(0).random((40, 64), dtype=np.float32))
+    runs = manager(state)
+    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    assert api.post("/api/v1/runs", json=spec("r2", public_file=str(state / "public.npz")), headers=AUTH).status_code == 201
+    records = [{"round": r, "mean_acc": 0.5} for r in (1, 2, 3)]
+    runs.store.save("r2", {"completed_rounds": 3, "state": "stopped"}, records, {})
+    runs.store.close()
+    (state / "public.npz").rename(tmp_path / "moved.npz")  # the operator moved the file
+
+    runs = manager(state)
+    runs.restore()
+    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    try:
+        run = api.get("/api/v1/runs/r2").json()
+        assert run["state"] == "failed" and "public.npz" in run["error"] and run["completed_rounds"] == 3
+        assert [r["run_id"] for r in api.get("/api/v1/runs").json()] == ["r2"]
+        assert api.get("/healthz").json()["runs"] == {"r2": "failed"}
+        again = api.post("/api/v1/runs", json=spec("r2"), headers=AUTH)
+        assert again.status_code == 409 and "could not bring it back" in again.text, again.text
+        control = api.post("/api/v1/runs/r2/resume", headers=AUTH)
+        assert control.status_code == 409 and "public.npz" in control.text
+        assert [r["round"] for r in runs.store.load("r2").records] == [1, 2, 3]  # its history, untouched
+    finally:
+        runs.store.close()
+
+
+def test_a_run_being_created_holds_its_id_and_reads_go_on_meanwhile(tmp_path, monkeypatch):
+    runs = manager(tmp_path / "state")
+    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    building, release = threading.Event(), threading.Event()
+    real = RunManager._new_run
+
+    def slow_new_run(self, spec, origin):  # a large public set being derived
+        building.set()
+        assert release.wait(30)
+        return real(self, spec, origin)
+
+    monkeypatch.setattr(RunManager, "_new_run", slow_new_run)
+    answers: list = []
+    creator = threading.Thread(target=lambda: answers.append(api.post("/api/v1/runs", json=spec("big"), headers=AUTH)))
+    creator.start()
+    try:
+        assert building.wait(30)
+        started = time.monotonic()
+        assert api.get("/api/v1/runs").json() == [] and api.get("/healthz").status_code == 200
+        assert time.monotonic() - started < 5  # (they waited for the whole creation before)
+        twin = api.post("/api/v1/runs", json=spec("big"), headers=AUTH)
+        assert twin.status_code == 409 and "exists already" in twin.text
+    finally:
+        release.set()
+        creator.join(60)
+    assert answers[0].status_code == 201
+    assert [r["run_id"] for r in api.get("/api/v1/runs").json()] == ["big"]
+    runs.store.close()
+
+
+@pytest.mark.parametrize("body", [spec(".."), spec("."), {**spec("ok"), "client_ids": ["pi-1", ".."]}])
+def test_ids_made_only_of_dots_are_refused(tmp_path, body):
+    runs = manager(tmp_path / "state")
+    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    resp = api.post("/api/v1/runs", json=body, headers=AUTH)
+    assert resp.status_code == 422 and "not only dots" in resp.text, resp.text
+    assert runs.store.run_ids() == []
+    runs.store.close()
+
+
+@pytest.mark.parametrize("text, where", [
+    ('"alpha": NaN', "alpha"),
+    ('"alpha": 1e400', "alpha"),
+    ('"strategy_params": {"lr": 1e999}', "lr"),
+    ('"strategy_params": {"lr": Infinity}', "lr"),
+])
+def test_non_finite_numbers_in_a_body_are_a_422(tmp_path, text, where):
+    runs = manager(tmp_path / "state")
+    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    body = '{"run_id": "x1", "client_ids": ["a", "b"], "run": {"strategy": "fedmd", "dataset": "digits", ' + text + "}}"
+    resp = api.post("/api/v1/runs", content=body, headers={**AUTH, "Content-Type": "application/json"})
+    assert resp.status_code == 422, (resp.status_code, resp.text)
+    assert where in resp.text and "finite" in resp.text, resp.text
+    assert resp.json()["detail"]  # strict JSON: the quoted value is text
+    assert runs.store.run_ids() == []
+    runs.store.close()
