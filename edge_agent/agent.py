@@ -42,6 +42,7 @@ from edge_agent.config import AgentConfig
 from edge_agent.inference import OnnxInference, write_final_onnx
 from edge_agent.mqtt_link import MqttLink
 from edge_agent.public_set import load_public_set
+from fedal.atomic import write_bytes_atomic
 from fedal.data import ArrayDataset
 from fedal.models import build_model
 from fedal.protocol import EnvelopeError, ManifestError, Message, Packet, Reassembler, RunManifest, decode, encode
@@ -53,6 +54,7 @@ log = logging.getLogger("edge_agent")
 
 CRASH_POINTS = ("after_journal", "after_publish", "next_task", "mid_snapshot")
 MAX_DEFERRED = 32  # tasks held until the run is joined (see Agent._defer)
+FINISHED_MARK = "instance"  # in final/: the run instance whose final model it holds
 
 
 class CrashHook:
@@ -215,6 +217,12 @@ class Agent:
         if manifest.state == "finished":
             # a finished run this agent took part in (now, or before a restart) ends here; a
             # finished run left retained on the broker by an earlier instance does not
+            if self.client is None and self._finished_instance() == manifest.instance:
+                # its final model is written already: a service restarting the agent after it
+                # exited (exit_on_finish) waits for the next run instead of finishing this one again
+                log.info("run %s (instance %s) finished here already; final model in %s; waiting for the next run",
+                         manifest.run_id, manifest.instance, self.workspace / "final")
+                return
             if self.client is None and self._checkpoint_instance() == manifest.instance:
                 self._join(manifest)
             if self.session is not None and self.session.last_key is not None:
@@ -226,6 +234,13 @@ class Agent:
             return
         if manifest.state == "stopped":
             log.info("run %s is stopped; waiting for it to resume", manifest.run_id)
+
+    def _finished_instance(self) -> str | None:
+        """The run instance whose final model `final/` holds (written last by _finish)."""
+        try:
+            return (self.workspace / "final" / FINISHED_MARK).read_text().strip() or None
+        except OSError:
+            return None
 
     def _checkpoint_instance(self) -> str | None:
         try:
@@ -515,6 +530,7 @@ class Agent:
         if self.test is not None:
             np.save(out / "test_logits.npy", self.client.predict(self.test.x).numpy())
         write_final_onnx(self.client.model, self.client.train_data.x, out, self.config.export_int8)
+        write_bytes_atomic(out / FINISHED_MARK, f"{manifest.instance}\n".encode())  # last: what came before is complete
         log.info("run %s %s; final model in %s", manifest.run_id, manifest.state, out)
         if self.config.exit_on_finish:
             self.finished.set()

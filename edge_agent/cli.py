@@ -6,6 +6,7 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import click
 
@@ -20,17 +21,23 @@ def agent_cmd(config_path: str | None, log_level: str, self_check: bool) -> None
     """Run an edge agent: train privately, exchange logits with the coordinator over MQTT."""
     if self_check:
         run_self_check()
-    from edge_agent.agent import Agent
     from edge_agent.config import load_agent_config
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    try:
+    try:  # before torch is imported: a service with a bad config says so in a fraction of the time and memory
         config = load_agent_config(config_path)
     except SettingsError as exc:
         raise click.UsageError(str(exc)) from None
     missing = config.broker.missing_file()  # else a traceback from the TLS set-up, at connect
     if missing:
         raise click.UsageError(f"{missing}; `fedal fleet init --tls` writes one per device")
+    try:
+        Path(config.workspace).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # e.g. outside the service's writable /var/lib/fedal-agent
+        raise click.UsageError(f"workspace {config.workspace}: {exc.strerror or exc} (the agent keeps its checkpoints "
+                               "there; the service may write only below /var/lib/fedal-agent)") from None
+    from edge_agent.agent import Agent
+
     agent = Agent(config)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal closed
         signal.signal(sig, lambda *_: agent.stop())

@@ -30,6 +30,19 @@ def _fedal_cache(tmp_path_factory):
         os.environ["FEDAL_CACHE_DIR"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _torch_threads_of_an_agent():
+    """Tests compute in-process references at the thread count agents and `fedal simulate` use
+    by default (1): a kernel's result can depend on how it splits its work between threads, and
+    the count must not depend on which test ran before in the same worker."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture()
 def one_torch_thread():
     """Tiny models on shared CPU cores: extra intra-op threads only add contention stalls."""

@@ -65,15 +65,22 @@ def simulated_run(config, records: list | None = None):
     """`fedal simulate`'s loop for `config` (per client: `per_client`), keeping data, client
     halves and server half (to compare a deployment's final outputs with, not only its
     accuracies); each round's record is appended to `records` when one is given."""
+    import torch
+
     from fedal.sim import build_run, simulated_engine
 
     config = per_client(config).resolved()
-    data, clients, server = build_run(config)
-    engine = simulated_engine(config, data, clients, server)
-    for r in range(config.rounds):
-        record = engine.run_round(r)
-        if records is not None:
-            records.append(record)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)  # as `fedal simulate` and each agent run it: the same kernels' splits
+    try:
+        data, clients, server = build_run(config)
+        engine = simulated_engine(config, data, clients, server)
+        for r in range(config.rounds):
+            record = engine.run_round(r)
+            if records is not None:
+                records.append(record)
+    finally:
+        torch.set_num_threads(threads)
     return data, clients, server
 
 

@@ -156,7 +156,8 @@ def test_installed_unit_passes_systemd_analyze_verify(tmp_path, inputs):
     problems = [line for line in v.stderr.splitlines()
                 if line.strip() and "Unknown key 'RestartSteps'" not in line and "Unknown key 'RestartMaxDelaySec'" not in line]
     assert problems == []
-    for key in ("Restart=always", "User=fedal-agent", "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes",
+    for key in ("Restart=always", "RestartPreventExitStatus=2", "User=fedal-agent", "NoNewPrivileges=yes",
+                "ProtectSystem=strict", "PrivateTmp=yes",
                 "StateDirectory=fedal-agent", "ReadWritePaths=/var/lib/fedal-agent", "StandardOutput=journal"):
         assert key in unit.splitlines()
 
