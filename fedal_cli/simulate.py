@@ -11,7 +11,7 @@ import click
 from tqdm import tqdm
 
 from fedal import procs, workspace
-from fedal.owned import ForeignFile, check_replaceable, is_our_plot, is_results
+from fedal.owned import MARKED_PLOT_FORMATS, ForeignFile, check_replaceable, is_our_plot, is_results
 from fedal_cli.options import config_from_flags, fault_options, run_options
 
 
@@ -59,7 +59,9 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
         raise click.ClickException(f"{exc}: {needs} the `{extra}` extra (pip install 'fedal-edge[{extra}]')") from None
     except ConfigError as exc:  # what the flags ask that the data, the models or the Ray cluster cannot do
         raise click.UsageError(str(exc)) from None
-    except (ValueError, FileNotFoundError) as exc:
+    except FileNotFoundError as exc:  # a dataset's files missing from --data-dir: the flag to change
+        raise click.UsageError(f"{exc} (--data-dir)") from None
+    except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     finally:
         bars[-1].close()
@@ -115,12 +117,13 @@ def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | P
         if not _writable(target, parent):
             raise click.BadParameter(f"{path} is not writable here", param_hint=option)
     if plot is not None:
-        from matplotlib.figure import Figure
-
-        formats = Figure().canvas.get_supported_filetypes()
+        if Path(plot).resolve() == Path(out).resolve():
+            raise click.BadParameter(f"{plot} is also --out: the plot would replace the results", param_hint="--plot")
+        # the formats that carry the toolkit's mark (a rerun may replace its own plot) and need no
+        # external program (pgf needs LaTeX)
         suffix = Path(plot).suffix.lstrip(".").lower()
-        if suffix not in formats:
-            raise click.BadParameter(f"{plot}: a plot is written as {', '.join('.' + f for f in sorted(formats))}, "
+        if suffix not in MARKED_PLOT_FORMATS:
+            raise click.BadParameter(f"{plot}: a plot is written as {', '.join('.' + f for f in MARKED_PLOT_FORMATS)}, "
                                      f"not {'.' + suffix if suffix else 'a file without an extension'}", param_hint="--plot")
 
 

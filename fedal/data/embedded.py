@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import tempfile
@@ -23,6 +24,7 @@ import numpy as np
 
 from fedal.data.arrays import ArrayDataset
 
+log = logging.getLogger("fedal.data")
 __all__ = ["MNIST1D_SAMPLES", "load_mnist1d", "load_digits", "default_cache_dir"]
 
 _CACHE_FORMAT = 2  # bump when the cached file layout or key changes
@@ -51,7 +53,11 @@ def _cached(name: str, key: dict, build: Callable[[], dict[str, np.ndarray]],
     arrays = _read_cache(path, key_json)
     if arrays is None:
         arrays = build()
-        _write_atomic(path, arrays, key_json)
+        try:
+            _write_atomic(path, arrays, key_json)
+        except OSError as exc:  # the cache saves time, nothing else: the run goes on without it
+            log.warning("%s: cannot cache the generated data in %s (%s); generating it again next time",
+                        name, path.parent, exc.strerror or exc)
     return arrays
 
 

@@ -38,8 +38,12 @@ class PrivacyAccountant:
             from opacus.accountants.rdp import RDPAccountant
 
             rdp = sum([_rdp_of_one_step(q, sigma) * steps for sigma, q, steps in self._accountant.history])
-            return float(get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)[0])
-        return float(self._accountant.get_epsilon(delta=delta))
+            eps = float(get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)[0])
+        else:
+            eps = float(self._accountant.get_epsilon(delta=delta))
+        # the RDP conversion goes below 0 for a large delta (about 0.4 and up): the guarantee then
+        # holds at epsilon 0 (a negative one made the coordinator reject every result)
+        return max(0.0, eps)
 
     def epsilon_after(self, noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
         """The epsilon this client would have after `steps` more steps (nothing is spent)."""

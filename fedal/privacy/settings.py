@@ -3,9 +3,11 @@ manifest carries to every device)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from fedal.strict_fields import strict_scalar
 
 
 class UnreachableTarget(ValueError):
@@ -14,6 +16,11 @@ class UnreachableTarget(ValueError):
 
 class PrivacyParams(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # an infinite sigma hung the accountant
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_coerced(cls, value: Any, info: ValidationInfo) -> Any:
+        return strict_scalar(cls.model_fields[info.field_name].annotation, value) if info.field_name else value
 
     noise_multiplier: float | None = Field(
         None, ge=0, description="sigma: the Gaussian noise's std is sigma * max_grad_norm (unset: calibrated from "

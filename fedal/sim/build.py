@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from fedal.data import SplitError, build_federated
-from fedal.models import build_model
+from fedal.models import build_model, check_model_input
 from fedal.privacy.settings import UnreachableTarget
 from fedal.sim.config import ConfigError, RunConfig
 from fedal.strategies import ServerContext, get_strategy
@@ -19,7 +19,9 @@ def client_ids(n: int) -> list[str]:
 
 
 def client_seed(run_seed: int, index: int) -> int:
-    return run_seed * 100_003 + index + 1
+    """Client `index`'s seed; within torch's 64 bits for every run seed (below 2^63), and the
+    same as it always was for the seeds below 1.8e14 (modulo changes nothing there)."""
+    return (run_seed * 100_003 + index + 1) % 2**64
 
 
 def build_run(config: RunConfig):
@@ -65,6 +67,11 @@ def build_clients(config: RunConfig, data, indices, public_x: np.ndarray | None 
     # one tensor for all of them: each iteration's public inputs are then gathered once (public_inputs)
     shared_public = torch.from_numpy(np.ascontiguousarray(data.public_x if public_x is None else public_x)) \
         if spec.uses_public_set else None
+    if "mhat_server_model" in spec.params:  # the server's own model: checked before any work, as the clients' are
+        try:
+            check_model_input(params.mhat_server_model, data.input_shape)
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (strategy_params.mhat_server_model)") from None
     clients = {}
     widths: dict[str, int] = {}  # per model its feature width (FedProto needs one)
     for i in indices:

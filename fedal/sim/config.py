@@ -8,10 +8,20 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from fedal.strategies import STRATEGIES, STRATEGY_NAMES, StrategyParams, get_strategy
 from fedal.strategies.params import COMMON_PARAMS
+from fedal.strict_fields import strict_scalar
 
 DATASET_NAMES = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn", "cinic10", "celeba")
 PARTITION_NAMES = ("dirichlet-client", "dirichlet-class", "iid", "pow", "covariate-shift", "covariate-shift-pow",
@@ -85,6 +95,11 @@ def parse_resources(text: str | dict | None) -> dict[str, float]:
 
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_coerced(cls, value: Any, info: ValidationInfo) -> Any:
+        return strict_scalar(cls.model_fields[info.field_name].annotation, value) if info.field_name else value
 
     strategy: str = "fedal"
     dataset: str = "mnist1d"
@@ -246,7 +261,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         data = _read_config_file(Path(path))
         given = {k: v for k, v in (overrides or {}).items() if v is not None}
         changed = {k for k in DERIVED_FROM if k in given and given[k] != data.get(k)}
-        if Path(path).suffix == ".json" and changed:
+        if _is_json(Path(path), None) and changed:
             data = _without_derived(data)
     if "privacy" in data:  # the [privacy] table: travels with the strategy parameters to every device
         privacy = data.pop("privacy")
@@ -310,7 +325,7 @@ def _read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {path}") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
-    if path.suffix == ".json":
+    if _is_json(path, raw):
         try:
             data = json.loads(raw)
         except ValueError as exc:
@@ -324,6 +339,20 @@ def _read_config_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a table of settings")
     return data
+
+
+def _is_json(path: Path, raw: bytes | None) -> bool:
+    """A results JSON (or a config in JSON) by its name or, whatever its name (`--out run1`), by
+    its first character: a TOML file never starts with `{`."""
+    if path.suffix == ".json":
+        return True
+    if raw is None:
+        try:
+            with open(path, "rb") as handle:
+                raw = handle.read(64)
+        except OSError:
+            return False
+    return raw.lstrip()[:1] == b"{"
 
 
 def format_validation_error(exc: ValidationError) -> str:

@@ -1,0 +1,39 @@
+"""No lenient coercion of config values: pydantic's lax mode turns `tau = true` into 1,
+`stragglers = true` into 1.0 and `fd_exclude_own = "no"` or `0` into False, and the run silently
+changes. Numbers may still come as their decimal strings, and booleans as "true"/"false"
+(environment overrides are strings)."""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Annotated, Any, Union
+
+
+def _scalar_kinds(annotation: Any) -> set[type]:
+    """The scalar types among int, float and bool that `annotation` (Optional, Annotated and
+    unions unwrapped) admits."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _scalar_kinds(typing.get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return set().union(*(_scalar_kinds(arg) for arg in typing.get_args(annotation)))
+    return {annotation} & {int, float, bool}
+
+
+def strict_scalar(annotation: Any, value: Any) -> Any:
+    """`value` for a field of type `annotation`, or ValueError where lax mode would coerce it."""
+    kinds = _scalar_kinds(annotation)
+    if not kinds or value is None:
+        return value
+    if kinds == {bool}:
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        if not isinstance(value, bool):
+            raise ValueError("Input should be a valid boolean (true or false)")
+        return value
+    if isinstance(value, bool) and bool not in kinds:
+        raise ValueError("Input should be a valid number, not a boolean")
+    if isinstance(value, float) and kinds <= {int, bool}:
+        raise ValueError("Input should be a valid integer, not a float")
+    return value

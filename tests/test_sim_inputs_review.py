@@ -1,0 +1,116 @@
+"""What a researcher's config and flags can get wrong, each a usage error (exit 2) with one line
+before any work, or made harmless: a value of the wrong type that lax validation would coerce
+(`stragglers = true` made every client a straggler), a delta so large that the accountant's
+epsilon went negative (every result rejected, exit 0 at chance accuracy), --plot onto --out, a
+plot format that needs LaTeX, a results file not named .json given back as --config, seeds whose
+client seeds overflowed torch's, an MHAT server model that does not exist, missing data files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fedal.sim import load_config, simulate
+from fedal.sim.build import client_seed
+from fedal.sim.config import ConfigError
+from fedal_cli.main import cli
+from tests.helpers import fedal_command
+
+QUICK = ["--dataset", "digits", "--clients", "2", "--rounds", "1", "--public-size", "60", "--quiet"]
+
+
+@pytest.mark.parametrize("text, where", [
+    ("stragglers = true", "stragglers"),
+    ("alpha = true", "alpha"),
+    ("[strategy_params]\ntau = true", "tau"),
+    ("[strategy_params]\nlambda_kd = true", "lambda_kd"),
+    ("[strategy_params]\nbatch_size = 16.0", "batch_size"),
+    ('strategy = "fd"\n[strategy_params]\nfd_exclude_own = "no"', "fd_exclude_own"),
+    ('strategy = "fd"\n[strategy_params]\nfd_exclude_own = 0', "fd_exclude_own"),
+    ("[privacy]\nnoise_multiplier = true", "noise_multiplier"),
+])
+def test_a_value_of_the_wrong_type_is_refused_not_coerced(tmp_path, text, where):
+    path = tmp_path / "run.toml"
+    path.write_text(f'dataset = "digits"\nclients = 3\nrounds = 1\n{text}\n')
+    with pytest.raises(ConfigError, match=where):
+        load_config(path)
+
+
+def test_numbers_and_booleans_as_their_strings_still_load(tmp_path):
+    """(environment overrides are strings)"""
+    config = load_config(None, {"alpha": "0.5", "strategy_params": {"lr": "0.01", "tau": "3"}})
+    assert (config.alpha, config.strategy_params.lr, config.strategy_params.tau) == (0.5, 0.01, 3)
+    fd = load_config(None, {"strategy": "fd", "strategy_params": {"fd_exclude_own": "false"}})
+    assert fd.strategy_params.fd_exclude_own is False
+
+
+def test_a_large_delta_gives_epsilon_zero_not_a_rejected_run():
+    config = load_config(None, dict(strategy="fedmd", dataset="digits", clients=3, rounds=2, public_size=60, seed=1,
+                                    dp_noise_multiplier=1.0, dp_delta=0.5))
+    results = simulate(config)
+    assert all(r["rejected"] == 0 for r in results["rounds"])
+    assert results["privacy"] is not None and all(e == 0.0 for e in results["privacy"]["final_epsilon"].values())
+
+
+def run(tmp_path: Path, *args: str):
+    return CliRunner().invoke(cli, ["simulate", *QUICK, *args], catch_exceptions=False)
+
+
+def test_the_plot_onto_the_results_and_a_plot_format_needing_latex_are_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    same = run(tmp_path, "--out", "same.png", "--plot", "same.png")
+    assert same.exit_code == 2 and "the plot would replace the results" in same.output
+    pgf = run(tmp_path, "--out", "r.json", "--plot", "p.pgf")
+    assert pgf.exit_code == 2 and "not .pgf" in pgf.output and ".png" in pgf.output
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_a_results_file_of_any_name_repeats_its_run(tmp_path):
+    cmd = fedal_command()
+    first = subprocess.run([*cmd, "simulate", *QUICK, "--seed", "4", "--out", "run1"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run([*cmd, "simulate", "--quiet", "--config", "run1", "--out", "run2.json"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    a, b = (json.loads((tmp_path / name).read_text()) for name in ("run1", "run2.json"))
+    assert a["config"] == b["config"] and a["final"] == b["final"]
+
+
+def test_client_seeds_stay_within_torchs_64_bits_and_unchanged_below():
+    assert client_seed(5, 2) == 5 * 100_003 + 3  # every seed used so far keeps its clients' seeds
+    assert all(0 <= client_seed(2**63 - 1, i) < 2**64 for i in range(20))
+    config = load_config(None, dict(strategy="fedmd", dataset="digits", clients=2, rounds=1, public_size=60,
+                                    seed=200_000_000_000_000))
+    assert simulate(config)["final"]["mean_acc"] >= 0
+
+
+def test_an_mhat_server_model_that_cannot_be_built_is_a_usage_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for model, needle in (("foo", "unknown model 'foo'"), ("cnn1d", "mhat_server_model")):
+        config = tmp_path / f"{model}.toml"
+        config.write_text(f'strategy = "mhat"\n[strategy_params]\nmhat_server_model = "{model}"\n')
+        r = run(tmp_path, "--strategy", "mhat", "--config", str(config), "--out", "r.json")
+        assert r.exit_code == 2 and needle in r.output, r.output
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_missing_dataset_files_are_a_usage_error_naming_the_flag(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(cli, ["simulate", "--dataset", "mnist", "--data-dir", str(tmp_path / "nowhere"), "--clients",
+                                 "2", "--rounds", "1", "--quiet", "--out", "r.json"], catch_exceptions=False)
+    assert r.exit_code == 2 and "--data-dir" in r.output, r.output
+
+
+def test_an_unwritable_mnist1d_cache_only_costs_the_cache(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    from fedal.data.embedded import load_mnist1d
+
+    train, test = load_mnist1d(200, cache_dir=blocker / "cache")
+    assert len(train) + len(test) == 200
+    assert "cannot cache the generated data" in caplog.text
