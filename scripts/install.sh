@@ -3,9 +3,11 @@
 # into the virtualenv that is active, never into a system Python (see scripts/python-env.sh).
 # Usage: scripts/install.sh [EXTRAS]   (default extras: all; the test command uses dev;
 #        "none" installs the core only)
-# torch is pinned here: an unpinned torch may pull a multi-GB CUDA build on x86-64. On 64-bit ARM
-# (a Raspberry Pi, an arm64 server) PyPI's torch depends on the CUDA 13 toolkit from 2.11 on (a
-# 4.7 GB virtualenv): there torch comes from PyTorch's CPU wheel index (FEDAL_TORCH_INDEX).
+# torch is pinned here, and taken CPU-only: PyPI's torch depends on the CUDA 13 toolkit from 2.11
+# on (several GB). On 64-bit ARM (a Raspberry Pi, an arm64 server) it always comes from PyTorch's
+# CPU wheel index; on x86-64 from there too when the configured sources would bring the CUDA
+# packages with it (pip's dry run says; a local CPU wheel or one already installed is kept).
+# FEDAL_TORCH_INDEX names another index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-all}"
@@ -14,11 +16,19 @@ source scripts/python-env.sh
 target="."
 [ "$extras" = "none" ] || target=".[${extras}]"
 torch_pin="torch==2.13.0"
+cpu_index="${FEDAL_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 case "$(uname -m)" in
-  aarch64|arm64)
-    "$PYTHON" -m pip install --quiet --disable-pip-version-check \
-      --index-url "${FEDAL_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" "$torch_pin" ;;
+  aarch64|arm64) from_cpu_index=1 ;;
+  *)
+    from_cpu_index=0
+    if [ -n "${FEDAL_TORCH_INDEX:-}" ] || "$PYTHON" -m pip install --quiet --disable-pip-version-check --dry-run \
+        --report - "$torch_pin" 2>/dev/null | grep -q '"name": "nvidia-'; then
+      from_cpu_index=1
+    fi ;;
 esac
+if [ "$from_cpu_index" -eq 1 ]; then
+  "$PYTHON" -m pip install --quiet --disable-pip-version-check --index-url "$cpu_index" "$torch_pin"
+fi
 "$PYTHON" -m pip install --quiet --disable-pip-version-check "$torch_pin" -e "$target"
 venv_dir=$("$PYTHON" -c 'import sys; print(sys.prefix if sys.prefix != sys.base_prefix else "")')
 if [ -n "$venv_dir" ] && [ "${VIRTUAL_ENV:-}" != "$venv_dir" ]; then

@@ -99,15 +99,24 @@ def test_an_active_virtualenv_or_an_explicit_python_is_used_as_it_is(tmp_path):
     assert (made / "pyvenv.cfg").is_file()
 
 
-@pytest.mark.parametrize("machine, cpu_index_first", [("aarch64", True), ("x86_64", False)])
-def test_install_takes_torch_from_the_cpu_index_on_64_bit_arm(tmp_path, machine, cpu_index_first):
-    """PyPI's aarch64 torch from 2.11 on depends on the CUDA 13 toolkit (a 4.7 GB virtualenv):
-    on 64-bit ARM scripts/install.sh takes the pinned torch from PyTorch's CPU index first."""
+@pytest.mark.parametrize("machine, resolves_to, cpu_index_first", [
+    ("aarch64", "torch", True),
+    ("x86_64", "torch", False),  # a CPU wheel from the configured sources (a local wheelhouse, as CI's)
+    ("x86_64", "nvidia-cudnn-cu13", True),  # PyPI's x86-64 torch: the CUDA toolkit would come with it
+])
+def test_install_takes_torch_from_the_cpu_index_where_it_would_bring_cuda(tmp_path, machine, resolves_to,
+                                                                          cpu_index_first):
+    """PyPI's torch from 2.11 on depends on the CUDA 13 toolkit (several GB): scripts/install.sh
+    takes the pinned torch from PyTorch's CPU index first on 64-bit ARM always, and on x86-64
+    when pip's dry run says the configured sources would bring the CUDA packages."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     log = tmp_path / "calls.log"
     (bindir / "uname").write_text(f"#!/bin/sh\necho {machine}\n")
-    (bindir / "python").write_text(f"#!/bin/sh\n[ \"$1\" = -c ] && exit 0\necho \"$*\" >> {log}\n")
+    report = '{"install": [{"metadata": {"name": "%s", "version": "1"}}]}' % resolves_to
+    (bindir / "python").write_text(f"#!/bin/sh\n[ \"$1\" = -c ] && exit 0\n"
+                                   f"case \"$*\" in *--dry-run*) echo '{report}'; exit 0 ;; esac\n"
+                                   f"echo \"$*\" >> {log}\n")
     for tool in ("uname", "python"):
         (bindir / tool).chmod(0o755)
     env = {**clean_env(bindir), "PYTHON": str(bindir / "python")}
