@@ -94,6 +94,10 @@ def check_cmd(config: Path) -> None:
 @click.option("--index-url", help="Package index to download from (default: pip's, i.e. PyPI).")
 @click.option("--find-links", "find_links", multiple=True, help="Extra directory or URL of wheels for pip; repeatable.")
 @click.option("--no-index", is_flag=True, help="Only --find-links, no package index.")
+@click.option("--torch-index", metavar="URL",
+              help="Take torch alone from this index, e.g. PyTorch's CPU wheels https://download.pytorch.org/whl/cpu "
+                   "(needed for a Pi 3B+, Pi 4 or Zero 2 W: docs/deploy-raspberry-pi.md).")
+@click.option("--torch-version", metavar="V", help="torch's version instead of the constraints' pin (e.g. 2.13.0).")
 def wheelhouse_cmd(**options) -> None:
     """Every wheel the devices' agent install needs, for an install without a package index.
 

@@ -37,6 +37,7 @@ FORMAT = 1
 GLIBC_MINOR = 36
 ARCHES = ("aarch64", "x86_64")
 AGENT_DIST = "fedal-edge"
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
 class WheelhouseError(ValueError):
@@ -57,6 +58,8 @@ class WheelhouseSpec:
     index_url: str | None = None
     find_links: list[str] = field(default_factory=list)
     no_index: bool = False
+    torch_index: str | None = None  # torch alone from this index (PyTorch's CPU wheels), as install-agent.sh does
+    torch_version: str | None = None  # in place of the constraints' torch pin
     python: str = sys.executable  # whose pip downloads
 
 
@@ -255,6 +258,22 @@ def check_closure(files: list[Path], arch: str, python_version: str, extras: dic
     return sorted(set(missing))
 
 
+def _torch_requirement(spec: WheelhouseSpec, reqs: list[str]) -> str | None:
+    """`torch==V` the wheelhouse holds: --torch-version, else the constraints' pin (None: no torch)."""
+    if spec.torch_version is not None:
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            version = Version(spec.torch_version)
+        except InvalidVersion:
+            raise UsageProblem(f"--torch-version {spec.torch_version!r} is not a version (e.g. 2.13.0)") from None
+        if spec.torch_index is None and version.release >= (2, 11):
+            raise UsageProblem(f"torch {spec.torch_version} from PyPI depends on the CUDA 13 toolkit (several GB): "
+                               f"add --torch-index {CPU_TORCH_INDEX}")
+        return f"torch=={spec.torch_version}"
+    return next((r for r in reqs if r.lower().startswith("torch==")), None)
+
+
 def build_wheelhouse(spec: WheelhouseSpec, progress=lambda msg: None) -> dict:
     """Download the device's wheels into spec.out, check them, write the manifest; returns it."""
     if spec.arch not in ARCHES:
@@ -272,6 +291,11 @@ def build_wheelhouse(spec: WheelhouseSpec, progress=lambda msg: None) -> dict:
         if "://" not in link and not Path(link).exists():
             raise UsageProblem(f"--find-links {link} does not exist")
     reqs = pinned_requirements(constraints, spec.arch, spec.python_version)
+    torch_req = _torch_requirement(spec, reqs)
+    if spec.torch_index is not None:  # torch comes from its own index, the rest as pinned
+        reqs = [r for r in reqs if not r.lower().startswith("torch==")]
+    elif torch_req is not None:
+        reqs = [torch_req if r.lower().startswith("torch==") else r for r in reqs]
     _claim(spec.out)
 
     out = spec.out
@@ -291,12 +315,17 @@ def build_wheelhouse(spec: WheelhouseSpec, progress=lambda msg: None) -> dict:
         _pip(spec, "download", "-q", "--no-deps", "--only-binary=:all:", *tags, "--python-version", spec.python_version,
              "--implementation", "cp", "--abi", f"cp{spec.python_version.replace('.', '')}", "--abi", "abi3", "--abi", "none",
              "-d", str(downloads), *_index_args(spec), "-r", str(req_file))
+        if spec.torch_index is not None and torch_req is not None:
+            progress(f"pip download: {torch_req} from {spec.torch_index}")
+            _pip(spec, "download", "-q", "--no-deps", "--only-binary=:all:", *tags, "--python-version",
+                 spec.python_version, "--implementation", "cp", "--abi", f"cp{spec.python_version.replace('.', '')}",
+                 "-d", str(downloads), "--index-url", spec.torch_index, torch_req)
         files = [agent, *sorted(downloads.glob("*.whl"))]
         missing = check_closure(files, spec.arch, spec.python_version, {AGENT_DIST: {"agent"}})
         if missing:
-            hint = ("on aarch64, torch >= 2.11 from PyPI needs the CUDA toolkit: keep torch 2.10.0" if spec.arch == "aarch64"
-                    else "on x86_64, PyPI's torch needs the CUDA libraries: add the CPU build with "
-                         "--find-links https://download.pytorch.org/whl/cpu/torch/")
+            hint = (f"PyPI's torch needs the CUDA libraries from 2.11 on: take torch from PyTorch's CPU index with "
+                    f"--torch-index {CPU_TORCH_INDEX} --torch-version 2.13.0 (on aarch64 2.10.0, PyPI's last CPU-only "
+                    f"one, dies on a Pi 3B+, Pi 4 and Zero 2 W)")
             raise WheelhouseError("the wheelhouse would not install offline; it lacks " + "; ".join(missing)
                                   + f". Pin what is missing in {constraints} ({hint})")
         entries: dict[str, dict[str, Any]] = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files}

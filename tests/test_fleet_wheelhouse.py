@@ -126,7 +126,8 @@ def test_pinned_aarch64_closure_without_x86_only_dependencies(tmp_path, inputs):
     # for x86_64 the same markers hold: PyPI's torch there needs the CUDA packages, which are not pinned
     x86 = wheelhouse("--arch", "x86_64", "--out", str(tmp_path / "wh-x86"), *offline(*inputs))
     assert x86.returncode == 1
-    assert "lacks nvidia-cudnn-cu12==9.10.2.21 (needed by torch)" in x86.stderr and "download.pytorch.org" in x86.stderr
+    assert "lacks nvidia-cudnn-cu12==9.10.2.21 (needed by torch)" in x86.stderr
+    assert "--torch-index https://download.pytorch.org/whl/cpu --torch-version 2.13.0" in x86.stderr
 
 
 def test_an_incomplete_closure_is_refused_naming_what_is_missing(tmp_path, inputs):
@@ -221,3 +222,38 @@ def test_a_stopped_wheelhouse_ends_pip_and_leaves_nothing_in_out(tmp_path, input
     r = wheelhouse("--arch", "aarch64", "--out", str(out), *offline(idx, constraints, wheel))
     assert r.returncode == 0, r.stderr
     assert not list(out.glob(".fedal-wheelhouse-*"))
+
+
+def cpu_torch_index(root: Path, arch_tag: str = "manylinux_2_28_aarch64") -> str:
+    """A PEP 503 index of torch's CPU builds (no CUDA requirement), as PyTorch's CPU index holds them."""
+    wheels = root / "wheels"
+    wheels.mkdir(parents=True)
+    wheel = fake_wheel(wheels, "torch", "2.13.0+cpu", f"cp311-cp311-{arch_tag}", ("filelock",), {"torch/__init__.py": ""})
+    page = root / "simple" / "torch"
+    page.mkdir(parents=True)
+    page.joinpath("index.html").write_text(f'<html><body><a href="{wheel.as_uri()}">{wheel.name}</a></body></html>\n')
+    return (root / "simple").as_uri()
+
+
+def test_a_pi_4_wheelhouse_takes_torch_from_the_cpu_index(tmp_path, inputs):
+    """A Pi 3B+, Pi 4 or Zero 2 W refuses PyPI's torch 2.10.0 (SIGILL on its cores) and PyPI's later
+    ones pull the CUDA toolkit: --torch-index/--torch-version take a CPU build from PyTorch's index."""
+    idx, constraints, wheel = inputs
+    out = tmp_path / "wh"
+    r = wheelhouse("--arch", "aarch64", "--out", str(out), *offline(idx, constraints, wheel),
+                   "--torch-index", cpu_torch_index(tmp_path / "cpu"), "--torch-version", "2.13.0")
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((out / "fedal-wheelhouse.json").read_text())
+    assert manifest["torch"] == "2.13.0+cpu" and "torch 2.13.0+cpu" in r.stdout
+    assert [n for n in manifest["files"] if n.startswith("torch-")] == ["torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_aarch64.whl"]
+
+
+def test_a_newer_torch_without_the_cpu_index_is_refused_before_any_download(tmp_path, inputs):
+    idx, constraints, wheel = inputs
+    r = wheelhouse("--arch", "aarch64", "--out", str(tmp_path / "wh"), *offline(idx, constraints, wheel),
+                   "--torch-version", "2.13.0")
+    assert r.returncode == 2 and "depends on the CUDA 13 toolkit" in r.stderr and "--torch-index" in r.stderr
+    assert not (tmp_path / "wh").exists()
+    bad = wheelhouse("--arch", "aarch64", "--out", str(tmp_path / "wh"), *offline(idx, constraints, wheel),
+                     "--torch-version", "latest")
+    assert bad.returncode == 2 and "is not a version" in bad.stderr
