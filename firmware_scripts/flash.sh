@@ -136,6 +136,11 @@ if [ -n "$WHEELHOUSE" ]; then
   [ -z "$TORCH_INDEX" ] || die "--torch-index and --wheelhouse exclude each other: the wheelhouse holds torch"
   [ -z "$TORCH_VERSION" ] || die "--torch-version and --wheelhouse exclude each other: the wheelhouse holds torch"
 fi
+# what the device's installer would refuse at first boot (the card then needs flashing again), refused here
+if [ -n "$TORCH_VERSION" ] && [ -z "$TORCH_INDEX" ] \
+    && [ "$(printf '%s\n' "$TORCH_VERSION" | awk -F'[.+]' '{ printf "%d", $1 * 1000 + $2 }')" -ge 2011 ]; then
+  die "--torch-version $TORCH_VERSION without --torch-index: PyPI's aarch64 torch from 2.11 on depends on the CUDA 13 toolkit, which the device's installer refuses; add --torch-index https://download.pytorch.org/whl/cpu"
+fi
 
 # -- the boot partition ----------------------------------------------------------------------------
 dump="$(sfdisk --dump "$IMAGE" 2>/dev/null)" || die "$IMAGE has no partition table: not a disk image"
@@ -208,6 +213,7 @@ PYEOF
 )" || die "--wheelhouse: ${wh_facts}"
   whf() { printf '%s\n' "$wh_facts" | sed -n "s/^$1=//p"; }
   WH_ARCH="$(whf arch)" WH_BYTES="$(whf bytes)"
+  [ "$WH_ARCH" = aarch64 ] || die "--wheelhouse $WHEELHOUSE is for $WH_ARCH; a Raspberry Pi (64-bit OS) needs one built with --arch aarch64"
   mapfile -t WH_FILES < <(whf file)
   if [ -z "$WHEEL" ]; then WHEEL="$WHEELHOUSE/$(whf agent)"; fi
 fi
@@ -347,7 +353,7 @@ if has fedal; then
   # what an earlier flash.sh kept of the card's own first-boot settings (Raspberry Pi Imager's
   # firstrun.sh, the image's user-data) moves into the new fedal/: the card's hook is flash.sh's
   # own since then, so they could not be saved again below
-  for kept in firstrun-previous.sh user-data.orig; do
+  for kept in firstrun-previous.sh user-data.orig network-config.orig; do
     if printf '%s\n' "$fedal_listing" | grep -qix "::/fedal/$kept"; then
       mcopy -n -i "$FAT" "::/fedal/$kept" "$P/$kept" || die "cannot read fedal/$kept from the boot partition"
     fi
@@ -436,8 +442,12 @@ else
     put "$TMP/meta-data" ::/meta-data
   fi
   if [ -n "$SSID" ]; then
+    if has network-config; then  # the image's own network settings are kept, as its user-data is
+      mcopy -n -i "$FAT" ::/network-config "$TMP/network-config.orig"
+      if ! grep -q "flash.sh" "$TMP/network-config.orig"; then put "$TMP/network-config.orig" ::/fedal/network-config.orig; fi
+    fi
     {
-      echo "# Written by FedAL Edge firmware_scripts/flash.sh."
+      echo "# Written by FedAL Edge firmware_scripts/flash.sh (the image's previous one: fedal/network-config.orig)."
       echo "network:"
       echo "  version: 2"
       echo "  ethernets:"

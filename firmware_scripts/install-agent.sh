@@ -94,8 +94,8 @@ case "$raw_arch" in
   aarch64|arm64) ARCH=aarch64 ;;
   x86_64|amd64) ARCH=x86_64 ;;
   armhf|armel|armv7l|armv6l|armv8l|arm|i386|i686)
-    die "32-bit userland ($raw_arch) is not supported: torch and onnxruntime publish no 32-bit ARM or x86 wheels. Install the 64-bit Raspberry Pi OS (arm64) instead." ;;
-  *) die "unsupported architecture '$raw_arch': the agent runs on 64-bit ARM (aarch64) or x86-64" ;;
+    refuse "32-bit userland ($raw_arch) is not supported: torch and onnxruntime publish no 32-bit ARM or x86 wheels. Install the 64-bit Raspberry Pi OS (arm64) instead." ;;
+  *) refuse "unsupported architecture '$raw_arch': the agent runs on 64-bit ARM (aarch64) or x86-64" ;;
 esac
 
 CONSTRAINTS_FILE="$SCRIPT_DIR/constraints/$ARCH.txt"
@@ -128,9 +128,9 @@ fi
 # -- inputs ------------------------------------------------------------------------------
 command -v "$PY" >/dev/null 2>&1 || die "python interpreter '$PY' not found (Raspberry Pi OS: apt-get install python3)"
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
-  || die "Python >= 3.11 is needed, $PY is $("$PY" -c 'import platform; print(platform.python_version())')"
+  || refuse "Python >= 3.11 is needed, $PY is $("$PY" -c 'import platform; print(platform.python_version())') (Raspberry Pi OS Bookworm or later has it)"
 if [ -z "${FEDAL_ARCH:-}" ] && [ "$("$PY" -c 'import struct; print(struct.calcsize("P") * 8)')" != 64 ]; then
-  die "$PY is a 32-bit interpreter: a 64-bit Python (64-bit OS) is required"
+  refuse "$PY is a 32-bit interpreter: a 64-bit Python (64-bit OS) is required"
 fi
 [ -n "$CONFIG" ] || { usage >&2; die "--config is required"; }
 [ -f "$CONFIG" ] || die "config file not found: $CONFIG"
@@ -347,6 +347,10 @@ if [ "$have_ver" != "$want_ver" ]; then
     else
       die "$PY cannot create virtualenvs with pip (Debian: apt-get install python3-venv)"
     fi
+  fi
+  # --clear empties the directory: only a virtualenv (an older one of ours) or nothing is replaced
+  if [ -d "$ROOT$VENV" ] && [ ! -f "$ROOT$VENV/pyvenv.cfg" ] && [ -n "$(ls -A "$ROOT$VENV" 2>/dev/null)" ]; then
+    refuse "$VENV exists and is not a virtualenv (no pyvenv.cfg): it is left as it is; move it away to install the agent there"
   fi
   run "$PY" -m venv --clear ${venv_args[@]+"${venv_args[@]}"} "$ROOT$VENV"
   changed "created virtualenv $VENV (Python $want_ver)"

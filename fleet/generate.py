@@ -26,8 +26,10 @@ protocol's MAX_PAYLOAD (plus MQTT's own header), so no one can make the broker r
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import tempfile
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -140,6 +142,11 @@ def _check(spec: FleetSpec) -> tuple[list[str], BrokerAddress]:
         raise FleetError(f"--coordinator-port {cport} must be a port (1-65535) other than the devices' {addr.port}")
     if spec.tls and not addr.tls:
         raise FleetError(f"--tls needs an mqtts:// broker URL (got {spec.broker}); the default TLS port is 8883")
+    if spec.bind is not None and not _host_or_address(spec.bind):
+        raise FleetError(f"--bind {spec.bind!r} is not an IP address or host name (Mosquitto's listener would not start)")
+    for name in spec.server_names:
+        if not _host_or_address(name):
+            raise FleetError(f"--server-name {name!r} is not a DNS name or IP address (the certificate's names)")
     out = spec.out
     if out.exists() and not out.is_dir():
         raise FleetError(f"--out {out} exists and is not a directory")
@@ -156,6 +163,20 @@ def coordinator_url(spec: FleetSpec, addr: BrokerAddress) -> str:
     """The broker URL with the coordinator listener's port."""
     host = f"[{addr.host}]" if ":" in addr.host else addr.host
     return f"{'mqtts' if addr.tls else 'mqtt'}://{host}:{coordinator_port(spec, addr)}"
+
+
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _host_or_address(text: str) -> bool:
+    """An IP address, or a DNS name (labels of letters, digits and inner hyphens; 253 at most)."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        pass
+    name = text[:-1] if text.endswith(".") else text
+    return 0 < len(name) <= 253 and all(_LABEL.fullmatch(label) for label in name.split("."))
 
 
 def build_fleet(spec: FleetSpec) -> dict:

@@ -218,6 +218,10 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     run = subprocess.run([str(root / "usr/local/sbin/fedal-firstboot")], env=pi4, capture_output=True, text=True, timeout=120)
     assert run.returncode == 3, run.stdout + run.stderr
     assert "not retrying" in run.stdout + run.stderr and not pip_log.exists() and (boot / "fedal").exists()
+    # the broker password does not stay on the FAT partition of a card that waits to be reflashed
+    kept = root / "root" / ".fedal-firstboot" / "agent.toml"
+    assert not (boot / "fedal" / "agent.toml").exists() and kept.read_text() == AGENT_TOML
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600 and stat.S_IMODE(kept.parent.stat().st_mode) == 0o700
     run = subprocess.run([str(root / "usr/local/sbin/fedal-firstboot")], env=env2, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     calls = [json.loads(line) for line in pip_log.read_text().splitlines()]
@@ -230,7 +234,7 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
         "/etc/systemd/system/fedal-agent.service"
     assert any(line.startswith("fedal-agent:") for line in (root / "etc/passwd").read_text().splitlines())
     # done for good: the credentials left the FAT partition, the installer will not run again
-    assert not (boot / "fedal").exists()
+    assert not (boot / "fedal").exists() and not kept.parent.exists()
     assert (root / "var/lib/fedal-agent/.firstboot-done").exists()
     assert not (root / "etc/systemd/system/multi-user.target.wants/fedal-firstboot.service").exists()
 
@@ -322,6 +326,7 @@ def test_cloud_init_image_is_prepared_the_cloud_init_way(tmp_path, device):
     assert net["ethernets"]["eth0"]["dhcp4"] is True
     assert fat_read(img, "meta-data", tmp_path) == b"instance-id: rpios-image\n"
     assert fat_read(img, "fedal/user-data.orig", tmp_path).decode() == original_user_data
+    assert fat_read(img, "fedal/network-config.orig", tmp_path) == b"network:\n  version: 2\n"  # kept, as user-data
     assert fat_read(img, "fedal/install-args", tmp_path) == \
         b"--torch-index\nhttps://download.pytorch.org/whl/cpu\n--torch-version\n2.13.0\n"
     assert fat_read(img, "fedal/agent.toml", tmp_path).decode() == AGENT_TOML
@@ -333,8 +338,9 @@ def test_cloud_init_image_is_prepared_the_cloud_init_way(tmp_path, device):
               "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"))
     assert r.returncode == 0, r.stderr
     assert "systemd.run=/boot/firmware/firstrun.sh" in fat_read(img, "cmdline.txt", tmp_path).decode()
-    # the image's own user-data, kept by the first flash, survives the second (the card's is ours now)
+    # the image's own user-data and network-config, kept by the first flash, survive the second (the card's are ours now)
     assert fat_read(img, "fedal/user-data.orig", tmp_path).decode() == original_user_data
+    assert fat_read(img, "fedal/network-config.orig", tmp_path) == b"network:\n  version: 2\n"
 
 
 def test_flashing_twice_keeps_the_imager_settings_the_first_flash_saved(tmp_path, device):

@@ -216,13 +216,13 @@ def test_constraints_per_architecture():
 @pytest.mark.parametrize("arch", ["armv7l", "armhf", "armv6l", "i686"])
 def test_32bit_userland_is_refused_with_the_reason(arch):
     r = install("--print-constraints", arch=arch)
-    assert r.returncode == 1
+    assert r.returncode == 3  # a refusal no retry changes: the first-boot installer does not retry it
     assert "32-bit" in r.stderr and "no 32-bit" in r.stderr and "64-bit Raspberry Pi OS" in r.stderr
 
 
 def test_unknown_architecture_is_refused():
     r = install("--print-constraints", arch="riscv64")
-    assert r.returncode == 1 and "unsupported architecture 'riscv64'" in r.stderr
+    assert r.returncode == 3 and "unsupported architecture 'riscv64'" in r.stderr
 
 
 def test_dry_run_changes_nothing(tmp_path, inputs):
@@ -257,7 +257,7 @@ def test_bad_inputs_fail_with_clear_messages(tmp_path, inputs):
     old.write_text("#!/bin/sh\ncase \"$2\" in *version_info*) exit 1 ;; *python_version*) echo 3.9.2 ;; esac\n")
     old.chmod(0o755)
     r = install("--root", root, "--config", cfg, "--python", str(old))
-    assert r.returncode == 1 and "Python >= 3.11 is needed" in r.stderr and "3.9.2" in r.stderr
+    assert r.returncode == 3 and "Python >= 3.11 is needed" in r.stderr and "3.9.2" in r.stderr
 
 
 def test_a_single_data_file_is_installed_as_the_configs_data_file(tmp_path, inputs):
@@ -359,3 +359,16 @@ def test_a_ca_path_with_dot_dot_is_refused(tmp_path, inputs):
     cfg.write_text(AGENT_TOML.replace("/etc/fedal-agent/ca.crt", "/etc/fedal-agent/../ssl/certs/ca-certificates.crt"))
     r = install("--root", str(tmp_path / "root"), "--config", str(cfg), "--skip-pip", "--ca", str(inputs / "ca.crt"))
     assert r.returncode == 1 and "must not contain . or .. components" in r.stderr, r.stderr
+
+
+def test_an_existing_directory_that_is_not_a_virtualenv_is_never_cleared(tmp_path, inputs):
+    """The virtualenv is made with `venv --clear`, which empties the directory: a /opt/fedal-agent
+    the installer did not make (no pyvenv.cfg) is refused and left as it was."""
+    root = tmp_path / "root"
+    base_root(root)
+    mine = root / "opt" / "fedal-agent"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    r = install("--root", str(root), "--config", str(inputs / "agent.toml"), "--skip-pip")
+    assert r.returncode == 3 and "is not a virtualenv" in r.stderr, r.stderr
+    assert (mine / "notes.txt").read_text() == "mine" and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]

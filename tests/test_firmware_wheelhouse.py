@@ -164,9 +164,13 @@ def test_bad_wheelhouses_are_refused_and_leave_the_image_alone(tmp_path, device)
     plain = tmp_path / "downloads"
     plain.mkdir()
     (plain / "torch-2.10.0-cp311-cp311-manylinux_2_28_aarch64.whl").write_bytes(b"x")
+    x86 = build_wheelhouse(tmp_path, arch="x86_64", name="wh-x86")
     cases = [(["--wheelhouse", str(plain)], "is not a wheelhouse (no fedal-wheelhouse.json)"),
              (["--wheelhouse", str(tmp_path / "nowhere")], "wheelhouse not found"),
-             (["--wheelhouse", str(wh), "--torch-index", "https://download.pytorch.org/whl/cpu"], "exclude each other")]
+             (["--wheelhouse", str(wh), "--torch-index", "https://download.pytorch.org/whl/cpu"], "exclude each other"),
+             # what the device's installer would refuse at first boot, refused before the card is written
+             (["--wheelhouse", str(x86)], "is for x86_64; a Raspberry Pi (64-bit OS) needs one built with --arch aarch64"),
+             (["--torch-version", "2.13.0"], "without --torch-index: PyPI's aarch64 torch from 2.11 on depends on the CUDA")]
     for extra, message in cases:
         r = flash("--image", str(img), "--config", str(device / "agent.toml"), *extra)
         assert r.returncode == 1 and message in r.stderr, (extra, r.stderr)

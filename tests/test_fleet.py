@@ -227,11 +227,21 @@ def test_agent_comes_online_over_tls_with_generated_credentials(tmp_path):
     (["--devices", "2", "--broker", "mqtt://h", "--prefix", "c", "--start", "1", "--coordinator-user", "c2"], "collides"),
     (["--devices", "0", "--broker", "mqtt://h"], "--devices"),
     (["--devices", "2", "--broker", "mqtt://h", "--model", "cnn2d"], "'cnn2d' is not one of 'mlp', 'cnn1d'"),
+    (["--devices", "2", "--broker", "mqtt://h", "--bind", "not an ip"], "--bind 'not an ip' is not an IP address"),
+    (["--devices", "2", "--broker", "mqtts://h", "--tls", "--server-name", "bad name!"], "--server-name 'bad name!'"),
+    (["--devices", "2", "--broker", "mqtts://h", "--tls", "--server-name", "-x.lan"], "is not a DNS name"),
 ])
 def test_init_refuses_options_that_cannot_work(tmp_path, args, message):
     code, output = fleet_init(*args, "--out", str(tmp_path / "out"))
     assert code == 2 and message in output
     assert not (tmp_path / "out" / "fleet.json").exists()
+
+
+def test_init_takes_addresses_and_names_for_bind_and_server_name(tmp_path):
+    for i, extra in enumerate((["--bind", "192.168.1.10"], ["--bind", "::1"], ["--bind", "broker.lan"],
+                               ["--server-name", "10.0.0.2", "--server-name", "broker-1.example.org."])):
+        code, output = fleet_init("--devices", "2", "--broker", "mqtts://h", "--tls", *extra, "--out", str(tmp_path / f"o{i}"))
+        assert code == 0, output
 
 
 def test_init_refuses_to_overwrite_credentials_and_check_reports_configs(tmp_path):

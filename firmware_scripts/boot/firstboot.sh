@@ -10,10 +10,22 @@ R="${FEDAL_TARGET_ROOT:-}"
 P="${FEDAL_PAYLOAD:?FEDAL_PAYLOAD is not set (see /etc/default/fedal-firstboot)}"
 log() { echo "fedal firstboot: $*"; }
 
-if [ ! -f "$P/agent.toml" ]; then
+# the config (it holds the broker password) of an install refused for good is kept here, off the
+# FAT partition that anyone holding the card can read; a reflashed card brings a new one to $P
+KEPT="$R/root/.fedal-firstboot"
+CONFIG="$P/agent.toml"
+if [ ! -f "$CONFIG" ] && [ -d "$P" ] && [ -f "$KEPT/agent.toml" ]; then CONFIG="$KEPT/agent.toml"; fi
+if [ ! -f "$CONFIG" ]; then
   log "no agent payload at $P (already installed?)"
   exit 1
 fi
+keep_config_off_the_card() {
+  [ "$CONFIG" = "$P/agent.toml" ] || return 0
+  install -d -m 0700 "$KEPT"
+  mv -f "$P/agent.toml" "$KEPT/agent.toml"
+  chmod 600 "$KEPT/agent.toml"
+  log "the config (with the broker password) moved off the boot partition to ${KEPT#"$R"}/agent.toml"
+}
 WH=""
 if [ -f "$P/install-args" ]; then
   WH="$(awk 'prev == "--wheelhouse" { print; exit } { prev = $0 }' "$P/install-args")"
@@ -27,7 +39,7 @@ if [ -z "$WH" ] && [ -z "$R" ] && command -v timedatectl >/dev/null 2>&1; then
   done
 fi
 
-args=(--config "$P/agent.toml")
+args=(--config "$CONFIG")
 if [ -f "$P/ca.crt" ]; then args+=(--ca "$P/ca.crt"); fi
 for f in "$P"/*.whl "$P"/data/*; do
   [ -f "$f" ] || continue
@@ -52,11 +64,13 @@ if [ "$rc" -ne 0 ]; then
   if [ "$rc" -eq 3 ]; then
     log "the installer refused this device's install for good (see above; e.g. a torch its CPU cannot run);"
     log "not retrying: flash the card again with the options it names"
+    keep_config_off_the_card
     exit 3
   fi
   if [ -n "$WH" ]; then
     log "the offline install from $WH failed (see above); not retrying, it would fail the same way:"
     log "fix the cause, then: systemctl start fedal-firstboot"
+    keep_config_off_the_card
     exit 3
   fi
   log "the install failed (see above); retrying in a minute"
@@ -65,7 +79,7 @@ fi
 
 # Installed: the credentials leave the FAT partition (anyone holding the card could read them),
 # and this service is done for good.
-rm -rf "$P"
+rm -rf "$P" "$KEPT"
 # a wheelhouse flash.sh put on the root partition (too big for the boot one): its manifest says it is ours
 case "$WH" in /?*) if [ -f "$WH/fedal-wheelhouse.json" ]; then rm -rf -- "$WH"; fi ;; esac
 install -d "$R/var/lib/fedal-agent"
