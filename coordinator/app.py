@@ -55,10 +55,15 @@ class RequestGuard:
     receiving pass it (a chunked body has no Content-Length). A body within the limit is
     received here and handed on whole."""
 
-    def __init__(self, app, token: str | None, max_body_bytes: int):
+    def __init__(self, app, token: str | None, max_body_bytes: int, on_refused=None):
         self.app = app
         self.token = token
         self.max_body_bytes = max_body_bytes
+        self.on_refused = on_refused or (lambda *_args: None)  # (status, method, path, client, detail)
+
+    def _refuse(self, scope, status: int, detail: str) -> None:
+        client = scope.get("client")
+        self.on_refused(status, scope["method"], scope.get("path", ""), client[0] if client else None, detail)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -69,6 +74,7 @@ class RequestGuard:
             failure = auth_failure(headers.get(b"authorization"), self.token)
             if failure is not None:
                 extra = [(b"www-authenticate", b"Bearer")] if failure[0] == 401 else []
+                self._refuse(scope, *failure)
                 await _answer(send, *failure, extra)
                 return
         length = headers.get(b"content-length")
@@ -76,6 +82,7 @@ class RequestGuard:
             await self.app(scope, receive, send)  # no body (a GET, or the SSE stream listening for a disconnect)
             return
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            self._refuse(scope, 413, self._too_large())
             await _answer(send, 413, self._too_large())
             return
         parts, size = [], 0
@@ -85,6 +92,7 @@ class RequestGuard:
                 return
             size += len(message.get("body", b""))
             if size > self.max_body_bytes:
+                self._refuse(scope, 413, self._too_large())
                 await _answer(send, 413, self._too_large())
                 return
             parts.append(message.get("body", b""))
@@ -122,6 +130,8 @@ def create_app(runs: RunManager | Run) -> FastAPI:
     def require_token(request: Request) -> None:
         failure = auth_failure(request.headers.get("authorization"), token)
         if failure is not None:
+            runs.refused(failure[0], request.method, request.url.path, request.client.host if request.client else None,
+                         failure[1])
             raise HTTPException(status_code=failure[0], detail=failure[1],
                                 headers={"WWW-Authenticate": "Bearer"} if failure[0] == 401 else None)
 
@@ -133,9 +143,11 @@ def create_app(runs: RunManager | Run) -> FastAPI:
     writes = [Depends(require_token)]
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         """FastAPI's own 422, except that the values it quotes back are made JSON: a body's NaN,
         Infinity or 1e400 (Python's json reads them as floats) made the default answer a 500."""
+        runs.refused(422, request.method, request.url.path, request.client.host if request.client else None,
+                     f"{len(exc.errors())} invalid field(s)")
         return JSONResponse(status_code=422, content={"detail": json_safe(jsonable_encoder(exc.errors()))})
 
     def _run(run_id: str) -> Run:
@@ -165,7 +177,7 @@ def create_app(runs: RunManager | Run) -> FastAPI:
         return out + [{k: snap[k] for k in RUN_SUMMARY} for snap in _unrestored()]
 
     @app.post("/api/v1/runs", status_code=201, dependencies=writes)
-    def create_run(spec: RunSpec = Body(..., examples=[{
+    def create_run(request: Request, spec: RunSpec = Body(..., examples=[{
             "run_id": "digits-fedal", "client_ids": ["pi-1", "pi-2", "pi-3"],
             "run": {"strategy": "fedal", "dataset": "digits", "rounds": 20, "seed": 0}}])) -> dict[str, Any]:
         """Create a run and start it: its enrolled agents join when they see its manifest. The
@@ -175,6 +187,7 @@ def create_app(runs: RunManager | Run) -> FastAPI:
         except RunConflict as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
         except InvalidRunSpec as exc:
+            runs.refused(422, request.method, request.url.path, request.client.host if request.client else None, str(exc))
             raise HTTPException(status_code=422, detail=str(exc)) from None
         snap = engine.snapshot()
         return {k: snap[k] for k in RUN_SUMMARY}
@@ -261,7 +274,7 @@ def create_app(runs: RunManager | Run) -> FastAPI:
         return RedirectResponse("/dashboard/")
 
     app.mount("/dashboard", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
-    app.add_middleware(RequestGuard, token=token, max_body_bytes=api.max_body_bytes)
+    app.add_middleware(RequestGuard, token=token, max_body_bytes=api.max_body_bytes, on_refused=runs.refused)
     return app
 
 

@@ -33,6 +33,14 @@ class ApiSettings(BaseModel):
     read_requires_token: bool = Field(False, description="require the token for reads too (the public set stays open to agents)")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="larger request bodies are refused (413) before they are read")
 
+    @field_validator("token")
+    @classmethod
+    def _usable_token(cls, v: str | None) -> str | None:
+        if v is not None and (not v or v != v.strip()):
+            raise ValueError("an empty token, or one with spaces at its ends, can never be presented: set a token "
+                             "without them, or leave `token` out (writes are then refused)")
+        return v
+
 
 class HealthSettings(BaseModel):
     """When a device's reported health is flagged (API `health_flags`, /metrics, the dashboard);

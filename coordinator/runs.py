@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ class RunManager:
         # run id -> why. They stay visible as failed and keep their ids; the store keeps their history.
         self.unrestored: dict[str, str] = {}
         self.creating: set[str] = set()  # ids of runs being built by create(), outside the lock
+        self.refused_requests: Counter[int] = Counter()  # API requests refused, by HTTP status (401, 403, 413, 422)
         self.threads: dict[str, threading.Thread] = {}
         self.lock = threading.RLock()
         self.started = False
@@ -103,6 +105,13 @@ class RunManager:
                 self._start(run)
         log.info("created run %s (%s, %d clients)", spec.run_id, run.run_config.strategy, len(run.client_ids))
         return run
+
+    def refused(self, status: int, method: str, path: str, client: str | None, detail: str) -> None:
+        """An API request refused: counted (/metrics) and logged, so that token guessing or a
+        misconfigured client leaves a trace."""
+        with self.lock:
+            self.refused_requests[status] += 1
+        log.warning("API: refused %s %s from %s: %d %s", method, path, client or "?", status, detail)
 
     def _check_free(self, run_id: str) -> None:
         """RunConflict unless `run_id` names no run: none running or ended, none being created,

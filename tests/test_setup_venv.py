@@ -4,6 +4,7 @@ virtualenv instead of installing into that Python, and reuses an active virtuale
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -113,7 +114,7 @@ def test_install_takes_torch_from_the_cpu_index_where_it_would_bring_cuda(tmp_pa
     bindir.mkdir()
     log = tmp_path / "calls.log"
     (bindir / "uname").write_text(f"#!/bin/sh\necho {machine}\n")
-    report = '{"install": [{"metadata": {"name": "%s", "version": "1"}}]}' % resolves_to
+    report = json.dumps({"install": [{"metadata": {"name": resolves_to, "version": "1"}}]})
     (bindir / "python").write_text(f"#!/bin/sh\n[ \"$1\" = -c ] && exit 0\n"
                                    f"case \"$*\" in *--dry-run*) echo '{report}'; exit 0 ;; esac\n"
                                    f"echo \"$*\" >> {log}\n")

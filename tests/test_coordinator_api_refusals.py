@@ -1,0 +1,44 @@
+"""Refused API requests leave a trace: each 401, 403, 413 and 422 is logged with its method, path
+and client, and counted on /metrics (token guessing was invisible). A token that can never be
+presented (empty, or with spaces at its ends) is a config error."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from fastapi.testclient import TestClient
+
+from coordinator.app import create_app
+from coordinator.config import load_coordinator_config
+from coordinator.runs import RunManager
+from fedal.settings import SettingsError
+
+TOKEN = "tok"
+
+
+def test_refused_requests_are_logged_and_counted(tmp_path, caplog):
+    runs = RunManager(load_coordinator_config(None, state_dir=tmp_path / "state",
+                                              api={"token": TOKEN, "max_body_bytes": 2048}))
+    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    caplog.set_level(logging.WARNING, logger="coordinator.runs")
+    assert api.post("/api/v1/runs/x/stop").status_code == 401
+    assert api.post("/api/v1/runs/x/stop", headers={"Authorization": "Bearer guess"}).status_code == 403
+    assert api.post("/api/v1/runs", content=b"x" * 4096, headers={"Authorization": f"Bearer {TOKEN}",
+                                                                  "Content-Type": "application/json"}).status_code == 413
+    assert api.post("/api/v1/runs", json={"run_id": "r"}, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 422
+    assert api.post("/api/v1/runs", json={"run_id": "r", "client_ids": ["a", "b"], "run": {"public_size": 10**6}},
+                    headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 422  # refused by the run's own checks
+    metrics = api.get("/metrics").text
+    for status, count in (("401", 1), ("403", 1), ("413", 1), ("422", 2)):
+        assert f'fedal_api_refused_requests_total{{status="{status}"}} {count}.0' in metrics, metrics[-800:]
+    logged = [r.getMessage() for r in caplog.records if "API: refused" in r.getMessage()]
+    assert len(logged) == 5
+    assert "POST /api/v1/runs/x/stop from testclient: 403 wrong token" in logged[1]
+    runs.store.close()
+
+
+@pytest.mark.parametrize("token", ["", " tok", "tok\n"])
+def test_a_token_that_can_never_be_presented_is_a_config_error(tmp_path, token):
+    with pytest.raises(SettingsError, match="can never be presented"):
+        load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": token})
