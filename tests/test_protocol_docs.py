@@ -618,3 +618,33 @@ def test_configuration_md_lists_every_strategy_parameter():
     section = text.split("## Strategy parameters (`[strategy_params]`)", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"^\| `([a-z0-9_]+)` \|", section, re.M))
     assert set(StrategyParams.model_fields) - {"privacy"} == documented
+
+
+def test_configuration_md_presets_are_the_strategies_presets():
+    """docs/configuration.md's Presets table lists every strategy with what its preset sets (seven
+    strategies and FD's tau of 250 were missing)."""
+    from fedal.strategies import STRATEGIES
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    section = text.split("## Presets", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("|").split("|") for line in section.splitlines() if line.startswith("| `")]
+    header = next(line for line in section.splitlines() if line.startswith("| strategy"))
+    columns = [c.strip() for c in header.strip("|").split("|")][1:-1]
+
+    def value(cell: str):
+        cell = cell.strip()
+        return None if cell == "—" else {"true": True, "false": False}.get(cell, cell)
+
+    documented = {}
+    for cells in rows:
+        name = cells[0].strip().strip("`")
+        preset = {c: value(v) for c, v in zip(columns, cells[1:-1]) if value(v) is not None}
+        own = cells[-1].strip()
+        if own != "—":
+            preset |= {k.strip(): value(v) for k, v in (item.split("=") for item in own.split(","))}
+        documented[name] = preset
+    assert list(documented) == list(STRATEGIES)
+    for name, spec in STRATEGIES.items():
+        want = {k: v if isinstance(v, bool) else float(v) for k, v in spec.preset.items()}
+        got = {k: v if isinstance(v, bool) else float(v) for k, v in documented[name].items()}
+        assert got == want, name

@@ -114,3 +114,10 @@ def test_an_unwritable_mnist1d_cache_only_costs_the_cache(tmp_path, caplog):
     train, test = load_mnist1d(200, cache_dir=blocker / "cache")
     assert len(train) + len(test) == 200
     assert "cannot cache the generated data" in caplog.text
+
+
+def test_cfd_public_rows_beyond_the_public_set_are_refused_not_clamped():
+    with pytest.raises(ConfigError, match="cfd_public_rows 5000 is more than the public set's 1000 rows"):
+        load_config(None, {"strategy": "cfd", "public_size": 1000, "strategy_params": {"cfd_public_rows": 5000}})
+    assert load_config(None, {"strategy": "cfd", "public_size": 1000,
+                              "strategy_params": {"cfd_public_rows": 1000}}).strategy_params.cfd_public_rows == 1000
