@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import queue
 import secrets
 import time
@@ -23,8 +22,9 @@ from coordinator.dashboard import STATIC_DIR
 from coordinator.events import CLOSED, sse_format
 from coordinator.metrics import registry_for
 from coordinator.run import Run
-from coordinator.runs import InvalidRunSpec, RunConflict, RunManager
+from coordinator.runs import InvalidRunSpec, RunConflict, RunManager, ShuttingDown
 from fedal import __version__
+from fedal.json_values import json_safe
 
 RUN_SUMMARY = ("run_id", "strategy", "state", "round", "rounds", "completed_rounds", "phase", "iteration",
                "started_at", "finished_at")
@@ -186,6 +186,8 @@ def create_app(runs: RunManager | Run) -> FastAPI:
             engine = runs.create(spec)
         except RunConflict as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
+        except ShuttingDown as exc:
+            raise HTTPException(status_code=503, detail=str(exc)) from None
         except InvalidRunSpec as exc:
             runs.refused(422, request.method, request.url.path, request.client.host if request.client else None, str(exc))
             raise HTTPException(status_code=422, detail=str(exc)) from None
@@ -231,7 +233,7 @@ def create_app(runs: RunManager | Run) -> FastAPI:
         if run.state in ("finished", "stopped", "failed"):
             raise HTTPException(status_code=409, detail=f"the run is {run.state}")
         getattr(run, action)()
-        if action == "stop" and run_id in runs.threads:  # its thread stops between two steps:
+        if action == "stop" and (run_id in runs.threads or run.started_at is not None):  # its thread stops between two steps:
             run.finished_event.wait(STOP_WAIT_S)  # answer with the state it reaches
         return {"run_id": run_id, "action": action, "state": run.state}
 
@@ -276,17 +278,6 @@ def create_app(runs: RunManager | Run) -> FastAPI:
     app.mount("/dashboard", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
     app.add_middleware(RequestGuard, token=token, max_body_bytes=api.max_body_bytes, on_refused=runs.refused)
     return app
-
-
-def json_safe(value: Any) -> Any:
-    """`value` with every non-finite float written as text (strict JSON has no NaN or infinity)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    return value
 
 
 STOP_WAIT_S = 10.0  # how long a stop request waits for the run to reach `stopped` before it answers

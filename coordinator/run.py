@@ -113,6 +113,9 @@ class Run:
         self.finished_before: float | None = None  # when a run found finished in the store finished
         self.was_paused = False  # the store had it paused: an operator's hold outlives a restart
         self.operator_paused = False  # paused over the API (a phases.pause_at hold comes back by itself)
+        # a state change and its store write as one (pause/resume from the API, the end from the run's
+        # thread): the store never ends up with an older state than the run's
+        self.state_write = threading.Lock()
         self.config_hash = hashlib.sha256(
             json.dumps([config.run_id, self.run_config.model_dump(mode="json"), self.client_ids, self.public_hash]).encode()
         ).hexdigest()
@@ -227,24 +230,27 @@ class Run:
         finish, agents keep their state. An operator's pause is kept in the store, so the run
         stays held across a restart or a crash of the coordinator; a `phases.pause_at` hold is
         not (the restarted run reaches its point again and holds there)."""
-        with self.lock:
-            if self.state not in ("pending", "running"):
-                return
-            self.engine.pause()
-            self.state = "paused"
-            self.operator_paused = by_operator
-        if by_operator:
-            self.store.set_state(self.cfg.run_id, "paused")
+        with self.state_write:
+            with self.lock:
+                if self.state not in ("pending", "running"):
+                    return
+                self.engine.pause()
+                self.state = "paused"
+                self.operator_paused = by_operator
+            if by_operator:
+                self.store.set_state(self.cfg.run_id, "paused")
         self.events.publish("run", run_id=self.cfg.run_id, state="paused")
 
     def resume(self) -> None:
-        if self.state == "paused":
+        with self.state_write:
+            if self.state != "paused":
+                return
             was_operator = self.operator_paused
             self.operator_paused = False
             self._set_state("running")
             if was_operator:
                 self.store.set_state(self.cfg.run_id, "running")
-            self.engine.resume()
+        self.engine.resume()
 
     def _set_state(self, state: str) -> None:
         with self.lock:
@@ -298,15 +304,16 @@ class Run:
     def _finish(self, state: str, at: float | None = None) -> None:
         """End the run in `state`; `at`: when it ended before a restart (its results, written
         then, stay as they are)."""
-        with self.lock:
-            self.engine.current = None
-            self.finished_at = at or time.time()
-            # stopped by the coordinator's shutdown while an operator held it: held again after the restart
-            held = state == "stopped" and self.closing.is_set() and self.state == "paused" and self.operator_paused
-        self._set_state(state)
+        with self.state_write:
+            with self.lock:
+                self.engine.current = None
+                self.finished_at = at or time.time()
+                # stopped by the coordinator's shutdown while an operator held it: held again after the restart
+                held = state == "stopped" and self.closing.is_set() and self.state == "paused" and self.operator_paused
+            self._set_state(state)
+            self.store.set_state(self.cfg.run_id, "paused" if held else state, None if held else self.finished_at)
         if self.bus.connected.is_set():
             self._publish_manifest()
-        self.store.set_state(self.cfg.run_id, "paused" if held else state, None if held else self.finished_at)
         path = self.cfg.results_file or (self.cfg.state_dir / "results.json")
         if state == "finished" and (at is None or not path.exists()):
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,38 @@ class InvalidRunSpec(ValueError):
     """A run spec that cannot describe a run; the message says what to change."""
 
 
+class ShuttingDown(RuntimeError):
+    """The coordinator is stopping: no run is created any more."""
+
+
 def _inside(path: Path, directory: Path) -> bool:
     """An API client may only point at files the operator put under the state dir."""
     return Path(path).resolve().is_relative_to(Path(directory).resolve())
+
+
+class _RateLimitedLog:
+    """Warnings at most BURST at once and then RATE_PER_S a second: a flood of refused requests
+    cannot fill the disk with log lines; the next line says how many were left out."""
+
+    BURST, RATE_PER_S = 20, 1.0
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.allowance = float(self.BURST)
+        self.last = time.monotonic()
+        self.skipped = 0
+
+    def warning(self, msg: str, *args: Any) -> None:
+        with self.lock:
+            now = time.monotonic()
+            self.allowance = min(float(self.BURST), self.allowance + (now - self.last) * self.RATE_PER_S)
+            self.last = now
+            if self.allowance < 1:
+                self.skipped += 1
+                return
+            self.allowance -= 1
+            skipped, self.skipped = self.skipped, 0
+        log.warning(msg + (f" ({skipped} more refused requests not logged)" if skipped else ""), *args)
 
 
 class RunManager:
@@ -49,9 +79,13 @@ class RunManager:
         self.unrestored: dict[str, str] = {}
         self.creating: set[str] = set()  # ids of runs being built by create(), outside the lock
         self.refused_requests: Counter[int] = Counter()  # API requests refused, by HTTP status (401, 403, 413, 422)
+        self.refusal_log = _RateLimitedLog()
         self.threads: dict[str, threading.Thread] = {}
         self.lock = threading.RLock()
+        # one run built at a time (building a server seeds torch's global generator), outside `lock`
+        self.build_lock = threading.Lock()
         self.started = False
+        self.stopping = False
         self.all_done = threading.Event()
 
     @classmethod
@@ -89,16 +123,22 @@ class RunManager:
             raise InvalidRunSpec(f"invalid run: public_file must lie inside the coordinator's state_dir "
                                  f"({self.config.state_dir}); or leave it out to derive the public set from run.dataset")
         with self.lock:
+            if self.stopping:
+                raise ShuttingDown("the coordinator is shutting down")
             self._check_free(spec.run_id)
             self.creating.add(spec.run_id)
         try:  # built outside the lock: deriving a large public set takes a while, and every read waits on the lock
-            run = self._new_run(spec, "api")
+            with self.build_lock:
+                run = self._new_run(spec, "api")
         except (ValueError, OSError) as exc:
             raise InvalidRunSpec(f"invalid run: {exc}") from None
         finally:
             with self.lock:
                 self.creating.discard(spec.run_id)
         with self.lock:
+            if self.stopping:  # stop() has closed the runs it knew: this one is never started
+                run.transport.stop()
+                raise ShuttingDown("the coordinator is shutting down")
             self.store.register(spec.run_id, run.run_spec(), "api")
             self._add(run)
             if self.started:
@@ -109,9 +149,10 @@ class RunManager:
     def refused(self, status: int, method: str, path: str, client: str | None, detail: str) -> None:
         """An API request refused: counted (/metrics) and logged, so that token guessing or a
         misconfigured client leaves a trace."""
-        with self.lock:
+        with self.refusal_log.lock:  # (not `lock`: this runs on the server's event loop)
             self.refused_requests[status] += 1
-        log.warning("API: refused %s %s from %s: %d %s", method, path, client or "?", status, detail)
+        # the path quoted (repr): a decoded path may hold a newline that would forge a log line
+        self.refusal_log.warning("API: refused %s %r from %s: %d %s", method, path, client or "?", status, detail)
 
     def _check_free(self, run_id: str) -> None:
         """RunConflict unless `run_id` names no run: none running or ended, none being created,
@@ -130,8 +171,8 @@ class RunManager:
         if reason is None:
             return None
         stored = self.store.load(run_id)
-        spec = stored.spec if stored is not None else {}
-        run = spec.get("run") or {}
+        spec = stored.spec if stored is not None and isinstance(stored.spec, dict) else {}
+        run = spec.get("run") if isinstance(spec.get("run"), dict) else {}  # (a spec that failed to load may be any shape)
         return {"run_id": run_id, "strategy": run.get("strategy"), "state": "failed",
                 "error": f"cannot restore the run from the store: {reason}", "round": stored.completed_rounds if stored else 0,
                 "rounds": run.get("rounds"), "completed_rounds": stored.completed_rounds if stored else 0,
@@ -181,6 +222,8 @@ class RunManager:
             return list(self.by_id.values())
 
     def stop(self, timeout_s: float = 30) -> None:
+        with self.lock:
+            self.stopping = True
         for run in self.list():
             run.close()
         for thread in list(self.threads.values()):

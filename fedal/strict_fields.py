@@ -21,8 +21,25 @@ def _scalar_kinds(annotation: Any) -> set[type]:
     return {annotation} & {int, float, bool}
 
 
+def _list_items(annotation: Any) -> Any | None:
+    """X where `annotation` (Optional and Annotated unwrapped) is list[X]; else None."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _list_items(typing.get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return next((item for arg in typing.get_args(annotation) if (item := _list_items(arg)) is not None), None)
+    if origin is list:
+        args = typing.get_args(annotation)
+        return args[0] if args else None
+    return None
+
+
 def strict_scalar(annotation: Any, value: Any) -> Any:
-    """`value` for a field of type `annotation`, or ValueError where lax mode would coerce it."""
+    """`value` for a field of type `annotation`, or ValueError where lax mode would coerce it
+    (a list's items too: `disc_hidden = [true, 64.0]` is refused)."""
+    item = _list_items(annotation)
+    if item is not None and isinstance(value, list | tuple):
+        return [strict_scalar(item, v) for v in value]
     kinds = _scalar_kinds(annotation)
     if not kinds or value is None:
         return value

@@ -12,9 +12,13 @@ import contextlib
 import socket
 
 import uvicorn
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from fedal.json_values import json_safe
 from hil.faults import resolve
 from hil.profiles import Faults
 from hil.proxy import Proxy
@@ -37,6 +41,11 @@ class ResetRequest(BaseModel):
 def build_app(proxy: Proxy) -> FastAPI:
     engine = proxy.engine
     app = FastAPI(title="FedAL Edge emulated broker", description="Fault injection control for `fedal hil broker`.")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's 422, its quoted values made JSON (a NaN in a body made the default answer a 500)."""
+        return JSONResponse(status_code=422, content={"detail": json_safe(jsonable_encoder(exc.errors()))})
 
     @app.get("/healthz")
     async def healthz() -> dict:

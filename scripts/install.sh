@@ -21,8 +21,11 @@ case "$(uname -m)" in
   aarch64|arm64) from_cpu_index=1 ;;
   *)
     from_cpu_index=0
-    if [ -n "${FEDAL_TORCH_INDEX:-}" ] || "$PYTHON" -m pip install --quiet --disable-pip-version-check --dry-run \
-        --report - "$torch_pin" 2>/dev/null | grep -q '"name": "nvidia-'; then
+    # the report is read whole first: `pip ... | grep -q` under pipefail fails when grep stops
+    # reading at its match while pip still writes (SIGPIPE), which would hide exactly that match
+    report="$("$PYTHON" -m pip install --quiet --disable-pip-version-check --dry-run --report - "$torch_pin" \
+      2>/dev/null || true)"
+    if [ -n "${FEDAL_TORCH_INDEX:-}" ] || grep -q '"name": "nvidia-' <<<"$report"; then
       from_cpu_index=1
     fi ;;
 esac

@@ -34,7 +34,7 @@ def test_refused_requests_are_logged_and_counted(tmp_path, caplog):
         assert f'fedal_api_refused_requests_total{{status="{status}"}} {count}.0' in metrics, metrics[-800:]
     logged = [r.getMessage() for r in caplog.records if "API: refused" in r.getMessage()]
     assert len(logged) == 5
-    assert "POST /api/v1/runs/x/stop from testclient: 403 wrong token" in logged[1]
+    assert "POST '/api/v1/runs/x/stop' from testclient: 403 wrong token" in logged[1]
     runs.store.close()
 
 
@@ -42,3 +42,18 @@ def test_refused_requests_are_logged_and_counted(tmp_path, caplog):
 def test_a_token_that_can_never_be_presented_is_a_config_error(tmp_path, token):
     with pytest.raises(SettingsError, match="can never be presented"):
         load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": token})
+
+
+def test_refusal_logs_cannot_be_forged_or_flood_the_log(tmp_path, caplog):
+    runs = RunManager(load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": TOKEN}))
+    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    caplog.set_level(logging.WARNING, logger="coordinator.runs")
+    assert api.post("/api/v1/runs/x%0AINFO%20forged/stop").status_code == 401
+    first = next(r.getMessage() for r in caplog.records if "API: refused" in r.getMessage())
+    assert "\n" not in first and "\\n" in first  # the decoded newline is quoted, not a new line
+    for _ in range(100):
+        api.post("/api/v1/runs/x/stop")
+    logged = [r.getMessage() for r in caplog.records if "API: refused" in r.getMessage()]
+    assert len(logged) <= 25  # a burst, then about one a second
+    assert 'fedal_api_refused_requests_total{status="401"} 101.0' in api.get("/metrics").text  # all counted
+    runs.store.close()

@@ -115,3 +115,67 @@ def test_non_finite_numbers_in_a_body_are_a_422(tmp_path, text, where):
     assert resp.json()["detail"]  # strict JSON: the quoted value is text
     assert runs.store.run_ids() == []
     runs.store.close()
+
+
+def test_a_run_created_while_the_coordinator_stops_is_never_started(tmp_path, monkeypatch):
+    runs = manager(tmp_path / "state")
+    runs.start()
+    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    building, release = threading.Event(), threading.Event()
+    real = RunManager._new_run
+
+    def slow_new_run(self, spec, origin):
+        building.set()
+        assert release.wait(30)
+        return real(self, spec, origin)
+
+    monkeypatch.setattr(RunManager, "_new_run", slow_new_run)
+    answers: list = []
+    creator = threading.Thread(target=lambda: answers.append(api.post("/api/v1/runs", json=spec("late"), headers=AUTH)))
+    creator.start()
+    assert building.wait(30)
+    runs.stop(timeout_s=5)  # SIGTERM while the run is still being built
+    release.set()
+    creator.join(60)
+    assert answers[0].status_code == 503 and "shutting down" in answers[0].text
+    assert runs.get("late") is None and "late" not in runs.threads and runs.store.run_ids() == []
+    runs.store.close()
+
+
+def test_runs_are_built_one_at_a_time(tmp_path, monkeypatch):
+    """Building a run's server seeds torch's global generator: two builds at once could mix them."""
+    runs = manager(tmp_path / "state")
+    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    real = RunManager._new_run
+    order: list[str] = []
+
+    def recorded_new_run(self, spec, origin):
+        order.append(f"start {spec.run_id}")
+        time.sleep(0.3)
+        try:
+            return real(self, spec, origin)
+        finally:
+            order.append(f"end {spec.run_id}")
+
+    monkeypatch.setattr(RunManager, "_new_run", recorded_new_run)
+    threads = [threading.Thread(target=api.post, args=("/api/v1/runs",), kwargs={"json": spec(f"r{i}"), "headers": AUTH})
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(order) == 4 and all(order[i].split()[1] == order[i + 1].split()[1] for i in (0, 2)), order
+    runs.store.close()
+
+
+def test_a_stored_spec_of_any_shape_never_breaks_the_run_list(tmp_path):
+    state = tmp_path / "state"
+    runs = manager(state)
+    runs.store.register("odd", {"run_id": "odd", "run": "not a table", "client_ids": ["a", "b"]}, "api")
+    runs.store.close()
+    runs = manager(state)
+    runs.restore()
+    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    listing = api.get("/api/v1/runs")
+    assert listing.status_code == 200 and [(r["run_id"], r["state"]) for r in listing.json()] == [("odd", "failed")]
+    runs.store.close()

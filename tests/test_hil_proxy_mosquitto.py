@@ -271,6 +271,8 @@ def test_control_api_reads_counters_and_changes_faults_live(make_broker, peers):
         assert api.get("/faults").json()["default"] == {}
         bad = api.put("/faults", json={"default": {"drop": 2}})
         assert bad.status_code == 422 and "drop" in bad.text
+        nan = api.put("/faults", content=b'{"default": {"drop": NaN}}', headers={"Content-Type": "application/json"})
+        assert nan.status_code == 422 and "drop" in nan.text  # (a 500: the default answer could not quote NaN)
         r = api.put("/faults", json={"clients": {pub.id: {"up": {"drop": 1, "drop_mode": "lost", "topics": [f"{topic}/drop"]}}}})
         assert r.status_code == 200
         assert api.get(f"/faults/{pub.id}").json()["up"]["drop"] == 1

@@ -104,6 +104,8 @@ def test_an_active_virtualenv_or_an_explicit_python_is_used_as_it_is(tmp_path):
     ("aarch64", "torch", True),
     ("x86_64", "torch", False),  # a CPU wheel from the configured sources (a local wheelhouse, as CI's)
     ("x86_64", "nvidia-cudnn-cu13", True),  # PyPI's x86-64 torch: the CUDA toolkit would come with it
+    # and with a report much longer after the match (grep -q then stops reading while pip writes)
+    ("x86_64", "nvidia-cudnn-cu13 + 200 KB", True),
 ])
 def test_install_takes_torch_from_the_cpu_index_where_it_would_bring_cuda(tmp_path, machine, resolves_to,
                                                                           cpu_index_first):
@@ -114,9 +116,13 @@ def test_install_takes_torch_from_the_cpu_index_where_it_would_bring_cuda(tmp_pa
     bindir.mkdir()
     log = tmp_path / "calls.log"
     (bindir / "uname").write_text(f"#!/bin/sh\necho {machine}\n")
-    report = json.dumps({"install": [{"metadata": {"name": resolves_to, "version": "1"}}]})
+    name, _, padded = resolves_to.partition(" + ")
+    rest = [{"metadata": {"name": f"pkg-{i}", "version": "1"}} for i in range(5000)] if padded else []
+    (tmp_path / "report.json").write_text(json.dumps({"install": [{"metadata": {"name": name, "version": "1"}}, *rest]},
+                                                     indent=2))
+    report_file = tmp_path / "report.json"
     (bindir / "python").write_text(f"#!/bin/sh\n[ \"$1\" = -c ] && exit 0\n"
-                                   f"case \"$*\" in *--dry-run*) echo '{report}'; exit 0 ;; esac\n"
+                                   f"case \"$*\" in *--dry-run*) exec cat {report_file} ;; esac\n"
                                    f"echo \"$*\" >> {log}\n")
     for tool in ("uname", "python"):
         (bindir / tool).chmod(0o755)

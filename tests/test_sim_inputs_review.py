@@ -32,6 +32,8 @@ QUICK = ["--dataset", "digits", "--clients", "2", "--rounds", "1", "--public-siz
     ('strategy = "fd"\n[strategy_params]\nfd_exclude_own = "no"', "fd_exclude_own"),
     ('strategy = "fd"\n[strategy_params]\nfd_exclude_own = 0', "fd_exclude_own"),
     ("[privacy]\nnoise_multiplier = true", "noise_multiplier"),
+    ("[strategy_params]\ndisc_hidden = [true, 64]", "disc_hidden"),
+    ("[strategy_params]\ndisc_hidden = [32.0, 64]", "disc_hidden"),
 ])
 def test_a_value_of_the_wrong_type_is_refused_not_coerced(tmp_path, text, where):
     path = tmp_path / "run.toml"
@@ -116,8 +118,12 @@ def test_an_unwritable_mnist1d_cache_only_costs_the_cache(tmp_path, caplog):
     assert "cannot cache the generated data" in caplog.text
 
 
-def test_cfd_public_rows_beyond_the_public_set_are_refused_not_clamped():
-    with pytest.raises(ConfigError, match="cfd_public_rows 5000 is more than the public set's 1000 rows"):
-        load_config(None, {"strategy": "cfd", "public_size": 1000, "strategy_params": {"cfd_public_rows": 5000}})
+def test_cfd_public_rows_beyond_the_public_set_are_refused_not_clamped(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "cfd.toml"
+    config.write_text('strategy = "cfd"\n[strategy_params]\ncfd_public_rows = 5000\n')
+    r = run(tmp_path, "--strategy", "cfd", "--config", str(config), "--out", "r.json")
+    assert r.exit_code == 2 and "cfd_public_rows 5000 is more than the public set's 60 rows" in r.output, r.output
+    # the config alone does not decide it: a deployment's public set may be a file of another size
     assert load_config(None, {"strategy": "cfd", "public_size": 1000,
-                              "strategy_params": {"cfd_public_rows": 1000}}).strategy_params.cfd_public_rows == 1000
+                              "strategy_params": {"cfd_public_rows": 5000}}).strategy_params.cfd_public_rows == 5000

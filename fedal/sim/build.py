@@ -67,6 +67,10 @@ def build_clients(config: RunConfig, data, indices, public_x: np.ndarray | None 
     # one tensor for all of them: each iteration's public inputs are then gathered once (public_inputs)
     shared_public = torch.from_numpy(np.ascontiguousarray(data.public_x if public_x is None else public_x)) \
         if spec.uses_public_set else None
+    rows = params.cfd_public_rows  # (a deployment's public set may come from a file of another size: checked here)
+    if rows is not None and spec.uses_public_set and rows > len(data.public_x):
+        raise ConfigError(f"strategy_params.cfd_public_rows {rows} is more than the public set's {len(data.public_x)} "
+                          "rows (public_size)")
     if "mhat_server_model" in spec.params:  # the server's own model: checked before any work, as the clients' are
         try:
             check_model_input(params.mhat_server_model, data.input_shape)

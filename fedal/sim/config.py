@@ -199,10 +199,6 @@ class RunConfig(BaseModel):
             raise ValueError(f"strategy {self.strategy!r} averages parameters and needs one model for all clients, got {models}")
         if self.dataset not in ("mnist1d", "digits") and not self.data_dir:
             raise ValueError(f"dataset {self.dataset!r} is read from files: set data_dir")
-        rows = self.strategy_params.cfd_public_rows
-        if rows is not None and rows > self.public_size:
-            raise ValueError(f"strategy_params.cfd_public_rows {rows} is more than the public set's {self.public_size} "
-                             "rows (public_size)")
         if self.partition == "identity" and self.dataset != "celeba":
             raise ValueError(f"partition 'identity' deals celebrity identities to clients and needs dataset 'celeba', "
                              f"not {self.dataset!r}")
