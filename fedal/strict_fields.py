@@ -50,7 +50,7 @@ def strict_scalar(annotation: Any, value: Any) -> Any:
             raise ValueError("Input should be a valid boolean (true or false)")
         return value
     if isinstance(value, bool) and bool not in kinds:
-        raise ValueError("Input should be a valid number, not a boolean")
+        raise ValueError(f"Input should be a valid {'number' if float in kinds else 'integer'}, not a boolean")
     if isinstance(value, float) and kinds <= {int, bool}:
         raise ValueError("Input should be a valid integer, not a float")
     return value

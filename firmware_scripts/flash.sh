@@ -213,7 +213,9 @@ PYEOF
 )" || die "--wheelhouse: ${wh_facts}"
   whf() { printf '%s\n' "$wh_facts" | sed -n "s/^$1=//p"; }
   WH_ARCH="$(whf arch)" WH_BYTES="$(whf bytes)"
-  [ "$WH_ARCH" = aarch64 ] || die "--wheelhouse $WHEELHOUSE is for $WH_ARCH; a Raspberry Pi (64-bit OS) needs one built with --arch aarch64"
+  # the card's architecture: a Raspberry Pi's 64-bit OS (FEDAL_IMAGE_ARCH=x86_64 for an amd64 image)
+  IMAGE_ARCH="${FEDAL_IMAGE_ARCH:-aarch64}"
+  [ "$WH_ARCH" = "$IMAGE_ARCH" ] || die "--wheelhouse $WHEELHOUSE is for $WH_ARCH; a Raspberry Pi (64-bit OS) needs one built with --arch $IMAGE_ARCH"
   mapfile -t WH_FILES < <(whf file)
   if [ -z "$WHEEL" ]; then WHEEL="$WHEELHOUSE/$(whf agent)"; fi
 fi

@@ -110,8 +110,10 @@ def device(tmp_path):
     return d
 
 
-def flash(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "FEDAL_ARCH"}
+def flash(*args: str, image_arch: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("FEDAL_ARCH", "FEDAL_IMAGE_ARCH")}
+    if image_arch is not None:
+        env["FEDAL_IMAGE_ARCH"] = image_arch
     return subprocess.run(["bash", str(SCRIPTS / "flash.sh"), *args], capture_output=True, text=True, env=env, timeout=300)
 
 
