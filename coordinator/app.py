@@ -259,11 +259,12 @@ def create_app(runs: RunManager | Run) -> FastAPI:
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @app.get("/metrics", response_class=PlainTextResponse, dependencies=reads)
+    @app.api_route("/metrics", methods=["GET", "HEAD"], response_class=PlainTextResponse, dependencies=reads)
     def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/api/v1/runs/{run_id}/public", responses={200: {"content": {"application/octet-stream": {}}}})
+    @app.api_route("/api/v1/runs/{run_id}/public", methods=["GET", "HEAD"],  # HEAD: a probe of the download
+                   responses={200: {"content": {"application/octet-stream": {}}}})
     def get_public(run_id: str) -> Response:
         run = _run(run_id)
         if run.public_bytes is None:

@@ -29,7 +29,7 @@ class PartitionRequest(BaseModel):
 
     client: str = Field("*", description="client id or glob pattern")
     duration_s: float = Field(gt=0, le=86_400)
-    start_in_s: float = Field(0.0, ge=0, description="begin this many seconds from now")
+    start_in_s: float = Field(0.0, ge=0, le=86_400, description="begin this many seconds from now (within a day)")
 
 
 class ResetRequest(BaseModel):
@@ -71,7 +71,10 @@ def build_app(proxy: Proxy) -> FastAPI:
 
     @app.post("/partition")
     async def partition(req: PartitionRequest) -> dict:
-        return engine.add_partition(req.client, req.duration_s, req.start_in_s).model_dump(mode="json")
+        try:
+            return engine.add_partition(req.client, req.duration_s, req.start_in_s).model_dump(mode="json")
+        except ValueError as exc:  # a window the clock cannot tell apart: a bad request, not a crash
+            raise HTTPException(422, str(exc)) from None
 
     @app.post("/reset")
     async def reset(req: ResetRequest) -> dict:

@@ -43,10 +43,13 @@ from fedal import workspace
 @click.option("--public-size", type=click.IntRange(1), default=1000, show_default=True, help="With --start-coordinator: |P|.")
 @click.option("--batch", type=click.IntRange(1), default=32, show_default=True, help="With --start-coordinator: public batch B.")
 @click.option("--api-port", type=click.IntRange(0, 65535), default=0, help="With --start-coordinator: REST port (0: free).")
+@click.option("--resend-s", type=click.FloatRange(0.1, 3600), default=None,
+              help="With --start-coordinator: the coordinator's phases.resend_s, how soon an unanswered task is sent "
+                   "again (default 30; a few seconds behind a proxy with `lost` drops, e.g. --profile chaos).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file, credentials_dir, ids, public_file,
               reconnect_min, reconnect_max, status_file, timeout, start_coordinator, workdir, strategy, rounds, tau,
-              num_classes, public_size, batch, api_port, quiet) -> None:
+              num_classes, public_size, batch, api_port, resend_s, quiet) -> None:
     """Emulated agents: N MQTT clients that follow the protocol exactly, with synthetic results (no torch)."""
     from tqdm import tqdm
 
@@ -111,7 +114,8 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
                                               "fedal hil fleet --start-coordinator"))
             path = write_coordinator_config(wd, broker, run_id, ids, api_port=api_port, strategy=strategy, rounds=rounds,
                                             seed=seed, num_classes=num_classes, public_size=public_size,
-                                            public_batch_size=batch, tau=tau, extra=extra)
+                                            public_batch_size=batch, tau=tau, extra=extra,
+                                            phases=None if resend_s is None else {"resend_s": resend_s})
         except WorkspaceError as exc:
             raise click.BadParameter(str(exc), param_hint="--workdir") from None
         coordinator = spawn_coordinator(path, wd / "coordinator.log")

@@ -57,3 +57,22 @@ def test_refusal_logs_cannot_be_forged_or_flood_the_log(tmp_path, caplog):
     assert len(logged) <= 25  # a burst, then about one a second
     assert 'fedal_api_refused_requests_total{status="401"} 101.0' in api.get("/metrics").text  # all counted
     runs.store.close()
+
+
+def test_head_answers_where_get_does(tmp_path):
+    """HEAD on the public set and /metrics was a 405 with `allow: POST` (the control route matched)."""
+    import numpy as np
+
+    state = tmp_path / "state"
+    state.mkdir()
+    np.savez(state / "public.npz", x=np.zeros((4, 3), np.float32))
+    runs = RunManager(load_coordinator_config(None, state_dir=state, api={"token": TOKEN}))
+    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    body = {"run_id": "r", "client_ids": ["a", "b"], "public_file": str(state / "public.npz"),
+            "run": {"strategy": "fedmd", "dataset": "digits"}}
+    assert api.post("/api/v1/runs", json=body, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 201
+    for path in ("/api/v1/runs/r/public", "/metrics"):
+        head, get = api.head(path), api.get(path)
+        assert head.status_code == get.status_code == 200 and head.content == b"", (path, head.status_code)
+        assert head.headers["content-type"] == get.headers["content-type"]
+    runs.store.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 import uuid
 from pathlib import Path
 
@@ -184,10 +185,13 @@ def test_fleet_of_100_drives_a_real_coordinator(mosquitto, tmp_path):
     workdir = tmp_path / "coordinator"
     fleet = subprocess.run([sys.executable, "-m", "hil", "fleet", "--clients", "100", "--broker", mosquitto,
                             "--run-id", run_id, "--status-file", str(status_file), "--timeout", "170", "--quiet",
-                            "--start-coordinator", "--workdir", str(workdir), "--rounds", str(rounds), "--tau", str(tau)],
+                            "--start-coordinator", "--workdir", str(workdir), "--rounds", str(rounds), "--tau", str(tau),
+                            "--resend-s", "5"],
                            capture_output=True, text=True, timeout=200)
     assert fleet.returncode == 0, (fleet.stdout[-2000:], fleet.stderr[-3000:])
     assert json.loads(fleet.stdout)["outcome"] == "finished"
+    # (a chaos run's lost messages wait for the next re-send: the CLI sets how soon)
+    assert tomllib.loads((workdir / "coordinator.toml").read_text())["phases"]["resend_s"] == 5.0
     results = json.loads((workdir / "state" / "results.json").read_text())
     records = results["rounds"]
     assert [r["round"] for r in records] == [1, 2]

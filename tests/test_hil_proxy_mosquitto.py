@@ -273,6 +273,10 @@ def test_control_api_reads_counters_and_changes_faults_live(make_broker, peers):
         assert bad.status_code == 422 and "drop" in bad.text
         nan = api.put("/faults", content=b'{"default": {"drop": NaN}}', headers={"Content-Type": "application/json"})
         assert nan.status_code == 422 and "drop" in nan.text  # (a 500: the default answer could not quote NaN)
+        huge = api.put("/faults", content=b'{"default": {"latency_ms": 1e999}}', headers={"Content-Type": "application/json"})
+        assert huge.status_code == 422 and "latency_ms" in huge.text
+        far = api.post("/partition", json={"client": "x", "duration_s": 1, "start_in_s": 1e17})
+        assert far.status_code == 422 and "start_in_s" in far.text
         r = api.put("/faults", json={"clients": {pub.id: {"up": {"drop": 1, "drop_mode": "lost", "topics": [f"{topic}/drop"]}}}})
         assert r.status_code == 200
         assert api.get(f"/faults/{pub.id}").json()["up"]["drop"] == 1
