@@ -27,7 +27,8 @@ from fedal import workspace
 @click.option("--credentials-dir", type=click.Path(file_okay=False, exists=True),
               help="Per-device broker accounts: the devices/ folder of `fedal fleet init` (DIR/<id>/agent.toml).")
 @click.option("--ids", help="Comma-separated client ids instead of PREFIX0000.. (e.g. the devices of `fedal fleet init`).")
-@click.option("--public-file", type=click.Path(dir_okay=False), help="Provisioned public set (.npz); else fetched once.")
+@click.option("--public-file", type=click.Path(dir_okay=False, exists=True),
+              help="Provisioned public set (.npz); else fetched once.")
 @click.option("--reconnect-min", type=click.FloatRange(0.05), default=1.0, show_default=True, help="Reconnect backoff start (s).")
 @click.option("--reconnect-max", type=click.FloatRange(0.1), default=30.0, show_default=True, help="Reconnect backoff cap (s).")
 @click.option("--status-file", type=click.Path(dir_okay=False), help="Write the fleet's counters here (JSON) on exit.")

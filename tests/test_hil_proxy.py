@@ -233,6 +233,7 @@ def test_bandwidth_serialises_packets_and_jitter_never_reorders():
     (["--listen", "1884"], "--listen '1884' must be HOST:PORT"),
     (["--upstream", "mqtts://broker:8883"], "plain MQTT"),
     (["--upstream", "http://x"], "must start with mqtt://"),
+    (["--upstream", "mqtt://127.0.0.1:0"], "has an invalid port: 0"),  # (it became 1883)
     (["--control", "localhost"], "--control 'localhost' must be HOST:PORT"),
 ])
 def test_broker_command_usage_errors_exit_2(args, message):
@@ -252,3 +253,14 @@ def test_broker_command_lists_the_profiles():
     result = CliRunner().invoke(hil_cmd, ["broker", "--list-profiles"])
     assert result.exit_code == 0
     assert [line.split()[0] for line in result.output.splitlines()] == builtin_profiles()
+
+
+def test_fleet_refuses_a_public_file_that_does_not_exist(tmp_path):
+    """It was ignored: the fleet downloaded the public set instead, without a word."""
+    from click.testing import CliRunner
+
+    from hil.cli import hil_cmd
+
+    result = CliRunner().invoke(hil_cmd, ["fleet", "--clients", "2", "--run-id", "r", "--public-file",
+                                          str(tmp_path / "missing.npz")])
+    assert result.exit_code == 2 and "missing.npz" in result.output and "does not exist" in result.output

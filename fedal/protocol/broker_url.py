@@ -37,9 +37,12 @@ def parse_broker_url(url: str) -> BrokerAddress:
         raise ValueError(f"broker URL {url!r} has no host")
     tls = parts.scheme == "mqtts"
     try:
-        port = parts.port or (8883 if tls else 1883)
+        given = parts.port
     except ValueError:
         raise ValueError(f"broker URL {url!r} has an invalid port") from None
+    if given == 0:  # (`or` below would have taken it for "no port" and used the default)
+        raise ValueError(f"broker URL {url!r} has an invalid port: 0")
+    port = given or (8883 if tls else 1883)
     return BrokerAddress(
         host=parts.hostname,
         port=port,
