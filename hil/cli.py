@@ -50,7 +50,8 @@ def broker_cmd(upstream: str, listen: str, profile: str, control: str | None, se
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
 
     def ready(proxy, control_port) -> None:
-        api = f", control API http://{control_at[0]}:{control_port}" if control_port else ""
+        host = f"[{control_at[0]}]" if control_at and ":" in control_at[0] else (control_at[0] if control_at else "")
+        api = f", control API http://{host}:{control_port}" if control_port else ""
         click.echo(f"hil broker: listening on {listen_at[0]}:{proxy.port}, upstream {addr.host}:{addr.port}, "
                    f"profile {prof.name} (seed {proxy.engine.seed}){api}", err=True)
 

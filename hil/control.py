@@ -101,7 +101,8 @@ async def serve_control(proxy: Proxy, host: str, port: int) -> tuple[uvicorn.Ser
     The socket is bound here, so a busy port is an OSError for the caller rather than uvicorn's
     exit, and uvicorn leaves the process's signals to the proxy's CLI.
     """
-    sock = socket.create_server((host, port))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # --control [::1]:PORT as --listen takes it
+    sock = socket.create_server((host, port), family=family)
     config = uvicorn.Config(build_app(proxy), log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
     server.capture_signals = contextlib.nullcontext

@@ -364,3 +364,22 @@ def test_cli_runs_the_emulated_broker_as_a_process(mosquitto, peers, tmp_path):
     assert code == 0, (tmp_path / "hil.log").read_text()
     text = (tmp_path / "hil.log").read_text()
     assert "listening on 127.0.0.1" in text and "fault dropped" in text
+
+
+def test_the_control_api_listens_on_an_ipv6_address(mosquitto, tmp_path):
+    """`--control [::1]:PORT` failed with "Address family for hostname not supported", though
+    `--listen` takes IPv6."""
+    listen, control = free_port(), free_port()
+    log = open(tmp_path / "hil.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "hil", "broker", "--upstream", mosquitto, "--listen",
+                             f"127.0.0.1:{listen}", "--control", f"[::1]:{control}"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        announced = f"control API http://[::1]:{control}"
+        wait_until(lambda: announced in (tmp_path / "hil.log").read_text() or proc.poll() is not None, timeout_s=60,
+                   what="the broker to announce its control API")
+        assert proc.poll() is None, (tmp_path / "hil.log").read_text()
+        assert httpx.get(f"http://[::1]:{control}/healthz", timeout=10).json()["ok"] is True
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()
