@@ -521,6 +521,8 @@ class Agent:
         """The deployable artifacts of a finished run: the final weights and test-set outputs."""
         if self.client is None or self.finished.is_set():
             return
+        if self._finished_instance() == manifest.instance:  # (the retained manifest again, after a reconnect)
+            return
         if self.config.durability != "phase" and self.session is not None:
             self._context = (self.session.round_no, "finish")
             self._save_checkpoint(round_start=None)  # the end state: a restart replays nothing

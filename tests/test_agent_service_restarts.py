@@ -58,3 +58,28 @@ def test_a_config_the_agent_cannot_use_exits_2_before_loading_torch(tmp_path):
         errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
         assert len(errors) == 1, r.stderr
     assert "workspace" in errors[0] and "Not a directory" in errors[0]
+
+
+def test_an_agent_that_stays_does_not_write_its_final_model_again_for_the_same_run(mosquitto, tmp_path):
+    """exit_on_finish = false: the run's `finished` manifest comes again (a restarted coordinator
+    publishes it anew, a reconnect delivers the retained one); the final model is not rewritten."""
+    import signal
+
+    config = load_config(None, dict(strategy="fedmd", dataset="digits", clients=2, rounds=1, tau=1, public_size=60,
+                                    seed=5))
+    dep = Deployment(config, tmp_path / "dep", mosquitto, agent={"exit_on_finish": False})
+    try:
+        dep.start_all()
+        dep.finish()
+        final = dep.agent_path("c00").parent / "final"
+        wait_until(lambda: (final / "instance").exists(), timeout_s=60, what="the final model")
+        written = {p.name: p.stat().st_mtime_ns for p in final.iterdir()}
+        dep.coordinator.send_signal(signal.SIGTERM)
+        assert dep.coordinator.wait(timeout=60) == 0
+        dep.start_coordinator()  # finds the run finished and publishes its manifest again
+        dep.wait_for(lambda r: r["state"] == "finished", what="the restarted coordinator")
+        time.sleep(3)
+        assert dep.agents["c00"].poll() is None  # it stays, as configured
+        assert {p.name: p.stat().st_mtime_ns for p in final.iterdir()} == written
+    finally:
+        dep.close()
