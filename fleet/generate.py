@@ -26,6 +26,7 @@ protocol's MAX_PAYLOAD (plus MQTT's own header), so no one can make the broker r
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -170,11 +171,9 @@ _LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 def _host_or_address(text: str) -> bool:
     """An IP address, or a DNS name (labels of letters, digits and inner hyphens; 253 at most)."""
-    try:
+    with contextlib.suppress(ValueError):  # not an address: a name, then
         ipaddress.ip_address(text)
         return True
-    except ValueError:
-        pass
     name = text[:-1] if text.endswith(".") else text
     return 0 < len(name) <= 253 and all(_LABEL.fullmatch(label) for label in name.split("."))
 
