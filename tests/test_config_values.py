@@ -28,6 +28,17 @@ def test_values_no_run_can_use_are_refused(values, needle):
     ("clients = 3.0\n", "clients: Input should be a valid integer"),
     ("seed = 1.5\n", "seed: Input should be a valid integer"),
     ('vectorize = "yes"\n', "vectorize: Input should be a valid boolean"),
+    # float, strategy and privacy settings, list items (`stragglers = true` made every client a straggler)
+    ("stragglers = true\n", "stragglers: Input should be a valid number, not a boolean"),
+    ("alpha = true\n", "alpha: Input should be a valid number, not a boolean"),
+    ("[strategy_params]\ntau = true\n", "strategy_params.tau: Input should be a valid integer, not a boolean"),
+    ("[strategy_params]\nlambda_kd = true\n", "strategy_params.lambda_kd: Input should be a valid number"),
+    ("[strategy_params]\nbatch_size = 16.0\n", "strategy_params.batch_size: Input should be a valid integer, not a float"),
+    ('strategy = "fd"\n[strategy_params]\nfd_exclude_own = "no"\n', "fd_exclude_own: Input should be a valid boolean"),
+    ('strategy = "fd"\n[strategy_params]\nfd_exclude_own = 0\n', "fd_exclude_own: Input should be a valid boolean"),
+    ("[privacy]\nnoise_multiplier = true\n", "strategy_params.privacy.noise_multiplier: Input should be a valid number"),
+    ("[strategy_params]\ndisc_hidden = [true, 64]\n", "strategy_params.disc_hidden: Input should be a valid integer"),
+    ("[strategy_params]\ndisc_hidden = [32.0, 64]\n", "strategy_params.disc_hidden: Input should be a valid integer"),
 ])
 def test_toml_values_of_the_wrong_type_are_not_coerced(tmp_path, toml, needle):
     path = tmp_path / "run.toml"
