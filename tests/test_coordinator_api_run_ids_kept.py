@@ -30,6 +30,29 @@ def spec(run_id: str, **fields) -> dict:
             "run": {"strategy": "fedmd", "dataset": "digits", "rounds": 5, "public_size": 50}, **fields}
 
 
+def held_builds(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Every run build waits (as one deriving a large public set would) until `release` is set;
+    `building` is set once one has started."""
+    building, release = threading.Event(), threading.Event()
+    real = RunManager._new_run
+
+    def slow_new_run(self, spec, origin):
+        building.set()
+        assert release.wait(30)
+        return real(self, spec, origin)
+
+    monkeypatch.setattr(RunManager, "_new_run", slow_new_run)
+    return building, release
+
+
+def create_in_background(api: TestClient, run_id: str) -> tuple[threading.Thread, list]:
+    """POST /api/v1/runs on a thread of its own; its answer lands in the list."""
+    answers: list = []
+    creator = threading.Thread(target=lambda: answers.append(api.post("/api/v1/runs", json=spec(run_id), headers=AUTH)))
+    creator.start()
+    return creator, answers
+
+
 def test_a_stored_run_a_restart_cannot_bring_back_stays_failed_and_keeps_its_id_and_history(tmp_path):
     state = tmp_path / "state"
     state.mkdir()
@@ -62,18 +85,8 @@ def test_a_stored_run_a_restart_cannot_bring_back_stays_failed_and_keeps_its_id_
 def test_a_run_being_created_holds_its_id_and_reads_go_on_meanwhile(tmp_path, monkeypatch):
     runs = manager(tmp_path / "state")
     api = TestClient(create_app(runs), raise_server_exceptions=False)
-    building, release = threading.Event(), threading.Event()
-    real = RunManager._new_run
-
-    def slow_new_run(self, spec, origin):  # a large public set being derived
-        building.set()
-        assert release.wait(30)
-        return real(self, spec, origin)
-
-    monkeypatch.setattr(RunManager, "_new_run", slow_new_run)
-    answers: list = []
-    creator = threading.Thread(target=lambda: answers.append(api.post("/api/v1/runs", json=spec("big"), headers=AUTH)))
-    creator.start()
+    building, release = held_builds(monkeypatch)
+    creator, answers = create_in_background(api, "big")
     try:
         assert building.wait(30)
         started = time.monotonic()
@@ -121,18 +134,8 @@ def test_a_run_created_while_the_coordinator_stops_is_never_started(tmp_path, mo
     runs = manager(tmp_path / "state")
     runs.start()
     api = TestClient(create_app(runs), raise_server_exceptions=False)
-    building, release = threading.Event(), threading.Event()
-    real = RunManager._new_run
-
-    def slow_new_run(self, spec, origin):
-        building.set()
-        assert release.wait(30)
-        return real(self, spec, origin)
-
-    monkeypatch.setattr(RunManager, "_new_run", slow_new_run)
-    answers: list = []
-    creator = threading.Thread(target=lambda: answers.append(api.post("/api/v1/runs", json=spec("late"), headers=AUTH)))
-    creator.start()
+    building, release = held_builds(monkeypatch)
+    creator, answers = create_in_background(api, "late")
     assert building.wait(30)
     runs.stop(timeout_s=5)  # SIGTERM while the run is still being built
     release.set()
