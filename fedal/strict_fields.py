@@ -9,6 +9,8 @@ import types
 import typing
 from typing import Annotated, Any, Union
 
+from pydantic import BaseModel, ValidationInfo, field_validator
+
 
 def _scalar_kinds(annotation: Any) -> set[type]:
     """The scalar types among int, float and bool that `annotation` (Optional, Annotated and
@@ -54,3 +56,13 @@ def strict_scalar(annotation: Any, value: Any) -> Any:
     if isinstance(value, float) and kinds <= {int, bool}:
         raise ValueError("Input should be a valid integer, not a float")
     return value
+
+
+class NoCoercion(BaseModel):
+    """A settings model whose int, float and bool fields (list items too) take no value that lax
+    mode would coerce (strict_scalar)."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_coerced(cls, value: Any, info: ValidationInfo) -> Any:
+        return strict_scalar(cls.model_fields[info.field_name].annotation, value) if info.field_name else value

@@ -3,24 +3,19 @@ manifest carries to every device)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from fedal.strict_fields import strict_scalar
+from fedal.strict_fields import NoCoercion
 
 
 class UnreachableTarget(ValueError):
     """A target_epsilon no noise reaches for a client's steps: a setting of the run to change."""
 
 
-class PrivacyParams(BaseModel):
+class PrivacyParams(NoCoercion):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # an infinite sigma hung the accountant
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _not_coerced(cls, value: Any, info: ValidationInfo) -> Any:
-        return strict_scalar(cls.model_fields[info.field_name].annotation, value) if info.field_name else value
 
     noise_multiplier: float | None = Field(
         None, ge=0, description="sigma: the Gaussian noise's std is sigma * max_grad_norm (unset: calibrated from "

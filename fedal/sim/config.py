@@ -6,22 +6,19 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from fedal.strategies import STRATEGIES, STRATEGY_NAMES, StrategyParams, get_strategy
 from fedal.strategies.params import COMMON_PARAMS
-from fedal.strict_fields import strict_scalar
+from fedal.strict_fields import NoCoercion
 
 DATASET_NAMES = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn", "cinic10", "celeba")
 PARTITION_NAMES = ("dirichlet-client", "dirichlet-class", "iid", "pow", "covariate-shift", "covariate-shift-pow",
@@ -48,27 +45,6 @@ PRIVACY_FLAGS = {"dp_noise_multiplier": "noise_multiplier", "dp_max_grad_norm": 
                  "dp_epsilon_budget": "epsilon_budget", "dp_target_epsilon": "target_epsilon"}
 
 
-def _whole_number(value: Any) -> Any:
-    """An int setting takes ints and their decimal strings (environment overrides), never a bool
-    or a float that a lenient parser would truncate (`rounds = true` ran one round)."""
-    if isinstance(value, (bool, float)):
-        raise ValueError("Input should be a valid integer (not a bool or a float)")
-    return value
-
-
-def _true_or_false(value: Any) -> Any:
-    """A bool setting takes true/false (or their strings, from the environment), never "yes" or 1."""
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    if not isinstance(value, bool):
-        raise ValueError("Input should be a valid boolean (true or false)")
-    return value
-
-
-StrictInt = Annotated[int, BeforeValidator(_whole_number)]
-StrictBool = Annotated[bool, BeforeValidator(_true_or_false)]
-
-
 class ConfigError(ValueError):
     """A config that cannot describe a run; the message says what to change."""
 
@@ -93,49 +69,44 @@ def parse_resources(text: str | dict | None) -> dict[str, float]:
     return out
 
 
-class RunConfig(BaseModel):
+class RunConfig(NoCoercion):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _not_coerced(cls, value: Any, info: ValidationInfo) -> Any:
-        return strict_scalar(cls.model_fields[info.field_name].annotation, value) if info.field_name else value
 
     strategy: str = "fedal"
     dataset: str = "mnist1d"
     data_dir: str | None = Field(None, description="folder with dataset files (file-backed datasets only)")
-    clients: StrictInt = Field(10, ge=2, le=10_000)
+    clients: int = Field(10, ge=2, le=10_000)
     partition: str = "dirichlet-client"
     alpha: float = Field(1.0, gt=0, allow_inf_nan=False, description="Dirichlet concentration (per client or per class)")
     shift_c: float = Field(5.0, gt=0, allow_inf_nan=False,
                            description="covariate-shift partitions: C = delta^T Sigma^-1 delta (paper: 2, 5, 10)")
     train_splits: str = Field("train", description="cinic10, celeba: train, or train+valid to add the validation split")
     celeba_attribute: str | None = Field(None, description="celeba: the binary attribute to predict (default Smiling)")
-    mnist1d_samples: StrictInt | None = Field(None, ge=10, le=10_000_000,
+    mnist1d_samples: int | None = Field(None, ge=10, le=10_000_000,
                                               description="mnist1d: samples generated, train and test together "
                                               "(default 12000)")
-    samples_per_client: StrictInt | None = Field(None, ge=1, description="None: an equal share of what is left")
-    public_size: StrictInt = Field(1000, ge=1)
+    samples_per_client: int | None = Field(None, ge=1, description="None: an equal share of what is left")
+    public_size: int = Field(1000, ge=1)
     local_test_fraction: float = Field(0.0, ge=0.0, lt=1.0,
                                        description="share of each client's data held out as its local test split")
     models: list[str] | None = Field(None, description="assigned round-robin; default per dataset "
                                        "(its first model alone for strategies that average parameters)")
-    rounds: StrictInt = Field(20, ge=1)
-    seed: StrictInt = Field(0, ge=0, lt=2**63, description="0 <= seed < 2^63 (torch's seeds are 64-bit)")
-    eval_every: StrictInt = Field(1, ge=1, description="evaluate every k rounds (and always after the last)")
-    threads: StrictInt = Field(1, ge=1, le=1024, description="torch intra-op threads (1 is fastest for tiny models)")
+    rounds: int = Field(20, ge=1)
+    seed: int = Field(0, ge=0, lt=2**63, description="0 <= seed < 2^63 (torch's seeds are 64-bit)")
+    eval_every: int = Field(1, ge=1, description="evaluate every k rounds (and always after the last)")
+    threads: int = Field(1, ge=1, le=1024, description="torch intra-op threads (1 is fastest for tiny models)")
     # faults of the in-process transport (simulation only; a deployment has real ones)
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="simulation: each client misses each phase with this probability")
     stragglers: float = Field(0.0, ge=0.0, le=1.0, description="simulation: this fraction of clients answers after the deadline")
-    straggle_every: StrictInt = Field(2, ge=1, description="simulation: stragglers are late every k-th phase")
-    vectorize: StrictBool | None = Field(None, description="simulation: clients of one architecture run as one stacked "
+    straggle_every: int = Field(2, ge=1, description="simulation: stragglers are late every k-th phase")
+    vectorize: bool | None = Field(None, description="simulation: clients of one architecture run as one stacked "
                                    "model where the strategy allows (fedal/strategies/stacked.py); unset: on in a "
                                    "simulation (false: the per-client reference path); a deployment refuses true")
     backend: Literal["inprocess", "ray"] = Field("inprocess", description="simulation: where client halves run: this "
                                                  "process, or Ray actors (docs/simulation.md)")
     ray_address: str | None = Field(None, description="ray backend: a cluster to join (auto, head:port, ray://host:port); "
                                     "none starts a local instance")
-    ray_actors: StrictInt | None = Field(None, ge=1, description="ray backend: actors hosting the clients (default: as many "
+    ray_actors: int | None = Field(None, ge=1, description="ray backend: actors hosting the clients (default: as many "
                                    "as the cluster's CPUs fit client_resources)")
     client_resources: str | None = Field(None, description="ray backend: resources of each actor, e.g. "
                                          "'num_cpus=1,num_gpus=0.25' (default num_cpus=1)")

@@ -7,14 +7,14 @@ is saved with a run's results so the run can be repeated exactly.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from fedal.privacy.settings import PrivacyParams
 from fedal.protocol.validation import DEFAULT_MAX_ABS_VALUE
 from fedal.protocol.wire_dtype import FLOAT16_MAX
-from fedal.strict_fields import strict_scalar
+from fedal.strict_fields import NoCoercion
 
 # what every strategy uses; each strategy module names its own further knobs (`PARAMS`)
 COMMON_PARAMS = ("tau", "optimizer", "lr", "momentum", "batch_size", "max_abs_value")
@@ -26,13 +26,8 @@ DISTILLATION_PARAMS = ("public_batch_size", "lambda_kd", "lambda_adv", "lambda_l
                        "wire_int8_scale", "rows_seed")
 
 
-class StrategyParams(BaseModel):
+class StrategyParams(NoCoercion):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _not_coerced(cls, value: Any, info: ValidationInfo) -> Any:
-        return strict_scalar(cls.model_fields[info.field_name].annotation, value) if info.field_name else value
 
     tau: int | None = Field(None, ge=1, description="local steps and transfer iterations per round")
     optimizer: Literal["adam", "sgd"] = "adam"
