@@ -77,6 +77,7 @@ class RunManager:
         # stored runs a restart could not bring back (their spec no longer loads, a file moved):
         # run id -> why. They stay visible as failed and keep their ids; the store keeps their history.
         self.unrestored: dict[str, str] = {}
+        self._unrestored_views: dict[str, dict[str, Any]] = {}
         self.creating: set[str] = set()  # ids of runs being built by create(), outside the lock
         self.refused_requests: Counter[int] = Counter()  # API requests refused, by HTTP status (401, 403, 413, 422)
         self.refusal_log = _RateLimitedLog()
@@ -166,10 +167,16 @@ class RunManager:
             raise RunConflict(f"run {run_id!r} exists already (in the store)")
 
     def unrestored_snapshot(self, run_id: str) -> dict[str, Any] | None:
-        """What the API shows of a stored run a restart could not bring back: failed, and why."""
+        """What the API shows of a stored run a restart could not bring back: failed, and why
+        (read from the store once: such a run no longer changes, and the dashboard polls)."""
         reason = self.unrestored.get(run_id)
         if reason is None:
             return None
+        if run_id not in self._unrestored_views:
+            self._unrestored_views[run_id] = self._unrestored_view(run_id, reason)
+        return self._unrestored_views[run_id]
+
+    def _unrestored_view(self, run_id: str, reason: str) -> dict[str, Any]:
         stored = self.store.load(run_id)
         spec = stored.spec if stored is not None and isinstance(stored.spec, dict) else {}
         run = spec.get("run") if isinstance(spec.get("run"), dict) else {}  # (a spec that failed to load may be any shape)
