@@ -117,6 +117,10 @@ async def _answer(send, status: int, detail: str, extra_headers: list | None = N
     await send({"type": "http.response.body", "body": payload})
 
 
+def _client_host(request: Request) -> str | None:
+    return request.client.host if request.client else None
+
+
 def create_app(runs: RunManager | Run) -> FastAPI:
     if isinstance(runs, Run):
         runs = RunManager.of(runs)
@@ -130,7 +134,7 @@ def create_app(runs: RunManager | Run) -> FastAPI:
     def require_token(request: Request) -> None:
         failure = auth_failure(request.headers.get("authorization"), token)
         if failure is not None:
-            runs.refused(failure[0], request.method, request.url.path, request.client.host if request.client else None,
+            runs.refused(failure[0], request.method, request.url.path, _client_host(request),
                          failure[1])
             raise HTTPException(status_code=failure[0], detail=failure[1],
                                 headers={"WWW-Authenticate": "Bearer"} if failure[0] == 401 else None)
@@ -146,7 +150,7 @@ def create_app(runs: RunManager | Run) -> FastAPI:
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         """FastAPI's own 422, except that the values it quotes back are made JSON: a body's NaN,
         Infinity or 1e400 (Python's json reads them as floats) made the default answer a 500."""
-        runs.refused(422, request.method, request.url.path, request.client.host if request.client else None,
+        runs.refused(422, request.method, request.url.path, _client_host(request),
                      f"{len(exc.errors())} invalid field(s)")
         return JSONResponse(status_code=422, content={"detail": json_safe(jsonable_encoder(exc.errors()))})
 
@@ -189,7 +193,7 @@ def create_app(runs: RunManager | Run) -> FastAPI:
         except ShuttingDown as exc:
             raise HTTPException(status_code=503, detail=str(exc)) from None
         except InvalidRunSpec as exc:
-            runs.refused(422, request.method, request.url.path, request.client.host if request.client else None, str(exc))
+            runs.refused(422, request.method, request.url.path, _client_host(request), str(exc))
             raise HTTPException(status_code=422, detail=str(exc)) from None
         snap = engine.snapshot()
         return {k: snap[k] for k in RUN_SUMMARY}
