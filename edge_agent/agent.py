@@ -41,6 +41,7 @@ from edge_agent import checkpoint
 from edge_agent.config import AgentConfig
 from edge_agent.inference import OnnxInference, write_final_onnx
 from edge_agent.mqtt_link import MqttLink
+from edge_agent.own_workspace import claim_workspace
 from edge_agent.public_set import load_public_set
 from fedal.atomic import write_bytes_atomic
 from fedal.data import ArrayDataset
@@ -49,6 +50,7 @@ from fedal.protocol import EnvelopeError, ManifestError, Message, Packet, Reasse
 from fedal.protocol.chunking import is_chunk
 from fedal.session import ClientSession, TaskRefused, evaluation_reply
 from fedal.strategies import StrategyParams, get_strategy
+from fedal.workspace import WorkspaceError, held
 
 log = logging.getLogger("edge_agent")
 
@@ -153,8 +155,20 @@ class Agent:
     # -- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
         """Block until the run finishes or stop() is called; returns a process exit code."""
+        try:
+            claim_workspace(self.config)
+        except (WorkspaceError, OSError) as exc:
+            log.error("workspace %s: %s", self.workspace, exc)
+            return 2  # the config's to fix: the service does not restart it (RestartPreventExitStatus)
+        try:
+            with held(self.workspace, f"the agent {self.config.client_id}"):
+                return self._run()
+        except WorkspaceError as exc:  # another agent on this workspace: it may end, a later restart may go on
+            log.error("%s", exc)
+            return 1
+
+    def _run(self) -> int:
         torch.set_num_threads(self.config.threads)
-        self.workspace.mkdir(parents=True, exist_ok=True)
         self.link.start()
         self.worker.start()
         while not self.stop_event.is_set() and not self.finished.is_set():

@@ -6,7 +6,6 @@ import json
 import logging
 import signal
 import sys
-from pathlib import Path
 
 import click
 
@@ -31,11 +30,16 @@ def agent_cmd(config_path: str | None, log_level: str, self_check: bool) -> None
     missing = config.broker.missing_file()  # else a traceback from the TLS set-up, at connect
     if missing:
         raise click.UsageError(f"{missing}; `fedal fleet init --tls` writes one per device")
+    from edge_agent.own_workspace import claim_workspace
+    from fedal.workspace import WorkspaceError
+
     try:
-        Path(config.workspace).mkdir(parents=True, exist_ok=True)
+        claim_workspace(config)
     except OSError as exc:  # e.g. outside the service's writable /var/lib/fedal-agent
         raise click.UsageError(f"workspace {config.workspace}: {exc.strerror or exc} (the agent keeps its checkpoints "
                                "there; the service may write only below /var/lib/fedal-agent)") from None
+    except WorkspaceError as exc:  # a user's directory: nothing in it is replaced
+        raise click.UsageError(f"workspace {exc}") from None
     from edge_agent.agent import Agent
 
     agent = Agent(config)

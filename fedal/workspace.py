@@ -14,7 +14,7 @@ import fcntl
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -32,18 +32,24 @@ def is_workspace(path: str | Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-def claim(path: str | Path, owner: str) -> Path:
-    """Create path as a workspace of `owner` (a command name), adopt it if empty, reuse it if marked."""
+def claim(path: str | Path, owner: str, adoptable: Callable[[list[Path]], bool] | None = None) -> Path:
+    """Create path as a workspace of `owner` (a command name), adopt it if empty, reuse it if marked.
+
+    `adoptable(entries)` may also adopt an unmarked directory by what it holds: a workspace
+    written before the marker existed holds only its owner's own files."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise WorkspaceError(f"{path} exists and is not a directory")
     if path.is_dir():
         if is_workspace(path):
             return path
-        if any(path.iterdir()):
+        entries = sorted(path.iterdir())
+        if entries and not (adoptable is not None and adoptable(entries)):
             raise WorkspaceError(
                 f"{path} is not empty and is not a FedAL workspace (it has no {MARKER} file): refusing to "
                 f"delete or overwrite anything in it; give a new or an empty directory")
+        if entries:
+            log.info("adopting %s as the workspace of `%s`: it holds only files of its own", path, owner)
     path.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).isoformat(timespec="seconds")
     (path / MARKER).write_text(f"FedAL workspace created by `{owner}` at {stamp}.\n"

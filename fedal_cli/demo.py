@@ -66,8 +66,7 @@ def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_por
     ids = make_client_ids(config.clients)
     agent_configs = []
     for i, cid in enumerate(ids):
-        ws = workdir / "agents" / cid
-        ws.mkdir(parents=True)
+        ws = workspace.claim(workdir / "agents" / cid, "fedal demo")  # the agent's own: it holds its config too
         np.savez(ws / "train.npz", x=data.clients[i].x, y=data.clients[i].y)
         np.savez(ws / "test.npz", x=data.test.x, y=data.test.y)
         agent = {

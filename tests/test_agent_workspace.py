@@ -1,0 +1,115 @@
+"""An agent writes only into a workspace of its own: a user's folder given as `workspace` is
+refused with nothing in it touched; an agent workspace from before the marker, the installer's
+state directory with the private data, and systemd's StateDirectory are adopted; a second agent
+on a workspace in use is refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from edge_agent.config import AgentConfig
+from edge_agent.own_workspace import claim_workspace
+from fedal import workspace
+from fedal.workspace import WorkspaceError
+
+CONFIG = """client_id = "c00"
+run_id = "lab"
+model = "mlp"
+data_file = "{data}"
+workspace = "{workspace}"
+
+[broker]
+url = "mqtt://127.0.0.1:1"
+"""
+
+
+def _config(ws, data=None) -> AgentConfig:
+    return AgentConfig(client_id="c00", run_id="lab", model="mlp", data_file=data or ws / "train.npz", workspace=ws,
+                       broker={"url": "mqtt://127.0.0.1:1"})
+
+
+def test_a_users_folder_is_refused_by_the_agent_command_and_left_as_it_was(tmp_path):
+    ws = tmp_path / "home"
+    ws.mkdir()
+    (ws / "notes.txt").write_text("mine")
+    (ws / "checkpoint.pt").write_bytes(b"someone else's checkpoint")
+    config = tmp_path / "agent.toml"
+    config.write_text(CONFIG.format(data=tmp_path / "train.npz", workspace=ws))
+    out = subprocess.run([sys.executable, "-m", "edge_agent", "--config", str(config)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "notes.txt" in out.stderr and "not the agent's" in out.stderr and workspace.MARKER in out.stderr
+    assert sorted(p.name for p in ws.iterdir()) == ["checkpoint.pt", "notes.txt"]
+    assert (ws / "checkpoint.pt").read_bytes() == b"someone else's checkpoint"
+
+
+def test_the_agent_itself_refuses_a_users_folder_before_it_connects(tmp_path):
+    from edge_agent.agent import Agent
+
+    ws = tmp_path / "home"
+    ws.mkdir()
+    (ws / "thesis").mkdir()
+    agent = Agent(_config(ws))
+    assert agent.run() == 2
+    assert [p.name for p in ws.iterdir()] == ["thesis"]
+    assert agent.link.connects == 0
+
+
+def test_a_new_or_empty_directory_is_claimed(tmp_path):
+    assert claim_workspace(_config(tmp_path / "new" / "ws")) == tmp_path / "new" / "ws"
+    assert workspace.is_workspace(tmp_path / "new" / "ws")
+    (tmp_path / "empty").mkdir()
+    claim_workspace(_config(tmp_path / "empty"))
+    assert workspace.is_workspace(tmp_path / "empty")
+
+
+def test_an_unmarked_agent_workspace_and_the_installers_state_dir_are_adopted(tmp_path):
+    old = tmp_path / "old"  # written by an agent from before the marker
+    (old / "final").mkdir(parents=True)
+    for name in ("checkpoint.pt", "journal.bin", "public.npz", "agent-status.json", ".checkpoint.pt.k3j2.tmp"):
+        (old / name).write_bytes(b"x")
+    (old / "snapshots").mkdir()
+    claim_workspace(_config(old))
+    assert workspace.is_workspace(old)
+
+    state = tmp_path / "state"  # install-agent.sh put the private data and the test set there
+    state.mkdir()
+    (state / "pi-3.npz").write_bytes(b"data")
+    (state / "test.npz").write_bytes(b"test")
+    cfg = _config(state, data=state / "pi-3.npz").model_copy(update={"test_file": state / "test.npz"})
+    claim_workspace(cfg)
+    assert workspace.is_workspace(state)
+
+
+def test_a_file_the_config_does_not_name_is_not_adopted_even_among_the_agents_own(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "checkpoint.pt").write_bytes(b"x")
+    (ws / "other.npz").write_bytes(b"x")
+    with pytest.raises(WorkspaceError, match="other.npz are not the agent's"):
+        claim_workspace(_config(ws))
+    assert not workspace.is_workspace(ws)
+
+
+def test_the_services_state_directory_is_the_agents_whatever_it_holds(tmp_path, monkeypatch):
+    state = tmp_path / "fedal-agent"
+    (state / "cache").mkdir(parents=True)
+    (state / ".bash_history").write_text("")
+    with pytest.raises(WorkspaceError):
+        claim_workspace(_config(state))
+    monkeypatch.setenv("STATE_DIRECTORY", f"{tmp_path / 'elsewhere'}:{state}")
+    claim_workspace(_config(state))
+    assert workspace.is_workspace(state)
+
+
+def test_a_second_agent_on_a_workspace_in_use_is_refused(tmp_path):
+    from edge_agent.agent import Agent
+
+    ws = claim_workspace(_config(tmp_path / "ws"))
+    with workspace.held(ws, "the agent c00"):
+        agent = Agent(_config(ws))
+        assert agent.run() == 1
+        assert agent.link.connects == 0
