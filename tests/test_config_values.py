@@ -72,3 +72,16 @@ def test_environment_overrides_still_give_numbers_and_booleans_as_text(tmp_path,
     config = load_coordinator_config(str(path))
     assert (config.run.rounds, config.run.seed) == (5, 7)
     assert load_config(None, {"vectorize": "false"}).vectorize is False
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--ray-actors", "4"], "ray_actors (--ray-actors) apply to the ray backend only"),
+    (["--ray-address", "auto", "--client-resources", "num_cpus=1"],
+     "ray_address (--ray-address), client_resources (--client-resources) apply to the ray backend only"),
+])
+def test_ray_options_without_the_ray_backend_are_refused_not_ignored(tmp_path, flags, needle):
+    r = CliRunner().invoke(cli, ["simulate", *flags, "--quiet", "--out", str(tmp_path / "r.json")])
+    assert r.exit_code == 2 and needle in r.output, r.output
+    assert "--backend ray" in r.output
+    assert not (tmp_path / "r.json").exists()
+    load_config(None, {"backend": "ray", "ray_actors": 4, "client_resources": "num_cpus=1"})  # with it, taken

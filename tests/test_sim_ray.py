@@ -31,7 +31,9 @@ def local_ray(ray_may_start_in_module):
 
 def _config(strategy: str, **extra):
     base = dict(strategy=strategy, dataset="mnist1d", clients=5, samples_per_client=100, public_size=150,
-                rounds=2, seed=4, mnist1d_samples=2000, ray_actors=2, vectorize=False)  # the per-client path
+                rounds=2, seed=4, mnist1d_samples=2000, vectorize=False)  # the per-client path
+    if extra.get("backend") == "ray":
+        base["ray_actors"] = 2
     if strategy in ("fedal", "fedmd"):
         base["models"] = ["mlp", "cnn1d"]
     return load_config(None, {**base, **extra})

@@ -155,6 +155,11 @@ class RunConfig(NoCoercion):
         if unknown:
             raise ValueError(f"unknown model(s) {unknown}; valid choices: {', '.join(MODEL_NAMES)}")
         spec = get_strategy(self.strategy)
+        ray_only = [f"{name} ({flag})" for name, flag in (("ray_address", "--ray-address"), ("ray_actors", "--ray-actors"),
+                                                        ("client_resources", "--client-resources"))
+                    if getattr(self, name) is not None]
+        if ray_only and self.backend != "ray":  # else a cluster address or placement asked for is silently not used
+            raise ValueError(f"{', '.join(ray_only)} apply to the ray backend only: add --backend ray (backend = \"ray\")")
         if self.strategy_params.privacy is not None and self.strategy_params.privacy.noise_multiplier == 0:
             raise ValueError("privacy.noise_multiplier 0 adds no noise: epsilon would be unbounded; give a noise "
                              "multiplier > 0 or a target_epsilon (clipping alone is no differential privacy)")
