@@ -95,12 +95,13 @@ class ClientStats:
     refused: int = 0  # connection attempts during a partition
     partition_cuts: int = 0  # live connections cut when a partition started
     malformed: int = 0
+    resets: int = 0  # live connections cut on request (POST /reset); drawn resets count under up/down
     up: Counter = field(default_factory=Counter)
     down: Counter = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
         return {"connections": self.connections, "refused": self.refused, "partition_cuts": self.partition_cuts,
-                "malformed": self.malformed, "up": dict(self.up), "down": dict(self.down)}
+                "malformed": self.malformed, "resets": self.resets, "up": dict(self.up), "down": dict(self.down)}
 
 
 class FaultEngine:
@@ -181,6 +182,8 @@ class FaultEngine:
         stats = self.client(client_id)
         if kind in ("refused", "partition_cuts", "malformed"):
             setattr(stats, kind, getattr(stats, kind) + 1)
+        if kind == "reset" and direction is None:  # not a link's draw: the operator's cut
+            stats.resets += 1
         if direction is not None:
             getattr(stats, direction)[kind] += 1
         event = {"t": round(self.elapsed(), 4), "fault": kind, "client": client_id, "direction": direction, **details}

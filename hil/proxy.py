@@ -116,6 +116,8 @@ async def decode(header: MQTTFixedHeader, body: bytes) -> Packet:
         cls = packet_class(header)
     except AMQTTError as exc:
         raise Malformed(str(exc)) from None
+    if header.packet_type == CONNECT:  # before amqtt reads an MQTT 5 CONNECT's properties as its client id
+        check_protocol(body)
     buf = BufferReader(body)
     try:
         parsed = await cls.from_stream(buf, fixed_header=header)
@@ -128,11 +130,21 @@ async def decode(header: MQTTFixedHeader, body: bytes) -> Packet:
             raise Malformed("PUBLISH with QoS 3")
         if parsed.qos and parsed.packet_id in (None, 0):
             raise Malformed("QoS>0 PUBLISH without a packet id")
-    if header.packet_type == CONNECT:
-        vh = parsed.variable_header
-        if (vh.proto_name, vh.proto_level) not in SUPPORTED_PROTOCOLS:
-            raise Malformed(f"unsupported protocol {vh.proto_name!r} level {vh.proto_level} (MQTT 3.1.1 or 3.1 only)")
     return Packet(header.to_bytes() + body, header.packet_type, parsed)
+
+
+def check_protocol(body: bytes) -> None:
+    """A CONNECT's protocol name and level, its first bytes in every MQTT version."""
+    if len(body) < 2 or len(body) < 3 + (n := int.from_bytes(body[:2], "big")):
+        raise Malformed("CONNECT too short for its protocol name and level")
+    try:
+        name = body[2:2 + n].decode()
+    except UnicodeDecodeError:
+        raise Malformed("CONNECT's protocol name is not UTF-8") from None
+    level = body[2 + n]
+    if (name, level) not in SUPPORTED_PROTOCOLS:
+        version = {("MQTT", 5): " (MQTT 5)"}.get((name, level), "")
+        raise Malformed(f"unsupported protocol {name!r} level {level}{version} (MQTT 3.1.1 or 3.1 only)")
 
 
 def with_dup_flag(raw: bytes) -> bytes:
@@ -410,7 +422,7 @@ class Proxy:
         self.max_packet_bytes = max_packet_bytes
         self.sessions: set[Session] = set()
         self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: dict[asyncio.Task, Session] = {}  # every connection, those before their CONNECT too
         self._watch: asyncio.Task | None = None
 
     @property
@@ -427,7 +439,7 @@ class Proxy:
             self._watch.cancel()
         if self._server is not None:
             self._server.close()
-        for s in list(self.sessions):
+        for s in list(self.sessions) + list(self._tasks.values()):
             s.abort()
         if self._tasks:
             _, stuck = await asyncio.wait(list(self._tasks), timeout=5)
@@ -440,13 +452,13 @@ class Proxy:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = Session(self, reader, writer)
         task = asyncio.current_task()
-        self._tasks.add(task)
+        self._tasks[task] = session
         try:
             await session.run()
         except asyncio.CancelledError:  # closing: asyncio's stream server would report a cancelled handler as an error
             return
         finally:
-            self._tasks.discard(task)
+            self._tasks.pop(task, None)
 
     def reset_clients(self, pattern: str, reason: str = "api") -> int:
         """Cut every live connection whose client id matches `pattern` (fnmatch); how many."""

@@ -199,6 +199,43 @@ def test_only_mqtt_311_and_31_connects_are_accepted():
         asyncio.run(parse_bytes(connect_bytes("a", 5)))
 
 
+def test_a_real_mqtt5_connect_is_named_as_such_not_misread():
+    """An MQTT 5 CONNECT carries properties after its keep-alive; read as 3.1.1 they became the
+    client id and the rest 'trailing bytes'."""
+    props = b"\x11\x00\x00\x00\x3c"  # session expiry interval 60 s
+    vh = b"\x00\x04MQTT\x05\x02\x00\x3c" + bytes([len(props)]) + props
+    body = vh + b"\x00\x05dev-1"
+    with pytest.raises(Malformed, match=r"unsupported protocol 'MQTT' level 5 \(MQTT 5\)"):
+        asyncio.run(parse_bytes(b"\x10" + bytes([len(body)]) + body))
+    for short in (b"\x10\x01\x00", b"\x10\x05\x00\x04MQT"):
+        with pytest.raises(Malformed, match="too short"):
+            asyncio.run(parse_bytes(short))
+
+
+def test_closing_the_proxy_drops_connections_that_never_sent_connect_at_once():
+    """They were left to the 5 s grace the proxy gives its sessions, then cancelled."""
+    import time
+
+    from hil.proxy import Proxy
+
+    async def scenario():
+        proxy = await Proxy(engine_for("[default]\ndrop = 0.0"), ("127.0.0.1", 1)).start()
+        _, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        for _ in range(100):  # accepted: its handler waits for the CONNECT
+            if proxy._tasks:
+                break
+            await asyncio.sleep(0.01)
+        assert proxy._tasks
+        t0 = time.monotonic()
+        await proxy.close()
+        writer.close()
+        return time.monotonic() - t0, proxy.engine
+
+    took, engine = asyncio.run(scenario())
+    assert took < 4.0  # was >= 5 s
+    assert not engine.fault_counts.get("malformed")  # a cut at shutdown is not the client's fault
+
+
 # -- link model ------------------------------------------------------------------------------
 
 class NullWriter:

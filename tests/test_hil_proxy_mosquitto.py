@@ -151,6 +151,8 @@ def test_clean_profile_passes_everything_through(make_broker, peers):
     assert b.run(b.proxy.reset_clients, pub.id) == 1
     wait_until(lambda: sub.payloads(f"{topic}/will") == [b"gone"], what="the Will")
     wait_until(lambda: pub.connects == 2, what="the publisher to reconnect")
+    assert stats(b)["faults"] == {"reset": 1}
+    assert stats(b)["clients"][pub.id]["resets"] == 1 and not stats(b)["clients"][sub.id]["resets"]
 
 
 def test_dropped_publishes_follow_the_rate_and_the_counters(make_broker, peers):
