@@ -191,13 +191,30 @@ elif [ "$(id -u)" -ne 0 ] && [ "$DRY" -eq 0 ]; then
 fi
 
 # The config must be TOML; where it expects the CA and its data decides where --ca and --data go.
-config_paths="$("$PY" - "$CONFIG" <<'PYEOF'
-import sys, tomllib
+# Its model is checked here, before pip, against the zoo's names of the agent to be installed
+# (fedal/model_names.py, plain Python); the whole config after pip, with the agent's config model.
+config_paths="$("$PY" - "$CONFIG" "$WHEEL" "$SOURCE" <<'PYEOF'
+import ast, sys, tomllib, zipfile
 try:
     with open(sys.argv[1], "rb") as f:
         cfg = tomllib.load(f)
 except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
     sys.exit(f"install-agent: error: config {sys.argv[1]} is not valid TOML: {exc}")
+wheel, source = sys.argv[2], sys.argv[3]
+try:
+    if wheel:
+        with zipfile.ZipFile(wheel) as z:
+            text = z.read("fedal/model_names.py").decode()
+    else:
+        with open(f"{source}/fedal/model_names.py", encoding="utf-8") as f:
+            text = f.read()
+    names = next(ast.literal_eval(n.value) for n in ast.parse(text).body
+                 if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "MODEL_NAMES")
+except (OSError, KeyError, StopIteration, ValueError, SyntaxError, zipfile.BadZipFile):
+    names = None  # an agent without the list: the check after pip says it
+if names is not None and "model" in cfg and cfg["model"] not in names:
+    sys.exit(f"install-agent: error: config {sys.argv[1]}: unknown model {cfg['model']!r}; valid names: "
+             f"{', '.join(names)}")
 broker = cfg.get("broker") if isinstance(cfg.get("broker"), dict) else {}
 for value in (broker.get("ca_file"), cfg.get("data_file"), cfg.get("test_file"), cfg.get("local_test_file"),
               cfg.get("public_file")):

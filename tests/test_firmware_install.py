@@ -372,3 +372,25 @@ def test_an_existing_directory_that_is_not_a_virtualenv_is_never_cleared(tmp_pat
     r = install("--root", str(root), "--config", str(inputs / "agent.toml"), "--skip-pip")
     assert r.returncode == 3 and "is not a virtualenv" in r.stderr, r.stderr
     assert (mine / "notes.txt").read_text() == "mine" and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+def test_an_unknown_model_is_refused_before_pip_runs(tmp_path, inputs):
+    """A hand install (no flash.sh to check the config first) said so only after pip had installed
+    torch; the model is now checked against the names of the agent to be installed, first."""
+    import zipfile
+
+    cfg = inputs / "typo.toml"
+    cfg.write_text(AGENT_TOML.replace('model = "cnn1d"', 'model = "cnn1d_wdie"'))
+    pip = ["--pip", str(inputs / "fake-pip")]
+    r = install("--root", str(tmp_path / "src"), "--config", str(cfg), *pip)  # the checkout's agent
+    assert r.returncode == 1 and "unknown model 'cnn1d_wdie'; valid names: mlp, cnn1d, cnn1d_wide" in r.stderr, r.stderr
+    wheel = inputs / "fedal_edge-0.2.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("fedal/model_names.py", 'MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn1d_wdie")\n')
+    r = install("--root", str(tmp_path / "whl"), "--config", str(inputs / "agent.toml"), "--wheel", str(wheel), *pip)
+    assert r.returncode == 1 and "unknown model 'cnn1d'; valid names: mlp, cnn1d_wdie" in r.stderr, r.stderr
+    assert pip_calls(inputs) == []
+    for root in ("src", "whl"):
+        assert not any((tmp_path / root).rglob("*.toml"))  # nothing installed
+    r = install("--root", str(tmp_path / "ok"), "--config", str(cfg), "--wheel", str(wheel), "--skip-pip")
+    assert r.returncode == 0, r.stderr  # the wheel's own zoo has that name
