@@ -7,11 +7,11 @@ decoding and computing. Results larger than the broker packet limit arrive chunk
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 
 from coordinator.config import CoordinatorBrokerSettings
+from coordinator.inbox import Inbox
 from fedal.protocol import parse_broker_url, split, topics
 from mqtt_link import connect_failure, new_client
 
@@ -20,7 +20,7 @@ CLEAR_EVERY_S = 1.0  # at most one clearing publish per topic this often: a junk
 
 
 class CoordinatorBus:
-    def __init__(self, settings: CoordinatorBrokerSettings, run_id: str, inbox: queue.Queue[tuple]):
+    def __init__(self, settings: CoordinatorBrokerSettings, run_id: str, inbox: Inbox):
         self.settings = settings
         self.run_id = run_id
         self.inbox = inbox

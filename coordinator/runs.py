@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from coordinator.config import CoordinatorConfig, RunSpec
 from coordinator.events import EventHub
 from coordinator.run import Run
 from coordinator.store import RunStore, default_store_url
+from fedal.log_limit import RateLimitedLog
 from fedal.sim.config import format_validation_error
 
 log = logging.getLogger("coordinator.runs")
@@ -43,31 +43,6 @@ def _inside(path: Path, directory: Path) -> bool:
     return Path(path).resolve().is_relative_to(Path(directory).resolve())
 
 
-class _RateLimitedLog:
-    """Warnings at most BURST at once and then RATE_PER_S a second: a flood of refused requests
-    cannot fill the disk with log lines; the next line says how many were left out."""
-
-    BURST, RATE_PER_S = 20, 1.0
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.allowance = float(self.BURST)
-        self.last = time.monotonic()
-        self.skipped = 0
-
-    def warning(self, msg: str, *args: Any) -> None:
-        with self.lock:
-            now = time.monotonic()
-            self.allowance = min(float(self.BURST), self.allowance + (now - self.last) * self.RATE_PER_S)
-            self.last = now
-            if self.allowance < 1:
-                self.skipped += 1
-                return
-            self.allowance -= 1
-            skipped, self.skipped = self.skipped, 0
-        log.warning(msg + (f" ({skipped} more refused requests not logged)" if skipped else ""), *args)
-
-
 class RunManager:
     def __init__(self, config: CoordinatorConfig, store: RunStore | None = None, events: EventHub | None = None):
         self.config = config
@@ -80,7 +55,7 @@ class RunManager:
         self._unrestored_views: dict[str, dict[str, Any]] = {}
         self.creating: set[str] = set()  # ids of runs being built by create(), outside the lock
         self.refused_requests: Counter[int] = Counter()  # API requests refused, by HTTP status (401, 403, 413, 422)
-        self.refusal_log = _RateLimitedLog()
+        self.refusal_log = RateLimitedLog(log, "refused requests")
         self.threads: dict[str, threading.Thread] = {}
         self.lock = threading.RLock()
         # one run built at a time (building a server seeds torch's global generator), outside `lock`

@@ -15,22 +15,28 @@ from collections import Counter
 
 from coordinator.bus import CoordinatorBus
 from coordinator.config import CoordinatorBrokerSettings
+from coordinator.inbox import Inbox
 from fedal.engine import Arrival, Transport
 from fedal.protocol import EnvelopeError, Packet, Reassembler, topics
 
 log = logging.getLogger("coordinator.transport")
+
+INBOX_SLACK_BYTES = 1 << 20  # beyond a whole result: statuses and a re-sent chunk or two
 
 
 class MqttTransport(Transport):
     def __init__(self, settings: CoordinatorBrokerSettings, run_id: str, client_ids: list[str]):
         self.run_id = run_id
         self.clients = set(client_ids)
-        self.inbox: queue.Queue[tuple] = queue.Queue()  # (topic, payload, retained)
+        per_client = settings.reassembly_bytes_per_client or settings.max_message_bytes
+        # (topic, payload, retained); a client's whole result may wait in it, and its statuses beside
+        self.inbox = Inbox(per_sender_bytes=per_client + INBOX_SLACK_BYTES)
         self.bus = CoordinatorBus(settings, run_id, self.inbox)
         self.reassembler = Reassembler(max_size=settings.max_message_bytes,
                                        max_sender_bytes=settings.reassembly_bytes_per_client,
                                        max_total_bytes=settings.reassembly_bytes_total)
         self._partial_bytes: Counter[str] = Counter()  # chunk bytes of a client's unfinished message
+        self._dropped: Counter[str] = Counter()  # messages the inbox dropped, not yet reported to the engine
 
     def start(self, should_stop) -> bool:
         return self.bus.start(should_stop, warn_every_s=5)
@@ -48,6 +54,15 @@ class MqttTransport(Transport):
         self.bus.publish_manifest(payload)
 
     def receive(self, timeout_s: float) -> Arrival | None:
+        dropped = self.inbox.take_dropped()
+        if dropped:  # counted against each sender, ahead of what is waiting
+            for cid, n in dropped.items():
+                self._dropped[cid] += n
+        if self._dropped:
+            cid, n = self._dropped.popitem()
+            return Arrival("invalid", cid, self.run_id, count=n, reject_kind="flood",
+                           reason=f"{n} message(s) dropped unread: more than {self.inbox.per_sender_bytes} bytes "
+                                  "from this client were waiting to be handled")
         try:
             topic, payload, *retain = self.inbox.get(timeout=timeout_s)  # (topic, payload[, retained])
         except queue.Empty:
@@ -76,7 +91,7 @@ class MqttTransport(Transport):
         except EnvelopeError as exc:
             return Arrival("invalid", t.client, t.run, reason=f"malformed envelope: {exc}", reject_kind=exc.kind, topic=topic)
         except Exception as exc:  # whatever a payload holds, it never ends the run: counted as an envelope refused
-            log.warning("unusable envelope from %s", t.client, exc_info=True)
+            log.debug("unusable envelope from %s", t.client, exc_info=True)  # the engine logs the reason (rate-limited)
             return Arrival("invalid", t.client, t.run, reason=f"unusable envelope: {type(exc).__name__}: {exc}",
                            reject_kind="envelope", topic=topic)
         self._partial_bytes[t.client] += len(payload)

@@ -204,7 +204,7 @@ def test_unusable_health_keeps_the_last_report_and_the_online_status(health):
 
 def test_nested_and_big_values_are_left_out_and_named_briefly(caplog):
     deep = b"[" * 500 + b"]" * 500
-    big = json.dumps(list(range(200_000))).encode()
+    big = json.dumps(list(range(2_000))).encode()  # 9 kB: a status may be up to 16 KiB
     e = engine()
     e.handle(status("pi-1", b'{"state": "online", "ts": 1, "health": {"cpu_temp_c": 40, "load1": ' + deep
                     + b', "versions": ' + big + b"}}"))
@@ -215,6 +215,20 @@ def test_nested_and_big_values_are_left_out_and_named_briefly(caplog):
         "rss_bytes: a JSON object is not an integer in [0, 1125899906842624]",
         "cpu_temp_c: 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx... is not a number in [-60, 200]"]
     assert max(len(r.message) for r in caplog.records) < 300
+
+
+def test_a_status_too_large_for_one_is_refused_before_it_is_parsed(caplog):
+    """A device flooding megabyte statuses cost the coordinator 50 ms of parsing each."""
+    from fedal.engine.rounds import MAX_STATUS_BYTES
+
+    e = engine()
+    padded = b'{"state": "online", "ts": 1, "health": {"cpu_temp_c": 40}, "x": "' + b"y" * MAX_STATUS_BYTES + b'"}'
+    e.handle(status("pi-1", padded))
+    assert not e.clients["pi-1"].online and e.clients["pi-1"].health is None
+    assert e.reject_reasons["status"] == 1 and e.clients["pi-1"].rejected == 1
+    assert f"status message of {len(padded)} bytes (at most {MAX_STATUS_BYTES})" in caplog.text
+    e.handle(status("pi-1", {"state": "online", "ts": 2, "health": GOOD}))  # its next, ordinary one is taken
+    assert e.clients["pi-1"].online
 
 
 def test_a_repeated_problem_is_counted_every_time_and_warned_once(caplog):

@@ -41,6 +41,7 @@ class PhaseState:
     results: dict[str, Message] = field(default_factory=dict)
     refused: dict[str, set[bytes]] = field(default_factory=dict)  # digests of each client's refused answers
     latencies: list[float] = field(default_factory=list)  # from sending to each accepted result
+    reconnect_sent: dict[str, float] = field(default_factory=dict)  # a task re-sent on a client's reconnect, when
     compute_s: float = 0.0  # the server half producing this phase's tasks (begin_round / collect)
     wall_s: float = 0.0  # from the server half starting on this phase to the phase closing
 

@@ -17,7 +17,7 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,11 +26,14 @@ from fedal.engine.health import validate_health
 from fedal.engine.results import evaluation_summary
 from fedal.engine.settings import PhaseSettings
 from fedal.engine.transport import Arrival, Transport
+from fedal.log_limit import RateLimitedLog, clip
 from fedal.protocol import EnvelopeError, Message, Packet, answering, decode, encode
 from fedal.strategies import InvalidResult, PhaseTasks, ServerHalf
 
 log = logging.getLogger("fedal.engine")
 POLL_S = 0.05
+MAX_STATUS_BYTES = 16 * 1024  # a client's status with its health report is well under 2 KiB
+MAX_REJECT_REASONS = 200  # the latest reasons a round keeps (all are counted)
 
 
 class Stopped(Exception):
@@ -85,7 +88,10 @@ class RoundEngine:
         self.resume_event.set()
         self.current: PhaseState | None = None
         self.connects = 0
-        self.round_rejects: list[str] = []  # this round's reasons, for tests and logs
+        # this round's reasons (the latest, for tests and logs) and how many there were
+        self.round_rejects: deque[str] = deque(maxlen=MAX_REJECT_REASONS)
+        self.round_rejected = 0
+        self._reject_log = RateLimitedLog(log, "rejected messages", burst=10, rate_per_s=0.5)  # per client
         self._health_warned: dict[str, str] = {}  # the last problem logged per client
 
     # -- control -----------------------------------------------------------------------------
@@ -114,7 +120,8 @@ class RoundEngine:
     # -- rounds and phases -------------------------------------------------------------------
     def run_round(self, r: int) -> dict[str, Any]:
         t0, held0 = time.monotonic(), self.held_s
-        self.round_rejects = []
+        self.round_rejects.clear()
+        self.round_rejected = 0
         up0, down0 = self._bytes()
         t = time.monotonic()
         phase: PhaseTasks | None = self.server.begin_round(r)
@@ -131,7 +138,7 @@ class RoundEngine:
         privacy = self._privacy()
         if privacy:
             record["privacy"] = privacy
-        record["rejected"] = len(self.round_rejects)
+        record["rejected"] = self.round_rejected
         record["server"] = self.server.round_metrics()
         record["phases"] = stats.summary()
         record["wall_s"] = round(time.monotonic() - t0 - (self.held_s - held0), 4)  # a pause is no round's time
@@ -271,7 +278,8 @@ class RoundEngine:
                         self._send(cid, cur.packets[cid])
             return
         if arrival.kind == "invalid":
-            self.reject(arrival.client if arrival.client in self.clients else None, arrival.reason, arrival.reject_kind)
+            self.reject(arrival.client if arrival.client in self.clients else None, arrival.reason, arrival.reject_kind,
+                        count=arrival.count)
             return
         if arrival.run != self.run_id or arrival.client not in self.clients:
             self.reject(None, f"message from unknown client {arrival.client!r} (run {arrival.run!r})", "topic")
@@ -282,6 +290,9 @@ class RoundEngine:
             self._on_result(arrival.client, arrival.payload, arrival.wire_bytes, arrival.message)
 
     def _on_status(self, cid: str, payload: bytes, retained: bool = False) -> None:
+        if len(payload) > MAX_STATUS_BYTES:  # before parsing: a status is a few hundred bytes of JSON
+            self.reject(cid, f"status message of {len(payload)} bytes (at most {MAX_STATUS_BYTES})", "status")
+            return
         try:
             status = json.loads(payload)
             state, ts = status["state"], float(status.get("ts", 0.0))
@@ -301,7 +312,13 @@ class RoundEngine:
             self.notify("client", client=cid, online=info.online)
         cur = self.current
         if info.online and not was_online and cur is not None and cid in cur.pending and ts >= cur.wall_started:
-            self._send(cid, cur.packets[cid])  # connected after the task went out: send it again
+            # connected after the task went out: send it again, at most once per resend_s (statuses
+            # toggled offline/online would otherwise each cost a whole task; the periodic re-send
+            # covers the rest)
+            now = self.transport.now()
+            if now - cur.reconnect_sent.get(cid, -math.inf) >= self.settings.resend_s:
+                cur.reconnect_sent[cid] = now
+                self._send(cid, cur.packets[cid])
 
     def _health(self, cid: str, raw: Any) -> dict[str, Any]:
         """The usable part of a status's `health`; what is left out is counted (`health_ignored`),
@@ -409,15 +426,18 @@ class RoundEngine:
             if acc is not None and (isinstance(acc, bool) or not isinstance(acc, (int, float)) or not 0.0 <= acc <= 1.0):
                 raise InvalidResult(f"{key} {acc!r} is not in [0, 1]")
 
-    def reject(self, cid: str | None, reason: str, kind: str = "result") -> None:
-        """kind: the short reason it is counted under (API `rejects`, /metrics `fedal_rejects_total`)."""
+    def reject(self, cid: str | None, reason: str, kind: str = "result", count: int = 1) -> None:
+        """kind: the short reason it is counted under (API `rejects`, /metrics `fedal_rejects_total`);
+        count: how many messages the reason stands for."""
+        reason = clip(reason)  # it may quote what a client sent, at any length
         with self.lock:
-            self.counters["rejected"] += 1
-            self.reject_reasons[kind] += 1
+            self.counters["rejected"] += count
+            self.reject_reasons[kind] += count
             self.round_rejects.append(f"{cid}: {reason}" if cid else reason)
+            self.round_rejected += count
             if cid is not None:
-                self.clients[cid].rejected += 1
-        log.warning("rejected%s: %s", f" from {cid}" if cid else "", reason)
+                self.clients[cid].rejected += count
+        self._reject_log.warning("rejected%s: %s", f" from {cid}" if cid else "", reason, key=cid)
 
     # -- accounting --------------------------------------------------------------------------
     def _bytes(self) -> tuple[int, int]:

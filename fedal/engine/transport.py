@@ -30,6 +30,7 @@ class Arrival:
     topic: str = ""  # where it came from, for the transport's own use (refused())
     message: Message | None = None  # kind "result": already decoded by the transport (else payload is decoded)
     retained: bool = False  # kind "status": the broker's retained copy (sent at subscribing), not a live message
+    count: int = 1  # kind "invalid": how many messages it stands for (dropped unread, counted as one arrival)
 
 
 class Transport(ABC):

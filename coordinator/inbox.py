@@ -1,0 +1,71 @@
+"""What paho's network thread hands the engine's thread: messages in arrival order, each sender
+within a byte budget.
+
+paho reads every message off the socket at once; an unbounded queue would hold a flooding
+device's backlog in the coordinator's memory and make every other client's results wait behind
+it. A sender (the last topic level: a client id) may have at most `per_sender_bytes` waiting;
+what comes beyond is dropped unread and counted against that sender alone.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter, deque
+
+__all__ = ["Inbox", "OVERHEAD_BYTES"]
+
+OVERHEAD_BYTES = 256  # what a message costs beyond its payload (an empty one is not free)
+
+
+def _sender(topic: str) -> str | None:
+    return topic.rsplit("/", 1)[-1] if topic.startswith("fedal/") else None  # "$connected": the bus itself
+
+
+class Inbox:
+    def __init__(self, per_sender_bytes: int):
+        self.per_sender_bytes = per_sender_bytes
+        self._items: deque[tuple] = deque()
+        self._ready = threading.Condition()
+        self._waiting: Counter[str] = Counter()  # bytes waiting, per sender
+        self._dropped: Counter[str] = Counter()  # messages dropped since take_dropped(), per sender
+
+    def put(self, item: tuple) -> None:
+        """item: (topic, payload[, retained]); from paho's network thread."""
+        sender, cost = _sender(item[0]), len(item[1]) + OVERHEAD_BYTES
+        with self._ready:
+            if sender is not None:
+                if self._waiting[sender] + cost > self.per_sender_bytes:
+                    self._dropped[sender] += 1
+                    return
+                self._waiting[sender] += cost
+            self._items.append(item)
+            self._ready.notify()
+
+    def get(self, timeout: float) -> tuple:
+        """The oldest item; queue.Empty after `timeout` seconds without one."""
+        deadline = time.monotonic() + timeout
+        with self._ready:
+            while not self._items:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._ready.wait(left):
+                    if not self._items:
+                        raise queue.Empty
+            item = self._items.popleft()
+            sender = _sender(item[0])
+            if sender is not None:
+                self._waiting[sender] -= len(item[1]) + OVERHEAD_BYTES
+                if self._waiting[sender] <= 0:
+                    del self._waiting[sender]
+            return item
+
+    def take_dropped(self) -> dict[str, int]:
+        """Messages dropped per sender since the last call."""
+        with self._ready:
+            dropped, self._dropped = dict(self._dropped), Counter()
+            return dropped
+
+    def waiting_bytes(self, sender: str) -> int:
+        with self._ready:
+            return self._waiting.get(sender, 0)
