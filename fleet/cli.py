@@ -37,6 +37,9 @@ def fleet_cmd() -> None:
               help="Port of the broker listener only the coordinator may use (default: the URL's port + 1).")
 @click.option("--force", is_flag=True,
               help="Replace the fleet an earlier `fleet init` wrote in --out (new credentials); other files there stay.")
+@click.option("--any-run-id", is_flag=True,
+              help="Let devices use any run id (a + in the ACL) instead of --run-id only; a device may then fill the "
+                   "broker with retained messages under run ids nobody reads.")
 def init_cmd(**options) -> None:
     """Per-device agent configs and passwords, Mosquitto password and ACL files, optional TLS."""
     from fleet.generate import FleetError, FleetSpec, build_fleet

@@ -74,6 +74,7 @@ class FleetSpec:
     broker_dir: str = "/etc/mosquitto/fedal"
     force: bool = False
     coordinator_port: int | None = None  # default: the broker URL's port + 1
+    any_run_id: bool = False  # the ACL's run level a `+` (else the fleet's run id)
 
     def client_ids(self) -> list[str]:
         if self.devices < 1:
@@ -292,11 +293,12 @@ def _plan_fleet(spec: FleetSpec) -> dict:
     _write(out / "broker" / "passwd", passwords.password_file({u: secrets[u] for u in [spec.coordinator_user, *ids]}), 0o600)
     _write(out / "broker" / "coordinator.passwd",
            passwords.password_file({spec.coordinator_user: secrets[spec.coordinator_user]}), 0o600)
-    _write(out / "broker" / "acl", acl.acl_file(ids, spec.coordinator_user), 0o644)
+    _write(out / "broker" / "acl", acl.acl_file(ids, spec.coordinator_user, None if spec.any_run_id else spec.run_id),
+           0o644)
     _write(out / "broker" / "fedal.conf", mosquitto_conf(spec, addr.port, coordinator_port(spec, addr)), 0o644)
 
     summary = {"run_id": spec.run_id, "broker": spec.broker, "coordinator_broker": coordinator_url(spec, addr),
-               "tls": spec.tls, "coordinator_user": spec.coordinator_user,
+               "tls": spec.tls, "coordinator_user": spec.coordinator_user, "acl_run_id": "+" if spec.any_run_id else spec.run_id,
                "devices": ids, "model": spec.model, "created": datetime.now(UTC).isoformat(timespec="seconds")}
     _write(out / "fleet.json", json.dumps(summary, indent=2) + "\n", 0o644)
     return summary

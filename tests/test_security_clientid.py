@@ -182,8 +182,8 @@ def test_a_run_finishes_while_a_stolen_device_reconnects_with_the_others_client_
 
 def test_one_coordinator_account_drives_several_runs_at_once(tmp_path):
     """The coordinator keeps one connection per run (its own client ids) on its listener: two
-    runs' connections under the one account live side by side."""
-    files = provision(tmp_path, 2, run_id=RUN)
+    runs' connections under the one account live side by side (devices provisioned for any run id)."""
+    files = provision(tmp_path, 2, run_id=RUN, extra=("--any-run-id",))
     broker = start_broker(files, tmp_path / "mosquitto")
     stop = threading.Event()
     buses = {}

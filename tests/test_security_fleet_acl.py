@@ -189,3 +189,33 @@ def get_retained(client: Client, topic: str, timeout_s: float = 10) -> bytes:
         if t == topic and payload:
             return payload
     raise AssertionError(f"no retained message on {topic}")
+
+
+@pytest.mark.parametrize("any_run_id", [False, True])
+def test_a_device_writes_only_under_the_fleets_run_id_unless_any_run_id_is_asked(tmp_path, any_run_id):
+    """Under a `+` at the run level a device could leave retained messages under any number of run
+    ids nobody reads (the broker keeps them for ever, on disk with persistence)."""
+    out, broker = acl_only_broker(tmp_path, RUN, ("--any-run-id",) if any_run_id else ())
+    creds = device_credentials(out / "devices", DEVICES)
+    account = tomllib.loads((out / "coordinator" / "broker.toml").read_text())["broker"]
+    clients = []
+    try:
+        device = Client(broker.port, "dev-3", creds["dev-3"][1], "dev-3")
+        clients.append(device)
+        assert device.code == 0
+        for run in (RUN, "junk00001"):
+            device.publish(topics.status(run, "dev-3"), MARK + run.encode(), retain=True)
+        device.c.subscribe(topics.run_manifest("junk00001"), qos=1)
+        reader = Client(broker.port, account["username"], account["password"], "reader")
+        clients.append(reader)
+        reader.c.subscribe(f"{topics.ROOT}/+/status/+", qos=1)
+        time.sleep(1.0)  # the retained messages come at subscribing
+        retained = {t for t, p in reader.drain() if p.startswith(MARK)}
+        assert topics.status(RUN, "dev-3") in retained
+        assert (topics.status("junk00001", "dev-3") in retained) == any_run_id
+        acl = (out / "broker" / "acl").read_text()
+        assert (f"topic write fedal/v1/{RUN}/status/dev-3" in acl) != any_run_id
+    finally:
+        for c in clients:
+            c.close()
+        broker.stop()
