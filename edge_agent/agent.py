@@ -305,7 +305,9 @@ class Agent:
                            if cfg.local_test_file else None)
         public = None
         if spec.uses_public_set:
-            public = load_public_set(manifest.public_hash, cfg.public_file, manifest.public_url, self.workspace / "public.npz")
+            most = None if manifest.public_size is None else manifest.public_size * int(np.prod(train.input_shape))
+            public = load_public_set(manifest.public_hash, cfg.public_file, manifest.public_url,
+                                     self.workspace / "public.npz", max_elements=most)
         torch.manual_seed(cfg.seed)  # the same initialisation as `fedal simulate` for this seed
         model = build_model(cfg.model, train.input_shape, manifest.num_classes)
         client = spec.client(cfg.client_id, model, train, public, params, seed=cfg.seed)

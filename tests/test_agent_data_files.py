@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import io
+import json
 import threading
 
 import numpy as np
@@ -24,29 +25,39 @@ def npz_bytes(**arrays) -> bytes:
     return buf.getvalue()
 
 
+class _Served:
+    """A loopback HTTP server answering every GET with `payload`; counts the fetches in `hits`."""
+
+    def __init__(self, payload: bytes):
+        hits: list[str] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                hits.append(self.path)
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                """No access log on the test's stderr: the fetches are counted in `hits`."""
+
+        self.hits = hits
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/public.npz"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 @pytest.fixture
 def served():
-    """A loopback HTTP server answering every GET with the public set; counts the fetches."""
     payload = npz_bytes(x=X)
-    hits = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            hits.append(self.path)
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def log_message(self, *args):
-            """No access log on the test's stderr: the fetches are counted in `hits`."""
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/public.npz", payload, hits
-    server.shutdown()
-    server.server_close()
+    server = _Served(payload)
+    yield server.url, payload, server.hits
+    server.close()
 
 
 @pytest.mark.parametrize("torn", [b"", npz_bytes(x=X)[:50], b"not a zip at all"])
@@ -96,11 +107,67 @@ def test_a_torn_provisioned_public_set_is_one_error_naming_it(tmp_path, served):
 
 def test_a_fetched_public_set_with_nan_rows_is_refused(tmp_path):
     bad = np.array([[np.nan, 1.0]], np.float32)
-    url = (tmp_path / "served.npz")
-    url.write_bytes(npz_bytes(x=bad))
-    with pytest.raises(PublicSetError, match="NaN or infinite"):
-        load_public_set(None, None, url.as_uri(), tmp_path / "cache.npz")
+    server = _Served(npz_bytes(x=bad))
+    try:
+        with pytest.raises(PublicSetError, match="NaN or infinite"):
+            load_public_set(content_hash(X), None, server.url, tmp_path / "cache.npz")
+    finally:
+        server.close()
     assert not (tmp_path / "cache.npz").exists()
+
+
+def test_a_public_url_that_is_not_http_or_has_no_hash_is_never_fetched(tmp_path):
+    """file:///var/lib/fedal-agent/train.npz made the device's private rows its 'public' set."""
+    from fedal.protocol import ManifestError, RunManifest
+
+    private = tmp_path / "train.npz"
+    private.write_bytes(npz_bytes(x=X))
+    with pytest.raises(PublicSetError, match="is not an http:// or https:// URL"):
+        load_public_set(content_hash(X), None, private.as_uri(), tmp_path / "cache.npz")
+    server = _Served(npz_bytes(x=X))
+    try:
+        with pytest.raises(PublicSetError, match="without a public_hash"):
+            load_public_set(None, None, server.url, tmp_path / "cache.npz")
+        assert server.hits == []
+    finally:
+        server.close()
+    base = {"run_id": "r", "strategy": "fedmd", "strategy_params": {}, "num_classes": 10, "clients": ["a"], "rounds": 1}
+    for bad, why in (({"public_url": private.as_uri(), "public_hash": "ab"}, "http:// or https://"),
+                     ({"public_url": "http://h/p"}, "public_url needs public_hash")):
+        with pytest.raises(ManifestError, match=why):
+            RunManifest.from_json(json.dumps({**base, **bad}).encode())
+
+
+def test_a_public_set_declaring_more_than_the_run_can_hold_is_refused_before_it_is_inflated(tmp_path):
+    """A compressed .npz of a few kB may declare a gigabyte: a Pi was OOM-killed inflating it."""
+    import tracemalloc
+
+    buf = io.BytesIO()
+    np.savez_compressed(buf, x=np.zeros((2000, 2000), np.float32))  # 16 MB inflated, 16 kB on the wire
+    bomb = buf.getvalue()
+    assert len(bomb) < 100_000
+    server = _Served(bomb)
+    try:
+        tracemalloc.start()
+        with pytest.raises(PublicSetError, match=r"x declares shape \[2000, 2000\]"):
+            load_public_set(content_hash(X), None, server.url, tmp_path / "cache.npz", max_elements=X.size)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 4_000_000  # never inflated
+        long = _Served(b"\x00" * (2 << 20))  # longer on the wire than such a set can be: not read to its end
+        ok = _Served(npz_bytes(x=X))
+        try:
+            with pytest.raises(PublicSetError, match="is longer than the run's public set can be"):
+                load_public_set(content_hash(X), None, long.url, tmp_path / "cache.npz", max_elements=X.size)
+            assert np.array_equal(load_public_set(content_hash(X), None, ok.url, tmp_path / "c2.npz",
+                                                  max_elements=X.size), X)  # a set of the declared size loads
+        finally:
+            long.close()
+            ok.close()
+    finally:
+        server.close()
+    assert not (tmp_path / "cache.npz").exists()
+
 
 
 def test_private_files_load_with_whole_labels(tmp_path):

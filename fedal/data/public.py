@@ -59,10 +59,14 @@ def content_hash(x: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def public_rows_from_npz(data: bytes, where: str) -> np.ndarray:
+def public_rows_from_npz(data: bytes, where: str, max_elements: int | None = None) -> np.ndarray:
     """The rows `x` of a public set file's bytes as float32, for the coordinator that serves it
     and the agent that fetches or is provisioned with it. Anything but an .npz holding a numeric
-    array `x` of at least one finite row raises ValueError, naming `where` and what is wrong."""
+    array `x` of at least one finite row raises ValueError, naming `where` and what is wrong.
+    max_elements: refuse an `x` declaring more, from its header, before any of it is inflated (a
+    small compressed file may declare gigabytes)."""
+    if max_elements is not None:
+        _check_declared_size(data, where, max_elements)
     try:
         loaded = np.load(io.BytesIO(data), allow_pickle=False)
     except (ValueError, EOFError, OSError, zipfile.BadZipFile, pickle.UnpicklingError) as exc:
@@ -82,3 +86,23 @@ def public_rows_from_npz(data: bytes, where: str) -> np.ndarray:
     if not np.isfinite(x).all():
         raise ValueError(f"{where}: x holds NaN or infinite values")
     return x
+
+
+def _check_declared_size(data: bytes, where: str, max_elements: int) -> None:
+    """The size `x.npy` declares (its zip entry and its .npy header) within max_elements float64s."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            info = z.getinfo("x.npy")
+            with z.open(info) as member:
+                major, _minor = np.lib.format.read_magic(member)
+                read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read_header(member)
+    except KeyError:
+        return  # no x: np.load below names what the file holds
+    except (ValueError, EOFError, OSError, zipfile.BadZipFile, zlib.error) as exc:
+        raise ValueError(f"{where} is not a readable .npz file: {exc}") from None
+    elements = int(np.prod(shape, dtype=object))
+    limit_bytes = max_elements * 8 + (1 << 16)  # float64 rows at most, and the header
+    if elements > max_elements or info.file_size > limit_bytes:
+        raise ValueError(f"{where}: x declares shape {list(shape)} of {dtype} ({info.file_size} bytes inflated), more "
+                         f"than the run's public set can hold ({max_elements} values)")

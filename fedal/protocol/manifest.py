@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedal.protocol.envelope import PROTOCOL_VERSION
 
@@ -27,11 +27,25 @@ class RunManifest(BaseModel):
     rounds: int = Field(ge=1)
     eval_every: int = Field(1, ge=1)
     public_hash: str | None = None
-    public_size: int | None = None
+    public_size: int | None = Field(None, ge=1)
     public_url: str | None = None
     state: Literal["running", "finished", "stopped"] = "running"
     round: int = 0
     instance: str = Field("", description="changes when a run starts afresh; kept when a coordinator resumes it")
+
+    @field_validator("public_url")
+    @classmethod
+    def _http_only(cls, v: str | None) -> str | None:
+        """Never file:// (the device's own files: its private data as a 'public' set) or other schemes."""
+        if v is not None and not v.lower().startswith(("http://", "https://")):
+            raise ValueError(f"public_url must be an http:// or https:// URL, got {v[:100]!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _checkable(self) -> RunManifest:
+        if self.public_url is not None and self.public_hash is None:
+            raise ValueError("public_url needs public_hash: a fetched set is checked against it")
+        return self
 
     def to_json(self) -> bytes:
         return self.model_dump_json().encode()
