@@ -98,6 +98,11 @@ class RunManager:
         if spec.public_file is not None and not _inside(spec.public_file, self.config.state_dir):
             raise InvalidRunSpec(f"invalid run: public_file must lie inside the coordinator's state_dir "
                                  f"({self.config.state_dir}); or leave it out to derive the public set from run.dataset")
+        data_dirs = [self.config.state_dir, *([self.config.run.data_dir] if self.config.run.data_dir else [])]
+        if spec.run.data_dir and not any(_inside(spec.run.data_dir, d) for d in data_dirs):
+            # its rows would be served without a token as the run's public set, and a cache written there
+            raise InvalidRunSpec("invalid run: run.data_dir must lie inside the coordinator's state_dir or its "
+                                 "configured run's data_dir; the operator puts datasets there")
         with self.lock:
             if self.stopping:
                 raise ShuttingDown("the coordinator is shutting down")

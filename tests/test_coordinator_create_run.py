@@ -63,6 +63,11 @@ def test_create_run_in_process(client):
         ({**SPEC, "run_id": "c", "run": {"strategy": "nope"}}, "strategy"),
         ({**SPEC, "run_id": "d", "surprise": 1}, "surprise"),
         ({**SPEC, "run_id": "e", "public_file": "/etc/passwd"}, "state_dir"),
+        # a data_dir elsewhere: its rows were served without a token as the public set
+        ({**SPEC, "run_id": "e2", "run": {**SPEC["run"], "dataset": "mnist", "data_dir": str(tmp_path / "private")}},
+         "run.data_dir must lie inside the coordinator's state_dir"),
+        ({**SPEC, "run_id": "e3", "run": {**SPEC["run"], "dataset": "mnist1d", "data_dir": "/tmp/../root/made"}},
+         "run.data_dir must lie inside"),
         ({**SPEC, "run_id": "f", "phases": {"pause_at": [{"round": 99}]}}, "round 99 is past the run's"),
         ({**SPEC, "run_id": "g", "phases": {"pause_at": [{"round": 1, "phase": "Transfer!"}]}}, "pause_at"),
     ]
@@ -71,6 +76,10 @@ def test_create_run_in_process(client):
         assert resp.status_code == 422 and needle in resp.text, (spec, resp.text)
     assert api.post("/api/v1/runs", content=b"{not json", headers={**auth, "content-type": "application/json"}).status_code == 422
     assert [r["run_id"] for r in api.get("/api/v1/runs").json()] == ["api-run"]  # nothing half-created
+    assert not (tmp_path / "private").exists()
+    inside = {**SPEC, "run_id": "in-state", "run": {**SPEC["run"], "dataset": "mnist1d", "mnist1d_samples": 1000,
+                                                    "data_dir": str(tmp_path / "state" / "datasets")}}
+    assert api.post("/api/v1/runs", json=inside, headers=auth).status_code == 201  # where the operator puts datasets
 
 
 def test_a_run_created_over_the_api_runs_and_survives_a_restart(mosquitto, tmp_path):
