@@ -28,6 +28,7 @@ def coordinator_cmd(config_path: str, log_level: str) -> None:
         raise click.UsageError(str(exc)) from None
     check_files(config)
     warn_if_secrets_exposed(config_path)
+    warn_if_weak_token(config)
     from coordinator.store import StoreError
 
     try:
@@ -71,6 +72,19 @@ def warn_if_secrets_exposed(config_path: str) -> None:
         logging.getLogger("coordinator").warning(
             "%s holds secrets (%s) but is open to group/others (mode %04o): run `chmod 600 %s`",
             config_path, ", ".join(keys), mode, config_path)
+
+
+MIN_TOKEN_CHARS = 16
+
+
+def warn_if_weak_token(config) -> None:
+    """A short token is guessed: refused guesses are counted and logged, not slowed down."""
+    token = config.api.token
+    if token is not None and len(token) < MIN_TOKEN_CHARS:
+        logging.getLogger("coordinator").warning(
+            "api.token has %d characters: use at least %d random ones (e.g. `python -c \"import secrets; "
+            "print(secrets.token_urlsafe(24))\"`); anyone who guesses it can stop and create runs",
+            len(token), MIN_TOKEN_CHARS)
 
 
 def main() -> int:

@@ -44,6 +44,18 @@ def test_a_token_that_can_never_be_presented_is_a_config_error(tmp_path, token):
         load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": token})
 
 
+def test_a_short_token_is_warned_of_at_start(tmp_path, caplog):
+    from coordinator.cli import warn_if_weak_token
+
+    caplog.set_level(logging.WARNING, logger="coordinator")
+    warn_if_weak_token(load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": "a"}))
+    assert "api.token has 1 characters: use at least 16 random ones" in caplog.text
+    caplog.clear()
+    warn_if_weak_token(load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": "k" * 16}))
+    warn_if_weak_token(load_coordinator_config(None, state_dir=tmp_path / "state"))
+    assert "api.token" not in caplog.text
+
+
 def test_refusal_logs_cannot_be_forged_or_flood_the_log(tmp_path, caplog):
     runs = RunManager(load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": TOKEN}))
     api = TestClient(create_app(runs), raise_server_exceptions=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from coordinator.cli import coordinator_cmd
@@ -67,3 +68,17 @@ def test_a_coordinator_config_with_a_missing_or_unusable_public_set_starts_nothi
     r = CliRunner().invoke(coordinator_cmd, ["--config", str(config)])
     assert r.exit_code == 2 and "is not a readable .npz file" in r.output, r.output
     assert not state.exists()
+
+
+@pytest.mark.parametrize("url, complaint", [
+    ("mqtt://coordinator:s3cretPassw0rd@broker:99999", "has an invalid port"),
+    ("tcp://pi-1:s3cretPassw0rd@broker", "must start with mqtt:// or mqtts://"),
+])
+def test_a_broker_password_is_never_quoted_in_a_config_error(tmp_path, url, complaint):
+    """It reached stderr, the journal and flash.sh's output in the URL the message quoted."""
+    config = tmp_path / "agent.toml"
+    config.write_text(CONFIG.format(data=tmp_path / "train.npz", workspace=tmp_path / "ws", ca=tmp_path / "ca.crt")
+                      .replace('url = "mqtts://127.0.0.1:8883"', f'url = "{url}"'))
+    r = CliRunner().invoke(agent_cmd, ["--config", str(config)])
+    assert r.exit_code == 2 and complaint in r.output and ":***@broker" in r.output, r.output
+    assert "s3cretPassw0rd" not in r.output
