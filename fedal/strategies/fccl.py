@@ -33,7 +33,7 @@ from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.losses import kl_to_student
 from fedal.strategies.params import StrategyParams
 from fedal.strategies.public_rows import public_inputs
-from fedal.strategies.training import minibatch_steps, train_mode
+from fedal.strategies.training import minibatch_steps, replaying, train_mode
 
 # tau public iterations per round (the authors' code: one public epoch of 5000 rows in batches of
 # 256, about 20); local training as the toolkit's tau steps unless local_epochs is set (their code: 20)
@@ -326,7 +326,8 @@ class FCCLClient(ClientHalf):
         z, s = pend.get("z"), pend.get("s")
         if z is None:  # restored from a checkpoint: recompute the uploaded forward (same weights)
             assert self.public_x is not None  # pending rows exist only after an upload from it
-            logits, s = self.forward_public(self.public_x[pend["indices"]])
+            with replaying(self.model):
+                logits, s = self.forward_public(self.public_x[pend["indices"]])
             z = batch_normalise(logits)
         if zbar.shape != z.shape:
             raise ValueError(f"{ZBAR_KEY} has shape {tuple(zbar.shape)}, expected {tuple(z.shape)}")

@@ -34,7 +34,7 @@ from fedal.strategies.frozen import Frozen, frozen_copy
 from fedal.strategies.losses import cross_entropy, kl_grad_norms, kl_to_student, mean_kl_to_mean
 from fedal.strategies.params import DISTILLATION_PARAMS, StrategyParams
 from fedal.strategies.public_rows import public_inputs
-from fedal.strategies.training import minibatch_steps, train_mode
+from fedal.strategies.training import minibatch_steps, replaying, train_mode
 
 PRESET = {"tau": 5, "lambda_kd": 1.0, "lambda_adv": 1.0, "lambda_lf_loc": 1.0, "lambda_lf_glo": 1.0}
 # the phases of a round and their kind: "train" phases get the training deadline
@@ -375,8 +375,8 @@ class FedALClient(ClientHalf):
         x = pend["x"] if "x" in pend else self.public_x[pend["indices"]]
         f = pend.get("logits")
         if f is None:  # restored from a checkpoint: recompute the uploaded logits (same weights)
-            self.model.train()
-            f = self.model(x)
+            with replaying(self.model):
+                f = self.model(x)
         for name, t in (("fbar", fbar), ("grad", g)):
             if t is not None and t.shape != f.shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(f.shape)}")

@@ -33,7 +33,7 @@ from fedal.strategies.fedal import logits_iteration, rows_key
 from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.params import StrategyParams
 from fedal.strategies.public_rows import public_inputs
-from fedal.strategies.training import minibatch_steps, train_mode
+from fedal.strategies.training import minibatch_steps, replaying, train_mode
 
 # the paper: lambda = 1 for MNIST and FEMNIST (0.1 for CIFAR-10), the authors' code's default `ld`
 PRESET = {"tau": 5, "local_epochs": 1, "lambda_kd": 0.0, "lambda_adv": 0.0, "lambda_lf_loc": 0.0, "lambda_lf_glo": 0.0,
@@ -406,8 +406,8 @@ class FedProtoPublicClient(ClientHalf):
         h = pend.get("features")
         if h is None:  # restored from a checkpoint: recompute the uploaded features (same weights)
             assert self.public_x is not None
-            self.model.train()
-            h = self.model.features(self.public_x[pend["indices"]])
+            with replaying(self.model):
+                h = self.model.features(self.public_x[pend["indices"]])
         if hbar.dtype != np.float32 or hbar.shape != tuple(h.shape):
             raise ValueError(f"{AVERAGE_KEY} is {hbar.dtype}{list(hbar.shape)}, this client's features are "
                              f"float32{list(h.shape)} (FedProto needs one feature width on every client)")

@@ -33,6 +33,29 @@ def train_mode(model: torch.nn.Module) -> None:
         model.train()
 
 
+@contextlib.contextmanager
+def replaying(model: torch.nn.Module):
+    """Within: a train-mode forward repeated for its graph (a client restored between its upload and
+    the feedback recomputes the upload's forward). Its BatchNorm statistics were counted when the
+    upload ran, and the checkpoint holds them so: the replay leaves them as they are (momentum 0:
+    the running statistics are rewritten with themselves, exactly, and the backward still finds
+    them at the version it saved)."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)  # noqa: SLF001
+             and m.track_running_stats]
+    saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in norms]
+    train_mode(model)
+    for m in norms:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, (momentum, tracked) in zip(norms, saved, strict=True):
+                m.momentum = momentum
+                if tracked is not None:
+                    m.num_batches_tracked.copy_(tracked)  # (a count no backward reads)
+
+
 def minibatch_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable[torch.Tensor],
                     step_loss: StepLoss, clip_norm: float | None = None,
                     private: PrivateTraining | None = None,
