@@ -208,12 +208,21 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     # the next boot, with network: fedal-firstboot.service runs the staged installer (pip replaced)
     pip_log = tmp_path / "pip.log"
     fake_pip = tmp_path / "fake-pip"
-    fake_pip.write_text(f"#!{sys.executable}\nimport json, sys\n"
+    fail_once = tmp_path / "pip-fails-once"  # e.g. no network yet: the install is retried a minute later
+    fake_pip.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                        f"if os.path.exists({str(fail_once)!r}):\n    os.remove({str(fail_once)!r}); sys.exit(1)\n"
                         f"open({str(pip_log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
     fake_pip.chmod(0o755)
     with open(boot / "fedal" / "install-args", "a") as f:
         f.write(f"--pip\n{fake_pip}\n")
     env2 = {**env, "FEDAL_PAYLOAD": str(boot / "fedal"), "FEDAL_ARCH": "aarch64"}
+    fail_once.write_text("")
+    run = subprocess.run([str(root / "usr/local/sbin/fedal-firstboot")], env=env2, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "retrying in a minute" in run.stdout + run.stderr, run.stdout + run.stderr
+    # from the first attempt on, the broker password is off the FAT partition (vfat: readable by all)
+    assert not (boot / "fedal" / "agent.toml").exists()
+    assert (root / "root" / ".fedal-firstboot" / "agent.toml").read_text() == AGENT_TOML
+    pip_log.unlink(missing_ok=True)
     # on a Pi 4's cores torch 2.10 cannot run: refused for good (exit 3: the unit does not retry it)
     (tmp_path / "pi4-cpuinfo").write_text("processor\t: 0\nFeatures\t: fp asimd evtstrm crc32 cpuid\n")
     pi4 = {**env2, "FEDAL_CPUINFO": str(tmp_path / "pi4-cpuinfo")}

@@ -10,8 +10,9 @@ R="${FEDAL_TARGET_ROOT:-}"
 P="${FEDAL_PAYLOAD:?FEDAL_PAYLOAD is not set (see /etc/default/fedal-firstboot)}"
 log() { echo "fedal firstboot: $*"; }
 
-# the config (it holds the broker password) of an install refused for good is kept here, off the
-# FAT partition that anyone holding the card can read; a reflashed card brings a new one to $P
+# the config (it holds the broker password) is kept here from the first attempt on, off the FAT
+# partition that anyone holding the card (or any user of the running Pi: vfat has no owners) can
+# read, while installs are retried; a reflashed card brings a new one to $P
 KEPT="$R/root/.fedal-firstboot"
 CONFIG="$P/agent.toml"
 if [ ! -f "$CONFIG" ] && [ -d "$P" ] && [ -f "$KEPT/agent.toml" ]; then CONFIG="$KEPT/agent.toml"; fi
@@ -19,13 +20,17 @@ if [ ! -f "$CONFIG" ]; then
   log "no agent payload at $P (already installed?)"
   exit 1
 fi
+# overwritten before it is removed: FAT keeps a removed file's bytes until they are reused
+wipe() { shred -u -- "$1" 2>/dev/null || rm -f -- "$1"; }
 keep_config_off_the_card() {
   [ "$CONFIG" = "$P/agent.toml" ] || return 0
   install -d -m 0700 "$KEPT"
-  mv -f "$P/agent.toml" "$KEPT/agent.toml"
-  chmod 600 "$KEPT/agent.toml"
+  install -m 0600 "$P/agent.toml" "$KEPT/agent.toml"
+  wipe "$P/agent.toml"
+  CONFIG="$KEPT/agent.toml"
   log "the config (with the broker password) moved off the boot partition to ${KEPT#"$R"}/agent.toml"
 }
+keep_config_off_the_card
 WH=""
 if [ -f "$P/install-args" ]; then
   WH="$(awk 'prev == "--wheelhouse" { print; exit } { prev = $0 }' "$P/install-args")"
@@ -64,21 +69,20 @@ if [ "$rc" -ne 0 ]; then
   if [ "$rc" -eq 3 ]; then
     log "the installer refused this device's install for good (see above; e.g. a torch its CPU cannot run);"
     log "not retrying: flash the card again with the options it names"
-    keep_config_off_the_card
     exit 3
   fi
   if [ -n "$WH" ]; then
     log "the offline install from $WH failed (see above); not retrying, it would fail the same way:"
     log "fix the cause, then: systemctl start fedal-firstboot"
-    keep_config_off_the_card
     exit 3
   fi
   log "the install failed (see above); retrying in a minute"
   exit 1
 fi
 
-# Installed: the credentials leave the FAT partition (anyone holding the card could read them),
+# Installed: the private data leaves the FAT partition (anyone holding the card could read it),
 # and this service is done for good.
+for f in "$P"/data/*; do if [ -f "$f" ]; then wipe "$f"; fi; done
 rm -rf "$P" "$KEPT"
 # a wheelhouse flash.sh put on the root partition (too big for the boot one): its manifest says it is ours
 case "$WH" in /?*) if [ -f "$WH/fedal-wheelhouse.json" ]; then rm -rf -- "$WH"; fi ;; esac
