@@ -59,8 +59,30 @@ def init_cmd(**options) -> None:
                + (" + TLS certificate" if spec.tls else ""))
     if spec.tls:
         click.echo(f"  CA key:      {out / 'ca' / 'ca.key'} (keep offline; needed only to issue a new server certificate)")
+        click.echo(f"  server certificate valid until {summary['server_cert_not_after']}: `fedal fleet renew-cert "
+                   f"--out {out}` issues a new one from the same CA (no device changes)")
     elif spec.broker.startswith("mqtt://"):
         click.echo("  warning: mqtt:// sends passwords in clear text; use --tls with an mqtts:// URL outside a trusted LAN")
+
+
+@fleet_cmd.command("renew-cert")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The directory `fedal fleet init --tls` wrote (its ca/ and broker/).")
+@click.option("--days", type=click.IntRange(min=1, max=3650), default=825, show_default=True,
+              help="Validity of the new certificate.")
+def renew_cert_cmd(out: Path, days: int) -> None:
+    """A new server certificate for the broker from the fleet's CA, for the same names: no device changes."""
+    from fleet.generate import FleetError
+    from fleet.renew import renew_server_cert
+
+    try:
+        info = renew_server_cert(out, days)
+    except FleetError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(f"new server certificate for {', '.join(map(str, info['names']))} (valid until {info['not_after']}; "
+               f"the CA until {info['ca_not_after']}) written to {out / 'broker'}/server.{{crt,key}}")
+    click.echo("  next: copy both to the broker's directory (fedal.conf's certfile and keyfile) and restart "
+               "Mosquitto; the devices keep their configs")
 
 
 @fleet_cmd.command("check")

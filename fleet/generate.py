@@ -252,10 +252,11 @@ def _plan_fleet(spec: FleetSpec) -> dict:
     out = spec.out
     secrets = {cid: passwords.new_password() for cid in [spec.coordinator_user, *ids]}
 
-    ca_pem = None
+    ca_pem, server_not_after = None, None
     if spec.tls:
         ca_pem, ca_key, ca_cert = tls.make_ca(f"FedAL fleet CA ({spec.run_id})")
         server = tls.make_server_cert(ca_key, ca_cert, [addr.host, *spec.server_names])
+        server_not_after = tls.not_after(server.cert)
         _write(out / "ca" / "ca.crt", ca_pem.cert, 0o644)
         _write(out / "ca" / "ca.key", ca_pem.key, 0o600)
         _write(out / "broker" / "ca.crt", ca_pem.cert, 0o644)
@@ -299,6 +300,7 @@ def _plan_fleet(spec: FleetSpec) -> dict:
 
     summary = {"run_id": spec.run_id, "broker": spec.broker, "coordinator_broker": coordinator_url(spec, addr),
                "tls": spec.tls, "coordinator_user": spec.coordinator_user, "acl_run_id": "+" if spec.any_run_id else spec.run_id,
+               **({"server_cert_not_after": server_not_after} if server_not_after else {}),
                "devices": ids, "model": spec.model, "created": datetime.now(UTC).isoformat(timespec="seconds")}
     _write(out / "fleet.json", json.dumps(summary, indent=2) + "\n", 0o644)
     return summary

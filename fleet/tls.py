@@ -79,3 +79,8 @@ def make_server_cert(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certifica
         .sign(ca_key, hashes.SHA256())
     )
     return Pem(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
+
+def not_after(cert_pem: bytes) -> str:
+    """The day (UTC, ISO) a certificate expires."""
+    return x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc.date().isoformat()

@@ -60,3 +60,19 @@ def test_values_the_saved_run_chose_stay(tmp_path):
     switched = load_config(path, {"strategy": "fedmd"}).resolved()
     assert switched.strategy_params.tau == 3 and switched.models == ["mlp"]
     assert switched.strategy_params.lambda_adv == 0.0  # fedmd's own
+
+
+def test_a_toml_spelling_out_a_preset_switched_by_a_flag_gets_the_new_strategys(tmp_path):
+    """examples/demo.toml writes FedAL's preset values out; `--strategy fedmd` over it ran FedAL's
+    adversarial, less-forgetting settings labelled "fedmd" (a results file already derived them anew)."""
+    from pathlib import Path
+
+    demo = Path(__file__).resolve().parents[1] / "examples" / "demo.toml"
+    switched = load_config(demo, {"strategy": "fedmd"}).resolved()
+    p = switched.strategy_params
+    assert (p.tau, p.lambda_adv, p.lambda_lf_loc, p.lambda_lf_glo) == (1, 0.0, 0.0, 0.0)  # FedMD's preset
+    chosen = tmp_path / "run.toml"
+    chosen.write_text('strategy = "fedal"\n[strategy_params]\ntau = 3\nlambda_kd = 0.5\n')
+    kept = load_config(chosen, {"strategy": "fedmd"}).resolved().strategy_params
+    assert (kept.tau, kept.lambda_kd, kept.lambda_adv) == (3, 0.5, 0.0)  # chosen values stay
+    assert load_config(demo).resolved().strategy_params.lambda_adv == 1.0  # unswitched: as written

@@ -237,7 +237,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         data = _read_config_file(Path(path))
         given = {k: v for k, v in (overrides or {}).items() if v is not None}
         changed = {k for k in DERIVED_FROM if k in given and given[k] != data.get(k)}
-        if _is_json(Path(path), None) and changed:
+        if changed:  # a results file's resolved config, or a TOML spelling out a preset (examples/demo.toml)
             data = _without_derived(data)
     if "privacy" in data:  # the [privacy] table: travels with the strategy parameters to every device
         privacy = data.pop("privacy")
