@@ -13,6 +13,7 @@ import gzip
 import io
 import json
 import re
+import tempfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -76,12 +77,40 @@ def _read(path: Path) -> bytes | None:
         return None
 
 
+def is_fleet_status(path: Path) -> bool:
+    """The counters `fedal hil fleet --status-file` writes."""
+    return _json_with(path, {"run_id", "clients", "per_client", "ts"})
+
+
 def check_replaceable(path: str | Path, ours: Callable[[Path], bool], what: str) -> None:
     """ForeignFile if `path` holds something that is not a file of ours of this kind."""
     path = Path(path)
     if (path.exists() or path.is_symlink()) and not (path.is_file() and not path.is_symlink() and ours(path)):
-        raise ForeignFile(f"{path} exists and is not a {what} this toolkit wrote: refusing to overwrite it; "
+        article = "an" if what[:1].lower() in "aeiou" else "a"
+        raise ForeignFile(f"{path} exists and is not {article} {what} this toolkit wrote: refusing to overwrite it; "
                           "give another path, or move it away first")
+
+
+def unwritable(path: str | Path) -> str | None:
+    """Why a file could not be written at `path` after a run (its output would be lost), else None.
+    Tried, not asked (permission bits say nothing to root, or on /proc): an existing file opened
+    for appending, which changes nothing, or a scratch file made and removed where it will go."""
+    target = Path(path)
+    if target.is_dir():
+        return f"{path} is a directory"
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{path} cannot be created: {parent} is not a directory"
+    try:
+        if target.exists():
+            with open(target, "ab"):
+                return None
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".fedal-write-check-"):
+            return None
+    except OSError:
+        return f"{path} is not writable here"
 
 
 def _json_with(path: Path, keys: set[str]) -> bool:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import click
 from tqdm import tqdm
 
 from fedal import procs, workspace
-from fedal.owned import MARKED_PLOT_FORMATS, ForeignFile, check_replaceable, is_our_plot, is_results
+from fedal.owned import MARKED_PLOT_FORMATS, ForeignFile, check_replaceable, is_our_plot, is_results, unwritable
 from fedal_cli.options import config_from_flags, fault_options, run_options
 
 
@@ -87,11 +86,15 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
         click.echo(global_model_line(final))
 
 
+WORKSPACE_OUTPUTS = ("results.json", "accuracy.png")  # `fedal demo`'s default --out and --plot in its --workdir
+
+
 def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | Path | None,
                   workspace_dir: Path | None = None) -> None:
     """Usage errors, before the run, for outputs that could not be written after it (its results
     would be lost), that would overwrite the config file the run reads, or a file the toolkit did
-    not write. `workspace_dir`: the run's workspace (fedal.workspace), whose files are its own."""
+    not write. `workspace_dir`: the run's workspace (fedal.workspace), whose default outputs
+    (WORKSPACE_OUTPUTS at its top) are its own; any other file there is checked as anywhere."""
     for option, path in (("--out", out), ("--plot", plot)):
         if path is None:
             continue
@@ -99,23 +102,19 @@ def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | P
         if config_path is not None and target.resolve() == Path(config_path).resolve():
             raise click.BadParameter(f"{path} is the config file this run reads: writing the results there would "
                                      "overwrite it; give another path", param_hint=option)
-        if target.is_dir():
+        if target.is_dir():  # (before the ownership check: a directory is no file of anyone's to replace)
             raise click.BadParameter(f"{path} is a directory", param_hint=option)
         in_workspace = workspace_dir is not None and workspace.is_workspace(workspace_dir) \
-            and target.resolve().is_relative_to(workspace_dir.resolve())
+            and target.resolve() in {(workspace_dir / name).resolve() for name in WORKSPACE_OUTPUTS}
         try:  # a file of ours is rewritten (a run repeated); anything else is the user's
             if not in_workspace:
                 check_replaceable(target, is_results if option == "--out" else is_our_plot,
                                   "results file" if option == "--out" else "plot")
         except ForeignFile as exc:
             raise click.BadParameter(str(exc), param_hint=option) from None
-        parent = target.parent
-        while not parent.exists() and parent != parent.parent:
-            parent = parent.parent
-        if not parent.is_dir():
-            raise click.BadParameter(f"{path} cannot be created: {parent} is not a directory", param_hint=option)
-        if not _writable(target, parent):
-            raise click.BadParameter(f"{path} is not writable here", param_hint=option)
+        why = unwritable(target)
+        if why:
+            raise click.BadParameter(why, param_hint=option)
     if plot is not None:
         if Path(plot).resolve() == Path(out).resolve():
             raise click.BadParameter(f"{plot} is also --out: the plot would replace the results", param_hint="--plot")
@@ -125,19 +124,6 @@ def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | P
         if suffix not in MARKED_PLOT_FORMATS:
             raise click.BadParameter(f"{plot}: a plot is written as {', '.join('.' + f for f in MARKED_PLOT_FORMATS)}, "
                                      f"not {'.' + suffix if suffix else 'a file without an extension'}", param_hint="--plot")
-
-
-def _writable(target: Path, parent: Path) -> bool:
-    """Tried, not asked (permission bits say nothing to root, or on /proc): the file opened for
-    appending, which changes nothing, or a scratch file made and removed where it will go."""
-    try:
-        if target.exists():
-            with open(target, "ab"):
-                return True
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".fedal-write-check-"):
-            return True
-    except OSError:
-        return False
 
 
 def write_results(results: dict, out: str | Path, plot: str | Path | None = None) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
+from fedal.atomic import write_bytes_atomic
 from fedal.protocol import DEFAULT_MAX_PAYLOAD, ManifestError, parse_broker_url, topics
 from hil.emulated_agent import EmulatedAgent, ParsedManifest, PublicSetSource, Publish, parse_manifest
 from mqtt_link.client import no_delay
@@ -265,11 +266,10 @@ class Fleet:
         }
 
     def write_status(self, path: str | Path) -> None:
+        """Replaced whole (fedal.atomic: a temporary name of its own beside it, then a rename)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**self.summary(), "ts": time.time()}, indent=1))
-        tmp.replace(path)
+        write_bytes_atomic(path, json.dumps({**self.summary(), "ts": time.time()}, indent=1).encode())
 
     # -- the loop ----------------------------------------------------------------------------------
     def leave(self, conn: _Conn) -> None:

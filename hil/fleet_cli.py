@@ -73,6 +73,16 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
         raise click.UsageError(str(exc)) from None
     if reconnect_max < reconnect_min:
         raise click.UsageError("--reconnect-max must be at least --reconnect-min")
+    if status_file:  # written at the end: checked now, not after the whole run
+        from fedal.owned import ForeignFile, check_replaceable, is_fleet_status, unwritable
+
+        try:
+            check_replaceable(status_file, is_fleet_status, "fleet status file")
+        except ForeignFile as exc:
+            raise click.BadParameter(str(exc), param_hint="--status-file") from None
+        why = unwritable(status_file)
+        if why:
+            raise click.BadParameter(why, param_hint="--status-file")
     problem = unreachable(address.host, address.port, 3.0)
     if problem is not None:  # said once here; the agents keep retrying (a broker may come up later)
         click.echo(f"warning: nothing answers at {address.redacted()} yet ({problem}); the emulated agents keep "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from amqtt.mqtt import PubackPacket, PublishPacket
@@ -301,3 +302,27 @@ def test_fleet_refuses_a_public_file_that_does_not_exist(tmp_path):
     result = CliRunner().invoke(hil_cmd, ["fleet", "--clients", "2", "--run-id", "r", "--public-file",
                                           str(tmp_path / "missing.npz")])
     assert result.exit_code == 2 and "missing.npz" in result.output and "does not exist" in result.output
+
+
+def test_fleet_refuses_a_status_file_it_did_not_write_or_cannot_write_before_it_starts(tmp_path):
+    """It overwrote any file (and `<name>.tmp` beside it) at the end of the run, and an unwritable
+    path ended the whole run in a traceback."""
+    from click.testing import CliRunner
+
+    from hil.cli import hil_cmd
+
+    mine = tmp_path / "mine.json"
+    mine.write_text("mine")
+    (tmp_path / "mine.tmp").write_text("also mine")
+    base = ["fleet", "--clients", "2", "--run-id", "r", "--broker", "mqtt://127.0.0.1:1", "--timeout", "1", "--quiet"]
+    result = CliRunner().invoke(hil_cmd, [*base, "--status-file", str(mine)])
+    assert result.exit_code == 2 and "is not a fleet status file this toolkit wrote" in result.output, result.output
+    result = CliRunner().invoke(hil_cmd, [*base, "--status-file", str(tmp_path / "mine.json" / "x.json")])
+    assert result.exit_code == 2 and "is not a directory" in result.output
+    assert mine.read_text() == "mine" and (tmp_path / "mine.tmp").read_text() == "also mine"
+    ours = tmp_path / "status.json"
+    result = CliRunner().invoke(hil_cmd, [*base, "--status-file", str(ours)])  # ends at its timeout, writes it
+    assert json.loads(ours.read_text())["run_id"] == "r"
+    result = CliRunner().invoke(hil_cmd, [*base, "--status-file", str(ours)])  # its own: replaced
+    assert "Traceback" not in result.output and json.loads(ours.read_text())["clients"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json", "mine.tmp", "status.json"]

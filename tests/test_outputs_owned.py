@@ -98,6 +98,13 @@ def test_a_demos_outputs_inside_its_own_workspace_are_its_own(tmp_path):
     check_outputs(ws / "results.json", ws / "accuracy.png", None, workspace_dir=ws)
     with pytest.raises(click.BadParameter, match="this toolkit wrote"):
         check_outputs(tmp_path / "results.json", ws / "accuracy.png", None)
+    # a file of the user's dropped into the workspace is theirs: only the demo's defaults are its own
+    (ws / "mynotes.txt").write_text("notes")
+    (ws / "mynotes.png").write_bytes(b"\x89PNG\r\n\x1a\n mine")
+    for out, plot in ((ws / "mynotes.txt", ws / "accuracy.png"), (ws / "results.json", ws / "mynotes.png")):
+        with pytest.raises(click.BadParameter, match="this toolkit wrote"):
+            check_outputs(out, plot, None, workspace_dir=ws)
+    assert (ws / "mynotes.txt").read_text() == "notes"
 
 
 def test_plots_are_recognised_by_their_creator_not_by_the_letters_anywhere(tmp_path):
