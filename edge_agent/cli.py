@@ -6,6 +6,7 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import click
 
@@ -30,6 +31,11 @@ def agent_cmd(config_path: str | None, log_level: str, self_check: bool) -> None
     missing = config.broker.missing_file()  # else a traceback from the TLS set-up, at connect
     if missing:
         raise click.UsageError(f"{missing}; `fedal fleet init --tls` writes one per device")
+    for key in ("data_file", "test_file", "local_test_file"):  # else joining is retried for ever, quietly
+        path = getattr(config, key)
+        if path is not None and not Path(path).is_file():
+            raise click.UsageError(f"{key} {path} does not exist (install-agent.sh --data FILE puts the private "
+                                   "data where the config says)")
     from edge_agent.own_workspace import claim_workspace
     from fedal.workspace import WorkspaceError
 

@@ -40,6 +40,7 @@ def test_an_agent_restarted_after_its_run_finished_waits_for_the_next_run(mosqui
 def test_a_config_the_agent_cannot_use_exits_2_before_loading_torch(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
+    (tmp_path / "x.npz").write_bytes(b"")  # (a missing one is a usage error of its own)
     cases = {
         "typo.toml": {"run_id": "r", "client_id": "c", "broker": {"url": "mqtt://127.0.0.1:1"}, "data_file": "x.npz",
                       "modell": "mlp"},

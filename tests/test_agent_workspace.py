@@ -37,6 +37,7 @@ def test_a_users_folder_is_refused_by_the_agent_command_and_left_as_it_was(tmp_p
     (ws / "notes.txt").write_text("mine")
     (ws / "checkpoint.pt").write_bytes(b"someone else's checkpoint")
     config = tmp_path / "agent.toml"
+    (tmp_path / "train.npz").write_bytes(b"")
     config.write_text(CONFIG.format(data=tmp_path / "train.npz", workspace=ws))
     out = subprocess.run([sys.executable, "-m", "edge_agent", "--config", str(config)], capture_output=True, text=True,
                          timeout=60)

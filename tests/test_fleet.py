@@ -185,6 +185,8 @@ def test_agent_comes_online_over_tls_with_generated_credentials(tmp_path):
            # the config names the device's paths (/etc/fedal-agent/ca.crt, /var/lib/fedal-agent): point them here
            "FEDAL_AGENT_BROKER__CA_FILE": str(out / "devices" / "pi-1" / "ca.crt"),
            "FEDAL_AGENT_WORKSPACE": str(tmp_path / "ws"), "FEDAL_AGENT_DATA_FILE": str(tmp_path / "ws" / "train.npz")}
+    (tmp_path / "ws").mkdir(exist_ok=True)
+    (tmp_path / "ws" / "train.npz").write_bytes(b"")  # only joining a run reads it
     watcher = Client(port, "coordinator", coordinator_password(out), ca=ca, name="watch")
     agent = None
     try:

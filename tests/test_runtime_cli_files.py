@@ -82,3 +82,12 @@ def test_a_broker_password_is_never_quoted_in_a_config_error(tmp_path, url, comp
     r = CliRunner().invoke(agent_cmd, ["--config", str(config)])
     assert r.exit_code == 2 and complaint in r.output and ":***@broker" in r.output, r.output
     assert "s3cretPassw0rd" not in r.output
+
+
+def test_a_missing_data_file_is_a_usage_error_not_a_join_retried_for_ever(tmp_path):
+    config = tmp_path / "agent.toml"
+    (tmp_path / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
+    config.write_text(CONFIG.format(data=tmp_path / "typo.npz", workspace=tmp_path / "ws", ca=tmp_path / "ca.crt"))
+    r = CliRunner().invoke(agent_cmd, ["--config", str(config)])
+    assert r.exit_code == 2 and f"data_file {tmp_path / 'typo.npz'} does not exist" in r.output, r.output
+    assert not (tmp_path / "ws").exists()

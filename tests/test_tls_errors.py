@@ -94,6 +94,8 @@ def test_agent_process_logs_the_certificate_error(tmp_path):
     log_path = tmp_path / "agent.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FEDAL_AGENT_BROKER__CA_FILE": str(foreign_ca(tmp_path)),
            "FEDAL_AGENT_WORKSPACE": str(tmp_path / "ws"), "FEDAL_AGENT_DATA_FILE": str(tmp_path / "ws" / "train.npz")}
+    (tmp_path / "ws").mkdir(exist_ok=True)
+    (tmp_path / "ws" / "train.npz").write_bytes(b"")  # only joining a run reads it
     with open(log_path, "wb") as log:
         agent = subprocess.Popen([sys.executable, "-m", "edge_agent", "--config",
                                   str(files.out / "devices" / "pi-1" / "agent.toml")],
