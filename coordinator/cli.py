@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from fedal.owned import ForeignFile, check_replaceable, is_results
+from fedal.owned import ForeignFile, check_replaceable, is_results, unwritable
 from fedal.settings import SettingsError, exposed_secrets
 
 
@@ -58,6 +58,31 @@ def check_files(config) -> None:
         check_replaceable(results, is_results, "results file")
     except ForeignFile as exc:
         raise click.UsageError(f"results_file: {exc}") from None
+    check_device(config.device)
+    state = Path(config.state_dir)  # last: nothing is made for a config refused above
+    if state.exists() and not state.is_dir():
+        raise click.UsageError(f"state_dir {state} is not a directory")
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.UsageError(f"state_dir {state} cannot be created: {exc.strerror or exc}") from None
+    why = unwritable(results)
+    if why:  # else the results are lost when the run ends
+        raise click.UsageError(f"results_file: {why}")
+
+
+def check_device(device: str) -> None:
+    """A named GPU this machine has (a CPU-only torch, or an index past the last GPU, failed deep in the run)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if index >= count:
+        raise click.UsageError(f"device {device}: torch sees {count} CUDA GPU(s) here"
+                               f"{' (this torch is a CPU-only build)' if torch.version.cuda is None else ''}; "
+                               "use device = \"auto\" or \"cpu\"")
 
 
 SECRET_KEYS = ["api.token", "broker.password", "broker.url"]

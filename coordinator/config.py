@@ -148,7 +148,8 @@ class CoordinatorConfig(BaseSettings):
     api: ApiSettings = Field(default_factory=ApiSettings)
     phases: PhaseSettings = Field(default_factory=PhaseSettings)
     health: HealthSettings = Field(default_factory=HealthSettings)
-    device: str = Field("auto", description="auto: CUDA when available, else CPU")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description="auto: CUDA when available, else CPU; cpu; cuda or cuda:N (a GPU torch sees)")
     threads: int | None = Field(None, ge=1,
                                 description="torch intra-op threads for server-side compute on the CPU; none: torch's default")
     exit_on_finish: bool = False

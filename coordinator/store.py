@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +110,14 @@ def flat_metrics(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _shown_url(url: str) -> str:
+    """The store URL as a message may quote it: without its password."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (exc.ArgumentError, ValueError):
+        return re.sub(r"^([^/]*//[^/@]*?:)[^/]*@", r"\1***@", url)
+
+
 class StoreError(RuntimeError):
     """The run store cannot be used (a damaged database file, a database that refuses us)."""
 
@@ -118,13 +127,17 @@ class RunStore:
 
     def __init__(self, url: str):
         self.url = url
-        self.engine: Engine = _make_engine(url)
+        try:
+            self.engine: Engine = _make_engine(url)
+        except (exc.ArgumentError, exc.NoSuchModuleError, ImportError, OSError) as error:  # a URL no driver takes,
+            # a missing driver, a sqlite file's folder that cannot be made
+            reason = str(getattr(error, "strerror", None) or error).splitlines()[0]
+            raise StoreError(f"the run store {_shown_url(url)} cannot be opened: {reason}") from None
         try:
             metadata.create_all(self.engine)
         except exc.SQLAlchemyError as error:  # e.g. a coordinator.db that is no database (damaged, foreign)
             reason = str(getattr(error, "orig", None) or error).splitlines()[0]
-            shown = make_url(url).render_as_string(hide_password=True)
-            raise StoreError(f"the run store {shown} cannot be opened: {reason}") from None
+            raise StoreError(f"the run store {_shown_url(url)} cannot be opened: {reason}") from None
 
     # -- runs --------------------------------------------------------------------------------
     def register(self, run_id: str, spec: dict[str, Any], origin: str) -> None:
