@@ -6,11 +6,13 @@ defaults. Errors come back as one readable line per problem.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
+import pydantic_settings
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, TomlConfigSettingsSource
 
@@ -46,13 +48,22 @@ def load_settings(cls: type[S], path: str | Path | None = None, **overrides) -> 
                 sources += (TomlConfigSettingsSource(settings_cls, toml_file=path),)
             return sources
 
+    prefix = str(cls.model_config.get("env_prefix", ""))
+    env = sorted(k for k in os.environ if prefix and k.upper().startswith(prefix.upper()))
     try:
         loaded = _WithFile(**overrides)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
         )
-        raise SettingsError(f"invalid config{f' {path}' if path else ''}: {problems}") from None
+        # a value may come from the environment as well as the file: say which were set
+        source = f" {path}" if path else ""
+        if env:
+            source += f" (with environment overrides {', '.join(env)})"
+        raise SettingsError(f"invalid config{source}: {problems}") from None
+    except pydantic_settings.SettingsError as exc:  # e.g. FEDAL_AGENT_BROKER='{bad': not the JSON a table takes
+        raise SettingsError(f"environment override: {exc} (a table is given as JSON, or one key at a time as "
+                            f"{prefix}TABLE__KEY)") from None
     return cls.model_validate(loaded.model_dump())
 
 

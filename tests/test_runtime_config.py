@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,17 @@ def test_agent_needs_only_the_agent_extra():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_an_environment_override_that_is_not_json_is_one_line_naming_it(tmp_path):
+    """FEDAL_AGENT_BROKER='{bad' was a pydantic-settings traceback, and a bad env value was blamed on the file."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "FEDAL_AGENT_BROKER": "{bad"}
+    r = subprocess.run([sys.executable, "-m", "edge_agent", "--config", str(repo / "examples" / "agent.toml")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "environment override" in r.stderr and '"broker"' in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    env = {**os.environ, "FEDAL_AGENT_THREADS": "abc"}
+    r = subprocess.run([sys.executable, "-m", "edge_agent", "--config", str(repo / "examples" / "agent.toml")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "with environment overrides FEDAL_AGENT_THREADS" in r.stderr, r.stderr
