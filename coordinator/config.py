@@ -12,6 +12,7 @@ from fedal.engine.settings import PhaseSettings
 from fedal.protocol import MAX_MESSAGE_BYTES, BrokerSettings, topics
 from fedal.settings import load_settings
 from fedal.sim.config import RunConfig
+from fedal.strategies.params import MAX_DISCRIMINATOR_PARAMS, discriminator_params
 
 
 class CoordinatorBrokerSettings(BrokerSettings):
@@ -75,19 +76,7 @@ def _check_no_simulated_faults(v: RunConfig) -> RunConfig:
     return v
 
 
-# What a run may ask the coordinator to allocate. The discriminator (FedAL) lives on the server,
-# sized num_classes -> strategy_params.disc_hidden -> one output per client: 2^24 parameters is
-# 64 MiB of float32 (four times that with Adam's moments and the gradients), over a thousand times
-# the default's (about 10,000 for a few clients); beyond it a run spec, which may come over the
-# API, could take the server's memory.
-MAX_DISCRIMINATOR_PARAMS = 1 << 24
 MAX_NUM_CLASSES = 10_000  # the output width of every model and of the discriminator's input
-
-
-def discriminator_params(num_classes: int, hidden: list[int], num_clients: int) -> int:
-    """Parameters of fedal.strategies.discriminator.Discriminator(num_classes, num_clients, hidden)."""
-    widths = [num_classes, *hidden, num_clients]
-    return sum(a * b + b for a, b in zip(widths, widths[1:]))
 
 
 def _check_server_sizes(run: RunConfig, num_classes: int, client_ids: list[str] | None) -> None:

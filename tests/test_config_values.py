@@ -17,6 +17,8 @@ from fedal_cli.main import cli
     ({"shift_c": float("inf"), "partition": "covariate-shift"}, "shift_c: Input should be a finite number"),
     ({"seed": 2**64}, "seed: Input should be less than"),
     ({"threads": 100_000}, "threads: Input should be less than or equal to 1024"),
+    # widths within 1..65536 each, but a discriminator of 4e9 parameters: the simulation was OOM-killed
+    ({"disc_hidden": [65536, 65536]}, "would hold 4,296,409,098 parameters, more than 16,777,216"),
 ])
 def test_values_no_run_can_use_are_refused(values, needle):
     with pytest.raises(ConfigError, match=needle):

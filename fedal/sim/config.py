@@ -17,9 +17,10 @@ from pydantic import (
 )
 
 from fedal.strategies import STRATEGIES, STRATEGY_NAMES, StrategyParams, get_strategy
-from fedal.strategies.params import COMMON_PARAMS
+from fedal.strategies.params import COMMON_PARAMS, MAX_DISCRIMINATOR_PARAMS, discriminator_params
 from fedal.strict_fields import NoCoercion
 
+MAX_DATASET_CLASSES = 10  # the most classes of the datasets below (celeba has 2)
 DATASET_NAMES = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn", "cinic10", "celeba")
 PARTITION_NAMES = ("dirichlet-client", "dirichlet-class", "iid", "pow", "covariate-shift", "covariate-shift-pow",
                    "covariate-shift-pca", "covariate-shift-pca-pow", "identity")
@@ -160,6 +161,11 @@ class RunConfig(NoCoercion):
                     if getattr(self, name) is not None]
         if ray_only and self.backend != "ray":  # else a cluster address or placement asked for is silently not used
             raise ValueError(f"{', '.join(ray_only)} apply to the ray backend only: add --backend ray (backend = \"ray\")")
+        hidden = list(self.strategy_params.disc_hidden)
+        if discriminator_params(MAX_DATASET_CLASSES, hidden, self.clients) > MAX_DISCRIMINATOR_PARAMS:
+            raise ValueError(f"strategy_params.disc_hidden {hidden}: the discriminator ({self.clients} clients) would "
+                             f"hold {discriminator_params(MAX_DATASET_CLASSES, hidden, self.clients):,} parameters, more "
+                             f"than {MAX_DISCRIMINATOR_PARAMS:,}; use smaller widths (default [32, 256])")
         if self.strategy_params.privacy is not None and self.strategy_params.privacy.noise_multiplier == 0:
             raise ValueError("privacy.noise_multiplier 0 adds no noise: epsilon would be unbounded; give a noise "
                              "multiplier > 0 or a target_epsilon (clipping alone is no differential privacy)")

@@ -203,3 +203,17 @@ class StrategyParams(NoCoercion):
                 continue
             out.append(name)
         return out
+
+
+# What a run may allocate for its server half. The discriminator (FedAL) lives on the server,
+# sized num_classes -> disc_hidden -> one output per client: 2^24 parameters is 64 MiB of float32
+# (four times that with Adam's moments and the gradients), over a thousand times the default's
+# (about 10,000 for a few clients); beyond it a run (a simulation's config, or a spec over the
+# coordinator's API) could take the machine's memory.
+MAX_DISCRIMINATOR_PARAMS = 1 << 24
+
+
+def discriminator_params(num_classes: int, hidden: list[int], num_clients: int) -> int:
+    """Parameters of fedal.strategies.discriminator.Discriminator(num_classes, num_clients, hidden)."""
+    widths = [num_classes, *hidden, num_clients]
+    return sum(a * b + b for a, b in zip(widths, widths[1:], strict=False))
