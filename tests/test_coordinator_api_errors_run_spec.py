@@ -89,7 +89,7 @@ def test_the_discriminator_bound():
     assert discriminator_params(10, [32, 256], 2) == 10 * 32 + 32 + 32 * 256 + 256 + 256 * 2 + 2
     RunSpec.model_validate(spec("wide", **disc([2048, 4096])))  # 8.5 M parameters: within the bound
     RunSpec.model_validate(spec("many", client_ids=[f"c{i}" for i in range(10_000)]))  # the default, 10,000 clients
-    with pytest.raises(ValueError, match="more than the 16,777,216"):
+    with pytest.raises(ValueError, match="more than (the )?16,777,216"):
         RunSpec.model_validate(spec("big", **disc([4096, 4096])))
     assert MAX_DISCRIMINATOR_PARAMS == 1 << 24
 
