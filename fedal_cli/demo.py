@@ -26,6 +26,7 @@ import tomli_w
 from tqdm import tqdm
 
 from fedal import procs, workspace
+from fedal.cli_types import FiniteFloatRange
 from fedal.engine.results import privacy_line
 from fedal.models import check_model_input
 from fedal.ports import free_port, unreachable
@@ -251,7 +252,8 @@ def deployable(config: RunConfig) -> RunConfig:
 @run_options
 @click.option("--broker", help="External broker URL (mqtt://host:port) instead of the embedded one.")
 @click.option("--api-port", type=click.IntRange(0, 65535), default=0, help="Coordinator REST port (0: a free one).")
-@click.option("--linger", type=click.FloatRange(0), default=0.0, help="Keep the coordinator up S seconds after the run.")
+@click.option("--linger", type=FiniteFloatRange(0, 7 * 86400), default=0.0,
+              help="Keep the coordinator up S seconds after the run (at most a week).")
 @click.option("--workdir", type=click.Path(file_okay=False), default="runs/demo", show_default=True,
               help=f"Workspace for the coordinator and the agents: a new or empty directory, or one an earlier demo "
                    f"made (it holds {workspace.MARKER}; its coordinator/ and agents/ are replaced).")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from fedal.cli_types import FiniteFloatRange
 from fedal.sim.config import DATASET_NAMES, PARTITION_NAMES, TRAIN_SPLIT_NAMES, ConfigError, RunConfig, load_config
 from fedal.strategies import STRATEGIES, STRATEGY_NAMES
 
@@ -42,15 +43,15 @@ RUN_OPTIONS = [
                  f"its first alone for {', '.join(n for n, s in STRATEGIES.items() if s.homogeneous_models)})."),
     click.option("--eval-every", type=int, help="Evaluate every k rounds."),
     click.option("--threads", type=int, help="torch threads per process."),
-    click.option("--dp-noise-multiplier", type=click.FloatRange(min=0, min_open=True),
+    click.option("--dp-noise-multiplier", type=FiniteFloatRange(min=0, min_open=True),
                  help="Differential privacy: noise multiplier sigma of DP-SGD on the private data (docs/privacy.md)."),
-    click.option("--dp-max-grad-norm", type=click.FloatRange(min=0, min_open=True),
+    click.option("--dp-max-grad-norm", type=FiniteFloatRange(min=0, min_open=True),
                  help="Differential privacy: per-sample gradient clipping norm C (default 1.0)."),
-    click.option("--dp-delta", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    click.option("--dp-delta", type=FiniteFloatRange(0, 1, min_open=True, max_open=True),
                  help="Differential privacy: the delta every client's epsilon is stated at (default 1e-5)."),
-    click.option("--dp-epsilon-budget", type=click.FloatRange(min=0, min_open=True),
+    click.option("--dp-epsilon-budget", type=FiniteFloatRange(min=0, min_open=True),
                  help="Differential privacy: a client stops training on its private data before exceeding this epsilon."),
-    click.option("--dp-target-epsilon", type=click.FloatRange(min=0, min_open=True),
+    click.option("--dp-target-epsilon", type=FiniteFloatRange(min=0, min_open=True),
                  help="Differential privacy: calibrate the noise so the run's planned steps reach this epsilon."),
 ]
 
@@ -68,9 +69,9 @@ def run_options(func):
 
 # the in-process transport's faults and execution: `fedal simulate` only (a deployment has real faults)
 FAULT_OPTIONS = [
-    click.option("--dropout", type=click.FloatRange(0.0, 1.0, max_open=True),
+    click.option("--dropout", type=FiniteFloatRange(0.0, 1.0, max_open=True),
                  help="Each client misses each phase with this probability (seeded)."),
-    click.option("--stragglers", type=click.FloatRange(0.0, 1.0),
+    click.option("--stragglers", type=FiniteFloatRange(0.0, 1.0),
                  help="This fraction of clients answers after the phase deadline every k-th phase."),
     click.option("--straggle-every", type=click.IntRange(min=1), help="k for --stragglers (default 2)."),
     click.option("--vectorize/--no-vectorize", default=None,

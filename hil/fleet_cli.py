@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from fedal import workspace
+from fedal.cli_types import FiniteFloatRange
 
 
 @click.command("fleet")
@@ -29,10 +30,10 @@ from fedal import workspace
 @click.option("--ids", help="Comma-separated client ids instead of PREFIX0000.. (e.g. the devices of `fedal fleet init`).")
 @click.option("--public-file", type=click.Path(dir_okay=False, exists=True),
               help="Provisioned public set (.npz); else fetched once.")
-@click.option("--reconnect-min", type=click.FloatRange(0.05), default=1.0, show_default=True, help="Reconnect backoff start (s).")
-@click.option("--reconnect-max", type=click.FloatRange(0.1), default=30.0, show_default=True, help="Reconnect backoff cap (s).")
+@click.option("--reconnect-min", type=FiniteFloatRange(0.05), default=1.0, show_default=True, help="Reconnect backoff start (s).")
+@click.option("--reconnect-max", type=FiniteFloatRange(0.1), default=30.0, show_default=True, help="Reconnect backoff cap (s).")
 @click.option("--status-file", type=click.Path(dir_okay=False), help="Write the fleet's counters here (JSON) on exit.")
-@click.option("--timeout", type=click.FloatRange(0), default=0.0, help="Give up after S seconds (0: wait for the run to finish).")
+@click.option("--timeout", type=FiniteFloatRange(0), default=0.0, help="Give up after S seconds (0: wait for the run to finish).")
 @click.option("--start-coordinator", is_flag=True,
               help="Also start a real coordinator for these clients (config and synthetic public set in --workdir).")
 @click.option("--workdir", type=click.Path(file_okay=False), default="runs/fleet", show_default=True,
@@ -44,7 +45,7 @@ from fedal import workspace
 @click.option("--public-size", type=click.IntRange(1), default=1000, show_default=True, help="With --start-coordinator: |P|.")
 @click.option("--batch", type=click.IntRange(1), default=32, show_default=True, help="With --start-coordinator: public batch B.")
 @click.option("--api-port", type=click.IntRange(0, 65535), default=0, help="With --start-coordinator: REST port (0: free).")
-@click.option("--resend-s", type=click.FloatRange(0.1, 3600), default=None,
+@click.option("--resend-s", type=FiniteFloatRange(0.1, 3600), default=None,
               help="With --start-coordinator: the coordinator's phases.resend_s, how soon an unanswered task is sent "
                    "again (default 30; a few seconds behind a proxy with `lost` drops, e.g. --profile chaos).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")

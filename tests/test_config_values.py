@@ -87,3 +87,16 @@ def test_ray_options_without_the_ray_backend_are_refused_not_ignored(tmp_path, f
     assert "--backend ray" in r.output
     assert not (tmp_path / "r.json").exists()
     load_config(None, {"backend": "ray", "ray_actors": 4, "client_resources": "num_cpus=1"})  # with it, taken
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["demo", "--linger", "nan"], "'nan' is not a finite number"),
+    (["demo", "--linger", "inf"], "--linger"),  # it was a traceback from time.sleep after the run
+    (["demo", "--linger", "1e10"], "--linger"),
+    (["simulate", "--dropout", "nan"], "'nan' is not a finite number"),
+    (["hil", "fleet", "--clients", "2", "--run-id", "r", "--timeout", "nan"], "'nan' is not a finite number"),
+    (["hil", "fleet", "--clients", "2", "--run-id", "r", "--resend-s", "nan"], "'nan' is not a finite number"),
+])
+def test_non_finite_numbers_are_refused_by_every_ranged_option(tmp_path, argv, needle):
+    r = CliRunner().invoke(cli, [*argv, "--quiet"] if argv[0] != "hil" else argv)
+    assert r.exit_code == 2 and needle in r.output, r.output
