@@ -153,7 +153,11 @@ def _check(spec: FleetSpec) -> tuple[list[str], BrokerAddress]:
     if out.exists() and not out.is_dir():
         raise FleetError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not spec.force:
-        raise FleetError(f"--out {out} is not empty; refusing to overwrite existing credentials (use --force)")
+        if (out / MARKER).is_file() or (out / "fleet.json").is_file():
+            raise FleetError(f"--out {out} holds a fleet; refusing to overwrite its credentials (--force replaces "
+                             "that fleet's own files, with new credentials for every device)")
+        raise FleetError(f"--out {out} is not empty and holds no fleet that `fedal fleet init` wrote: refusing to "
+                         "write into it; choose a new or an empty directory")
     return ids, addr
 
 
@@ -204,8 +208,11 @@ def build_fleet(spec: FleetSpec) -> dict:
                          f"exist(s) and no `fedal fleet init` wrote them; nothing was written (move them away)")
     new = set(rel.values())
     if not out.exists():  # made here: only its owner may list the credentials in it. A directory
-        out.mkdir(parents=True)  # the user had keeps its mode (its group, setgid): the
-        os.chmod(out, 0o700)  # secrets themselves are written 0600
+        try:  # the user had keeps its mode (its group, setgid): the secrets themselves are written 0600
+            out.mkdir(parents=True)
+        except OSError as exc:
+            raise FleetError(f"--out {out} cannot be created: {exc.strerror or exc}") from None
+        os.chmod(out, 0o700)
     _write(out / MARKER, _marker_text(previous | new), 0o644)  # a crash midway still knows every file it wrote
     for path, (text, mode) in plan.items():
         _write(path, text, mode)

@@ -299,8 +299,11 @@ def build_wheelhouse(spec: WheelhouseSpec, progress=lambda msg: None) -> dict:
     _claim(spec.out)
 
     out = spec.out
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(procs.pid_dir(out, WORK_PREFIX))  # inside out: no leftovers elsewhere
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        work = Path(procs.pid_dir(out, WORK_PREFIX))  # inside out: no leftovers elsewhere
+    except OSError as exc:
+        raise UsageProblem(f"--out {out} cannot be used: {exc.strerror or exc}") from None
     try:
         progress(f"the agent's wheel{'' if spec.wheel else ' (built from ' + str(REPO) + ')'}")
         agent = _agent_wheel(spec, work)

@@ -251,9 +251,16 @@ def test_init_refuses_to_overwrite_credentials_and_check_reports_configs(tmp_pat
     assert fleet_init("--devices", "2", "--broker", "mqtt://h", "--out", str(out))[0] == 0
     first = password_of(out, "pi-1")
     code, output = fleet_init("--devices", "2", "--broker", "mqtt://h", "--out", str(out))
-    assert code == 2 and "not empty" in output and password_of(out, "pi-1") == first
+    assert code == 2 and "holds a fleet" in output and "--force" in output and password_of(out, "pi-1") == first
     assert fleet_init("--devices", "2", "--broker", "mqtt://h", "--out", str(out), "--force")[0] == 0
     assert password_of(out, "pi-1") != first
+    mine = tmp_path / "mine"  # a folder of the user's: --force is no advice there (it refuses it too)
+    mine.mkdir()
+    (mine / "x.txt").write_text("mine")
+    code, output = fleet_init("--devices", "2", "--broker", "mqtt://h", "--out", str(mine))
+    assert code == 2 and "holds no fleet" in output and "--force" not in output
+    code, output = fleet_init("--devices", "2", "--broker", "mqtt://h", "--out", "/proc/fedal-fleet")
+    assert code == 2 and "--out /proc/fedal-fleet cannot be created" in output and "Traceback" not in output
 
     result = CliRunner().invoke(cli, ["fleet", "check", str(out / "devices" / "pi-2" / "agent.toml")])
     assert result.exit_code == 0
@@ -288,3 +295,33 @@ def test_init_makes_its_out_private_and_leaves_a_users_directory_mode_alone(tmp_
     code, output = fleet_init("--devices", "3", "--broker", "mqtt://h", "--out", str(refused), "--force")
     assert code == 2 and "nothing was written" in output
     assert stat.S_IMODE(refused.stat().st_mode) == 0o755
+
+
+def test_renew_cert_issues_a_new_server_certificate_from_the_same_ca_for_the_same_names(tmp_path):
+    """The broker's certificate expires (825 days); `fleet init --force` would re-provision every
+    device (a new CA, new passwords). renew-cert keeps the CA the devices trust."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    out = tmp_path / "out"
+    code, output = fleet_init("--devices", "2", "--broker", "mqtts://broker.lan:8883", "--tls", "--server-name",
+                              "10.0.0.5", "--out", str(out))
+    assert code == 0 and "server certificate valid until" in output, output
+    old_cert, old_key = (out / "broker" / "server.crt").read_bytes(), (out / "broker" / "server.key").read_bytes()
+    device_files = {p: p.read_bytes() for p in (out / "devices").rglob("*") if p.is_file()}
+    result = CliRunner().invoke(cli, ["fleet", "renew-cert", "--out", str(out), "--days", "30"])
+    assert result.exit_code == 0 and "broker.lan, 10.0.0.5" in result.output, result.output
+    new = x509.load_pem_x509_certificate((out / "broker" / "server.crt").read_bytes())
+    ca = x509.load_pem_x509_certificate((out / "ca" / "ca.crt").read_bytes())
+    new.verify_directly_issued_by(ca)  # raises if not
+    assert (out / "broker" / "server.key").read_bytes() != old_key and new.public_bytes(Encoding.PEM) != old_cert
+    assert 29 <= (new.not_valid_after_utc - new.not_valid_before_utc).days <= 31
+    san = new.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["broker.lan"]
+    assert [str(a) for a in san.get_values_for_type(x509.IPAddress)] == ["10.0.0.5"]
+    assert oct((out / "broker" / "server.key").stat().st_mode & 0o777) == "0o600"
+    assert {p: p.read_bytes() for p in (out / "devices").rglob("*") if p.is_file()} == device_files  # no device changes
+    plain = tmp_path / "plain"
+    assert fleet_init("--devices", "2", "--broker", "mqtt://h", "--out", str(plain))[0] == 0
+    result = CliRunner().invoke(cli, ["fleet", "renew-cert", "--out", str(plain)])
+    assert result.exit_code == 2 and "needs the fleet `fedal fleet init --tls` wrote" in result.output
