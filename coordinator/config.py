@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fedal.engine.health import HealthLimits
@@ -13,6 +13,7 @@ from fedal.protocol import MAX_MESSAGE_BYTES, BrokerSettings, topics
 from fedal.settings import load_settings
 from fedal.sim.config import RunConfig
 from fedal.strategies.params import MAX_DISCRIMINATOR_PARAMS, discriminator_params
+from fedal.strict_fields import NoCoercion
 
 
 class CoordinatorBrokerSettings(BrokerSettings):
@@ -24,7 +25,7 @@ class CoordinatorBrokerSettings(BrokerSettings):
         None, ge=4096, description="the same over all clients; none: 4 x max_message_bytes (beyond: refused)")
 
 
-class ApiSettings(BaseModel):
+class ApiSettings(NoCoercion):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     host: str = "127.0.0.1"
@@ -43,7 +44,7 @@ class ApiSettings(BaseModel):
         return v
 
 
-class HealthSettings(BaseModel):
+class HealthSettings(NoCoercion):
     """When a device's reported health is flagged (API `health_flags`, /metrics, the dashboard);
     throttling and under-voltage reported by the Pi's firmware are flagged whatever these say."""
 
@@ -98,7 +99,7 @@ def _check_client_ids(v: list[str] | None) -> list[str] | None:
     return [topics.check_id(c, "client id") for c in v]
 
 
-class RunSpec(BaseModel):
+class RunSpec(NoCoercion):
     """One run as `POST /api/v1/runs` takes it (and as the store keeps it to restart it)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -120,7 +121,7 @@ class RunSpec(BaseModel):
         return self
 
 
-class CoordinatorConfig(BaseSettings):
+class CoordinatorConfig(BaseSettings, NoCoercion):
     model_config = SettingsConfigDict(env_prefix="FEDAL_COORD_", env_nested_delimiter="__", extra="forbid",
                                       allow_inf_nan=False)
 

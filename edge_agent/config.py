@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from fedal.model_names import MODEL_NAMES
 from fedal.protocol import MAX_MESSAGE_BYTES, BrokerSettings, topics
 from fedal.settings import load_settings
+from fedal.strict_fields import NoCoercion
 
 
 class AgentBrokerSettings(BrokerSettings):
@@ -21,7 +22,7 @@ class AgentBrokerSettings(BrokerSettings):
                                    "also what unfinished chunked tasks may hold, together")
 
 
-class AgentConfig(BaseSettings):
+class AgentConfig(BaseSettings, NoCoercion):
     model_config = SettingsConfigDict(env_prefix="FEDAL_AGENT_", env_nested_delimiter="__", extra="forbid",
                                       allow_inf_nan=False)
 

@@ -15,7 +15,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fedal.strict_fields import NoCoercion
 
 DIRECTIONS = ("up", "down")
 DropMode = Literal["reset", "lost", "unacked"]
@@ -25,7 +27,7 @@ class ProfileError(ValueError):
     """A profile that cannot be loaded; the message says which file and what is wrong."""
 
 
-class FaultSettings(BaseModel):
+class FaultSettings(NoCoercion):
     """Faults on one link direction; None means "not set here" (the next layer decides)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -57,7 +59,7 @@ class FaultRule(FaultSettings):
     down: FaultSettings | None = None
 
 
-class Partition(BaseModel):
+class Partition(NoCoercion):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     client: str = Field("*", description="client id or glob pattern (fnmatch); * = everyone")
@@ -74,7 +76,7 @@ class Partition(BaseModel):
         return fnmatch.fnmatchcase(client_id, self.client)
 
 
-class Faults(BaseModel):
+class Faults(NoCoercion):
     """The part of a profile the control API can replace during a run."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

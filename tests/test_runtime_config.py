@@ -92,3 +92,29 @@ def test_an_environment_override_that_is_not_json_is_one_line_naming_it(tmp_path
     r = subprocess.run([sys.executable, "-m", "edge_agent", "--config", str(repo / "examples" / "agent.toml")],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2 and "with environment overrides FEDAL_AGENT_THREADS" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("which, toml, needle", [
+    ("agent", 'threads = true', "threads: Input should be a valid integer, not a boolean"),
+    ("agent", 'exit_on_finish = "no"', "exit_on_finish: Input should be a valid boolean"),
+    ("agent", 'seed = 1.5', "seed: Input should be a valid integer, not a float"),
+    ("coordinator", 'threads = true', "threads: Input should be a valid integer, not a boolean"),
+    ("coordinator", '[phases]\nquorum = true', "phases.quorum: Input should be a valid number, not a boolean"),
+    ("coordinator", '[api]\nread_requires_token = "yes"', "api.read_requires_token: Input should be a valid boolean"),
+])
+def test_agent_and_coordinator_configs_coerce_no_value_the_run_config_refuses(tmp_path, which, toml, needle):
+    """`exit_on_finish = "no"` became False and `threads = true` 1, while the run config refused both."""
+    base = ('client_id = "c"\nrun_id = "r"\nmodel = "mlp"\ndata_file = "x.npz"\n' if which == "agent"
+            else 'run_id = "r"\n')
+    path = tmp_path / f"{which}.toml"
+    path.write_text(base + toml + "\n")
+    load = load_agent_config if which == "agent" else load_coordinator_config
+    with pytest.raises(SettingsError, match=needle):
+        load(path)
+
+
+def test_a_hil_profile_coerces_nothing_either():
+    from hil.profiles import ProfileError, parse_profile
+
+    with pytest.raises(ProfileError, match="latency_ms"):
+        parse_profile("[default]\nlatency_ms = true")

@@ -3,10 +3,12 @@ deployment alike."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from fedal.strict_fields import NoCoercion
 
 
-class PausePoint(BaseModel):
+class PausePoint(NoCoercion):
     """A place where the run holds by itself, as if POST .../pause had come just before it."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -26,7 +28,7 @@ class PausePoint(BaseModel):
             f" iteration {self.iteration}" if self.iteration is not None else "")
 
 
-class PhaseSettings(BaseModel):
+class PhaseSettings(NoCoercion):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     deadline_s: float = Field(60.0, gt=0, description="a phase closes at its deadline if the quorum answered")

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from fedal.protocol.chunking import DEFAULT_MAX_PAYLOAD
+from fedal.strict_fields import NoCoercion
 
 # The largest MQTT payload FedAL publishes (envelope, chunk, manifest or status): `max_payload`
 # may not exceed it, `split` keeps chunks within max_payload, and the broker configuration
@@ -58,7 +59,7 @@ def parse_broker_url(url: str) -> BrokerAddress:
     )
 
 
-class BrokerSettings(BaseModel):
+class BrokerSettings(NoCoercion):
     """The `[broker]` table shared by the agent's and the coordinator's configs."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
