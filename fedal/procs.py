@@ -221,3 +221,18 @@ def _where() -> str:
     except OSError:
         namespace = 0
     return hashlib.sha256(f"{socket.gethostname()}/{namespace}".encode()).hexdigest()[:8]
+
+
+def last_error(log: Path | None) -> str:
+    """': <the log's last error or warning line> (log: <path>)', or '' without a log: why a process
+    that exited did (a usage error's `Error:` line included)."""
+    if log is None:
+        return ""
+    try:
+        lines = Path(log).read_text(errors="replace").splitlines()
+    except OSError:
+        return f" (log: {log})"
+    said = next((line for line in reversed(lines)
+                 if any(m in line for m in (" ERROR ", " CRITICAL ", "ERROR:")) or line.startswith("Error:")), None) \
+        or next((line for line in reversed(lines) if " WARNING " in line), None)
+    return (f": {said.strip()}" if said else "") + f" (log: {log})"

@@ -173,7 +173,7 @@ def _follow(api: str, children: list[subprocess.Popen], rounds: int, quiet: bool
         while time.monotonic() < deadline:
             if children[0].poll() is not None:
                 raise click.ClickException(f"the coordinator exited with status {children[0].returncode}"
-                                           + _last_error(coordinator_log))
+                                           + procs.last_error(coordinator_log))
             try:
                 run = get_json(f"{api}/api/v1/runs/{RUN_ID}")
             except (urllib.error.URLError, OSError, ValueError):
@@ -190,22 +190,9 @@ def _follow(api: str, children: list[subprocess.Popen], rounds: int, quiet: bool
             if run["state"] in ("failed", "stopped"):
                 raise click.ClickException(f"the run {run['state']}: {run.get('error')}")
             time.sleep(0.3)
-        raise click.ClickException(f"no round completed within {timeout_s:.0f} s" + _last_error(coordinator_log))
+        raise click.ClickException(f"no round completed within {timeout_s:.0f} s" + procs.last_error(coordinator_log))
     finally:
         bar.close()
-
-
-def _last_error(log: Path | None) -> str:
-    """': <the log's last error or warning line> (log: <path>)', or '' without a log."""
-    if log is None:
-        return ""
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return f" (log: {log})"
-    said = next((line for line in reversed(lines) if any(m in line for m in (" ERROR ", " CRITICAL ", "ERROR:"))), None) \
-        or next((line for line in reversed(lines) if " WARNING " in line), None)
-    return (f": {said.strip()}" if said else "") + f" (log: {log})"
 
 
 def summary_table(results: dict) -> str:

@@ -326,3 +326,16 @@ def test_fleet_refuses_a_status_file_it_did_not_write_or_cannot_write_before_it_
     result = CliRunner().invoke(hil_cmd, [*base, "--status-file", str(ours)])  # its own: replaced
     assert "Traceback" not in result.output and json.loads(ours.read_text())["clients"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json", "mine.tmp", "status.json"]
+
+
+def test_fleet_says_why_the_coordinator_it_started_exited(tmp_path):
+    """It said only `"outcome": "coordinator exited"`; the reason was in coordinator.log alone."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "fedal_cli.main", "hil", "fleet", "--clients", "2", "--run-id", "r",
+                        "--broker", "mqtt://127.0.0.1:1", "--start-coordinator", "--num-classes", "100000",
+                        "--workdir", str(tmp_path / "wd"), "--quiet", "--timeout", "120"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 1 and '"outcome": "coordinator exited"' in r.stdout, r.stdout + r.stderr
+    assert "the coordinator exited with status 2: Error: invalid config" in r.stderr and "num_classes" in r.stderr
