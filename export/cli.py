@@ -8,6 +8,7 @@ Bad arguments exit 2 (click.UsageError); failed checks or unusable files exit 1.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -37,6 +38,9 @@ def _one_line(message: str) -> str:
     return next((line.strip() for line in message.splitlines() if line.strip()), message.strip())
 
 
+MAX_INPUT_VALUES = 1 << 24  # per sample: a 3x2048x2048 image is 12.6 M
+
+
 def _parse_shape(text: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
@@ -44,6 +48,9 @@ def _parse_shape(text: str) -> tuple[int, ...]:
         shape = ()
     if not shape or any(d < 1 for d in shape):
         raise click.UsageError(f"--input-shape must be positive integers like 1,8,8, got {text!r}")
+    if math.prod(shape) > MAX_INPUT_VALUES:  # the parity check's random rows would not fit in memory
+        raise click.UsageError(f"--input-shape {text} is {math.prod(shape):,} values per sample, more than "
+                               f"{MAX_INPUT_VALUES:,}")
     return shape
 
 
@@ -108,6 +115,8 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
         model = build_model(model_name, shape, classes)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    except (RuntimeError, MemoryError) as exc:  # a model too large for this machine's memory
+        raise click.ClickException(_one_line(f"{model_name} for input {list(shape)}: {exc}")) from None
     if checkpoint:
         try:
             load_checkpoint(model, checkpoint)

@@ -42,7 +42,8 @@ from fedal.cli_types import FiniteFloatRange
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True, help="With --start-coordinator: rounds.")
 @click.option("--tau", type=click.IntRange(1), default=None, help="With --start-coordinator: tau (default: the preset).")
 @click.option("--num-classes", type=click.IntRange(2), default=10, show_default=True, help="With --start-coordinator: K.")
-@click.option("--public-size", type=click.IntRange(1), default=1000, show_default=True, help="With --start-coordinator: |P|.")
+@click.option("--public-size", type=click.IntRange(1, 1_000_000), default=1000, show_default=True,
+              help="With --start-coordinator: |P| (synthetic rows of 8 values).")
 @click.option("--batch", type=click.IntRange(1), default=32, show_default=True, help="With --start-coordinator: public batch B.")
 @click.option("--api-port", type=click.IntRange(0, 65535), default=0, help="With --start-coordinator: REST port (0: free).")
 @click.option("--resend-s", type=FiniteFloatRange(0.1, 3600), default=None,

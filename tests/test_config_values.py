@@ -100,3 +100,14 @@ def test_ray_options_without_the_ray_backend_are_refused_not_ignored(tmp_path, f
 def test_non_finite_numbers_are_refused_by_every_ranged_option(tmp_path, argv, needle):
     r = CliRunner().invoke(cli, [*argv, "--quiet"] if argv[0] != "hil" else argv)
     assert r.exit_code == 2 and needle in r.output, r.output
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["export", "--model", "mlp", "--out", "{tmp}/m.onnx", "--input-shape", "1000000,1000000", "--num-classes", "10"],
+     "values per sample, more than 16,777,216"),
+    (["hil", "fleet", "--clients", "2", "--run-id", "r", "--start-coordinator", "--public-size", "10000000000"],
+     "--public-size"),
+])
+def test_sizes_no_machine_can_allocate_are_usage_errors_not_tracebacks(tmp_path, argv, needle):
+    r = CliRunner().invoke(cli, [a.format(tmp=tmp_path) for a in argv])
+    assert r.exit_code == 2 and needle in r.output, r.output
