@@ -87,6 +87,10 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
 
     if threads is not None and threads < 1:
         raise click.UsageError("--threads must be >= 1")
+    if quantize_mode and not quantize:  # else it was ignored without a word
+        raise click.UsageError("--quantize-mode applies to --quantize int8 only")
+    if num_classes is not None and num_classes < 2:
+        raise click.UsageError(f"--num-classes must be at least 2, got {num_classes}")
     mode = quantize_mode or ("static" if dataset else "dynamic")
     if quantize and mode == "static" and not dataset:
         raise click.UsageError("--quantize-mode static needs --dataset for calibration samples")

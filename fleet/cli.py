@@ -133,6 +133,10 @@ def wheelhouse_cmd(**options) -> None:
     from fleet.wheelhouse import UsageProblem, WheelhouseError, WheelhouseSpec, build_wheelhouse
 
     options["find_links"] = list(options["find_links"])
+    if options["no_index"] and not options["find_links"]:  # pip would find nothing and say so in its own words
+        raise click.UsageError("--no-index needs --find-links (where the wheels are)")
+    if options["no_index"] and options["index_url"]:
+        raise click.UsageError("--no-index and --index-url contradict each other")
     spec = WheelhouseSpec(**options)
     try:
         with procs.stop_signals_interrupt():  # SIGTERM/SIGHUP as Ctrl-C: pip ended, the work directory removed

@@ -68,6 +68,8 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
             ids = [topics.check_id(c.strip(), "client id") for c in ids.split(",") if c.strip()]
             if len(ids) != clients:
                 raise ValueError(f"--ids lists {len(ids)} clients, --clients says {clients}")
+            if len(set(ids)) != len(ids):  # the coordinator refuses them too, later
+                raise ValueError(f"--ids lists a client more than once: {sorted({c for c in ids if ids.count(c) > 1})}")
         else:
             ids = client_ids(clients, prefix)
         credentials = device_credentials(credentials_dir, ids) if credentials_dir else None

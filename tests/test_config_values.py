@@ -111,3 +111,24 @@ def test_non_finite_numbers_are_refused_by_every_ranged_option(tmp_path, argv, n
 def test_sizes_no_machine_can_allocate_are_usage_errors_not_tracebacks(tmp_path, argv, needle):
     r = CliRunner().invoke(cli, [a.format(tmp=tmp_path) for a in argv])
     assert r.exit_code == 2 and needle in r.output, r.output
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["export", "--model", "mlp", "--out", "{tmp}/m.onnx", "--input-shape", "4", "--num-classes", "10",
+      "--quantize-mode", "dynamic"], "--quantize-mode applies to --quantize int8 only"),
+    (["export", "--model", "mlp", "--out", "{tmp}/m.onnx", "--input-shape", "4", "--num-classes", "1"],
+     "--num-classes must be at least 2"),
+    (["fleet", "wheelhouse", "--out", "{tmp}/wh", "--no-index"], "--no-index needs --find-links"),
+    (["fleet", "wheelhouse", "--out", "{tmp}/wh", "--no-index", "--find-links", "{tmp}", "--index-url", "http://x/"],
+     "contradict"),
+    (["hil", "fleet", "--clients", "2", "--run-id", "r", "--ids", "a,a"], "lists a client more than once: ['a']"),
+])
+def test_options_that_were_silently_ignored_or_contradictory_are_refused(tmp_path, argv, needle):
+    r = CliRunner().invoke(cli, [a.format(tmp=tmp_path) for a in argv])
+    assert r.exit_code == 2 and needle in r.output, r.output
+    assert not (tmp_path / "m.onnx").exists() and not (tmp_path / "wh").exists()
+
+
+def test_rows_seed_is_a_64_bit_seed_like_seed():
+    with pytest.raises(ConfigError, match="rows_seed"):
+        load_config(None, {"rows_seed": 2**63})

@@ -39,7 +39,7 @@ class StrategyParams(NoCoercion):
     )
     public_batch_size: int = Field(32, ge=1, description="public minibatch size B per transfer iteration")
     rows_seed: int | None = Field(
-        None, ge=0, description="key of the public rows each transfer iteration uses, computed by both ends "
+        None, ge=0, lt=2**63, description="key of the public rows each transfer iteration uses, computed by both ends "
         "(docs/protocol.md); unset: the run's seed"
     )
 
