@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 from pathlib import Path
 
@@ -59,6 +60,12 @@ def check_files(config) -> None:
     except ForeignFile as exc:
         raise click.UsageError(f"results_file: {exc}") from None
     check_device(config.device)
+    if config.api.port:  # else uvicorn exits with status 3 after the run has started
+        try:
+            socket.create_server((config.api.host, config.api.port)).close()
+        except OSError as exc:
+            raise click.UsageError(f"api {config.api.host}:{config.api.port} cannot be served: "
+                                   f"{exc.strerror or exc}") from None
     state = Path(config.state_dir)  # last: nothing is made for a config refused above
     if state.exists() and not state.is_dir():
         raise click.UsageError(f"state_dir {state} is not a directory")

@@ -111,3 +111,17 @@ def test_coordinator_config_values_it_cannot_use_are_one_line_errors(tmp_path, e
                        timeout=120)
     assert r.returncode in (1, 2) and complaint.format(tmp=tmp_path) in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_coordinator_api_port_in_use_is_a_usage_error_before_the_run_starts(tmp_path):
+    """uvicorn exited with status 3 after the coordinator had started its run."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        config = tmp_path / "c.toml"
+        config.write_text(f'run_id = "r"\nclient_ids = ["a", "b"]\nstate_dir = "{tmp_path / "s"}"\n'
+                          f'[api]\nhost = "127.0.0.1"\nport = {port}\n')
+        r = subprocess.run([sys.executable, "-m", "coordinator", "--config", str(config)], capture_output=True,
+                           text=True, timeout=120)
+    assert r.returncode == 2 and f"api 127.0.0.1:{port} cannot be served: Address already in use" in r.stderr, r.stderr
