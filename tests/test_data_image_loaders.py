@@ -432,7 +432,7 @@ def test_coordinator_serves_the_public_rows_simulate_holds_out(tmp_path):
     from coordinator.runs import RunManager
     from fedal.data import content_hash, public_set
 
-    data = tmp_path / "cinic"
+    data = tmp_path / "state" / "cinic"  # where an API-created run may read datasets: under the state dir
     write_cinic(data, {"train": 2, "valid": 1, "test": 1})
     cfg = load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": "tok"})
     runs = RunManager(cfg)
