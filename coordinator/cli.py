@@ -60,12 +60,6 @@ def check_files(config) -> None:
     except ForeignFile as exc:
         raise click.UsageError(f"results_file: {exc}") from None
     check_device(config.device)
-    if config.api.port:  # else uvicorn exits with status 3 after the run has started
-        try:
-            socket.create_server((config.api.host, config.api.port)).close()
-        except OSError as exc:
-            raise click.UsageError(f"api {config.api.host}:{config.api.port} cannot be served: "
-                                   f"{exc.strerror or exc}") from None
     state = Path(config.state_dir)  # last: nothing is made for a config refused above
     if state.exists() and not state.is_dir():
         raise click.UsageError(f"state_dir {state} is not a directory")
@@ -76,6 +70,16 @@ def check_files(config) -> None:
     why = unwritable(results)
     if why:  # else the results are lost when the run ends
         raise click.UsageError(f"results_file: {why}")
+    check_port(config.api.host, config.api.port)
+
+
+def check_port(host: str, port: int) -> None:
+    """The API's address can be bound (else uvicorn exits with status 3 after the run has started)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        socket.create_server((host, port), family=family).close()
+    except OSError as exc:
+        raise click.UsageError(f"api {host}:{port} cannot be served: {exc.strerror or exc}") from None
 
 
 def check_device(device: str) -> None:

@@ -138,8 +138,8 @@ class CoordinatorConfig(BaseSettings, NoCoercion):
     api: ApiSettings = Field(default_factory=ApiSettings)
     phases: PhaseSettings = Field(default_factory=PhaseSettings)
     health: HealthSettings = Field(default_factory=HealthSettings)
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
-                        description="auto: CUDA when available, else CPU; cpu; cuda or cuda:N (a GPU torch sees)")
+    device: str = Field("auto", description="auto: CUDA when available, else CPU; or a torch device: cpu, cuda, "
+                        "cuda:N (a GPU torch sees), mps, ...")
     threads: int | None = Field(None, ge=1,
                                 description="torch intra-op threads for server-side compute on the CPU; none: torch's default")
     exit_on_finish: bool = False
@@ -147,6 +147,18 @@ class CoordinatorConfig(BaseSettings, NoCoercion):
     _run_id = field_validator("run_id")(_check_run_id)
     _clients = field_validator("client_ids")(_check_client_ids)
     _run = field_validator("run")(_check_no_simulated_faults)
+
+    @field_validator("device")
+    @classmethod
+    def _torch_device(cls, v: str) -> str:
+        if v != "auto":
+            import torch
+
+            try:
+                torch.device(v)
+            except RuntimeError:
+                raise ValueError(f"{v!r} is not a torch device: auto, cpu, cuda, cuda:N, mps, ...") from None
+        return v
 
     @model_validator(mode="after")
     def _sizes(self) -> CoordinatorConfig:

@@ -10,6 +10,7 @@ non-empty directory is refused before anything in it is touched.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -80,11 +81,17 @@ def held(path: str | Path, owner: str) -> Iterator[Path]:
     path = Path(path)
     if not is_workspace(path):
         raise WorkspaceError(f"{path} is not a FedAL workspace (no {MARKER})")
-    try:  # never through a link: what it points to is not the toolkit's to write
-        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW  # never through a link: what it points to is not the toolkit's to write
+    try:
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | flags, 0o644)
+    except PermissionError:  # made by another user (root ran it by hand once): a lock needs no write access
+        try:
+            fd = os.open(path / LOCK, os.O_RDONLY | flags)
+        except OSError as exc:
+            raise WorkspaceError(f"{path / LOCK} cannot be opened by this user ({exc.strerror or exc})") from None
     except OSError as exc:
-        raise WorkspaceError(f"{path / LOCK} cannot be opened ({exc.strerror or exc}); remove it if it is a link") \
-            from None
+        why = "remove it: it is a link" if exc.errno == errno.ELOOP else "check the directory"
+        raise WorkspaceError(f"{path / LOCK} cannot be opened ({exc.strerror or exc}); {why}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -94,8 +101,9 @@ def held(path: str | Path, owner: str) -> Iterator[Path]:
         except OSError as exc:  # a filesystem without locks (some NFS): the run goes on unguarded
             log.warning("%s cannot be locked (%s): nothing stops a second run on it", path, exc.strerror or exc)
         else:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"`{owner}` (PID {os.getpid()})\n".encode(), 0)
+            with contextlib.suppress(OSError):  # who holds it is for the message above; not writable, or a full disk
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"`{owner}` (PID {os.getpid()})\n".encode(), 0)
         yield path
     finally:
         os.close(fd)  # releases the lock

@@ -201,3 +201,23 @@ def test_a_torn_private_file_is_one_error_naming_it(tmp_path):
     with pytest.raises(ValueError, match="is not an .npz of rows x and labels y") as err:
         load_npz_dataset(path, 10, "train")
     assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("small_x_npy_too", [False, True])
+def test_an_entry_named_plain_x_is_checked_as_numpy_reads_it(tmp_path, small_x_npy_too):
+    """numpy reads an entry `x` before `x.npy`: a bomb under that name passed the header check."""
+    import zipfile
+
+    from fedal.data.public import public_rows_from_npz
+
+    big = io.BytesIO()
+    np.lib.format.write_array(big, np.zeros((2000, 2000), np.float32))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        if small_x_npy_too:
+            small = io.BytesIO()
+            np.lib.format.write_array(small, X)
+            z.writestr("x.npy", small.getvalue())
+        z.writestr("x", big.getvalue())
+    with pytest.raises(ValueError, match=r"x declares shape \[2000, 2000\]"):
+        public_rows_from_npz(buf.getvalue(), "served", max_elements=X.size)

@@ -114,3 +114,24 @@ def test_a_second_agent_on_a_workspace_in_use_is_refused(tmp_path):
         agent = Agent(_config(ws))
         assert agent.run() == 1
         assert agent.link.connects == 0
+
+
+def test_a_lock_file_another_user_made_still_locks(tmp_path, monkeypatch):
+    """Run once by hand as root, the agent left .fedal-workspace.lock 0644 root: the service user
+    could not open it for writing and exited 1 at every restart. A lock needs no write access."""
+    import os
+
+    ws = claim_workspace(_config(tmp_path / "ws"))
+    (ws / workspace.LOCK).write_text("`root` (PID 1)\n")
+    real_open = os.open
+
+    def as_another_user(path, flags, *mode):
+        if str(path).endswith(workspace.LOCK) and flags & (os.O_RDWR | os.O_WRONLY):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, flags, *mode)
+
+    monkeypatch.setattr(os, "open", as_another_user)
+    with workspace.held(ws, "the agent c00"):
+        with pytest.raises(WorkspaceError, match="in use by `root` \\(PID 1\\)"):  # still exclusive
+            with workspace.held(ws, "a second agent"):
+                raise AssertionError("a second holder got the lock")

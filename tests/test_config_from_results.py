@@ -76,3 +76,11 @@ def test_a_toml_spelling_out_a_preset_switched_by_a_flag_gets_the_new_strategys(
     kept = load_config(chosen, {"strategy": "fedmd"}).resolved().strategy_params
     assert (kept.tau, kept.lambda_kd, kept.lambda_adv) == (3, 0.5, 0.0)  # chosen values stay
     assert load_config(demo).resolved().strategy_params.lambda_adv == 1.0  # unswitched: as written
+
+
+def test_a_tomls_pinned_values_stay_when_only_the_seed_changes(tmp_path):
+    """A TOML's rows_seed = 0 beside seed = 0 is the user's: --seed 7 keeps it (only a new strategy
+    takes its own preset over a TOML's values)."""
+    pinned = tmp_path / "run.toml"
+    pinned.write_text('seed = 0\n[strategy_params]\nrows_seed = 0\ntau = 5\n')
+    assert load_config(pinned, {"seed": 7}).resolved().strategy_params.rows_seed == 0

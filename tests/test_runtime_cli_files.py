@@ -97,7 +97,7 @@ def test_a_missing_data_file_is_a_usage_error_not_a_join_retried_for_ever(tmp_pa
     ('state_dir = "{tmp}/a-file"', "state_dir {tmp}/a-file is not a directory"),
     ('state_dir = "/proc/fedal-state"', "state_dir /proc/fedal-state cannot be created"),
     ('state_dir = "{tmp}/s"\nstore_url = "garbage://x"', "the run store garbage://x cannot be opened"),
-    ('state_dir = "{tmp}/s"\ndevice = "tpu"', "device: String should match pattern"),
+    ('state_dir = "{tmp}/s"\ndevice = "tpu"', "device: 'tpu' is not a torch device"),
     ('state_dir = "{tmp}/s"\ndevice = "cuda:7"', "device cuda:7: torch sees"),
     ('state_dir = "{tmp}/s"\nresults_file = "/proc/r.json"', "results_file: /proc/r.json is not writable here"),
 ])
@@ -106,7 +106,10 @@ def test_coordinator_config_values_it_cannot_use_are_one_line_errors(tmp_path, e
     torch has not), or a results file lost at the run's end."""
     (tmp_path / "a-file").write_text("")
     config = tmp_path / "c.toml"
-    config.write_text('run_id = "r"\nclient_ids = ["a", "b"]\n' + extra.format(tmp=tmp_path) + "\n")
+    from fedal.ports import free_port
+
+    config.write_text('run_id = "r"\nclient_ids = ["a", "b"]\n' + extra.format(tmp=tmp_path)
+                      + f"\n[api]\nport = {free_port()}\n")  # (not 8080: this machine's may be taken)
     r = subprocess.run([sys.executable, "-m", "coordinator", "--config", str(config)], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode in (1, 2) and complaint.format(tmp=tmp_path) in r.stderr, r.stderr

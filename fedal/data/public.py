@@ -89,20 +89,27 @@ def public_rows_from_npz(data: bytes, where: str, max_elements: int | None = Non
 
 
 def _check_declared_size(data: bytes, where: str, max_elements: int) -> None:
-    """The size `x.npy` declares (its zip entry and its .npy header) within max_elements float64s."""
+    """The sizes the archive declares within max_elements float64s: every entry's inflated size
+    together, and the shape `x`'s .npy header declares (numpy reads an entry named `x` before
+    one named `x.npy`: whichever it would read is the one checked)."""
+    limit_bytes = max_elements * 8 + (1 << 16)  # float64 rows at most, and the headers
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
-            info = z.getinfo("x.npy")
-            with z.open(info) as member:
-                major, _minor = np.lib.format.read_magic(member)
-                read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-                shape, _, dtype = read_header(member)
-    except KeyError:
-        return  # no x: np.load below names what the file holds
+            infos = z.infolist()
+            inflated = sum(info.file_size for info in infos)
+            names = {info.filename: info for info in infos}
+            info = names.get("x") or names.get("x.npy")
+            if info is None:
+                shape, dtype = None, None  # no x: np.load below names what the file holds
+            else:
+                with z.open(info) as member:
+                    major, _minor = np.lib.format.read_magic(member)
+                    read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+                    shape, _, dtype = read_header(member)
     except (ValueError, EOFError, OSError, zipfile.BadZipFile, zlib.error) as exc:
         raise ValueError(f"{where} is not a readable .npz file: {exc}") from None
-    elements = int(np.prod(shape, dtype=object))
-    limit_bytes = max_elements * 8 + (1 << 16)  # float64 rows at most, and the header
-    if elements > max_elements or info.file_size > limit_bytes:
-        raise ValueError(f"{where}: x declares shape {list(shape)} of {dtype} ({info.file_size} bytes inflated), more "
-                         f"than the run's public set can hold ({max_elements} values)")
+    elements = 0 if shape is None else int(np.prod(shape, dtype=object))
+    if elements > max_elements or inflated > limit_bytes:
+        what = f"x declares shape {list(shape)} of {dtype}" if shape is not None else "its entries"
+        raise ValueError(f"{where}: {what} ({inflated} bytes inflated in all), more than the run's public set can "
+                         f"hold ({max_elements} values)")

@@ -243,7 +243,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         data = _read_config_file(Path(path))
         given = {k: v for k, v in (overrides or {}).items() if v is not None}
         changed = {k for k in DERIVED_FROM if k in given and given[k] != data.get(k)}
-        if changed:  # a results file's resolved config, or a TOML spelling out a preset (examples/demo.toml)
+        # a results file's resolved config spells out every derived value; a TOML's values were
+        # written by hand, so only a new strategy takes its own preset over them (examples/demo.toml
+        # writes FedAL's out: `--strategy fedmd` ran FedAL's settings labelled fedmd)
+        if changed if _is_json(Path(path), None) else "strategy" in changed:
             data = _without_derived(data)
     if "privacy" in data:  # the [privacy] table: travels with the strategy parameters to every device
         privacy = data.pop("privacy")
