@@ -23,7 +23,9 @@ __all__ = ["claim_workspace", "foreign_entries", "OWN_NAMES"]
 
 # what an agent writes into its workspace (edge_agent.agent, public_set, inference)
 OWN_NAMES = frozenset({"checkpoint.pt", "round-start.pt", "journal.bin", "public.npz", "agent-status.json",
-                       "final", "snapshots", workspace.MARKER, workspace.LOCK})
+                       "final", "snapshots", workspace.MARKER, workspace.LOCK,
+                       # on a Pi's state directory: the service's dataset cache (FEDAL_CACHE_DIR), firstboot's mark
+                       "cache", ".firstboot-done"})
 _TORN = re.compile(r"^\.(?P<name>.+)\.[^.]+\.tmp$")  # fedal.atomic's temporary names: .NAME.XXXX.tmp
 
 

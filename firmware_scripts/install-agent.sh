@@ -345,7 +345,7 @@ for i in ${DATA[@]+"${!DATA[@]}"}; do
   put_file "${DATA[$i]}" "${DATA_DEST[$i]}" 0640 svc
 done
 if [ -n "$DATA_PATH" ] && [ ! -e "$ROOT$DATA_PATH" ] && [ "$DRY" -eq 0 ]; then
-  say "warning: the config's data_file $DATA_PATH does not exist: the agent cannot train until it does (give --data FILE)"
+  say "warning: the config's data_file $DATA_PATH does not exist: the agent will not start until it does (it exits 2 and the service waits; give --data FILE, which restarts it)"
 fi
 
 # -- 3. virtualenv and the agent ----------------------------------------------------------------

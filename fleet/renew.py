@@ -7,7 +7,9 @@ alternative, `fleet init --force`, makes a new CA and new passwords: every devic
 
 from __future__ import annotations
 
+import datetime as dt
 import ipaddress
+import json
 from pathlib import Path
 
 from cryptography import x509
@@ -55,7 +57,20 @@ def renew_server_cert(out: Path, days: int = 825) -> dict[str, object]:
     names = _names(current)
     if not names:
         raise FleetError(f"{files['broker/server.crt']} names no host (no subjectAltName)")
+    ca_days_left = (ca_cert.not_valid_after_utc - dt.datetime.now(dt.UTC)).days
+    if ca_days_left < 1:
+        raise FleetError(f"the fleet's CA expired on {tls.not_after(files['ca/ca.crt'].read_bytes())}: a certificate "
+                         "it signs is refused by every verifier; make a new fleet (`fleet init --force`)")
+    days = min(days, ca_days_left)  # never past the CA that vouches for it
     pem = tls.make_server_cert(ca_key, ca_cert, names, days=days)
     _write(out / "broker" / "server.crt", pem.cert, 0o644)
     _write(out / "broker" / "server.key", pem.key, 0o600)
+    summary_path = out / "fleet.json"
+    try:  # the date fleet init recorded: this certificate's now
+        summary = json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        summary = None
+    if isinstance(summary, dict):
+        summary["server_cert_not_after"] = tls.not_after(pem.cert)
+        _write(summary_path, json.dumps(summary, indent=2) + "\n", 0o644)
     return {"names": names, "not_after": tls.not_after(pem.cert), "ca_not_after": tls.not_after(files["ca/ca.crt"].read_bytes())}

@@ -73,6 +73,8 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
         else:
             ids = client_ids(clients, prefix)
         credentials = device_credentials(credentials_dir, ids) if credentials_dir else None
+        if credentials_dir:
+            check_acl_run_id(Path(credentials_dir), run_id)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if reconnect_max < reconnect_min:
@@ -196,6 +198,19 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
         raise SystemExit(128 + int(stop["signal"]))
     if outcome != "finished":
         raise SystemExit(1)
+
+
+def check_acl_run_id(credentials_dir: Path, run_id: str) -> None:
+    """ValueError if the fleet the credentials come from lets its devices write under another run id
+    (`fleet init` writes it into the broker ACL): every connection would be refused, for ever."""
+    try:
+        summary = json.loads((credentials_dir.parent / "fleet.json").read_text())
+    except (OSError, ValueError):
+        return  # not a `fleet init` output, or an older one (its ACL has `+`)
+    acl = summary.get("acl_run_id") if isinstance(summary, dict) else None
+    if isinstance(acl, str) and acl not in ("+", run_id):
+        raise ValueError(f"the fleet in {credentials_dir.parent} lets its devices write only under run id {acl!r} "
+                         f"(its broker ACL): give --run-id {acl}, or provision it with `fleet init --any-run-id`")
 
 
 def _progress(bar, fleet) -> None:

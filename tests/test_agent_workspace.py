@@ -80,6 +80,8 @@ def test_an_unmarked_agent_workspace_and_the_installers_state_dir_are_adopted(tm
     state.mkdir()
     (state / "pi-3.npz").write_bytes(b"data")
     (state / "test.npz").write_bytes(b"test")
+    (state / ".firstboot-done").write_text("")  # and what the service and firstboot keep there
+    (state / "cache").mkdir()
     cfg = _config(state, data=state / "pi-3.npz").model_copy(update={"test_file": state / "test.npz"})
     claim_workspace(cfg)
     assert workspace.is_workspace(state)

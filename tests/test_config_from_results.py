@@ -84,3 +84,12 @@ def test_a_tomls_pinned_values_stay_when_only_the_seed_changes(tmp_path):
     pinned = tmp_path / "run.toml"
     pinned.write_text('seed = 0\n[strategy_params]\nrows_seed = 0\ntau = 5\n')
     assert load_config(pinned, {"seed": 7}).resolved().strategy_params.rows_seed == 0
+
+
+def test_a_ray_runs_results_rerun_in_process_with_a_flag(tmp_path):
+    """Its saved ray_actors and client_resources were refused without the ray backend."""
+    path = saved(tmp_path, strategy="fedmd", backend="ray", ray_actors=2, client_resources="num_cpus=1", **FIELDS)
+    rerun = load_config(path, {"backend": "inprocess"})
+    assert (rerun.backend, rerun.ray_actors, rerun.client_resources) == ("inprocess", None, None)
+    with pytest.raises(Exception, match="apply to the ray backend only"):
+        load_config(path, {"backend": "inprocess", "ray_actors": 3})  # asked for now: still refused

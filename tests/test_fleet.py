@@ -316,6 +316,11 @@ def test_renew_cert_issues_a_new_server_certificate_from_the_same_ca_for_the_sam
     new.verify_directly_issued_by(ca)  # raises if not
     assert (out / "broker" / "server.key").read_bytes() != old_key and new.public_bytes(Encoding.PEM) != old_cert
     assert 29 <= (new.not_valid_after_utc - new.not_valid_before_utc).days <= 31
+    assert json.loads((out / "fleet.json").read_text())["server_cert_not_after"] == \
+        new.not_valid_after_utc.date().isoformat()
+    result = CliRunner().invoke(cli, ["fleet", "renew-cert", "--out", str(out), "--days", "3650"])
+    longest = x509.load_pem_x509_certificate((out / "broker" / "server.crt").read_bytes())
+    assert result.exit_code == 0 and longest.not_valid_after_utc <= ca.not_valid_after_utc  # never past its CA
     san = new.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.DNSName) == ["broker.lan"]
     assert [str(a) for a in san.get_values_for_type(x509.IPAddress)] == ["10.0.0.5"]

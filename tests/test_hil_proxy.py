@@ -322,9 +322,11 @@ def test_fleet_refuses_a_status_file_it_did_not_write_or_cannot_write_before_it_
     assert mine.read_text() == "mine" and (tmp_path / "mine.tmp").read_text() == "also mine"
     ours = tmp_path / "status.json"
     result = CliRunner().invoke(hil_cmd, [*base, "--status-file", str(ours)])  # ends at its timeout, writes it
-    assert json.loads(ours.read_text())["run_id"] == "r"
+    first = json.loads(ours.read_text())
+    assert first["run_id"] == "r"
     result = CliRunner().invoke(hil_cmd, [*base, "--status-file", str(ours)])  # its own: replaced
-    assert "Traceback" not in result.output and json.loads(ours.read_text())["clients"] == 2
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output  # (1: timed out, not refused)
+    assert json.loads(ours.read_text())["ts"] > first["ts"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json", "mine.tmp", "status.json"]
 
 
@@ -339,3 +341,18 @@ def test_fleet_says_why_the_coordinator_it_started_exited(tmp_path):
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 1 and '"outcome": "coordinator exited"' in r.stdout, r.stdout + r.stderr
     assert "the coordinator exited with status 2: Error: invalid config" in r.stderr and "num_classes" in r.stderr
+
+
+def test_fleet_refuses_credentials_of_a_fleet_pinned_to_another_run_id(tmp_path):
+    """The broker ACL names the fleet's run id: with another --run-id every connection was refused
+    and, without --timeout, the fleet waited for ever."""
+    from click.testing import CliRunner
+
+    from fedal_cli.main import cli
+
+    out = tmp_path / "fleet"
+    assert CliRunner().invoke(cli, ["fleet", "init", "--devices", "2", "--broker", "mqtt://127.0.0.1:1",
+                                    "--run-id", "lab", "--out", str(out)]).exit_code == 0
+    result = CliRunner().invoke(cli, ["hil", "fleet", "--clients", "2", "--run-id", "other", "--ids", "pi-1,pi-2",
+                                      "--credentials-dir", str(out / "devices"), "--broker", "mqtt://127.0.0.1:1"])
+    assert result.exit_code == 2 and "only under run id 'lab'" in result.output, result.output

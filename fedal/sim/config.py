@@ -248,6 +248,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         # writes FedAL's out: `--strategy fedmd` ran FedAL's settings labelled fedmd)
         if changed if _is_json(Path(path), None) else "strategy" in changed:
             data = _without_derived(data)
+    if (overrides or {}).get("backend") not in (None, "ray"):  # where a saved Ray run computed: not asked now
+        for key in RAY_KEYS:
+            if (overrides or {}).get(key) is None:
+                data.pop(key, None)
     if "privacy" in data:  # the [privacy] table: travels with the strategy parameters to every device
         privacy = data.pop("privacy")
         data.setdefault("strategy_params", {})["privacy"] = privacy
@@ -276,6 +280,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 
 DERIVED_FIELDS = ("models", "mnist1d_samples", "celeba_attribute")
+RAY_KEYS = ("ray_address", "ray_actors", "client_resources")  # the ray backend's alone
 DERIVED_FROM = ("strategy", "dataset", "seed", "rounds")  # what `resolved()` derives them from
 
 
