@@ -74,7 +74,8 @@ def claim_workspace(config: AgentConfig) -> Path:
         if not foreign:
             raise
         shown = ", ".join(e.name for e in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        verb = "is" if len(foreign) == 1 else "are"
         raise WorkspaceError(
-            f"{exc}. The agent writes its checkpoints and final model there, and {shown} are not the agent's: set "
+            f"{exc}. The agent writes its checkpoints and final model there, and {shown} {verb} not the agent's: set "
             f"`workspace` to a directory of its own. (To let the agent use this one as it is, create the file "
             f"{path / workspace.MARKER}.)") from None

@@ -50,7 +50,7 @@ def claim(path: str | Path, owner: str, adoptable: Callable[[list[Path]], bool] 
                 f"{path} is not empty and is not a FedAL workspace (it has no {MARKER} file): refusing to "
                 f"delete or overwrite anything in it; give a new or an empty directory")
         if entries:
-            log.info("adopting %s as the workspace of `%s`: it holds only files of its own", path, owner)
+            log.info("adopting %s as the workspace of `%s`", path, owner)
     path.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).isoformat(timespec="seconds")
     (path / MARKER).write_text(f"FedAL workspace created by `{owner}` at {stamp}.\n"

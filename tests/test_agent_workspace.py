@@ -92,7 +92,7 @@ def test_a_file_the_config_does_not_name_is_not_adopted_even_among_the_agents_ow
     ws.mkdir()
     (ws / "checkpoint.pt").write_bytes(b"x")
     (ws / "other.npz").write_bytes(b"x")
-    with pytest.raises(WorkspaceError, match="other.npz are not the agent's"):
+    with pytest.raises(WorkspaceError, match="other.npz is not the agent's"):
         claim_workspace(_config(ws))
     assert not workspace.is_workspace(ws)
 
