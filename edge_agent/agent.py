@@ -126,6 +126,7 @@ class Agent:
         self.reassembler = Reassembler(max_size=b.max_message_bytes, max_sender_bytes=b.max_message_bytes,
                                        max_total_bytes=b.max_message_bytes)  # one sender: the coordinator
         self.stop_event = threading.Event()
+        self.stop_requested = False  # set by request_stop() from a signal handler
         self.finished = threading.Event()
         self.counters: Counter[str] = Counter()
         self.rejects: Counter[str] = Counter()  # the rejected messages by why
@@ -171,8 +172,8 @@ class Agent:
         torch.set_num_threads(self.config.threads)
         self.link.start()
         self.worker.start()
-        while not self.stop_event.is_set() and not self.finished.is_set():
-            self.stop_event.wait(0.2)
+        while not self.stop_event.is_set() and not self.finished.is_set() and not self.stop_requested:
+            time.sleep(0.2)  # (not stop_event.wait: a signal handler interrupting it must find no lock held)
         self.stop_event.set()
         self.worker.join(timeout=30)
         self.link.stop()
@@ -181,6 +182,12 @@ class Agent:
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    def request_stop(self) -> None:
+        """stop() for a signal handler: it takes no lock. Event.set() does, and the main thread the
+        handler interrupts may hold that very lock (in Event.wait or set): a second SIGTERM/SIGHUP
+        then hung the agent for ever, its port and workspace lock held."""
+        self.stop_requested = True
 
     # -- worker thread -----------------------------------------------------------------------
     def _work(self) -> None:

@@ -50,7 +50,7 @@ def agent_cmd(config_path: str | None, log_level: str, self_check: bool) -> None
 
     agent = Agent(config)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal closed
-        signal.signal(sig, lambda *_: agent.stop())
+        signal.signal(sig, lambda *_: agent.request_stop())  # no lock in a handler (Agent.request_stop)
     sys.exit(agent.run())
 
 

@@ -140,7 +140,7 @@ def test_the_workspace_lock_is_never_written_through_a_link(tmp_path):
     precious = tmp_path / "precious.txt"
     precious.write_text("a user's file\n")
     (ws / workspace.LOCK).symlink_to(precious)
-    with pytest.raises(workspace.WorkspaceError, match="remove it if it is a link"):
+    with pytest.raises(workspace.WorkspaceError, match="remove it: it is a link"):
         with workspace.held(ws, "fedal demo"):
             pytest.fail("held a workspace through a lock file that is a link")
     assert precious.read_text() == "a user's file\n"

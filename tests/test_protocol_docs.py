@@ -226,8 +226,12 @@ def marked_lists(text: str, name: str) -> list[list[str]]:
 # -- what the code produces ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Capture]:
-    return {s: deploy(s, tmp_path_factory.mktemp(s)) for s in STRATEGY_NAMES}
+def runs(tmp_path_factory):
+    captured = {s: deploy(s, tmp_path_factory.mktemp(s)) for s in STRATEGY_NAMES}
+    yield captured
+    for cap in captured.values():  # their journals stay open otherwise, until some later test's garbage collection
+        for agent in cap.agents.values():
+            agent.journal.close()
 
 
 @pytest.fixture(scope="module")
