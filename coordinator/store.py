@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,8 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import Engine, make_url
+
+from fedal.protocol.broker_url import without_password
 
 metadata = MetaData()
 
@@ -115,7 +116,7 @@ def _shown_url(url: str) -> str:
     try:
         return make_url(url).render_as_string(hide_password=True)
     except (exc.ArgumentError, ValueError):
-        return re.sub(r"^([^/]*//[^/@]*?:)[^/]*@", r"\1***@", url)
+        return without_password(url)  # one SQLAlchemy's parser refuses
 
 
 class StoreError(RuntimeError):

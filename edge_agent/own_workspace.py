@@ -11,10 +11,10 @@ if it is the service's own state directory (systemd's $STATE_DIRECTORY).
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from fedal import workspace
+from fedal.atomic import TEMPORARY_NAME
 from fedal.workspace import WorkspaceError
 
 from .config import AgentConfig
@@ -26,7 +26,6 @@ OWN_NAMES = frozenset({"checkpoint.pt", "round-start.pt", "journal.bin", "public
                        "final", "snapshots", workspace.MARKER, workspace.LOCK,
                        # on a Pi's state directory: the service's dataset cache (FEDAL_CACHE_DIR), firstboot's mark
                        "cache", ".firstboot-done"})
-_TORN = re.compile(r"^\.(?P<name>.+)\.[^.]+\.tmp$")  # fedal.atomic's temporary names: .NAME.XXXX.tmp
 
 
 def _named_files(config: AgentConfig) -> set[Path]:
@@ -39,7 +38,7 @@ def foreign_entries(config: AgentConfig, entries: list[Path]) -> list[Path]:
     named = _named_files(config)
     out = []
     for entry in entries:
-        torn = _TORN.match(entry.name)
+        torn = TEMPORARY_NAME.match(entry.name)  # our own writes, torn by a crash
         if entry.name in OWN_NAMES or (torn and torn["name"] in OWN_NAMES):
             continue
         if Path(os.path.abspath(entry)) in named:

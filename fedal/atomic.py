@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
+
+# What write_atomic names a file before its rename (mkstemp's random part has no dot): a name a
+# write cut short (a power cut, SIGKILL) leaves behind, `.<name>.<random>.tmp`.
+TEMPORARY_NAME = re.compile(r"^\.(?P<name>.+)\.[^.]+\.tmp$")
 
 
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], Any]) -> None:

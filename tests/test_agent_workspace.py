@@ -9,21 +9,12 @@ import subprocess
 import sys
 
 import pytest
+import tomli_w
 
 from edge_agent.config import AgentConfig
 from edge_agent.own_workspace import claim_workspace
 from fedal import workspace
 from fedal.workspace import WorkspaceError
-
-CONFIG = """client_id = "c00"
-run_id = "lab"
-model = "mlp"
-data_file = "{data}"
-workspace = "{workspace}"
-
-[broker]
-url = "mqtt://127.0.0.1:1"
-"""
 
 
 def _config(ws, data=None) -> AgentConfig:
@@ -38,7 +29,7 @@ def test_a_users_folder_is_refused_by_the_agent_command_and_left_as_it_was(tmp_p
     (ws / "checkpoint.pt").write_bytes(b"someone else's checkpoint")
     config = tmp_path / "agent.toml"
     (tmp_path / "train.npz").write_bytes(b"")
-    config.write_text(CONFIG.format(data=tmp_path / "train.npz", workspace=ws))
+    config.write_text(tomli_w.dumps(_config(ws, data=tmp_path / "train.npz").model_dump(mode="json", exclude_defaults=True)))
     out = subprocess.run([sys.executable, "-m", "edge_agent", "--config", str(config)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2, out.stderr

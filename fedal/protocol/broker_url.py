@@ -31,24 +31,25 @@ class BrokerAddress:
         return f"{'mqtts' if self.tls else 'mqtt'}://{user}{self.host}:{self.port}"
 
 
-def shown(url: str) -> str:
-    """A broker URL as an error message may quote it: its password, if any, as ***."""
+def without_password(url: str) -> str:
+    """A URL (a broker's, a store's) as an error message may quote it: its password, if any, as ***.
+    Textual, so it works on URLs no parser takes (those are what error messages quote)."""
     return re.sub(r"^([^/]*//[^/@]*?:)[^/]*@", r"\1***@", url)
 
 
 def parse_broker_url(url: str) -> BrokerAddress:
     parts = urlsplit(url)
     if parts.scheme not in ("mqtt", "mqtts"):
-        raise ValueError(f"broker URL {shown(url)!r} must start with mqtt:// or mqtts://")
+        raise ValueError(f"broker URL {without_password(url)!r} must start with mqtt:// or mqtts://")
     if not parts.hostname:
-        raise ValueError(f"broker URL {shown(url)!r} has no host")
+        raise ValueError(f"broker URL {without_password(url)!r} has no host")
     tls = parts.scheme == "mqtts"
     try:
         given = parts.port
     except ValueError:
-        raise ValueError(f"broker URL {shown(url)!r} has an invalid port") from None
+        raise ValueError(f"broker URL {without_password(url)!r} has an invalid port") from None
     if given == 0:  # (`or` below would have taken it for "no port" and used the default)
-        raise ValueError(f"broker URL {shown(url)!r} has an invalid port: 0")
+        raise ValueError(f"broker URL {without_password(url)!r} has an invalid port: 0")
     port = given or (8883 if tls else 1883)
     return BrokerAddress(
         host=parts.hostname,
