@@ -288,7 +288,7 @@ cp "$CONFIG" "$P/agent.toml"
 if [ -n "$CA" ]; then cp "$CA" "$P/ca.crt"; fi
 cp "$WHEEL" "$P/"
 for f in ${DATA[@]+"${DATA[@]}"}; do cp "$f" "$P/data/"; done
-cp "$SCRIPT_DIR/install-agent.sh" "$SCRIPT_DIR/prune-venv.py" "$SCRIPT_DIR/fedal-agent.service" "$P/"
+cp "$SCRIPT_DIR/install-agent.sh" "$SCRIPT_DIR/prune-venv.py" "$SCRIPT_DIR/fix-meta.py" "$SCRIPT_DIR/fedal-agent.service" "$P/"
 cp "$SCRIPT_DIR"/constraints/*.txt "$P/constraints/"
 cp "$SCRIPT_DIR/boot/stage.sh" "$SCRIPT_DIR/boot/firstboot.sh" "$SCRIPT_DIR/boot/fedal-firstboot.service" "$P/"
 : >"$P/install-args"

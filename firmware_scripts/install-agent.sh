@@ -100,7 +100,9 @@ esac
 
 CONSTRAINTS_FILE="$SCRIPT_DIR/constraints/$ARCH.txt"
 [ -f "$CONSTRAINTS_FILE" ] || die "missing $CONSTRAINTS_FILE"
-[ -f "$SCRIPT_DIR/prune-venv.py" ] || die "missing $SCRIPT_DIR/prune-venv.py (it ships next to install-agent.sh)"
+for helper in prune-venv.py fix-meta.py; do
+  [ -f "$SCRIPT_DIR/$helper" ] || die "missing $SCRIPT_DIR/$helper (it ships next to install-agent.sh)"
+done
 PINNED_TORCH="$(sed -n 's/^torch==\([^ ;#]*\).*/\1/p' "$CONSTRAINTS_FILE")"
 [ -n "$PINNED_TORCH" ] || die "$CONSTRAINTS_FILE pins no torch version"
 TORCH_VERSION="${TORCH_VERSION:-$PINNED_TORCH}"
@@ -263,26 +265,35 @@ ids_of() {
 CAN_CHOWN=0
 [ "$(id -u)" -eq 0 ] && CAN_CHOWN=1
 
-# ensure_meta PATH MODE OWNER(root|svc): fix mode and owner if they differ
+# ensure_meta PATH MODE OWNER(root|svc|group): fix mode and owner if they differ, through a
+# descriptor that follows no link (fix-meta.py): the state directory is the service user's, and a
+# chmod/chown by name there would follow a link swapped in between two commands
 ensure_meta() {
-  local path="$1" mode="$2" who="$3" want have
-  if [ "$(stat -c %a "$path")" != "${mode#0}" ]; then run chmod "$mode" "$path"; changed "mode $mode: $path"; fi
-  [ "$CAN_CHOWN" -eq 1 ] || return 0
-  want="0:0"
-  if [ "$who" != root ]; then
-    want="$(ids_of "$SVC_USER")"
-    [ -n "$want" ] || return 0
-    [ "$who" = svc ] || want="0:${want#*:}"  # root:<service group>
+  local path="$1" mode="$2" who="$3" want="-" out line
+  if [ "$CAN_CHOWN" -eq 1 ]; then
+    want="0:0"
+    if [ "$who" != root ]; then
+      want="$(ids_of "$SVC_USER")"
+      [ -n "$want" ] || want="-"
+      [ "$who" = svc ] || [ "$want" = "-" ] || want="0:${want#*:}"  # root:<service group>
+    fi
   fi
-  have="$(stat -c %u:%g "$path")"
-  if [ "$have" != "$want" ]; then run chown "$want" "$path"; changed "owner $want: $path"; fi
+  local dry=()
+  [ "$DRY" -eq 0 ] || dry=(--dry-run)
+  out="$("$PY" -I "$SCRIPT_DIR/fix-meta.py" ${dry[@]+"${dry[@]}"} "$path" "$mode" "$want")" || exit 2
+  while IFS= read -r line; do
+    [ -z "$line" ] || changed "$line"
+  done <<<"$out"
 }
 
 # put_file SRC DEST MODE OWNER: install SRC as DEST unless it is already identical
 put_file() {
   local src="$1" dest="$ROOT$2" mode="$3" who="$4"
-  if [ -f "$dest" ] && cmp -s "$src" "$dest"; then
-    ensure_meta "$dest" "$mode" "$who"
+  if [ -L "$dest" ] && [ "${2#"$STATE"/}" != "$2" ]; then
+    :  # a link in the service user's directory is not ours to follow: install replaces the link itself
+  elif [ -f "$dest" ] && cmp -s "$src" "$dest"; then
+    # a link elsewhere (a CA in the system's store) lies in root's directories: its target is fixed
+    ensure_meta "$(readlink -f "$dest")" "$mode" "$who"
     return 0
   fi
   run install -D -m "$mode" "$src" "$dest"

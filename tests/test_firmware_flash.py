@@ -136,7 +136,8 @@ def test_firstrun_image_gets_config_credentials_and_hook(tmp_path, device):
     assert fat_read(img, "fedal/agent.toml", tmp_path).decode() == AGENT_TOML
     assert fat_read(img, "fedal/ca.crt", tmp_path).decode() == CA  # found next to the config
     assert fat_read(img, "fedal/data/train.npz", tmp_path) == b"private data"
-    for name in ("install-agent.sh", "prune-venv.py", "fedal-agent.service", "constraints/aarch64.txt", "constraints/x86_64.txt"):
+    for name in ("install-agent.sh", "prune-venv.py", "fix-meta.py", "fedal-agent.service",
+                 "constraints/aarch64.txt", "constraints/x86_64.txt"):
         assert fat_read(img, f"fedal/{name}", tmp_path) == (SCRIPTS / name).read_bytes()
     for name in ("stage.sh", "firstboot.sh", "fedal-firstboot.service"):
         assert fat_read(img, f"fedal/{name}", tmp_path) == (SCRIPTS / "boot" / name).read_bytes()

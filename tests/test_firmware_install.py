@@ -394,3 +394,51 @@ def test_an_unknown_model_is_refused_before_pip_runs(tmp_path, inputs):
         assert not any((tmp_path / root).rglob("*.toml"))  # nothing installed
     r = install("--root", str(tmp_path / "ok"), "--config", str(cfg), "--wheel", str(wheel), "--skip-pip")
     assert r.returncode == 0, r.stderr  # the wheel's own zoo has that name
+
+
+def test_a_link_swapped_into_the_state_directory_is_never_followed(tmp_path, inputs):
+    """The service user can write its state directory. A data file it replaced with a link (to
+    the shadow file, say) is replaced by the installer, never chmod-ed or chown-ed through."""
+    root = tmp_path / "root"
+    base_root(root)
+    args = ["--root", str(root), "--config", str(inputs / "agent.toml"), "--skip-pip",
+            "--data", str(inputs / "train.npz")]
+    assert install(*args).returncode == 0
+    state = root / "var/lib/fedal-agent"
+    shadow = root / "etc/shadow"
+    before = shadow.stat()
+    (state / "train.npz").unlink()
+    (state / "train.npz").symlink_to(shadow)
+    (inputs / "train.npz").write_bytes(shadow.read_bytes())  # identical content: only the metadata would be fixed
+    r = install(*args)
+    assert r.returncode == 0, r.stderr + r.stdout
+    after = shadow.stat()
+    assert (stat.S_IMODE(after.st_mode), after.st_uid, after.st_gid) == \
+        (stat.S_IMODE(before.st_mode), before.st_uid, before.st_gid) == (0o600, before.st_uid, before.st_gid)
+    assert not (state / "train.npz").is_symlink() and stat.S_IMODE((state / "train.npz").stat().st_mode) == 0o640
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo"])
+def test_fix_meta_refuses_what_a_name_could_redirect(tmp_path, kind):
+    """The race the installer cannot close by checking first: the name is swapped after the
+    install. fix-meta.py works on the descriptor it opened without following links."""
+    target = tmp_path / "shadow"
+    target.write_text("root:*:1::::::\n")
+    target.chmod(0o600)
+    path = tmp_path / "train.npz"
+    if kind == "symlink":
+        path.symlink_to(target)
+    elif kind == "hardlink":
+        os.link(target, path)
+    else:
+        os.mkfifo(path)
+    r = subprocess.run([sys.executable, str(SCRIPTS / "fix-meta.py"), str(path), "0644", f"{os.getuid()}:{os.getgid()}"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and str(path) in r.stderr and "left it as it is" in r.stderr
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    ok = tmp_path / "plain"
+    ok.write_text("x")
+    ok.chmod(0o600)
+    r = subprocess.run([sys.executable, str(SCRIPTS / "fix-meta.py"), str(ok), "0640", "-"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout == f"mode 0640: {ok}\n" and stat.S_IMODE(ok.stat().st_mode) == 0o640
