@@ -17,7 +17,10 @@ Usage: flash.sh --image IMG_OR_DEVICE --config agent.toml [options]
                         config sets broker.ca_file)
   --hostname NAME       the device's hostname
   --wifi-ssid SSID      Wi-Fi network to join (with --wifi-psk and --wifi-country)
-  --wifi-psk PSK        its passphrase (8-63 characters, or 64 hex digits)
+  --wifi-psk-file FILE  its passphrase, the file's first line (8-63 characters, or 64 hex digits;
+                        an empty line for an open network); - reads it from standard input
+  --wifi-psk PSK        the passphrase on the command line instead (other users of this machine
+                        can read a process's arguments while it runs: prefer --wifi-psk-file)
   --wifi-country CC     two-letter country code (Wi-Fi stays off without one)
   --ssh-key FILE        public key(s) allowed to log in over SSH (passwords stay off)
   --user NAME           login user for --ssh-key (default: pi)
@@ -43,7 +46,7 @@ REPO="$(cd "$SCRIPT_DIR/.." && pwd)"
 PY="${FEDAL_PYTHON:-python3}"
 
 IMAGE="" CONFIG="" CA="" HOST="" SSID="" PSK="" COUNTRY="" SSH_KEY="" LOGIN=pi WHEEL="" TORCH_INDEX="" TORCH_VERSION="" WHEELHOUSE=""
-MODE=auto BOOT_MOUNT=/boot/firmware PSK_SET=0
+MODE=auto BOOT_MOUNT=/boot/firmware PSK_SET=0 PSK_FILE=""
 DATA=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -52,7 +55,8 @@ while [ $# -gt 0 ]; do
     --ca) CA="${2:?--ca needs a file}"; shift 2 ;;
     --hostname) HOST="${2:?--hostname needs a name}"; shift 2 ;;
     --wifi-ssid) SSID="${2:?--wifi-ssid needs a value}"; shift 2 ;;
-    --wifi-psk) PSK="${2?--wifi-psk needs a value}"; PSK_SET=1; shift 2 ;;
+    --wifi-psk) PSK="${2?--wifi-psk needs a value}"; PSK_SET=$((PSK_SET + 1)); shift 2 ;;
+    --wifi-psk-file) PSK_FILE="${2:?--wifi-psk-file needs a file (- for standard input)}"; PSK_SET=$((PSK_SET + 1)); shift 2 ;;
     --wifi-country) COUNTRY="${2:?--wifi-country needs a code}"; shift 2 ;;
     --ssh-key) SSH_KEY="${2:?--ssh-key needs a file}"; shift 2 ;;
     --user) LOGIN="${2:?--user needs a name}"; shift 2 ;;
@@ -101,16 +105,26 @@ case "$BOOT_MOUNT" in /*) BOOT_MOUNT="${BOOT_MOUNT%/}" ;; *) die "--boot-mount m
 if [ -n "$HOST" ] && ! printf '%s' "$HOST" | grep -Eq '^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$'; then
   die "invalid --hostname '$HOST': letters, digits and '-', 1-63 characters, no '-' at either end"
 fi
+[ "$PSK_SET" -le 1 ] || die "give the passphrase once: --wifi-psk or --wifi-psk-file"
+if [ -n "$PSK_FILE" ]; then
+  if [ "$PSK_FILE" = - ]; then
+    IFS= read -r PSK || [ -n "$PSK" ] || die "--wifi-psk-file -: nothing on standard input"
+  else
+    if [ ! -f "$PSK_FILE" ] || [ ! -r "$PSK_FILE" ]; then die "--wifi-psk-file $PSK_FILE is not a readable file"; fi
+    IFS= read -r PSK <"$PSK_FILE" || [ -n "$PSK" ] || [ -s "$PSK_FILE" ] || die "--wifi-psk-file $PSK_FILE is empty (an open network: a file holding one empty line)"
+  fi
+  PSK="${PSK%$'\r'}"
+fi
 if [ -n "$SSID" ]; then
   [ "${#SSID}" -le 32 ] || die "--wifi-ssid is longer than 32 bytes"
   [ -n "$COUNTRY" ] || die "--wifi-ssid needs --wifi-country (Raspberry Pi OS keeps Wi-Fi off until the country is set)"
-  [ "$PSK_SET" -eq 1 ] || die "--wifi-ssid needs --wifi-psk (use --wifi-psk '' for an open network)"
+  [ "$PSK_SET" -eq 1 ] || die "--wifi-ssid needs --wifi-psk-file (or --wifi-psk; '' for an open network)"
   if [ -n "$PSK" ] && ! { [ "${#PSK}" -ge 8 ] && [ "${#PSK}" -le 63 ]; } && ! printf '%s' "$PSK" | grep -Eq '^[0-9A-Fa-f]{64}$'; then
-    die "--wifi-psk must be 8-63 characters (or 64 hex digits)"
+    die "the Wi-Fi passphrase must be 8-63 characters (or 64 hex digits)"
   fi
   case "$SSID$PSK" in *$'\n'*) die "--wifi-ssid and --wifi-psk cannot contain newlines" ;; esac
 elif [ "$PSK_SET" -eq 1 ]; then
-  die "--wifi-psk needs --wifi-ssid"
+  die "--wifi-psk and --wifi-psk-file need --wifi-ssid"
 fi
 if [ -n "$COUNTRY" ]; then
   printf '%s' "$COUNTRY" | grep -Eq '^[A-Za-z]{2}$' || die "--wifi-country must be a two-letter code like GB or DE (got $COUNTRY)"

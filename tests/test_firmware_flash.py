@@ -110,11 +110,12 @@ def device(tmp_path):
     return d
 
 
-def flash(*args: str, image_arch: str | None = None) -> subprocess.CompletedProcess:
+def flash(*args: str, image_arch: str | None = None, stdin: str = "") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("FEDAL_ARCH", "FEDAL_IMAGE_ARCH")}
     if image_arch is not None:
         env["FEDAL_IMAGE_ARCH"] = image_arch
-    return subprocess.run(["bash", str(SCRIPTS / "flash.sh"), *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(["bash", str(SCRIPTS / "flash.sh"), *args], capture_output=True, text=True, env=env,
+                          timeout=300, input=stdin)
 
 
 def test_firstrun_image_gets_config_credentials_and_hook(tmp_path, device):
@@ -167,8 +168,9 @@ def test_firstrun_image_gets_config_credentials_and_hook(tmp_path, device):
 def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     previous = '#!/bin/bash\ntouch "$FEDAL_TARGET_ROOT/previous-firstrun-ran"\n'  # e.g. one Raspberry Pi Imager wrote
     img = rpi_image(tmp_path, **{"firstrun.sh": previous})
+    (tmp_path / "psk").write_text("correct horse\r\n")  # kept out of argv; a Windows line end is not the passphrase's
     r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--hostname", "pi-7", "--wifi-ssid", "Lab Net",
-              "--wifi-psk", "correct horse", "--wifi-country", "DE", "--ssh-key", str(tmp_path / "id.pub"),
+              "--wifi-psk-file", str(tmp_path / "psk"), "--wifi-country", "DE", "--ssh-key", str(tmp_path / "id.pub"),
               "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"), "--data", str(tmp_path / "train.npz"),
               "--torch-index", "https://download.pytorch.org/whl/cpu")
     assert r.returncode == 0, r.stderr
@@ -270,8 +272,9 @@ def test_a_setting_that_fails_is_named_and_the_others_still_apply(tmp_path, devi
     the hook still goes (the same settings would fail again at every boot)."""
     img = rpi_image(tmp_path)
     r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--hostname", "pi-7", "--wifi-ssid", "Lab Net",
-              "--wifi-psk", "correct horse", "--wifi-country", "DE", "--ssh-key", str(tmp_path / "id.pub"),
-              "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"), "--data", str(tmp_path / "train.npz"))
+              "--wifi-psk-file", "-", "--wifi-country", "DE", "--ssh-key", str(tmp_path / "id.pub"),
+              "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"), "--data", str(tmp_path / "train.npz"),
+              stdin="correct horse\n")
     assert r.returncode == 0, r.stderr
     boot = tmp_path / "boot"
     boot.mkdir()
@@ -389,6 +392,12 @@ def bad_image(kind: str, tmp_path: Path) -> Path:
     ("ok", ["--hostname", "pi_7"], "invalid --hostname"),
     ("ok", ["--wifi-ssid", "Lab"], "needs --wifi-country"),
     ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk", "short"], "8-63 characters"),
+    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk-file", "short.psk"], "8-63 characters"),
+    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk-file", "missing.psk"], "is not a readable file"),
+    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk-file", "empty.psk"], "is empty"),
+    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk-file", "-"], "nothing on standard input"),
+    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk", "correct horse", "--wifi-psk-file", "-"],
+     "give the passphrase once"),
     ("ok", ["--wifi-country", "Germany"], "two-letter code"),
     ("ok", ["--ssh-key", "PRIVATE"], "is a private key"),
     ("ok", ["--mode", "auto-magic"], "--mode must be"),
@@ -400,7 +409,9 @@ def test_bad_inputs_are_refused_and_leave_the_image_alone(tmp_path, device, kind
     if "PRIVATE" in extra:
         (tmp_path / "id").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nxx\n-----END OPENSSH PRIVATE KEY-----\n")
         extra = ["--ssh-key", str(tmp_path / "id")]
-    extra = [str(tmp_path / e) if e == "missing.whl" else e for e in extra]
+    (tmp_path / "short.psk").write_text("short\n")
+    (tmp_path / "empty.psk").write_text("")
+    extra = [str(tmp_path / e) if e in ("missing.whl", "short.psk", "missing.psk", "empty.psk") else e for e in extra]
     r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--wheel",
               str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"), *extra)
     assert r.returncode == 1, r.stdout
