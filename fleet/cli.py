@@ -1,4 +1,5 @@
-"""`fedal fleet`: generate a fleet's credentials (`init`), check an agent config (`check`), build an
+"""`fedal fleet`: generate a fleet's credentials (`init`), renew its broker certificate
+(`renew-cert`), revoke or re-key devices (`revoke`), check an agent config (`check`), build an
 offline wheelhouse for the devices (`wheelhouse`)."""
 
 from __future__ import annotations
@@ -83,6 +84,35 @@ def renew_cert_cmd(out: Path, days: int) -> None:
                f"the CA until {info['ca_not_after']}) written to {out / 'broker'}/server.{{crt,key}}")
     click.echo("  next: copy both to the broker's directory (fedal.conf's certfile and keyfile) and restart "
                "Mosquitto; the devices keep their configs")
+
+
+@fleet_cmd.command("revoke")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The directory `fedal fleet init` wrote.")
+@click.option("--reissue", is_flag=True,
+              help="Give the devices new passwords (and configs to flash) instead of taking them out of the fleet.")
+@click.argument("devices", nargs=-1, required=True)
+def revoke_cmd(out: Path, reissue: bool, devices: tuple[str, ...]) -> None:
+    """Lock DEVICES out of the broker (a lost or stolen card), or re-key them with --reissue; the other
+    accounts keep their passwords."""
+    from fleet.generate import FleetError
+    from fleet.revoke import revoke_devices
+
+    try:
+        info = revoke_devices(out, list(devices), reissue=reissue)
+    except FleetError as exc:
+        raise click.UsageError(str(exc)) from None
+    done = info.done
+    for cid, what in done.items():
+        click.echo(f"{cid}: {what}")
+    if any(what == "reissued" for what in done.values()):
+        click.echo(f"  flash or install {out / 'devices'}/<id>/agent.toml on each reissued device")
+    if any(what != "already revoked" for what in done.values()):
+        click.echo(f"  next: copy {out / 'broker'}/passwd and acl to the broker's directory and reload Mosquitto "
+                   "(`sudo systemctl reload mosquitto`): it re-reads both and drops a connected client they no longer "
+                   "admit")
+        click.echo(f"  the coordinator's client_ids are now {', '.join(info.devices) or 'empty'}: "
+                   f"{out / 'coordinator' / 'broker.toml'} lists them for coordinator.toml")
 
 
 @fleet_cmd.command("check")

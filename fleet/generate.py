@@ -253,6 +253,23 @@ def _generated_before(out: Path) -> set[str]:
     return {r for r in files if ".." not in Path(r).parts}
 
 
+def write_device(out: Path, cid: str, run_id: str, model: str, broker_url: str, password: str,
+                 ca_cert: str | bytes | None) -> None:
+    """OUT/devices/<cid>/agent.toml (and ca.crt with TLS): what one device is flashed with."""
+    broker = {"url": broker_url, "username": cid, "password": password}
+    if ca_cert is not None:
+        broker["ca_file"] = f"{DEVICE_CONFIG_DIR}/ca.crt"
+        _write(out / "devices" / cid / "ca.crt", ca_cert, 0o644)
+    config = {"client_id": cid, "run_id": run_id, "model": model,
+              "data_file": f"{DEVICE_STATE_DIR}/train.npz", "workspace": DEVICE_STATE_DIR, "broker": broker}
+    AgentConfig.model_validate(config)  # what the device will load, checked here
+    header = (f"Agent config for device {cid} (written by `fedal fleet init`). Holds this device's broker password:\n"
+              "install it with firmware_scripts/flash.sh or install-agent.sh, "
+              f"which put it at {DEVICE_CONFIG_DIR}/agent.toml\n"
+              f"readable by the agent only. The private data goes to data_file; see docs/deploy-raspberry-pi.md.")
+    _write(out / "devices" / cid / "agent.toml", _toml(header, config), 0o600)
+
+
 def _plan_fleet(spec: FleetSpec) -> dict:
     """Every file of the fleet, through _write; returns the fleet.json summary."""
     ids, addr = _check(spec)
@@ -272,18 +289,7 @@ def _plan_fleet(spec: FleetSpec) -> dict:
         _write(out / "coordinator" / "ca.crt", ca_pem.cert, 0o644)
 
     for cid in ids:
-        broker = {"url": spec.broker, "username": cid, "password": secrets[cid]}
-        if ca_pem is not None:
-            broker["ca_file"] = f"{DEVICE_CONFIG_DIR}/ca.crt"
-            _write(out / "devices" / cid / "ca.crt", ca_pem.cert, 0o644)
-        config = {"client_id": cid, "run_id": spec.run_id, "model": spec.model,
-                  "data_file": f"{DEVICE_STATE_DIR}/train.npz", "workspace": DEVICE_STATE_DIR, "broker": broker}
-        AgentConfig.model_validate(config)  # what the device will load, checked here
-        header = (f"Agent config for device {cid} (written by `fedal fleet init`). Holds this device's broker password:\n"
-                  "install it with firmware_scripts/flash.sh or install-agent.sh, "
-                  f"which put it at {DEVICE_CONFIG_DIR}/agent.toml\n"
-                  f"readable by the agent only. The private data goes to data_file; see docs/deploy-raspberry-pi.md.")
-        _write(out / "devices" / cid / "agent.toml", _toml(header, config), 0o600)
+        write_device(out, cid, spec.run_id, spec.model, spec.broker, secrets[cid], ca_pem.cert if ca_pem else None)
 
     coord_broker = {"url": coordinator_url(spec, addr), "username": spec.coordinator_user,
                     "password": secrets[spec.coordinator_user]}

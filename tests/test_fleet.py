@@ -326,7 +326,102 @@ def test_renew_cert_issues_a_new_server_certificate_from_the_same_ca_for_the_sam
     assert [str(a) for a in san.get_values_for_type(x509.IPAddress)] == ["10.0.0.5"]
     assert oct((out / "broker" / "server.key").stat().st_mode & 0o777) == "0o600"
     assert {p: p.read_bytes() for p in (out / "devices").rglob("*") if p.is_file()} == device_files  # no device changes
+    # a device revoked and reissued in a TLS fleet gets the same CA to trust
+    for extra in ([], ["--reissue"]):
+        assert CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), *extra, "pi-2"]).exit_code == 0
+    assert (out / "devices" / "pi-2" / "ca.crt").read_bytes() == (out / "ca" / "ca.crt").read_bytes()
+    assert load_agent_config(out / "devices" / "pi-2" / "agent.toml").broker.ca_file == Path("/etc/fedal-agent/ca.crt")
     plain = tmp_path / "plain"
     assert fleet_init("--devices", "2", "--broker", "mqtt://h", "--out", str(plain))[0] == 0
     result = CliRunner().invoke(cli, ["fleet", "renew-cert", "--out", str(plain)])
     assert result.exit_code == 2 and "needs the fleet `fedal fleet init --tls` wrote" in result.output
+
+
+def test_revoke_locks_one_device_out_and_reissue_rekeys_it(tmp_path):
+    """A lost card: `fleet revoke` takes its account off the broker (a reload drops it even while
+    connected), the other accounts keep their passwords; `--reissue` gives it a new one."""
+    port = free_port()
+    out = tmp_path / "fleet"
+    code, output = fleet_init("--devices", "3", "--broker", f"mqtt://127.0.0.1:{port}", "--out", str(out),
+                              "--bind", "127.0.0.1", "--broker-dir", str(out / "broker"), "--run-id", RUN)
+    assert code == 0, output
+    old = {cid: password_of(out, cid) for cid in ("pi-1", "pi-2", "pi-3")}
+    passwd_before = (out / "broker" / "passwd").read_text().splitlines()
+    broker = start_mosquitto(out, port)
+    clients: list[Client] = []
+    try:
+        coord = Client(port, "coordinator", coordinator_password(out), name="coord")
+        clients.append(coord)
+        coord.subscribe(f"fedal/v1/{RUN}/#")
+        lost = Client(port, "pi-2", old["pi-2"], name="lost")
+        clients.append(lost)
+        dropped: queue.Queue[object] = queue.Queue()
+        lost.c.on_disconnect = lambda c, u, f, rc, p: dropped.put(rc)
+        lost.publish(topics.result(RUN, "pi-2"), b"before")
+        coord.until(b"before")
+
+        result = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "pi-2"])
+        assert result.exit_code == 0, result.output
+        assert "pi-2: revoked" in result.output and "reload Mosquitto" in result.output
+        passwd = (out / "broker" / "passwd").read_text().splitlines()
+        assert passwd == [line for line in passwd_before if not line.startswith("pi-2:")]  # the others untouched
+        assert "user pi-2" not in (out / "broker" / "acl").read_text()
+        assert "user pi-1" in (out / "broker" / "acl").read_text()
+        assert not (out / "devices" / "pi-2").exists()
+        assert tomllib.loads((out / "coordinator" / "broker.toml").read_text())["client_ids"] == ["pi-1", "pi-3"]
+        summary = json.loads((out / "fleet.json").read_text())
+        assert summary["devices"] == ["pi-1", "pi-3"] and list(summary["revoked"]) == ["pi-2"]
+        assert "pi-2" not in (out / ".fedal-fleet-files").read_text()
+
+        broker.send_signal(signal.SIGHUP)  # what `systemctl reload mosquitto` does
+        dropped.get(timeout=20)  # the connected card is dropped
+        assert Client(port, "pi-2", old["pi-2"]).rc != 0  # and cannot log in again
+        pi1 = Client(port, "pi-1", old["pi-1"], name="pi1")
+        clients.append(pi1)
+        assert pi1.rc == 0
+        pi1.publish(topics.result(RUN, "pi-1"), b"pi-1 still in")
+        coord.until(b"pi-1 still in")
+
+        again = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "pi-2"])
+        assert again.exit_code == 0 and "pi-2: already revoked" in again.output
+
+        reissued = CliRunner().invoke(cli, ["fleet", "revoke", "--reissue", "--out", str(out), "pi-2"])
+        assert reissued.exit_code == 0, reissued.output
+        cfg = load_agent_config(out / "devices" / "pi-2" / "agent.toml")
+        assert (cfg.client_id, cfg.broker.username, cfg.run_id) == ("pi-2", "pi-2", RUN)
+        assert cfg.broker.password not in old.values()
+        assert tomllib.loads((out / "coordinator" / "broker.toml").read_text())["client_ids"] == ["pi-1", "pi-2", "pi-3"]
+        broker.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while (rc := Client(port, "pi-2", cfg.broker.password).rc) != 0 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the reload is asynchronous
+        assert rc == 0
+        assert Client(port, "pi-2", old["pi-2"]).rc != 0
+        new = Client(port, "pi-2", cfg.broker.password, name="new")
+        clients.append(new)
+        new.publish(topics.result(RUN, "pi-2"), b"re-keyed")
+        coord.until(b"re-keyed")
+        new.publish(topics.result(RUN, "pi-1"), b"forged")  # its ACL block is back as it was: its own topics only
+        new.publish(topics.result(RUN, "pi-2"), b"marker")
+        assert b"forged" not in [m[1] for m in coord.until(b"marker")]
+    finally:
+        for c in clients:
+            c.close()
+        broker.terminate()
+        broker.wait(timeout=10)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["pi-9"], "'pi-9' is not a device of the fleet"),
+    (["coordinator"], "is the coordinator's account"),
+])
+def test_revoke_refuses_what_is_not_a_device(tmp_path, args, message):
+    out = tmp_path / "fleet"
+    code, output = fleet_init("--devices", "2", "--broker", "mqtt://127.0.0.1:1883", "--out", str(out))
+    assert code == 0, output
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    result = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), *args])
+    assert result.exit_code == 2 and message in result.output
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    missing = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(tmp_path / "nowhere"), "pi-1"])
+    assert missing.exit_code == 2 and "revoke needs the fleet" in missing.output

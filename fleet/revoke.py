@@ -1,0 +1,165 @@
+"""`fedal fleet revoke`: take devices out of a fleet, or give them new credentials (`--reissue`),
+leaving every other account as it is.
+
+A device whose SD card left your hands carries its broker password. Revoking removes its line
+from the broker's `passwd` and its block from `acl` (Mosquitto re-reads both on a reload and
+drops a connected client they no longer admit), its config from `devices/`, and its id from the
+coordinator's `client_ids`. `--reissue` instead gives it a new password (and its ACL block back,
+if it was revoked) and writes a new config to flash: the old card is locked out, the device stays
+in the fleet. `fleet init --force` would change every device's password.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from fleet import acl, passwords
+from fleet.generate import MARKER, FleetError, _generated_before, _marker_text, _toml, _write, write_device
+
+__all__ = ["Revoked", "revoke_devices"]
+
+
+@dataclass(frozen=True)
+class Revoked:
+    done: dict[str, str]  # device id -> "revoked", "reissued" or "already revoked"
+    devices: list[str]  # the fleet's devices afterwards (the coordinator's client_ids)
+    revoked: list[str]  # every device revoked so far
+
+
+def _natural(cid: str) -> list[object]:
+    """pi-2 before pi-10."""
+    return [(0, int(t)) if t.isdigit() else (1, t) for t in re.split(r"(\d+)", cid)]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise FleetError(f"cannot read {path}: {exc.strerror or exc} (revoke needs the fleet `fedal fleet init` "
+                         f"wrote there)") from None
+
+
+def _summary(out: Path) -> dict:
+    try:
+        summary = json.loads(_read(out / "fleet.json"))
+        if not isinstance(summary, dict) or not isinstance(summary.get("devices"), list):
+            raise ValueError("no devices list")
+        for key in ("run_id", "broker", "coordinator_user", "model", "tls"):
+            if key not in summary:
+                raise ValueError(f"no {key}")
+    except ValueError as exc:
+        raise FleetError(f"{out / 'fleet.json'} is not a fleet summary `fedal fleet init` writes ({exc})") from None
+    return summary
+
+
+def _passwd_entries(text: str, path: Path) -> dict[str, str]:
+    entries: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        user, sep, hashed = line.partition(":")
+        if not sep:
+            raise FleetError(f"{path}:{n} is not a `user:hash` line")
+        entries[user] = hashed
+    return entries
+
+
+def _acl_blocks(text: str) -> tuple[list[str], dict[str, list[str]]]:
+    """The lines before the first `user` block, and each block's lines by user."""
+    head: list[str] = []
+    blocks: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("user "):
+            current = blocks.setdefault(line[5:].strip(), [])
+        elif current is None:
+            head.append(line)
+        elif line.strip():
+            current.append(line)
+    return head, blocks
+
+
+def _acl_text(head: list[str], blocks: dict[str, list[str]]) -> str:
+    lines = list(head)
+    for user, rules in blocks.items():
+        lines += [f"user {user}", *rules, ""]
+    return "\n".join(lines)
+
+
+def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
+    """Revoke (or, with reissue, re-key) each device of `ids` in the fleet under `out`."""
+    summary = _summary(out)
+    devices: list[str] = list(summary["devices"])
+    revoked: dict[str, str] = dict(summary.get("revoked") or {})
+    coordinator_user = summary["coordinator_user"]
+    for cid in ids:
+        if cid == coordinator_user:
+            raise FleetError(f"{cid!r} is the coordinator's account, not a device: `fleet init --force` renews it")
+        if cid not in devices and cid not in revoked:
+            raise FleetError(f"{cid!r} is not a device of the fleet in {out} (its devices: {', '.join(devices) or 'none'})")
+    passwd_path, acl_path = out / "broker" / "passwd", out / "broker" / "acl"
+    entries = _passwd_entries(_read(passwd_path), passwd_path)
+    head, blocks = _acl_blocks(_read(acl_path))
+    coordinator_toml = out / "coordinator" / "broker.toml"
+    coordinator_text = _read(coordinator_toml)
+    try:
+        coordinator = tomllib.loads(coordinator_text)
+    except tomllib.TOMLDecodeError as exc:
+        raise FleetError(f"{coordinator_toml} is not TOML: {exc}") from None
+    files = _generated_before(out)
+    acl_run = summary.get("acl_run_id", "+")  # fleets from before the ACL named the run id had a +
+    ca_cert = (out / "ca" / "ca.crt").read_bytes() if summary["tls"] else None
+
+    done: dict[str, str] = {}
+    new_passwords: dict[str, str] = {}
+    gone: list[str] = []
+    for cid in dict.fromkeys(ids):
+        if reissue:
+            new_passwords[cid] = passwords.new_password()
+            entries[cid] = passwords.mosquitto_hash(new_passwords[cid])
+            blocks[cid] = acl.device_rules(cid, None if acl_run == "+" else acl_run)
+            revoked.pop(cid, None)
+            if cid not in devices:
+                devices.append(cid)
+            done[cid] = "reissued"
+        elif cid in revoked and cid not in entries and cid not in blocks:
+            done[cid] = "already revoked"
+        else:
+            entries.pop(cid, None)
+            blocks.pop(cid, None)
+            gone.append(cid)
+            if cid in devices:
+                devices.remove(cid)
+            revoked[cid] = datetime.now(UTC).isoformat(timespec="seconds")
+            done[cid] = "revoked"
+    devices.sort(key=_natural)
+
+    # the accounts first: once these two are on the broker, a revoked card is locked out
+    _write(passwd_path, "".join(f"{user}:{hashed}\n" for user, hashed in entries.items()), 0o600)
+    _write(acl_path, _acl_text(head, blocks), 0o644)
+    for cid, password in new_passwords.items():
+        write_device(out, cid, summary["run_id"], summary["model"], summary["broker"], password, ca_cert)
+        files |= {f"devices/{cid}/agent.toml", *([f"devices/{cid}/ca.crt"] if ca_cert else [])}
+    for cid in gone:  # its password no longer opens the broker: a card flashed with it could not log in
+        for name in ("agent.toml", "ca.crt"):
+            path = out / "devices" / cid / name
+            if f"devices/{cid}/{name}" in files and (path.is_file() or path.is_symlink()):
+                path.unlink()
+            files.discard(f"devices/{cid}/{name}")
+        folder = out / "devices" / cid
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+    header = "\n".join(line[2:] if line.startswith("# ") else line.lstrip("#")
+                       for line in coordinator_text.splitlines() if line.startswith("#"))
+    coordinator["client_ids"] = devices
+    _write(coordinator_toml, _toml(header, coordinator), 0o600)
+    summary["devices"] = devices
+    summary["revoked"] = dict(sorted(revoked.items(), key=lambda kv: _natural(kv[0])))
+    _write(out / "fleet.json", json.dumps(summary, indent=2) + "\n", 0o644)
+    _write(out / MARKER, _marker_text(files), 0o644)
+    return Revoked(done, devices, list(summary["revoked"]))
