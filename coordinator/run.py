@@ -28,7 +28,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.events import EventHub
 from coordinator.store import RunStore, default_store_url
 from coordinator.transport import MqttTransport
-from fedal.data import content_hash, load_dataset, public_rows_from_npz, public_set
+from fedal.data import check_servable, content_hash, load_dataset, public_rows_from_npz, public_set
 from fedal.engine import ClientInfo, RoundEngine, Stopped
 from fedal.engine.health import health_flags
 from fedal.engine.results import build_results, final_summary
@@ -52,7 +52,9 @@ def read_public_file(path: Path) -> tuple[bytes, np.ndarray]:
     (fedal.data.public_rows_from_npz: ValueError for anything else; a file that cannot be read:
     OSError)."""
     data = path.read_bytes()
-    return data, public_rows_from_npz(data, f"public_file {path}")
+    x = public_rows_from_npz(data, f"public_file {path}")
+    check_servable(data, x, f"public_file {path}")  # one every agent would refuse would stall the run
+    return data, x
 
 
 class Run:

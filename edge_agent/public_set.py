@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from fedal.atomic import write_bytes_atomic
-from fedal.data import content_hash, public_rows_from_npz
+from fedal.data import content_hash, public_file_limit, public_rows_from_npz
 
 log = logging.getLogger("edge_agent.public_set")
 
@@ -48,7 +48,7 @@ def load_public_set(expected_hash: str | None, file: Path | None, url: str | Non
         raise PublicSetError(f"public_url {url[:200]!r} is not an http:// or https:// URL")
     if expected_hash is None:
         raise PublicSetError("the run announces a public_url without a public_hash: a fetched set could not be checked")
-    limit = None if max_elements is None else max_elements * 8 + (1 << 20)  # float64 rows, and the .npz's framing
+    limit = None if max_elements is None else public_file_limit(max_elements)
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             payload = resp.read() if limit is None else resp.read(limit + 1)

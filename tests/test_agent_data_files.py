@@ -221,3 +221,30 @@ def test_an_entry_named_plain_x_is_checked_as_numpy_reads_it(tmp_path, small_x_n
         z.writestr("x", big.getvalue())
     with pytest.raises(ValueError, match=r"x declares shape \[2000, 2000\]"):
         public_rows_from_npz(buf.getvalue(), "served", max_elements=X.size)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_what_the_coordinator_refuses_to_serve_is_what_an_agent_would_refuse(tmp_path, compress):
+    """fedal.data.check_servable (the coordinator's start) against the agent's own reading of the
+    same file for a run of its rows: labels beside a few rows push it over what an agent reads."""
+    from fedal.data import check_servable
+
+    x = np.ones((10, 4))
+    save = np.savez_compressed if compress else np.savez
+    buf = io.BytesIO()
+    save(buf, x=x, y=np.zeros(200_000, np.int64))
+    with pytest.raises(ValueError, match="every agent would refuse it"):
+        check_servable(buf.getvalue(), x.astype(np.float32), "public_file p")
+    ok = io.BytesIO()
+    save(ok, x=x)
+    check_servable(ok.getvalue(), x.astype(np.float32), "public_file p")  # x alone: served, and loaded
+    bad, good = _Served(buf.getvalue()), _Served(ok.getvalue())
+    try:
+        with pytest.raises(PublicSetError):
+            load_public_set(content_hash(x.astype(np.float32)), None, bad.url, tmp_path / "c1.npz", max_elements=x.size)
+        got = load_public_set(content_hash(x.astype(np.float32)), None, good.url, tmp_path / "c2.npz",
+                              max_elements=x.size)
+    finally:
+        bad.close()
+        good.close()
+    np.testing.assert_array_equal(got, x)

@@ -35,6 +35,9 @@ def bad_public_files(state_dir) -> dict[str, tuple]:
     np.savez(state_dir / "objects.npz", x=np.array([{"a": 1}], dtype=object))
     np.savez(state_dir / "flat.npz", x=np.zeros(5, np.float32))
     np.savez(state_dir / "nan.npz", x=np.full((3, 2), np.nan, np.float32))
+    # labels beside a few rows: more bytes than an agent reads for those rows (the file, or inflated)
+    np.savez(state_dir / "labels.npz", x=np.ones((10, 4)), y=np.zeros(200_000, np.int64))
+    np.savez_compressed(state_dir / "labels_z.npz", x=np.ones((10, 4)), y=np.zeros(200_000, np.int64))
     return {
         "no_x": (state_dir / "no_x.npz", "holds no array x (it holds: y)"),
         "corrupt": (state_dir / "corrupt.npz", "is not a readable .npz file"),
@@ -43,6 +46,8 @@ def bad_public_files(state_dir) -> dict[str, tuple]:
         "objects": (state_dir / "objects.npz", "cannot be read as float32 rows"),
         "flat": (state_dir / "flat.npz", "at least one row"),
         "nan": (state_dir / "nan.npz", "NaN or infinite"),
+        "labels": (state_dir / "labels.npz", "every agent would refuse it"),
+        "labels_z": (state_dir / "labels_z.npz", "every agent would refuse it"),
     }
 
 

@@ -14,12 +14,21 @@ from fedal.data.partition import (
     iid,
     label_histogram,
 )
-from fedal.data.public import content_hash, public_rows_from_npz, split_public, split_public_indices
+from fedal.data.public import (
+    check_servable,
+    content_hash,
+    public_file_limit,
+    public_rows_from_npz,
+    split_public,
+    split_public_indices,
+)
 
 __all__ = [
     "ArrayDataset", "CINIC10_CLASSES", "DATASETS", "FederatedData", "PARTITIONERS",
-    "allocate_quotas", "build_federated", "by_identity", "content_hash", "default_cache_dir", "public_set",
+    "allocate_quotas", "build_federated", "by_identity", "check_servable", "content_hash", "default_cache_dir",
+    "public_set",
     "dirichlet_per_class", "dirichlet_per_client", "iid", "label_histogram",
     "load_celeba_dir", "load_cifar10_dir", "load_cinic10_dir", "load_dataset", "load_digits", "load_idx", "load_mnist1d",
-    "load_mnist_dir", "load_svhn_dir", "public_rows_from_npz", "SplitError", "split_public", "split_public_indices",
+    "load_mnist_dir", "load_svhn_dir", "public_file_limit", "public_rows_from_npz", "SplitError", "split_public",
+    "split_public_indices",
 ]

@@ -17,7 +17,14 @@ import numpy as np
 
 from fedal.data.arrays import ArrayDataset
 
-__all__ = ["split_public", "split_public_indices", "content_hash", "public_rows_from_npz"]
+__all__ = ["split_public", "split_public_indices", "content_hash", "public_rows_from_npz", "public_file_limit",
+           "check_servable"]
+
+
+def public_file_limit(max_elements: int) -> int:
+    """The most bytes an agent reads of a public set file holding at most max_elements values:
+    float64 rows, and the .npz's framing."""
+    return max_elements * 8 + (1 << 20)
 
 
 def split_public_indices(n: int, public_size: int,
@@ -113,3 +120,19 @@ def _check_declared_size(data: bytes, where: str, max_elements: int) -> None:
         what = f"x declares shape {list(shape)} of {dtype}" if shape is not None else "its entries"
         raise ValueError(f"{where}: {what} ({inflated} bytes inflated in all), more than the run's public set can "
                          f"hold ({max_elements} values)")
+
+
+def check_servable(data: bytes, x: np.ndarray, where: str) -> None:
+    """ValueError, saying why, for a public set file every agent of its run would refuse: the
+    limits an agent applies (public_size rows of its input, see edge_agent.public_set) computed
+    for the file's own rows. Extra entries (labels) or a wide dtype can push a file over them."""
+    most = int(x.size)
+    if len(data) > public_file_limit(most):
+        raise ValueError(f"{where} is {len(data)} bytes, more than an agent reads for {len(x)} rows of "
+                         f"{list(x.shape[1:])} ({public_file_limit(most)} bytes): every agent would refuse it; "
+                         "keep only the array x in it, e.g. np.savez_compressed(path, x=x.astype(np.float32))")
+    try:
+        _check_declared_size(data, where, most)
+    except ValueError as exc:
+        raise ValueError(f"{exc}: every agent would refuse it; keep only the array x in it, e.g. "
+                         "np.savez_compressed(path, x=x.astype(np.float32))") from None
