@@ -437,6 +437,29 @@ fi
 # -- 4. systemd unit -------------------------------------------------------------------------------
 unit_before="$CHANGES"
 put_file "$SCRIPT_DIR/$SERVICE.service" "$UNIT_DIR/$SERVICE.service" 0644 root
+# The files the agent reads at start, outside its state directory (systemd mounts that one first
+# already) and the installer's /etc directory: systemd mounts what they need before it starts the agent. A data partition that
+# fstab mounts late would otherwise make the agent exit 2, and the service wait for a restart.
+DROPIN="$UNIT_DIR/$SERVICE.service.d/10-fedal-mounts.conf"
+DROPIN_HEAD="# written by install-agent.sh from agent.toml's file paths; it replaces or removes this file"
+mounts=""
+for p in "$CA_PATH" "$DATA_PATH" "$TEST_PATH" "$LOCAL_TEST_PATH" "$PUBLIC_PATH"; do
+  case "$p" in /*) ;; *) continue ;; esac  # relative: inside the workspace
+  if [ "${p#"$STATE"/}" != "$p" ] || [ "${p#"$ETC"/}" != "$p" ]; then continue; fi
+  if printf '%s' "$p" | grep -q '[[:space:]"%\\]'; then
+    say "warning: $p holds a space, quote, % or backslash: systemd is not told to mount it before the agent starts"
+    continue
+  fi
+  mounts+=" $p"
+done
+if [ -n "$mounts" ]; then
+  printf '%s\n[Unit]\nRequiresMountsFor=%s\n' "$DROPIN_HEAD" "${mounts# }" >"$TMP/mounts.conf"
+  put_file "$TMP/mounts.conf" "$DROPIN" 0644 root
+elif [ -f "$ROOT$DROPIN" ] && [ "$(head -n 1 "$ROOT$DROPIN")" = "$DROPIN_HEAD" ]; then
+  run rm -f "$ROOT$DROPIN"
+  run rmdir --ignore-fail-on-non-empty "$ROOT$UNIT_DIR/$SERVICE.service.d"
+  changed "removed $DROPIN (the config names no file outside $STATE)"
+fi
 unit_changed=$((CHANGES - unit_before))
 wants="$ROOT$UNIT_DIR/multi-user.target.wants/$SERVICE.service"
 if [ "$(readlink "$wants" 2>/dev/null || true)" != "$UNIT_DIR/$SERVICE.service" ]; then

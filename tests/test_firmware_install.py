@@ -442,3 +442,32 @@ def test_fix_meta_refuses_what_a_name_could_redirect(tmp_path, kind):
     r = subprocess.run([sys.executable, str(SCRIPTS / "fix-meta.py"), str(ok), "0640", "-"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and r.stdout == f"mode 0640: {ok}\n" and stat.S_IMODE(ok.stat().st_mode) == 0o640
+
+
+def test_files_outside_the_state_directory_are_mounted_before_the_agent_starts(tmp_path, inputs):
+    """Data on a partition fstab mounts late (a USB drive): without RequiresMountsFor the agent found
+    no data_file, exited 2, and the service waited for a restart that never came."""
+    root = tmp_path / "root"
+    args = ["--root", str(root), "--config", str(inputs / "agent.toml"), "--skip-pip"]
+    dropin = root / "etc/systemd/system/fedal-agent.service.d/10-fedal-mounts.conf"
+    assert install(*args).returncode == 0
+    assert not dropin.exists()  # the fleet's configs: everything in /var/lib/fedal-agent and /etc/fedal-agent
+    (inputs / "agent.toml").write_text(AGENT_TOML.replace('data_file = "/var/lib/fedal-agent/train.npz"',
+                                                          'data_file = "/mnt/usb/train.npz"\n'
+                                                          'test_file = "/srv/data/test.npz"\npublic_file = "public.npz"'))
+    r = install(*args)
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert dropin.read_text().splitlines()[1:] == ["[Unit]", "RequiresMountsFor=/mnt/usb/train.npz /srv/data/test.npz"]
+    before = snapshot(root)
+    assert "nothing changed" in install(*args).stdout and snapshot(root) == before
+    if shutil.which("systemd-analyze"):
+        unit = (root / "etc/systemd/system/fedal-agent.service").read_text()
+        check = tmp_path / "fedal-agent.service"
+        check.write_text(unit.replace("ExecStart=/opt/fedal-agent/", f"ExecStart={root}/opt/fedal-agent/")
+                         + "\n" + dropin.read_text())
+        v = subprocess.run(["systemd-analyze", "verify", str(check)], capture_output=True, text=True, timeout=60)
+        assert v.returncode == 0 and "RequiresMountsFor" not in v.stderr, v.stderr
+    (inputs / "agent.toml").write_text(AGENT_TOML)
+    r = install(*args)
+    assert r.returncode == 0 and "removed /etc/systemd/system/fedal-agent.service.d/10-fedal-mounts.conf" in r.stdout
+    assert not dropin.parent.exists()
