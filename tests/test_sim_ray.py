@@ -129,11 +129,12 @@ def test_a_killed_actor_is_restarted_from_snapshots_and_the_run_finishes():
 def test_client_resources_are_parsed_and_bad_ones_refused():
     assert parse_resources("num_cpus=1,num_gpus=0.25") == {"num_cpus": 1.0, "num_gpus": 0.25}
     assert parse_resources(None) == {"num_cpus": 1.0}
-    for bad in ("num_cpus", "num_cpus=x", "num_gpus=-1"):
+    for bad in ("num_cpus", "num_cpus=x", "num_gpus=-1", "num_cpus=nan", "num_gpus=inf"):
         with pytest.raises(ConfigError, match="client_resources"):
             parse_resources(bad)
-    with pytest.raises(ValueError, match="client_resources"):
-        load_config(None, {"client_resources": "cpus=many"})
+    with pytest.raises(ValueError, match="client_resources") as refused:
+        load_config(None, {"backend": "ray", "client_resources": "cpus=many"})
+    assert str(refused.value).count("client_resources") == 1  # the field named once
 
 
 def test_an_actor_killed_mid_round_misses_the_rest_of_it_and_the_round_closes_by_quorum():

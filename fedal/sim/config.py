@@ -4,6 +4,7 @@ and what it writes back into the results so the run can be repeated exactly."""
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -64,8 +65,8 @@ def parse_resources(text: str | dict | None) -> dict[str, float]:
             number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"client_resources: {name} must be a number, got {value!r}") from None
-        if number < 0:
-            raise ConfigError(f"client_resources: {name} must not be negative, got {number}")
+        if not math.isfinite(number) or number < 0:
+            raise ConfigError(f"client_resources: {name} must be a finite number, not negative, got {value!r}")
         out[name] = number
     return out
 
@@ -116,7 +117,10 @@ class RunConfig(NoCoercion):
     @field_validator("client_resources")
     @classmethod
     def _client_resources(cls, v: str | None) -> str | None:
-        parse_resources(v)
+        try:
+            parse_resources(v)
+        except ConfigError as exc:  # pydantic names the field itself
+            raise ValueError(str(exc).removeprefix("client_resources: ")) from None
         return v
 
     @field_validator("strategy")
