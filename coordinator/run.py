@@ -110,6 +110,7 @@ class Run:
         self.state = "pending"
         self.error: str | None = None
         self.round = 0
+        self.round_entered = False  # a round of this instance began (else a stop shows the rounds done)
         self.started_at: float | None = None
         self.finished_at: float | None = None
         self.finished_before: float | None = None  # when a run found finished in the store finished
@@ -181,7 +182,7 @@ class Run:
             self.engine.wait_for_clients(self.cfg.phases.start_timeout_s)
             for r in range(start, self.run_config.rounds):
                 with self.lock:
-                    self.round = r
+                    self.round, self.round_entered = r, True
                 self._publish_manifest()
                 record = self.engine.run_round(r)
                 with self.lock:
@@ -350,6 +351,13 @@ class Run:
         always-present ones are 0 until counted (an API reader may index them)."""
         return {**dict.fromkeys(ALWAYS_COUNTED, 0), **self.engine.counters, **self.transport.counters()}
 
+    def _round_shown(self) -> int:
+        """The round under way (1-based); a run stopped or failed before any round began shows
+        the rounds it completed (0 for a new run), not a round it never entered."""
+        if self.state == "pending" or (self.state in ("stopped", "failed") and not self.round_entered):
+            return len(self.records)
+        return min(self.round + 1, self.run_config.rounds)
+
     def snapshot(self) -> dict[str, Any]:
         engine = self.engine
         with self.lock:
@@ -359,7 +367,7 @@ class Run:
                 "strategy": self.run_config.strategy,
                 "state": self.state,
                 "error": self.error,
-                "round": 0 if self.state == "pending" else min(self.round + 1, self.run_config.rounds),
+                "round": self._round_shown(),
                 "rounds": self.run_config.rounds,
                 "completed_rounds": len(self.records),
                 "phase": cur.phase.phase if cur else None,

@@ -19,7 +19,8 @@ def fleet_cmd() -> None:
 
 
 @fleet_cmd.command("init")
-@click.option("--devices", type=click.IntRange(min=1), required=True, help="Number of devices N.")
+@click.option("--devices", type=click.IntRange(min=1, max=100_000), required=True,
+              help="Number of devices N (at most 100,000: a config, a password and an ACL block each).")
 @click.option("--prefix", default="pi-", show_default=True, help="Device ids are PREFIX + number.")
 @click.option("--start", type=click.IntRange(min=0), default=1, show_default=True, help="Number of the first device.")
 @click.option("--broker", required=True, help="Broker URL the devices use: mqtt://host[:port] or mqtts://host[:port].")

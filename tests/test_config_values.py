@@ -122,11 +122,15 @@ def test_sizes_no_machine_can_allocate_are_usage_errors_not_tracebacks(tmp_path,
     (["fleet", "wheelhouse", "--out", "{tmp}/wh", "--no-index", "--find-links", "{tmp}", "--index-url", "http://x/"],
      "contradict"),
     (["hil", "fleet", "--clients", "2", "--run-id", "r", "--ids", "a,a"], "lists a client more than once: ['a']"),
+    (["simulate", "--dataset", "digits", "--data-dir", "{tmp}", "--out", "{tmp}/r.json"], "data_dir is not read"),
+    (["fleet", "init", "--devices", "1000000000", "--broker", "mqtt://h", "--out", "{tmp}/wh"], "--devices"),
+    (["simulate", "--strategy", "fccl", "--public-size", "1", "--out", "{tmp}/r.json"],
+     "needs at least 2 public rows per transfer iteration"),  # exit 1 from the server half, after the data was built
 ])
 def test_options_that_were_silently_ignored_or_contradictory_are_refused(tmp_path, argv, needle):
     r = CliRunner().invoke(cli, [a.format(tmp=tmp_path) for a in argv])
     assert r.exit_code == 2 and needle in r.output, r.output
-    assert not (tmp_path / "m.onnx").exists() and not (tmp_path / "wh").exists()
+    assert not (tmp_path / "m.onnx").exists() and not (tmp_path / "wh").exists() and not (tmp_path / "r.json").exists()
 
 
 def test_rows_seed_is_a_64_bit_seed_like_seed():

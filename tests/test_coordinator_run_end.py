@@ -189,3 +189,26 @@ def test_a_retained_status_sets_online_but_not_last_seen(mosquitto, engine_on_br
         run.stop()
         thread.join(30)
         run.transport.stop()  # (the `mosquitto` fixture clears retained messages for the next test)
+
+
+def test_a_run_stopped_before_its_first_round_shows_round_0(mosquitto, tmp_path):
+    """Stopped while it waited for its clients: it showed round 1, a round it never entered."""
+    np.savez(tmp_path / "public.npz", x=np.zeros((20, 64), np.float32))
+    run = Run(load_coordinator_config(None, run_id="unit", client_ids=["a", "b"], num_classes=10,
+                                      public_file=tmp_path / "public.npz", state_dir=tmp_path / "state",
+                                      broker={"url": mosquitto}, phases={"start_timeout_s": 600}, api={"token": "tok"},
+                                      run={"strategy": "fedmd", "dataset": "digits", "rounds": 2}))
+    api = TestClient(create_app(run))
+    assert run.snapshot()["round"] == 0
+    thread = threading.Thread(target=run.run, daemon=True)
+    thread.start()
+    try:
+        wait(lambda: run.snapshot()["state"] == "running", 60, "the run to wait for its clients")
+        assert api.post("/api/v1/runs/unit/stop", headers={"Authorization": "Bearer tok"}).status_code == 200
+        wait(lambda: run.snapshot()["state"] == "stopped", 30, "the run to stop")
+        snap = run.snapshot()
+        assert (snap["round"], snap["completed_rounds"]) == (0, 0)
+    finally:
+        run.stop()
+        thread.join(30)
+        run.transport.stop()

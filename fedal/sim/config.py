@@ -181,8 +181,14 @@ class RunConfig(NoCoercion):
         if foreign:
             raise ValueError(f"strategy_params {', '.join(foreign)} do not apply to strategy {self.strategy!r}; its "
                              f"parameters: {', '.join(sorted(set(COMMON_PARAMS) | set(spec.params)))}")
+        rows = min(self.strategy_params.public_batch_size, self.public_size)
+        if spec.uses_public_set and rows < spec.min_public_rows:
+            raise ValueError(f"strategy {self.strategy!r} needs at least {spec.min_public_rows} public rows per transfer "
+                             f"iteration (the smaller of public_size and public_batch_size), got {rows}")
         if spec.homogeneous_models and len(set(models)) > 1:
             raise ValueError(f"strategy {self.strategy!r} averages parameters and needs one model for all clients, got {models}")
+        if self.dataset == "digits" and self.data_dir:  # else a user's files are believed read, and are not
+            raise ValueError("dataset 'digits' comes with scikit-learn: data_dir is not read for it; leave it out")
         if self.dataset not in ("mnist1d", "digits") and not self.data_dir:
             raise ValueError(f"dataset {self.dataset!r} is read from files: set data_dir")
         if self.partition == "identity" and self.dataset != "celeba":
@@ -352,9 +358,9 @@ def _is_json(path: Path, raw: bytes | None) -> bool:
 def format_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "config"
+        where = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}: {msg}")
+        lines.append(f"{where}: {msg}" if where else msg)  # a whole-config check names its fields itself
     return "invalid config: " + "; ".join(lines)
 
 

@@ -252,3 +252,5 @@ class StrategySpec:
     fairness: bool = False
     # models may differ, but their features (the heads' input) must have one width on every client
     same_feature_dim: bool = False
+    # the fewest public rows one transfer iteration may hold (FCCL normalises along the batch)
+    min_public_rows: int = 1

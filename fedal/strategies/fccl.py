@@ -409,7 +409,7 @@ class _Epochs:
 
 
 SPECS = (
-    StrategySpec("fccl", FCCLServer, FCCLClient, PRESET, PHASES, PARAMS, uses_public_set=True),
+    StrategySpec("fccl", FCCLServer, FCCLClient, PRESET, PHASES, PARAMS, uses_public_set=True, min_public_rows=2),
     StrategySpec("fccl-plus", FCCLPlusServer, FCCLPlusClient, PLUS_PRESET, PLUS_PHASES, PLUS_PARAMS,
-                 uses_public_set=True),
+                 uses_public_set=True, min_public_rows=2),
 )
