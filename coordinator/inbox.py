@@ -4,7 +4,9 @@ within a byte budget.
 paho reads every message off the socket at once; an unbounded queue would hold a flooding
 device's backlog in the coordinator's memory and make every other client's results wait behind
 it. A sender (the last topic level: a client id) may have at most `per_sender_bytes` waiting;
-what comes beyond is dropped unread and counted against that sender alone.
+what comes beyond is dropped unread and counted against that sender alone. Senders that are not
+the run's clients share one budget: on a broker without the fleet's ACL anyone may publish under
+any number of made-up ids, and each must not get a budget of its own.
 """
 
 from __future__ import annotations
@@ -13,19 +15,19 @@ import queue
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Collection
 
-__all__ = ["Inbox", "OVERHEAD_BYTES"]
+__all__ = ["Inbox", "OVERHEAD_BYTES", "UNKNOWN_SENDERS"]
 
 OVERHEAD_BYTES = 256  # what a message costs beyond its payload (an empty one is not free)
-
-
-def _sender(topic: str) -> str | None:
-    return topic.rsplit("/", 1)[-1] if topic.startswith("fedal/") else None  # "$connected": the bus itself
+UNKNOWN_SENDERS = "*"  # the budget every sender that is not a known client shares (never a client id)
 
 
 class Inbox:
-    def __init__(self, per_sender_bytes: int):
+    def __init__(self, per_sender_bytes: int, known: Collection[str] | None = None):
+        """known: the run's client ids (None: every sender has a budget of its own)."""
         self.per_sender_bytes = per_sender_bytes
+        self.known = None if known is None else frozenset(known)
         self._items: deque[tuple] = deque()
         self._ready = threading.Condition()
         self._waiting: Counter[str] = Counter()  # bytes waiting, per sender
@@ -33,7 +35,7 @@ class Inbox:
 
     def put(self, item: tuple) -> None:
         """item: (topic, payload[, retained]); from paho's network thread."""
-        sender, cost = _sender(item[0]), len(item[1]) + OVERHEAD_BYTES
+        sender, cost = self._sender(item[0]), len(item[1]) + OVERHEAD_BYTES
         with self._ready:
             if sender is not None:
                 if self._waiting[sender] + cost > self.per_sender_bytes:
@@ -53,12 +55,18 @@ class Inbox:
                     if not self._items:
                         raise queue.Empty
             item = self._items.popleft()
-            sender = _sender(item[0])
+            sender = self._sender(item[0])
             if sender is not None:
                 self._waiting[sender] -= len(item[1]) + OVERHEAD_BYTES
                 if self._waiting[sender] <= 0:
                     del self._waiting[sender]
             return item
+
+    def _sender(self, topic: str) -> str | None:
+        if not topic.startswith("fedal/"):
+            return None  # "$connected": the bus itself
+        sender = topic.rsplit("/", 1)[-1]
+        return sender if self.known is None or sender in self.known else UNKNOWN_SENDERS
 
     def take_dropped(self) -> dict[str, int]:
         """Messages dropped per sender since the last call."""

@@ -15,7 +15,7 @@ from collections import Counter
 
 from coordinator.bus import CoordinatorBus
 from coordinator.config import CoordinatorBrokerSettings
-from coordinator.inbox import Inbox
+from coordinator.inbox import UNKNOWN_SENDERS, Inbox
 from fedal.engine import Arrival, Transport
 from fedal.protocol import EnvelopeError, Packet, Reassembler, topics
 
@@ -30,7 +30,7 @@ class MqttTransport(Transport):
         self.clients = set(client_ids)
         per_client = settings.reassembly_bytes_per_client or settings.max_message_bytes
         # (topic, payload, retained); a client's whole result may wait in it, and its statuses beside
-        self.inbox = Inbox(per_sender_bytes=per_client + INBOX_SLACK_BYTES)
+        self.inbox = Inbox(per_sender_bytes=per_client + INBOX_SLACK_BYTES, known=self.clients)
         self.bus = CoordinatorBus(settings, run_id, self.inbox)
         self.reassembler = Reassembler(max_size=settings.max_message_bytes,
                                        max_sender_bytes=settings.reassembly_bytes_per_client,
@@ -60,9 +60,10 @@ class MqttTransport(Transport):
                 self._dropped[cid] += n
         if self._dropped:
             cid, n = self._dropped.popitem()
+            who = "senders that are not the run's clients" if cid == UNKNOWN_SENDERS else "this client"
             return Arrival("invalid", cid, self.run_id, count=n, reject_kind="flood",
                            reason=f"{n} message(s) dropped unread: more than {self.inbox.per_sender_bytes} bytes "
-                                  "from this client were waiting to be handled")
+                                  f"from {who} were waiting to be handled")
         try:
             topic, payload, *retain = self.inbox.get(timeout=timeout_s)  # (topic, payload[, retained])
         except queue.Empty:

@@ -13,7 +13,7 @@ import time
 from types import SimpleNamespace
 
 from coordinator.config import CoordinatorConfig
-from coordinator.inbox import OVERHEAD_BYTES, Inbox
+from coordinator.inbox import OVERHEAD_BYTES, UNKNOWN_SENDERS, Inbox
 from coordinator.transport import INBOX_SLACK_BYTES, MqttTransport
 from fedal.engine.rounds import RoundEngine
 from fedal.protocol import topics
@@ -40,6 +40,19 @@ def test_the_inbox_keeps_each_sender_within_its_budget_and_in_order():
         raise AssertionError("an empty inbox returned an item")
     except queue.Empty:
         assert time.monotonic() - t0 >= 0.15
+
+
+def test_made_up_sender_ids_share_one_budget():
+    """On a broker without the fleet's ACL anyone may publish under any number of made-up ids:
+    with a budget each, the inbox would hold without bound."""
+    inbox = Inbox(per_sender_bytes=2 * (1000 + OVERHEAD_BYTES), known=["pi-1"])
+    for i in range(100):
+        inbox.put((topics.status(RUN, f"made-up-{i}"), b"z" * 1000))
+    inbox.put((topics.status(RUN, "pi-1"), b"real"))
+    assert inbox.waiting_bytes(UNKNOWN_SENDERS) == 2 * (1000 + OVERHEAD_BYTES)
+    assert inbox.take_dropped() == {UNKNOWN_SENDERS: 98}
+    got = [inbox.get(timeout=1) for _ in range(3)]
+    assert [g[1] for g in got] == [b"z" * 1000, b"z" * 1000, b"real"]  # the client's own budget untouched
 
 
 def test_a_device_flooding_its_status_topic_is_cut_off_and_counted_while_others_get_through(tmp_path):
