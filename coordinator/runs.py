@@ -82,6 +82,9 @@ class RunManager:
             stored = self.store.load(run_id)
             try:
                 spec = RunSpec.model_validate(stored.spec)
+                where = self._outside_reach(spec)
+                if where:
+                    raise ValueError(where)
                 self._add(self._new_run(spec, "api"))
             except (ValidationError, ValueError, OSError) as exc:
                 reason = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
@@ -95,14 +98,9 @@ class RunManager:
             spec = RunSpec.model_validate(body)
         except ValidationError as exc:
             raise InvalidRunSpec(format_validation_error(exc).replace("invalid config", "invalid run")) from None
-        if spec.public_file is not None and not _inside(spec.public_file, self.config.state_dir):
-            raise InvalidRunSpec(f"invalid run: public_file must lie inside the coordinator's state_dir "
-                                 f"({self.config.state_dir}); or leave it out to derive the public set from run.dataset")
-        data_dirs = [self.config.state_dir, *([self.config.run.data_dir] if self.config.run.data_dir else [])]
-        if spec.run.data_dir and not any(_inside(spec.run.data_dir, d) for d in data_dirs):
-            # its rows would be served without a token as the run's public set, and a cache written there
-            raise InvalidRunSpec("invalid run: run.data_dir must lie inside the coordinator's state_dir or its "
-                                 "configured run's data_dir; the operator puts datasets there")
+        where = self._outside_reach(spec)
+        if where:
+            raise InvalidRunSpec(f"invalid run: {where}")
         with self.lock:
             if self.stopping:
                 raise ShuttingDown("the coordinator is shutting down")
@@ -126,6 +124,20 @@ class RunManager:
                 self._start(run)
         log.info("created run %s (%s, %d clients)", spec.run_id, run.run_config.strategy, len(run.client_ids))
         return run
+
+    def _outside_reach(self, spec: RunSpec) -> str | None:
+        """Why a run spec's files lie where an API caller may not point the coordinator, or None.
+        Checked at creation and again at restore: a spec an older coordinator stored keeps no
+        right the current rules refuse."""
+        if spec.public_file is not None and not _inside(spec.public_file, self.config.state_dir):
+            return (f"public_file must lie inside the coordinator's state_dir ({self.config.state_dir}); or leave it "
+                    "out to derive the public set from run.dataset")
+        data_dirs = [self.config.state_dir, *([self.config.run.data_dir] if self.config.run.data_dir else [])]
+        if spec.run.data_dir and not any(_inside(spec.run.data_dir, d) for d in data_dirs):
+            # its rows would be served without a token as the run's public set, and a cache written there
+            return ("run.data_dir must lie inside the coordinator's state_dir or its configured run's data_dir; the "
+                    "operator puts datasets there")
+        return None
 
     def refused(self, status: int, method: str, path: str, client: str | None, detail: str) -> None:
         """An API request refused: counted (/metrics) and logged, so that token guessing or a

@@ -182,3 +182,26 @@ def test_a_stored_spec_of_any_shape_never_breaks_the_run_list(tmp_path):
     listing = api.get("/api/v1/runs")
     assert listing.status_code == 200 and [(r["run_id"], r["state"]) for r in listing.json()] == [("odd", "failed")]
     runs.store.close()
+
+
+def test_a_stored_run_whose_data_dir_the_rules_now_refuse_is_not_restored(tmp_path):
+    """A spec an older coordinator stored (before run.data_dir had to lie in state_dir) would keep
+    serving any directory's dataset as the public set after a restart; it is shown failed instead."""
+    state = tmp_path / "state"
+    runs = manager(state)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    stored = spec("old")
+    stored["run"] = {**stored["run"], "dataset": "mnist1d", "data_dir": str(outside)}
+    runs.store.register("old", stored, "api")
+    runs.store.close()
+
+    runs = manager(state)
+    runs.restore()
+    try:
+        api = TestClient(create_app(runs), raise_server_exceptions=False)
+        run = api.get("/api/v1/runs/old").json()
+        assert run["state"] == "failed" and "run.data_dir must lie inside" in run["error"]
+        assert "old" not in runs.by_id
+    finally:
+        runs.store.close()
