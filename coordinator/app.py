@@ -8,6 +8,7 @@ import json
 import queue
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Body, Depends, FastAPI, HTTPException, Request
@@ -15,6 +16,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.config import RunSpec
@@ -121,11 +123,24 @@ def _client_host(request: Request) -> str | None:
     return request.client.host if request.client else None
 
 
+def get_and_head(app: FastAPI, path: str, **options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A GET route that answers HEAD too; the schema lists the GET alone (one route with both
+    methods gives both operations one operationId, which OpenAPI forbids)."""
+    def register(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+        app.add_api_route(path, endpoint, methods=["GET"], **options)
+        app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False, **options)
+        return endpoint
+
+    return register
+
+
 def create_app(runs: RunManager | Run) -> FastAPI:
     if isinstance(runs, Run):
         runs = RunManager.of(runs)
-    app = FastAPI(title="FedAL Edge coordinator", version=__version__,
-                  description="Federated runs driven over MQTT: status, control, live events, metrics.")
+    # /docs and /redoc from files fastapi-offline ships: FastAPI's own load Swagger UI from a CDN,
+    # which a coordinator on a lab network without internet cannot reach
+    app = FastAPIOffline(title="FedAL Edge coordinator", version=__version__,
+                         description="Federated runs driven over MQTT: status, control, live events, metrics.")
 
     registry = registry_for(runs)
     api = runs.config.api
@@ -166,7 +181,7 @@ def create_app(runs: RunManager | Run) -> FastAPI:
     def _unrestored() -> list[dict[str, Any]]:
         return [snap for run_id in list(runs.unrestored) if (snap := runs.unrestored_snapshot(run_id)) is not None]
 
-    @app.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD: what many uptime checkers send
+    @get_and_head(app, "/healthz")  # HEAD: what many uptime checkers send
     def healthz() -> dict[str, Any]:
         engines = runs.list()
         return {"status": "ok", "broker_connected": all(e.bus.connected.is_set() for e in engines) if engines else None,
@@ -263,12 +278,12 @@ def create_app(runs: RunManager | Run) -> FastAPI:
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"], response_class=PlainTextResponse, dependencies=reads)
+    @get_and_head(app, "/metrics", response_class=PlainTextResponse, dependencies=reads)
     def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.api_route("/api/v1/runs/{run_id}/public", methods=["GET", "HEAD"],  # HEAD: a probe of the download
-                   responses={200: {"content": {"application/octet-stream": {}}}})
+    @get_and_head(app, "/api/v1/runs/{run_id}/public",  # HEAD: a probe of the download
+                  responses={200: {"content": {"application/octet-stream": {}}}})
     def get_public(run_id: str) -> Response:
         run = _run(run_id)
         if run.public_bytes is None:

@@ -16,6 +16,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedal.json_values import json_safe
@@ -40,7 +41,7 @@ class ResetRequest(BaseModel):
 
 def build_app(proxy: Proxy) -> FastAPI:
     engine = proxy.engine
-    app = FastAPI(title="FedAL Edge emulated broker", description="Fault injection control for `fedal hil broker`.")
+    app = FastAPIOffline(title="FedAL Edge emulated broker", description="Fault injection control for `fedal hil broker`.")
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:

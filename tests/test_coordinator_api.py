@@ -59,6 +59,25 @@ def test_endpoints_before_the_run_starts(engine):
     assert values[("fedal_run_state", (("run", "unit"), ("state", "pending")))] == 1
     assert all(name.startswith("fedal_") for name, _ in values)
     assert client.get("/openapi.json").json()["info"]["title"].startswith("FedAL Edge")
+    for path in ("/metrics", "/api/v1/runs/unit/public"):  # HEAD answers where GET does
+        assert client.head(path).status_code == 200
+
+
+def test_the_openapi_schema_has_one_operation_id_per_operation(engine):
+    """Routes answering GET and HEAD gave both operations one operationId (FastAPI warned; OpenAPI
+    tools generating clients refuse such a schema)."""
+    import warnings
+
+    from hil.control import build_app
+    from hil.faults import FaultEngine, Profile
+    from hil.proxy import Proxy
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schema = create_app(engine).openapi()
+        build_app(Proxy(FaultEngine(Profile()), ("127.0.0.1", 1))).openapi()
+    ids = [op["operationId"] for item in schema["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids)) and "head" not in schema["paths"]["/healthz"]
 
 
 def test_api_after_a_real_run(mosquitto, tmp_path):

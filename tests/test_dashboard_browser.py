@@ -24,14 +24,14 @@ from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 
 
-def chromium(user_data_dir: str):
+def chromium(user_data_dir: str, extra: tuple[str, ...] = ()):
     browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not browser or not driver:
         pytest.fail("Debian's chromium and chromium-driver are needed (scripts/install-test-tools.sh installs them)")
     options = Options()
     options.binary_location = browser
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-dev-shm-usage", f"--user-data-dir={user_data_dir}", "--window-size=1280,1400"):
+                 "--disable-dev-shm-usage", f"--user-data-dir={user_data_dir}", "--window-size=1280,1400", *extra):
         options.add_argument(flag)
     return webdriver.Chrome(service=Service(driver), options=options)
 
@@ -125,3 +125,46 @@ def test_dashboard_shows_the_privacy_each_client_spent(mosquitto, tmp_path):
             driver.quit()
         dep.close()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+def test_the_api_pages_render_with_no_network_but_the_coordinators(tmp_path):
+    """/docs and /redoc loaded Swagger UI and ReDoc from a CDN: on a lab network without internet
+    the page stayed blank. The browser here resolves no name at all, and the page still renders
+    every operation."""
+    import threading
+
+    import uvicorn
+
+    from coordinator.app import create_app
+    from coordinator.config import load_coordinator_config
+    from coordinator.runs import RunManager
+    from tests.waiting import free_port
+
+    runs = RunManager(load_coordinator_config(None, state_dir=tmp_path / "state"))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(runs), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    profile = tempfile.mkdtemp(prefix="fedal-chromium-")
+    driver = None
+    try:
+        wait_until(lambda: server.started, 30, "the API to listen")
+        base = f"http://127.0.0.1:{port}"
+        for page in ("/docs", "/redoc"):
+            html = urllib.request.urlopen(base + page, timeout=10).read().decode()
+            assert "cdn." not in html and "https://" not in html.split("<body>")[0], html[:500]
+        options_flag = "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"
+        driver = chromium(profile, extra=(options_flag,))
+        driver.set_page_load_timeout(60)
+        driver.get(f"{base}/docs")
+        wait_until(lambda: len(driver.find_elements(By.CSS_SELECTOR, ".opblock")) >= 10, 60,
+                   "Swagger UI to list the API's operations")
+        paths = {e.text for e in driver.find_elements(By.CSS_SELECTOR, ".opblock-summary-path")}
+        assert {"/api/v1/runs", "/metrics"} <= paths, paths
+    finally:
+        if driver is not None:
+            driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+        server.should_exit = True
+        thread.join(timeout=15)
+        runs.store.close()
