@@ -108,12 +108,19 @@ fi
 [ "$PSK_SET" -le 1 ] || die "give the passphrase once: --wifi-psk or --wifi-psk-file"
 if [ -n "$PSK_FILE" ]; then
   if [ "$PSK_FILE" = - ]; then
-    IFS= read -r PSK || [ -n "$PSK" ] || die "--wifi-psk-file -: nothing on standard input"
+    if [ -t 0 ]; then  # typed: not echoed
+      printf 'Wi-Fi passphrase: ' >&2
+      IFS= read -rs PSK || true
+      echo >&2
+    else
+      IFS= read -r PSK || [ -n "$PSK" ] || die "--wifi-psk-file -: nothing on standard input"
+    fi
   else
     if [ ! -f "$PSK_FILE" ] || [ ! -r "$PSK_FILE" ]; then die "--wifi-psk-file $PSK_FILE is not a readable file"; fi
     IFS= read -r PSK <"$PSK_FILE" || [ -n "$PSK" ] || [ -s "$PSK_FILE" ] || die "--wifi-psk-file $PSK_FILE is empty (an open network: a file holding one empty line)"
   fi
   PSK="${PSK%$'\r'}"
+  [ -n "$PSK" ] || say "the passphrase from --wifi-psk-file is empty: the Wi-Fi network is taken to be open"
 fi
 if [ -n "$SSID" ]; then
   [ "${#SSID}" -le 32 ] || die "--wifi-ssid is longer than 32 bytes"
@@ -427,7 +434,8 @@ if [ "$MODE" = firstrun ]; then
   put "$SCRIPT_DIR/boot/firstrun.sh" ::/firstrun.sh
   cmdline="$cmdline systemd.run=$BOOT_MOUNT/firstrun.sh systemd.run_success_action=reboot systemd.unit=kernel-command-line.target"
 else
-  json() { "$PY" -c 'import json, sys; print(json.dumps(sys.argv[1]))' "$1"; }
+  # the value on standard input, not in argv (a process's arguments are readable by every user)
+  json() { printf '%s' "$1" | "$PY" -c 'import json, sys; print(json.dumps(sys.stdin.read()))'; }
   if has user-data; then
     mcopy -n -i "$FAT" ::/user-data "$TMP/user-data.orig"
     if ! grep -q "flash.sh" "$TMP/user-data.orig"; then put "$TMP/user-data.orig" ::/fedal/user-data.orig; fi

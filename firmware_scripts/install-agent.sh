@@ -265,38 +265,45 @@ ids_of() {
 CAN_CHOWN=0
 [ "$(id -u)" -eq 0 ] && CAN_CHOWN=1
 
-# ensure_meta PATH MODE OWNER(root|svc|group): fix mode and owner if they differ, through a
-# descriptor that follows no link (fix-meta.py): the state directory is the service user's, and a
-# chmod/chown by name there would follow a link swapped in between two commands
-ensure_meta() {
-  local path="$1" mode="$2" who="$3" want="-" out line
-  if [ "$CAN_CHOWN" -eq 1 ]; then
-    want="0:0"
-    if [ "$who" != root ]; then
-      want="$(ids_of "$SVC_USER")"
-      [ -n "$want" ] || want="-"
-      [ "$who" = svc ] || [ "$want" = "-" ] || want="0:${want#*:}"  # root:<service group>
-    fi
-  fi
-  local dry=()
+# owner_of root|svc|group: the uid:gid a path of that kind gets ("-": leave the owner as it is)
+owner_of() {
+  local want
+  [ "$CAN_CHOWN" -eq 1 ] || { echo -; return; }
+  [ "$1" != root ] || { echo 0:0; return; }
+  want="$(ids_of "$SVC_USER")"
+  if [ -z "$want" ]; then echo -; elif [ "$1" = svc ]; then echo "$want"; else echo "0:${want#*:}"; fi  # group: root:<service group>
+}
+
+# fix_meta [--install SRC] PATH MODE OWNER: fix-meta.py, its changes counted. It works through
+# descriptors that follow no link: the state directory is the service user's, and a chmod, chown
+# or write by name there would follow a link swapped in between two commands.
+fix_meta() {
+  local out line dry=()
   [ "$DRY" -eq 0 ] || dry=(--dry-run)
-  out="$("$PY" -I "$SCRIPT_DIR/fix-meta.py" ${dry[@]+"${dry[@]}"} "$path" "$mode" "$want")" || exit 2
+  local inst=()
+  if [ "$1" = --install ]; then inst=(--install "$2"); shift 2; fi
+  out="$("$PY" -I "$SCRIPT_DIR/fix-meta.py" ${dry[@]+"${dry[@]}"} ${inst[@]+"${inst[@]}"} "$1" "$2" "$(owner_of "$3")")" || exit 2
   while IFS= read -r line; do
-    [ -z "$line" ] || changed "$line"
+    [ -z "$line" ] || changed "${line/"$ROOT"/}"
   done <<<"$out"
 }
+
+ensure_meta() { fix_meta "$@"; }
 
 # put_file SRC DEST MODE OWNER: install SRC as DEST unless it is already identical
 put_file() {
   local src="$1" dest="$ROOT$2" mode="$3" who="$4"
-  if [ -L "$dest" ] && [ "${2#"$STATE"/}" != "$2" ]; then
-    :  # a link in the service user's directory is not ours to follow: install replaces the link itself
-  elif [ -f "$dest" ] && cmp -s "$src" "$dest"; then
-    # a link elsewhere (a CA in the system's store) lies in root's directories: its target is fixed
-    ensure_meta "$(readlink -f "$dest")" "$mode" "$who"
+  if [ "${2#"$STATE"/}" != "$2" ]; then  # the service user's directory: one descriptor at a time
+    fix_meta --install "$src" "$dest" "$mode" "$who"
     return 0
   fi
-  run install -D -m "$mode" "$src" "$dest"
+  if [ -L "$dest" ] && cmp -s "$src" "$dest"; then
+    return 0  # a link with this content (a CA in the system's store): the system's file, left as it is
+  elif [ ! -L "$dest" ] && [ -f "$dest" ] && cmp -s "$src" "$dest"; then
+    ensure_meta "$dest" "$mode" "$who"
+    return 0
+  fi
+  run install -D -T -m "$mode" "$src" "$dest"
   changed "installed $2"
   [ "$DRY" -eq 1 ] || ensure_meta "$dest" "$mode" "$who"
 }
@@ -446,7 +453,7 @@ mounts=""
 for p in "$CA_PATH" "$DATA_PATH" "$TEST_PATH" "$LOCAL_TEST_PATH" "$PUBLIC_PATH"; do
   case "$p" in /*) ;; *) continue ;; esac  # relative: inside the workspace
   if [ "${p#"$STATE"/}" != "$p" ] || [ "${p#"$ETC"/}" != "$p" ]; then continue; fi
-  if printf '%s' "$p" | grep -q '[[:space:]"%\\]'; then
+  if printf '%s' "$p" | grep -q "[[:space:]\"'%\\]"; then
     say "warning: $p holds a space, quote, % or backslash: systemd is not told to mount it before the agent starts"
     continue
   fi

@@ -110,8 +110,8 @@ def device(tmp_path):
     return d
 
 
-def flash(*args: str, image_arch: str | None = None, stdin: str = "") -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("FEDAL_ARCH", "FEDAL_IMAGE_ARCH")}
+def flash(*args: str, image_arch: str | None = None, stdin: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k not in ("FEDAL_ARCH", "FEDAL_IMAGE_ARCH")}, **(env or {})}
     if image_arch is not None:
         env["FEDAL_IMAGE_ARCH"] = image_arch
     return subprocess.run(["bash", str(SCRIPTS / "flash.sh"), *args], capture_output=True, text=True, env=env,
@@ -249,7 +249,8 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     assert any(line.startswith("fedal-agent:") for line in (root / "etc/passwd").read_text().splitlines())
     # done for good: the credentials left the FAT partition, the installer will not run again
     assert not (boot / "fedal").exists() and not kept.parent.exists()
-    assert (root / "var/lib/fedal-agent/.firstboot-done").exists()
+    assert (root / "var/lib/fedal-firstboot/done").exists()  # in root's directory, not the agent's
+    assert not (root / "var/lib/fedal-agent/.firstboot-done").exists()
     assert not (root / "etc/systemd/system/multi-user.target.wants/fedal-firstboot.service").exists()
 
 
@@ -316,12 +317,20 @@ def test_cloud_init_image_is_prepared_the_cloud_init_way(tmp_path, device):
     original_user_data = "#cloud-config\n# Raspberry Pi OS default: no changes\n"
     img = rpi_image(tmp_path, **{"user-data": original_user_data, "meta-data": "instance-id: rpios-image\n",
                                  "network-config": "network:\n  version: 2\n"})
+    (tmp_path / "psk").write_text("correct horse\n")
+    # every Python flash.sh starts logs its arguments: the passphrase must never be one of them
+    argv_log = tmp_path / "python-argv.log"
+    shim = tmp_path / "python-shim"
+    shim.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$*\" >>{argv_log}\nexec {sys.executable} \"$@\"\n")
+    shim.chmod(0o755)
     r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--hostname", "pi-7", "--wifi-ssid", 'Lab "5G"',
-              "--wifi-psk", "correct horse", "--wifi-country", "fr", "--ssh-key", str(tmp_path / "id.pub"), "--user", "ops",
-              "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"), "--torch-index", "https://download.pytorch.org/whl/cpu",
-              "--torch-version", "2.13.0")
+              "--wifi-psk-file", str(tmp_path / "psk"), "--wifi-country", "fr", "--ssh-key", str(tmp_path / "id.pub"),
+              "--user", "ops", "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"),
+              "--torch-index", "https://download.pytorch.org/whl/cpu", "--torch-version", "2.13.0",
+              env={"FEDAL_PYTHON": str(shim)})
     assert r.returncode == 0, r.stderr
     assert "cloud-init" in r.stdout
+    assert argv_log.read_text() and "correct horse" not in argv_log.read_text()
     files = fat_files(img)
     assert "firstrun.sh" not in files and not any(f.startswith("fedal/settings") for f in files)
 

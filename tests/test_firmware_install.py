@@ -416,6 +416,13 @@ def test_a_link_swapped_into_the_state_directory_is_never_followed(tmp_path, inp
     assert (stat.S_IMODE(after.st_mode), after.st_uid, after.st_gid) == \
         (stat.S_IMODE(before.st_mode), before.st_uid, before.st_gid) == (0o600, before.st_uid, before.st_gid)
     assert not (state / "train.npz").is_symlink() and stat.S_IMODE((state / "train.npz").stat().st_mode) == 0o640
+    # a link to a directory: `install` would have written the file into that directory
+    (state / "train.npz").unlink()
+    (state / "train.npz").symlink_to(root / "etc")
+    r = install(*args)
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert not (root / "etc" / "train.npz").exists() and not (state / "train.npz").is_symlink()
+    assert (state / "train.npz").read_bytes() == shadow.read_bytes()
 
 
 @pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo"])
@@ -471,3 +478,53 @@ def test_files_outside_the_state_directory_are_mounted_before_the_agent_starts(t
     r = install(*args)
     assert r.returncode == 0 and "removed /etc/systemd/system/fedal-agent.service.d/10-fedal-mounts.conf" in r.stdout
     assert not dropin.parent.exists()
+
+
+@pytest.mark.parametrize("kind", ["symlink to a file", "symlink to a directory", "hard link", "fifo"])
+def test_fix_meta_install_replaces_the_name_never_what_it_points_at(tmp_path, kind):
+    """What a name in the state directory may be when the installer reaches it (swapped in after
+    any check it could make): the new file replaces the name; the target is never written, chmod-ed
+    or chown-ed."""
+    target = tmp_path / "shadow"
+    target.write_text("root:*:1::::::\n")
+    target.chmod(0o600)
+    folder = tmp_path / "etc"
+    folder.mkdir()
+    src = tmp_path / "src"
+    src.write_text(target.read_text())  # identical content: the path that only fixes metadata
+    path = tmp_path / "state" / "train.npz"
+    path.parent.mkdir()
+    if kind == "symlink to a file":
+        path.symlink_to(target)
+    elif kind == "symlink to a directory":
+        path.symlink_to(folder)
+    elif kind == "hard link":
+        os.link(target, path)
+    else:
+        os.mkfifo(path)
+    r = subprocess.run([sys.executable, str(SCRIPTS / "fix-meta.py"), "--install", str(src), str(path), "0640",
+                        f"{os.getuid()}:{os.getgid()}"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout == f"installed {path}\n", r.stderr
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600 and target.stat().st_nlink == 1
+    assert list(folder.iterdir()) == []
+    assert path.is_file() and not path.is_symlink() and path.read_text() == src.read_text()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert [p.name for p in path.parent.iterdir()] == ["train.npz"]  # no temporary file left
+
+
+def test_fix_meta_install_fixes_an_identical_file_in_place_and_refuses_a_directory(tmp_path):
+    src = tmp_path / "src"
+    src.write_text("rows")
+    path = tmp_path / "train.npz"
+    path.write_text("rows")
+    path.chmod(0o666)
+    inode = path.stat().st_ino
+    run = [sys.executable, str(SCRIPTS / "fix-meta.py"), "--install", str(src), str(path), "0640", "-"]
+    r = subprocess.run(run, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout == f"mode 0640: {path}\n"
+    assert path.stat().st_ino == inode and stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert subprocess.run(run, capture_output=True, text=True, timeout=30).stdout == ""  # nothing left to change
+    path.unlink()
+    path.mkdir()
+    r = subprocess.run(run, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "is a directory where the installer puts a file" in r.stderr

@@ -225,7 +225,7 @@ def test_first_boot_installs_offline_from_the_root_partition_wheelhouse(tmp_path
     # its broker password off the boot partition while it waits; the next start takes it from there
     moved = root / "root" / ".fedal-firstboot" / "agent.toml"
     assert not (boot / "fedal" / "agent.toml").exists() and moved.exists()
-    assert not (root / "var/lib/fedal-agent/.firstboot-done").exists()
+    assert not (root / "var/lib/fedal-firstboot/done").exists()
     numpy.write_bytes(kept)
 
     done = subprocess.run(firstboot, env=env2, capture_output=True, text=True, timeout=600)
@@ -239,7 +239,7 @@ def test_first_boot_installs_offline_from_the_root_partition_wheelhouse(tmp_path
     assert (root / "etc/fedal-agent/agent.toml").exists()
     # done: the payload and the wheelhouse are gone, the hook is off
     assert not (boot / "fedal").exists() and not (root / "opt/fedal-wheelhouse").exists() and not moved.parent.exists()
-    assert (root / "var/lib/fedal-agent/.firstboot-done").exists()
+    assert (root / "var/lib/fedal-firstboot/done").exists()
     assert not (root / "etc/systemd/system/multi-user.target.wants/fedal-firstboot.service").exists()
 
 

@@ -86,7 +86,9 @@ for f in "$P"/data/*; do if [ -f "$f" ]; then wipe "$f"; fi; done
 rm -rf "$P" "$KEPT"
 # a wheelhouse flash.sh put on the root partition (too big for the boot one): its manifest says it is ours
 case "$WH" in /?*) if [ -f "$WH/fedal-wheelhouse.json" ]; then rm -rf -- "$WH"; fi ;; esac
-install -d "$R/var/lib/fedal-agent"
-touch "$R/var/lib/fedal-agent/.firstboot-done"
+# the marker goes where only root writes: the agent's own directory is its service user's, and a
+# touch there as root would follow a link that user put in its place
+install -d -m 0755 "$R/var/lib/fedal-firstboot"
+: >"$R/var/lib/fedal-firstboot/done"
 rm -f "$R/etc/systemd/system/multi-user.target.wants/fedal-firstboot.service"
 log "done: journalctl -u fedal-agent -f"
