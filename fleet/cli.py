@@ -112,8 +112,11 @@ def revoke_cmd(out: Path, reissue: bool, devices: tuple[str, ...]) -> None:
         click.echo(f"  next: copy {out / 'broker'}/passwd and acl to the broker's directory and reload Mosquitto "
                    "(`sudo systemctl reload mosquitto`): it re-reads both and drops a connected client they no longer "
                    "admit")
-        click.echo(f"  the coordinator's client_ids are now {', '.join(info.devices) or 'empty'}: "
-                   f"{out / 'coordinator' / 'broker.toml'} lists them for coordinator.toml")
+        click.echo(f"  the fleet's devices are now {', '.join(info.devices) or 'none'} ({out / 'coordinator' / 'broker.toml'}'s "
+                   "client_ids): use them for the next run. A run under way keeps its client_ids (changing them "
+                   "starts it afresh): a revoked device stays offline and the phases close by their quorum")
+        if len(info.devices) < 2:
+            click.echo(f"  warning: {len(info.devices)} device(s) left: a run needs at least 2 clients", err=True)
 
 
 @fleet_cmd.command("check")

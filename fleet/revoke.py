@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from fedal.protocol import topics
 from fleet import acl, passwords
-from fleet.generate import MARKER, FleetError, _generated_before, _marker_text, _toml, _write, write_device
+from fleet.generate import _PLAN, MARKER, FleetError, _generated_before, _marker_text, _toml, _write, write_device
 
 __all__ = ["Revoked", "revoke_devices"]
 
@@ -91,6 +92,26 @@ def _acl_text(head: list[str], blocks: dict[str, list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _acl_run(blocks: dict[str, list[str]], summary: dict) -> str:
+    """The run level the broker's ACL gives devices now (the docs move a fleet to another run id
+    by editing the ACL): read from a device's block, else what fleet init recorded."""
+    for rules in blocks.values():
+        for rule in rules:
+            m = re.fullmatch(rf"topic read {re.escape(topics.ROOT)}/([^/]+)/run", rule.strip())
+            if m:
+                return m.group(1)
+    return str(summary.get("acl_run_id", "+"))  # fleets from before the ACL named the run id had a +
+
+
+def _ca_cert(out: Path) -> bytes:
+    """The CA the devices trust: ca/ may be kept offline (its key), the broker and coordinator copies stay."""
+    for name in ("ca/ca.crt", "broker/ca.crt", "coordinator/ca.crt"):
+        if (out / name).is_file():
+            return (out / name).read_bytes()
+    raise FleetError(f"{out} holds no ca.crt (ca/, broker/ or coordinator/): a reissued TLS device needs the CA "
+                     "its broker's certificate was issued by")
+
+
 def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
     """Revoke (or, with reissue, re-key) each device of `ids` in the fleet under `out`."""
     summary = _summary(out)
@@ -112,8 +133,9 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
     except tomllib.TOMLDecodeError as exc:
         raise FleetError(f"{coordinator_toml} is not TOML: {exc}") from None
     files = _generated_before(out)
-    acl_run = summary.get("acl_run_id", "+")  # fleets from before the ACL named the run id had a +
-    ca_cert = (out / "ca" / "ca.crt").read_bytes() if summary["tls"] else None
+    acl_run = _acl_run(blocks, summary)
+    run_id = acl_run if acl_run != "+" else summary["run_id"]
+    ca_cert = _ca_cert(out) if reissue and summary["tls"] else None
 
     done: dict[str, str] = {}
     new_passwords: dict[str, str] = {}
@@ -139,12 +161,22 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
             done[cid] = "revoked"
     devices.sort(key=_natural)
 
+    # the new device configs planned (and checked) before anything is written
+    token = _PLAN.set({})
+    try:
+        for cid, password in new_passwords.items():
+            write_device(out, cid, run_id, summary["model"], summary["broker"], password, ca_cert)
+        device_files = _PLAN.get() or {}
+    except ValueError as exc:
+        raise FleetError(f"cannot write a new config for the fleet's devices: {exc}") from None
+    finally:
+        _PLAN.reset(token)
     # the accounts first: once these two are on the broker, a revoked card is locked out
     _write(passwd_path, "".join(f"{user}:{hashed}\n" for user, hashed in entries.items()), 0o600)
     _write(acl_path, _acl_text(head, blocks), 0o644)
-    for cid, password in new_passwords.items():
-        write_device(out, cid, summary["run_id"], summary["model"], summary["broker"], password, ca_cert)
-        files |= {f"devices/{cid}/agent.toml", *([f"devices/{cid}/ca.crt"] if ca_cert else [])}
+    for path, (text, mode) in device_files.items():
+        _write(path, text, mode)
+        files.add(path.relative_to(out).as_posix())
     for cid in gone:  # its password no longer opens the broker: a card flashed with it could not log in
         for name in ("agent.toml", "ca.crt"):
             path = out / "devices" / cid / name

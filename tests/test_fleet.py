@@ -425,3 +425,34 @@ def test_revoke_refuses_what_is_not_a_device(tmp_path, args, message):
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     missing = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(tmp_path / "nowhere"), "pi-1"])
     assert missing.exit_code == 2 and "revoke needs the fleet" in missing.output
+
+
+def test_revoke_works_with_the_ca_kept_offline_and_reissue_follows_the_acls_run_id(tmp_path):
+    """ca/ (with its key) kept offline as the docs advise: revoking needs no CA, reissuing takes
+    the broker's copy. A fleet moved to another run id by editing the ACL (as the docs say)
+    reissues configs for that run id. Re-keying a device that was never revoked, and revoking every
+    device, work too."""
+    import shutil
+
+    from fleet.passwords import verify
+
+    out = tmp_path / "fleet"
+    code, output = fleet_init("--devices", "3", "--broker", "mqtts://broker.lan:8883", "--tls", "--out", str(out))
+    assert code == 0, output
+    shutil.move(str(out / "ca"), str(tmp_path / "offline-ca"))
+    acl_path = out / "broker" / "acl"
+    acl_path.write_text(acl_path.read_text().replace("fedal/v1/fleet/", "fedal/v1/lab2/"))
+    old = password_of(out, "pi-1")
+    result = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "--reissue", "pi-1"])
+    assert result.exit_code == 0 and "pi-1: reissued" in result.output, result.output
+    cfg = load_agent_config(out / "devices" / "pi-1" / "agent.toml")
+    assert cfg.run_id == "lab2" and cfg.broker.password != old
+    assert (out / "devices" / "pi-1" / "ca.crt").read_bytes() == (tmp_path / "offline-ca" / "ca.crt").read_bytes()
+    line = next(x for x in (out / "broker" / "passwd").read_text().splitlines() if x.startswith("pi-1:"))
+    assert verify(cfg.broker.password, line.split(":", 1)[1]) and not verify(old, line.split(":", 1)[1])
+    assert "topic write fedal/v1/lab2/up/pi-1" in acl_path.read_text()
+    everyone = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "pi-1", "pi-2", "pi-3"])
+    assert everyone.exit_code == 0 and "0 device(s) left" in everyone.output, everyone.output
+    assert [x.split(":")[0] for x in (out / "broker" / "passwd").read_text().splitlines()] == ["coordinator"]
+    assert "user pi-" not in acl_path.read_text() and "user coordinator" in acl_path.read_text()
+    assert tomllib.loads((out / "coordinator" / "broker.toml").read_text())["client_ids"] == []
