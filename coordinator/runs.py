@@ -180,8 +180,7 @@ class RunManager:
 
     def _new_run(self, spec: RunSpec, origin: str) -> Run:
         results = None if origin == "config" else self.config.state_dir / "runs" / spec.run_id / "results.json"
-        note = spec.run.default_model_note()
-        if note:
+        for note in spec.run.notes():
             log.info("run %s: %s", spec.run_id, note)
         return Run(self.config.for_run(spec, results), store=self.store, events=self.events, origin=origin)
 

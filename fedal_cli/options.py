@@ -102,7 +102,6 @@ def config_from_flags(config_path: str | None, flags: dict) -> RunConfig:
         config = load_config(config_path, {k: flags.get(k) for k in RUN_FLAGS + FAULT_FLAGS})
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    note = config.default_model_note()
-    if note:
+    for note in config.notes():
         click.echo(note, err=True)
     return config

@@ -122,7 +122,6 @@ def test_sizes_no_machine_can_allocate_are_usage_errors_not_tracebacks(tmp_path,
     (["fleet", "wheelhouse", "--out", "{tmp}/wh", "--no-index", "--find-links", "{tmp}", "--index-url", "http://x/"],
      "contradict"),
     (["hil", "fleet", "--clients", "2", "--run-id", "r", "--ids", "a,a"], "lists a client more than once: ['a']"),
-    (["simulate", "--dataset", "digits", "--data-dir", "{tmp}", "--out", "{tmp}/r.json"], "data_dir is not read"),
     (["fleet", "init", "--devices", "1000000000", "--broker", "mqtt://h", "--out", "{tmp}/wh"], "--devices"),
     (["simulate", "--strategy", "fccl", "--public-size", "1", "--out", "{tmp}/r.json"],
      "needs at least 2 public rows per transfer iteration"),  # exit 1 from the server half, after the data was built
@@ -136,3 +135,17 @@ def test_options_that_were_silently_ignored_or_contradictory_are_refused(tmp_pat
 def test_rows_seed_is_a_64_bit_seed_like_seed():
     with pytest.raises(ConfigError, match="rows_seed"):
         load_config(None, {"rows_seed": 2**63})
+
+
+def test_a_data_dir_given_for_digits_is_said_to_be_unused_not_refused(tmp_path):
+    """Older configs with data_dir set for the embedded digits keep working; the user is told."""
+    config = load_config(None, {"dataset": "digits", "data_dir": str(tmp_path)})
+    assert any("is not read: dataset 'digits' comes with scikit-learn" in n for n in config.notes())
+    assert not [n for n in load_config(None, {"dataset": "digits"}).notes() if "data_dir" in n]
+    import click.testing
+
+    from fedal_cli.options import config_from_flags
+
+    with click.testing.CliRunner().isolation() as (_out, err, *_):
+        config_from_flags(None, {"dataset": "digits", "data_dir": str(tmp_path)})
+        assert b"is not read" in err.getvalue()

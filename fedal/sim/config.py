@@ -187,8 +187,6 @@ class RunConfig(NoCoercion):
                              f"iteration (the smaller of public_size and public_batch_size), got {rows}")
         if spec.homogeneous_models and len(set(models)) > 1:
             raise ValueError(f"strategy {self.strategy!r} averages parameters and needs one model for all clients, got {models}")
-        if self.dataset == "digits" and self.data_dir:  # else a user's files are believed read, and are not
-            raise ValueError("dataset 'digits' comes with scikit-learn: data_dir is not read for it; leave it out")
         if self.dataset not in ("mnist1d", "digits") and not self.data_dir:
             raise ValueError(f"dataset {self.dataset!r} is read from files: set data_dir")
         if self.partition == "identity" and self.dataset != "celeba":
@@ -218,6 +216,14 @@ class RunConfig(NoCoercion):
             return None
         return (f"{self.strategy} needs one model for all clients: using {DEFAULT_SINGLE_MODEL[self.dataset]} "
                 f"(the {self.dataset} default; --models or `models` chooses another)")
+
+    def notes(self) -> list[str]:
+        """Lines telling the user what the run chose or leaves unused where the config is silent or
+        says more than applies (shown at start; never a refusal: older configs keep working)."""
+        notes = [note] if (note := self.default_model_note()) else []
+        if self.dataset == "digits" and self.data_dir:  # else a user's files are believed read, and are not
+            notes.append(f"data_dir {self.data_dir} is not read: dataset 'digits' comes with scikit-learn")
+        return notes
 
     @property
     def vectorized(self) -> bool:
