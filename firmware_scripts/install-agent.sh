@@ -465,7 +465,7 @@ if [ -n "$mounts" ]; then
 elif [ -f "$ROOT$DROPIN" ] && [ "$(head -n 1 "$ROOT$DROPIN")" = "$DROPIN_HEAD" ]; then
   run rm -f "$ROOT$DROPIN"
   run rmdir --ignore-fail-on-non-empty "$ROOT$UNIT_DIR/$SERVICE.service.d"
-  changed "removed $DROPIN (the config names no file outside $STATE)"
+  changed "removed $DROPIN (the config names no file outside $STATE and $ETC)"
 fi
 unit_changed=$((CHANGES - unit_before))
 wants="$ROOT$UNIT_DIR/multi-user.target.wants/$SERVICE.service"
