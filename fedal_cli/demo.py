@@ -232,6 +232,11 @@ def deployable(config: RunConfig) -> RunConfig:
                                "clients are real processes, with real faults")
     how = {"vectorize": None, "backend": "inprocess", "ray_address": None, "ray_actors": None,
            "client_resources": None}
+    said = ["backend"] if config.backend != "inprocess" else []
+    said += [k for k in ("vectorize", "ray_address", "ray_actors", "client_resources") if getattr(config, k) not in (None, False)]
+    if said:
+        click.echo(f"note: {', '.join(said)} only say how a simulation computes its clients; the demo's clients are "
+                   "processes of their own (not used)", err=True)
     return config.model_copy(update=how)
 
 
@@ -286,7 +291,9 @@ def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, *
         raise click.BadParameter(str(exc), param_hint="--workdir") from None
     except ConfigError as exc:  # what the flags ask that the data or the models cannot do
         raise click.UsageError(str(exc)) from None
-    except (ValueError, FileNotFoundError) as exc:  # e.g. a damaged dataset file
+    except FileNotFoundError as exc:  # a dataset's files missing from --data-dir: the flag to change (as simulate)
+        raise click.UsageError(f"{exc} (--data-dir)") from None
+    except ValueError as exc:  # e.g. a damaged dataset file
         raise click.ClickException(str(exc)) from None
     except procs.Stopped as exc:
         click.echo(f"stopped by {exc}: the coordinator, the agents and the broker are shut down", err=True)

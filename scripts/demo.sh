@@ -9,5 +9,5 @@ bash scripts/install.sh all
 # shellcheck source=scripts/python-env.sh
 source scripts/python-env.sh
 # exec: a signal to this script (its PID) reaches the demo, which stops its coordinator and agents
-exec "$PYTHON" -m fedal_cli.main demo --config examples/demo.toml \
-  --workdir runs/demo --out runs/demo/results.json --plot runs/demo/accuracy.png "$@"
+# (the demo's defaults: --workdir runs/demo, results.json and accuracy.png in the workdir)
+exec "$PYTHON" -m fedal_cli.main demo --config examples/demo.toml "$@"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sourced by the set-up scripts: chooses the Python the toolkit is installed into and run with,
-# and exports it as PYTHON. Order: $PYTHON if the caller set it; the virtualenv that is active
-# ($VIRTUAL_ENV); else the project's own virtualenv .venv (or $FEDAL_VENV), created once.
+# and exports it as PYTHON. Order: $FEDAL_PYTHON if the caller set it; the virtualenv that is
+# active ($VIRTUAL_ENV); else the project's own virtualenv .venv (or $FEDAL_VENV), created once.
+# An inherited $PYTHON is not taken: other toolchains set it (to a system Python, say).
 # A system Python is never installed into: on Debian 12, Ubuntu 23.04+ and Raspberry Pi OS it
 # is externally managed (PEP 668) and pip refuses it.
 
@@ -41,7 +42,8 @@ fedal_make_venv() {
   "$base" -m venv "$dir"
 }
 
-if [ -z "${PYTHON:-}" ]; then
+PYTHON="${FEDAL_PYTHON:-}"
+if [ -z "$PYTHON" ]; then
   if [ -n "${VIRTUAL_ENV:-}" ] && [ -x "${VIRTUAL_ENV}/bin/python" ]; then
     PYTHON="${VIRTUAL_ENV}/bin/python"
   else

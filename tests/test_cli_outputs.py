@@ -136,9 +136,9 @@ def test_settings_the_dataset_cannot_take_are_usage_errors(tmp_path, monkeypatch
     assert not (tmp_path / "results.json").exists()
 
 
-def test_the_demo_takes_a_ray_simulations_results_as_its_config():
+def test_the_demo_takes_a_ray_simulations_results_as_its_config(capsys):
     """Where a simulation computed its clients (Ray actors, stacked) does not change its numbers:
-    the demo drops it, as it dropped `vectorize`; faults stay refused."""
+    the demo drops it, as it dropped `vectorize`, and says so; faults stay refused."""
     import click
 
     from fedal.sim import load_config
@@ -149,6 +149,9 @@ def test_the_demo_takes_a_ray_simulations_results_as_its_config():
     deployed = deployable(config)
     assert (deployed.backend, deployed.ray_actors, deployed.client_resources, deployed.vectorize) == \
         ("inprocess", None, None, None)
+    assert "note: backend, vectorize, ray_actors, client_resources only say how a simulation" in capsys.readouterr().err
+    deployable(load_config(None, {"strategy": "fedmd", "dataset": "digits"}))
+    assert capsys.readouterr().err == ""  # nothing to say
     with pytest.raises(click.UsageError, match="faults of the simulation"):
         deployable(load_config(None, {"strategy": "fedmd", "dataset": "digits", "dropout": 0.1}))
 

@@ -123,6 +123,7 @@ def test_sizes_no_machine_can_allocate_are_usage_errors_not_tracebacks(tmp_path,
      "contradict"),
     (["hil", "fleet", "--clients", "2", "--run-id", "r", "--ids", "a,a"], "lists a client more than once: ['a']"),
     (["fleet", "init", "--devices", "1000000000", "--broker", "mqtt://h", "--out", "{tmp}/wh"], "--devices"),
+    (["demo", "--dataset", "mnist", "--data-dir", "{tmp}", "--workdir", "{tmp}/w", "--quiet"], "(--data-dir)"),
     (["simulate", "--strategy", "fccl", "--public-size", "1", "--out", "{tmp}/r.json"],
      "needs at least 2 public rows per transfer iteration"),  # exit 1 from the server half, after the data was built
 ])
@@ -149,3 +150,20 @@ def test_a_data_dir_given_for_digits_is_said_to_be_unused_not_refused(tmp_path):
     with click.testing.CliRunner().isolation() as (_out, err, *_):
         config_from_flags(None, {"dataset": "digits", "data_dir": str(tmp_path)})
         assert b"is not read" in err.getvalue()
+
+
+def test_the_privacy_table_is_spelled_the_same_in_a_deployment():
+    """`[privacy]` worked in a simulate TOML only: a coordinator's [run.privacy] and an API spec's
+    run.privacy were refused as unknown keys."""
+    from coordinator.config import RunSpec, load_coordinator_config
+
+    table = {"noise_multiplier": 1.1, "max_grad_norm": 2.0}
+    config = load_coordinator_config(None, run={"strategy": "fedal", "dataset": "digits", "privacy": table})
+    assert (config.run.strategy_params.privacy.noise_multiplier, config.run.strategy_params.privacy.max_grad_norm) == (1.1, 2.0)
+    spec = RunSpec.model_validate({"run_id": "r", "client_ids": ["a", "b"],
+                                   "run": {"strategy": "fedal", "dataset": "digits", "privacy": table}})
+    assert spec.run.strategy_params.privacy == config.run.strategy_params.privacy
+    from fedal.sim.config import RunConfig
+
+    with pytest.raises(ValueError, match="privacy is given twice"):
+        RunConfig.model_validate({"privacy": table, "strategy_params": {"privacy": table}})

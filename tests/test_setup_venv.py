@@ -45,7 +45,8 @@ def externally_managed_python(dest: Path) -> Path:
 
 
 def clean_env(path_first: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHON", "PYTHONPATH", "PYTHONHOME", "FEDAL_VENV")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VIRTUAL_ENV", "PYTHON", "FEDAL_PYTHON", "PYTHONPATH", "PYTHONHOME", "FEDAL_VENV")}
     env["PATH"] = f"{path_first}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     return env
 
@@ -93,7 +94,9 @@ def test_an_active_virtualenv_or_an_explicit_python_is_used_as_it_is(tmp_path):
     (active / "bin/python").symlink_to(sys.executable)
     env = clean_env(tmp_path)
     assert chosen_python({**env, "VIRTUAL_ENV": str(active)}) == f"{active}/bin/python"
-    assert chosen_python({**env, "VIRTUAL_ENV": str(active), "PYTHON": "/some/python"}) == "/some/python"
+    assert chosen_python({**env, "VIRTUAL_ENV": str(active), "FEDAL_PYTHON": "/some/python"}) == "/some/python"
+    # a PYTHON other toolchains export (node-gyp's, say: a system Python) is not taken
+    assert chosen_python({**env, "VIRTUAL_ENV": str(active), "PYTHON": "/usr/bin/python3"}) == f"{active}/bin/python"
     # neither: the project's virtualenv (or the one FEDAL_VENV names), made once
     made = tmp_path / "venv"
     assert chosen_python({**env, "FEDAL_VENV": str(made)}) == f"{made}/bin/python"
@@ -126,7 +129,7 @@ def test_install_takes_torch_from_the_cpu_index_where_it_would_bring_cuda(tmp_pa
                                    f"echo \"$*\" >> {log}\n")
     for tool in ("uname", "python"):
         (bindir / tool).chmod(0o755)
-    env = {**clean_env(bindir), "PYTHON": str(bindir / "python")}
+    env = {**clean_env(bindir), "FEDAL_PYTHON": str(bindir / "python")}
     out = subprocess.run(["bash", "scripts/install.sh", "dev"], cwd=REPO, capture_output=True, text=True, env=env,
                          timeout=60)
     assert out.returncode == 0, out.stderr

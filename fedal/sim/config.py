@@ -71,8 +71,31 @@ def parse_resources(text: str | dict | None) -> dict[str, float]:
     return out
 
 
+def lift_privacy(data: Any) -> Any:
+    """A run config's `[privacy]` table is its strategy parameters' `privacy` (it travels with
+    them to every device): the same spelling in a simulate TOML, a coordinator's `[run]` table and
+    an API run spec."""
+    if not isinstance(data, dict) or "privacy" not in data:
+        return data
+    data = dict(data)
+    privacy = data.pop("privacy")
+    params = data.get("strategy_params")
+    params = dict(params) if isinstance(params, dict) else {}
+    if params.get("privacy") is not None and privacy is not None:
+        raise ValueError("privacy is given twice ([privacy] and strategy_params.privacy): give it once")
+    if privacy is not None:
+        params["privacy"] = privacy
+    data["strategy_params"] = params
+    return data
+
+
 class RunConfig(NoCoercion):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _privacy_table(cls, data: Any) -> Any:
+        return lift_privacy(data)
 
     strategy: str = "fedal"
     dataset: str = "mnist1d"
@@ -268,9 +291,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         for key in RAY_KEYS:
             if (overrides or {}).get(key) is None:
                 data.pop(key, None)
-    if "privacy" in data:  # the [privacy] table: travels with the strategy parameters to every device
-        privacy = data.pop("privacy")
-        data.setdefault("strategy_params", {})["privacy"] = privacy
+    try:  # (before the flags below add to it)
+        data = lift_privacy(data)
+    except ValueError as exc:
+        raise ConfigError(f"invalid config: {exc}") from None
     for key, value in (overrides or {}).items():
         if value is None:
             continue
