@@ -27,6 +27,8 @@ Usage: flash.sh --image IMG_OR_DEVICE --config agent.toml [options]
   --wheel FILE          the agent wheel to install (default: built from this checkout)
   --data FILE           private data file for /var/lib/fedal-agent (repeatable)
   --torch-index URL     passed to install-agent.sh on the device
+  --privacy             the device also installs the `privacy` extra (Opacus): a run with differential
+                        privacy needs it (a --wheelhouse holds its wheels already)
   --torch-version V     passed to install-agent.sh on the device (a Pi 3B+, 4 or Zero 2 W needs torch
                         >= 2.11, from PyTorch's CPU index: --torch-index https://download.pytorch.org/whl/cpu)
   --wheelhouse DIR      a wheelhouse from `fedal fleet wheelhouse`: the device installs from it with no
@@ -46,7 +48,7 @@ REPO="$(cd "$SCRIPT_DIR/.." && pwd)"
 PY="${FEDAL_PYTHON:-python3}"
 
 IMAGE="" CONFIG="" CA="" HOST="" SSID="" PSK="" COUNTRY="" SSH_KEY="" LOGIN=pi WHEEL="" TORCH_INDEX="" TORCH_VERSION="" WHEELHOUSE=""
-MODE=auto BOOT_MOUNT=/boot/firmware PSK_SET=0 PSK_FILE=""
+MODE=auto BOOT_MOUNT=/boot/firmware PSK_SET=0 PSK_FILE="" PRIVACY=0
 DATA=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -64,6 +66,7 @@ while [ $# -gt 0 ]; do
     --data) DATA+=("${2:?--data needs a file}"); shift 2 ;;
     --torch-index) TORCH_INDEX="${2:?--torch-index needs a URL}"; shift 2 ;;
     --torch-version) TORCH_VERSION="${2:?--torch-version needs a version}"; shift 2 ;;
+    --privacy) PRIVACY=1; shift ;;
     --wheelhouse) WHEELHOUSE="${2:?--wheelhouse needs a directory}"; shift 2 ;;
     --mode) MODE="${2:?--mode needs a value}"; shift 2 ;;
     --boot-mount) BOOT_MOUNT="${2:?--boot-mount needs a path}"; shift 2 ;;
@@ -315,6 +318,7 @@ cp "$SCRIPT_DIR/boot/stage.sh" "$SCRIPT_DIR/boot/firstboot.sh" "$SCRIPT_DIR/boot
 : >"$P/install-args"
 if [ -n "$TORCH_INDEX" ]; then printf -- '--torch-index\n%s\n' "$TORCH_INDEX" >>"$P/install-args"; fi
 if [ -n "$TORCH_VERSION" ]; then printf -- '--torch-version\n%s\n' "$TORCH_VERSION" >>"$P/install-args"; fi
+if [ "$PRIVACY" -eq 1 ]; then printf -- '--privacy\n' >>"$P/install-args"; fi
 
 # -- the wheelhouse: on the boot partition if it fits there, else on the root partition ----------
 WH_WHERE=""

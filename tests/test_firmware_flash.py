@@ -326,7 +326,7 @@ def test_cloud_init_image_is_prepared_the_cloud_init_way(tmp_path, device):
     r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--hostname", "pi-7", "--wifi-ssid", 'Lab "5G"',
               "--wifi-psk-file", str(tmp_path / "psk"), "--wifi-country", "fr", "--ssh-key", str(tmp_path / "id.pub"),
               "--user", "ops", "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"),
-              "--torch-index", "https://download.pytorch.org/whl/cpu", "--torch-version", "2.13.0",
+              "--torch-index", "https://download.pytorch.org/whl/cpu", "--torch-version", "2.13.0", "--privacy",
               env={"FEDAL_PYTHON": str(shim)})
     assert r.returncode == 0, r.stderr
     assert "cloud-init" in r.stdout
@@ -352,7 +352,7 @@ def test_cloud_init_image_is_prepared_the_cloud_init_way(tmp_path, device):
     assert fat_read(img, "fedal/user-data.orig", tmp_path).decode() == original_user_data
     assert fat_read(img, "fedal/network-config.orig", tmp_path) == b"network:\n  version: 2\n"  # kept, as user-data
     assert fat_read(img, "fedal/install-args", tmp_path) == \
-        b"--torch-index\nhttps://download.pytorch.org/whl/cpu\n--torch-version\n2.13.0\n"
+        b"--torch-index\nhttps://download.pytorch.org/whl/cpu\n--torch-version\n2.13.0\n--privacy\n"
     assert fat_read(img, "fedal/agent.toml", tmp_path).decode() == AGENT_TOML
     cmdline = fat_read(img, "cmdline.txt", tmp_path).decode().split()
     assert cmdline == CMDLINE.split() + ["cfg80211.ieee80211_regdom=FR"]  # no systemd.run hook
