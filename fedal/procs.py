@@ -165,13 +165,16 @@ def terminate(procs: Sequence[subprocess.Popen], grace_s: float = 10) -> None:
 
 
 @contextmanager
-def stop_signals_interrupt() -> Iterator[None]:
+def stop_signals_interrupt() -> Iterator[list[int]]:
     """Within: SIGTERM and SIGHUP raise Stopped in the main thread, as SIGINT raises
-    KeyboardInterrupt. Only the first stop signal does: later ones must not cut the shutdown short."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    KeyboardInterrupt. Only the first stop signal does: later ones must not cut the shutdown short.
+    Yields the signals that fired (the first, once one has): a library that catches Stopped
+    (it is a KeyboardInterrupt) and raises a bare KeyboardInterrupt instead, as Ray does inside
+    its waits, still leaves which signal it was."""
     fired: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield fired
+        return
 
     def _handler(signum, _frame) -> None:
         if fired:
@@ -181,7 +184,7 @@ def stop_signals_interrupt() -> Iterator[None]:
 
     previous = {sig: signal.signal(sig, _handler) for sig in (signal.SIGINT, *STOP_SIGNALS)}
     try:
-        yield
+        yield fired
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -10,6 +10,7 @@ everything down in order, and its children die with it even if it is killed (fed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -296,8 +297,10 @@ def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, *
     except ValueError as exc:  # e.g. a damaged dataset file
         raise click.ClickException(str(exc)) from None
     except procs.Stopped as exc:
-        click.echo(f"stopped by {exc}: the coordinator, the agents and the broker are shut down", err=True)
+        with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) cannot take the line: the status says it
+            click.echo(f"stopped by {exc}: the coordinator, the agents and the broker are shut down", err=True)
         sys.exit(exc.exit_status)
     except KeyboardInterrupt:  # Ctrl-C: said as for the other stop signals (click would say "Aborted!")
-        click.echo("stopped by SIGINT: the coordinator, the agents and the broker are shut down", err=True)
+        with contextlib.suppress(OSError):
+            click.echo("stopped by SIGINT: the coordinator, the agents and the broker are shut down", err=True)
         sys.exit(128 + signal.SIGINT)

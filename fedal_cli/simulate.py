@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -45,13 +47,16 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
             bars.append(tqdm(total=config.rounds, desc=f"{config.strategy}: standalone baseline for CF", unit="round",
                              disable=quiet, file=sys.stderr))
 
+    fired: list[int] = []
     try:
-        with procs.stop_signals_interrupt():  # SIGTERM/SIGHUP end the run as Ctrl-C does: Ray's actors
-            results = simulate(config, progress, verbose=verbose, stage=stage)  # and snapshots are cleaned up
-    except procs.Stopped as exc:
+        with procs.stop_signals_interrupt() as fired:  # SIGTERM/SIGHUP end the run as Ctrl-C does: Ray's
+            results = simulate(config, progress, verbose=verbose, stage=stage)  # actors and snapshots are cleaned up
+    except KeyboardInterrupt as exc:  # Stopped, Ctrl-C, or either as Ray hands it back (a bare KeyboardInterrupt)
         bars[-1].close()
-        click.echo(f"stopped by {exc}: no results written", err=True)
-        sys.exit(exc.exit_status)
+        sig = exc.signum if isinstance(exc, procs.Stopped) else (fired[0] if fired else signal.SIGINT)
+        with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) cannot take the line
+            click.echo(f"stopped by {signal.Signals(sig).name}: no results written", err=True)
+        sys.exit(128 + sig)
     except ImportError as exc:
         extra = "privacy" if exc.name == "opacus" else "ray"
         needs = "differential privacy needs" if extra == "privacy" else "the ray backend needs"

@@ -188,12 +188,13 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
         held.close()
     summary = fleet.summary()
     summary.pop("per_client")
-    click.echo(json.dumps({"outcome": outcome, **summary}, indent=1))
-    if outcome == "coordinator exited" and coordinator is not None:  # why, not only that
-        from fedal.procs import last_error
+    with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) cannot take them: the exit status says it
+        click.echo(json.dumps({"outcome": outcome, **summary}, indent=1))
+        if outcome == "coordinator exited" and coordinator is not None:  # why, not only that
+            from fedal.procs import last_error
 
-        click.echo(f"the coordinator exited with status {coordinator.returncode}{last_error(wd / 'coordinator.log')}",
-                   err=True)
+            click.echo(f"the coordinator exited with status {coordinator.returncode}"
+                       f"{last_error(wd / 'coordinator.log')}", err=True)
     if stop["signal"] is not None and outcome == "interrupted":  # as a shell reports a process ended by it
         raise SystemExit(128 + int(stop["signal"]))
     if outcome != "finished":

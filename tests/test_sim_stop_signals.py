@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,8 +22,9 @@ from fedal.sim.ray_backend import SNAPSHOT_PREFIX, snapshot_dir
 from tests.helpers import fedal_command
 
 
-def stopped_run(tmp_path, sig: int, *extra: str) -> tuple[subprocess.Popen, str]:
-    """A long `fedal simulate` sent `sig` once its progress bar has counted a round; (process, stderr)."""
+def stopped_run(tmp_path, sig: int, *extra: str, before_signal=None) -> tuple[subprocess.Popen, str]:
+    """A long `fedal simulate` sent `sig` once its progress bar has counted a round; (process, stderr).
+    before_signal(process): called just before the signal is sent."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen([*fedal_command(), "simulate", "--dataset", "digits", "--clients", "2", "--rounds", "100000",
                              "--strategy", "fedmd", "--public-size", "60", "--out", "r.json", *extra],
@@ -40,6 +42,8 @@ def stopped_run(tmp_path, sig: int, *extra: str) -> tuple[subprocess.Popen, str]
     threading.Thread(target=read, daemon=True).start()
     try:
         assert started.wait(120), "".join(err)
+        if before_signal is not None:
+            before_signal(proc)
         proc.send_signal(sig)
         proc.wait(timeout=60)
     finally:
@@ -50,7 +54,8 @@ def stopped_run(tmp_path, sig: int, *extra: str) -> tuple[subprocess.Popen, str]
     return proc, "".join(err)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+# SIGINT: Ctrl-C, which click reported as "Aborted!", exit 1 (and what Ray turns any stop into)
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_ends_a_simulation_through_its_clean_up(tmp_path, sig):
     proc, text = stopped_run(tmp_path, sig)
     assert proc.returncode == 128 + sig, text
@@ -85,30 +90,49 @@ def test_snapshot_directories_of_drivers_no_longer_alive_are_removed(tmp_path):
 def test_a_ray_simulation_stopped_by_a_signal_leaves_no_ray_process_or_snapshot(tmp_path, sig):
     """SIGTERM (which ray.init takes over for itself): the actors, the local Ray instance it
     started (its dashboard and runtime-env agents too, which Ray leaves behind when a call is cut
-    short) and the snapshot directory all end with the run."""
+    short, and whose command lines Ray rewrites), its session directory and the snapshot directory
+    all end with the run; a process that merely names the session directory, which the toolkit did
+    not start (a `tail -F` of its logs), is left alone."""
     psutil = pytest.importorskip("psutil")
     pytest.importorskip("ray")
-    proc, text = stopped_run(tmp_path, sig, "--backend", "ray")
-    assert proc.returncode == 128 + sig, text
-    assert f"stopped by {signal.Signals(sig).name}: no results written" in text
-    session = f"_{proc.pid}"  # Ray names its session directory after the driver's PID
+    seen: dict[str, object] = {}
 
-    def left() -> list[str]:
-        found = []
-        for p in psutil.process_iter(["cmdline"]):
-            with contextlib.suppress(psutil.Error):
-                line = " ".join(p.info["cmdline"] or ())
-                if "/session_" in line and any(a.endswith(session) or f"{session}/" in a for a in p.info["cmdline"]):
-                    found.append(f"{p.pid} {line[:120]}")
-        return found
+    def before_signal(proc: subprocess.Popen) -> None:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        seen["tree"] = {(p.pid, p.create_time()) for p in tree}
+        seen["names"] = sorted({p.name() for p in tree})
+        sessions = list(Path(tempfile.gettempdir(), "ray").glob(f"session_*_{proc.pid}"))
+        assert len(sessions) == 1, sessions
+        seen["session"] = sessions[0]
+        seen["bystander"] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)",
+                                              str(sessions[0] / "logs" / "raylet.out")])
 
-    deadline = time.monotonic() + 15
-    while left() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert left() == []
-    import tempfile
+    proc, text = stopped_run(tmp_path, sig, "--backend", "ray", before_signal=before_signal)
+    bystander = seen["bystander"]
+    try:
+        assert proc.returncode == 128 + sig, text
+        assert f"stopped by {signal.Signals(sig).name}: no results written" in text
+        assert len(seen["tree"]) >= 4, seen["names"]  # gcs, raylet, their agents, the actors
 
-    assert not list(Path(tempfile.gettempdir()).glob(f"{SNAPSHOT_PREFIX}{proc.pid}-*"))
+        def left() -> list[str]:
+            alive = []
+            for pid, created in seen["tree"]:
+                with contextlib.suppress(psutil.Error):
+                    p = psutil.Process(pid)
+                    if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                        alive.append(f"{pid} {p.name()}")
+            return alive
+
+        deadline = time.monotonic() + 15
+        while left() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert left() == []
+        assert bystander.poll() is None  # not the toolkit's: alive
+        assert not seen["session"].exists()
+        assert not list(Path(tempfile.gettempdir()).glob(f"{SNAPSHOT_PREFIX}{proc.pid}-*"))
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 @pytest.mark.timeout(240)
@@ -125,3 +149,26 @@ def test_the_local_ray_instance_is_always_a_new_one(tmp_path):
                         "--strategy", "fedmd", "--public-size", "60", "--backend", "ray", "--quiet", "--out", "r.json"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=200, env=env)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_stop_that_a_library_hands_back_as_a_bare_keyboard_interrupt_keeps_its_signal(monkeypatch, tmp_path):
+    """Ray runs Python's signal handlers inside its waits and turns the Stopped they raise into a
+    plain KeyboardInterrupt: SIGTERM then ended a Ray run as "Aborted!", exit 1."""
+    from click.testing import CliRunner
+
+    import fedal.sim.runner as runner
+    from fedal import procs
+    from fedal_cli.main import cli
+
+    def like_ray(*_args, **_kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except procs.Stopped:
+            raise KeyboardInterrupt() from None
+        raise AssertionError("the stop handler did not run")
+
+    monkeypatch.setattr(runner, "simulate", like_ray)
+    r = CliRunner().invoke(cli, ["simulate", "--quiet", "--out", str(tmp_path / "r.json")])
+    assert r.exit_code == 128 + signal.SIGTERM, r.output
+    assert "stopped by SIGTERM: no results written" in r.output and "Aborted" not in r.output

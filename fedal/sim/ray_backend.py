@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -228,12 +228,90 @@ def start_ray(address: str | None, num_cpus: int | None, verbose: bool) -> bool:
     if ray.is_initialized():
         return False
     on_sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    before = _descendants()
     try:
-        _init(ray, address, num_cpus, verbose)
+        with _sigterm_kept():
+            _init(ray, address, num_cpus, verbose)
+    except BaseException:  # stopped or failed midway: what it had started goes too
+        _end(_descendants() - before)
+        raise
     finally:
         if on_sigterm is not None:
             signal.signal(signal.SIGTERM, on_sigterm)
+    if not address:
+        _local_processes.update(_descendants() - before)
     return True
+
+
+@contextlib.contextmanager
+def _sigterm_kept() -> Iterator[None]:
+    """ray.init sets its own SIGTERM handler (sys.exit) at its start, through this module
+    attribute: a stop signal during the seconds it takes would end the driver without its
+    clean-up. Kept as it is for the call instead (the stop handler then raises as anywhere)."""
+    try:
+        from ray._private import utils as ray_utils
+    except ImportError:  # another Ray layout: its own handler stays
+        yield
+        return
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    if original is None:
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda *_args, **_kwargs: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = original
+
+
+Process = tuple[int, float]  # (pid, create time): a pid alone may name a later, unrelated process
+
+
+def _descendants() -> set[Process]:
+    import psutil
+
+    out: set[Process] = set()
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            out.add((proc.pid, proc.create_time()))
+    return out
+
+
+def _family(roots: set[Process]) -> set[Process]:
+    """`roots` still alive as the same processes, and their descendants."""
+    import psutil
+
+    out = set(roots)
+    for pid, created in roots:
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() != created:
+                continue
+            for child in proc.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    out.add((child.pid, child.create_time()))
+        except psutil.Error:
+            continue
+    return out
+
+
+def _end(processes: set[Process], timeout_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL after timeout_s, each of `processes` still alive as the same process."""
+    import psutil
+
+    alive = []
+    for pid, created in processes:
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() == created:
+                proc.terminate()
+                alive.append(proc)
+        except psutil.Error:
+            continue
+    _gone, left = psutil.wait_procs(alive, timeout=timeout_s)
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
 
 
 def _init(ray: Any, address: str | None, num_cpus: int | None, verbose: bool) -> None:
@@ -266,33 +344,26 @@ def _init(ray: Any, address: str | None, num_cpus: int | None, verbose: bool) ->
 
 
 _local_session: str | None = None  # the session directory of the local instance start_ray started
+_local_processes: set[Process] = set()  # the processes it started (gcs, raylet, their agents)
 
 
 def shutdown_local_ray() -> None:
     """`ray.shutdown()` of the instance start_ray started, then an end to any of its processes
-    left: shut down while a call was interrupted (a stop signal), Ray leaves its dashboard and
-    runtime-env agents to notice on their own, a minute or two later. They are found by the
-    instance's session directory on their command lines, so no other Ray instance is touched."""
-    import psutil
+    left, and its session directory removed. Shut down while a call was interrupted (a stop
+    signal), Ray leaves its dashboard and runtime-env agents to notice on their own, a minute or
+    two later. Its processes are those that appeared under this driver while ray.init ran, and
+    theirs now (workers come later): no other process is touched, not even another child of the
+    driver's."""
     import ray
 
     global _local_session
     session, _local_session = _local_session, None
+    ours = _family(_local_processes)
+    _local_processes.clear()
     ray.shutdown()
-    if not session:
-        return
-    left = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if proc.pid != os.getpid() and any(session in arg for arg in proc.info["cmdline"] or ()):
-                proc.terminate()
-                left.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    _gone, alive = psutil.wait_procs(left, timeout=5)
-    for proc in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
+    _end(ours)
+    if session and Path(session).is_dir():  # named after this driver (see _init): its own
+        shutil.rmtree(session, ignore_errors=True)
 
 
 def _unreachable(address: str, timeout_s: float = GCS_PROBE_TIMEOUT_S) -> str | None:
