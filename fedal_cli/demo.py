@@ -145,7 +145,8 @@ def _run_demo(config: RunConfig, workdir: Path, broker: str | None, api_port: in
         if not quiet:
             click.echo(f"broker {broker} | dashboard {api}/dashboard/ | REST API {api}/api/v1/runs/{RUN_ID} "
                        f"| workspace {workdir}", err=True)
-        results = _follow(api, children, config.rounds, quiet, timeout_s, workdir / "coordinator" / "coordinator.log")
+        logs = [workdir / "coordinator" / "coordinator.log", *(path.parent / "agent.log" for path in agent_paths)]
+        results = _follow(api, children, config.rounds, quiet, timeout_s, logs)
         results["data"] = {**data_info, **results.get("data", {})}
         results["clients"] = [{"id": c["id"], "model": config.models[i % len(config.models)]}
                               for i, c in enumerate(results["clients"])]
@@ -165,9 +166,14 @@ def _run_demo(config: RunConfig, workdir: Path, broker: str | None, api_port: in
 
 
 def _follow(api: str, children: list[subprocess.Popen], rounds: int, quiet: bool, timeout_s: float,
-            coordinator_log: Path | None = None) -> dict:
+            logs: list[Path] | None = None) -> dict:
     """The run's results, following it round by round. `timeout_s` bounds the wait for the next
-    round (a stalled run), not the whole run: a long demo is not cut off."""
+    round (a stalled run), not the whole run: a long demo is not cut off. children: the
+    coordinator, then the agents (`logs`: theirs, in the same order). An agent that dies ends the
+    demo at once, saying why: the run would otherwise wait at every phase's deadline for it, or,
+    with none left, until timeout_s."""
+    logs = logs or []
+    coordinator_log = logs[0] if logs else None
     bar = tqdm(total=rounds, desc="demo", unit="round", disable=quiet, file=sys.stderr)
     deadline = time.monotonic() + timeout_s
     try:
@@ -175,6 +181,11 @@ def _follow(api: str, children: list[subprocess.Popen], rounds: int, quiet: bool
             if children[0].poll() is not None:
                 raise click.ClickException(f"the coordinator exited with status {children[0].returncode}"
                                            + procs.last_error(coordinator_log))
+            for i, agent in enumerate(children[1:], start=1):
+                if agent.poll() not in (None, 0):  # 0: it left a finished run (exit_on_finish)
+                    log = logs[i] if i < len(logs) else None
+                    raise click.ClickException(f"agent {log.parent.name if log else i - 1} exited with status "
+                                               f"{agent.returncode}" + procs.last_error(log))
             try:
                 run = get_json(f"{api}/api/v1/runs/{RUN_ID}")
             except (urllib.error.URLError, OSError, ValueError):

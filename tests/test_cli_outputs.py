@@ -103,7 +103,7 @@ def test_a_stalled_demo_names_the_coordinators_last_error_and_its_log(tmp_path):
     alive = subprocess.Popen(["sleep", "30"])
     try:
         with pytest.raises(click.ClickException) as err:
-            _follow("http://127.0.0.1:9", [alive], 3, True, 1.0, log)
+            _follow("http://127.0.0.1:9", [alive], 3, True, 1.0, [log])
     finally:
         alive.kill()
         alive.wait()
@@ -113,9 +113,40 @@ def test_a_stalled_demo_names_the_coordinators_last_error_and_its_log(tmp_path):
     exited.wait()
     log.write_text(log.read_text() + "ERROR:    [Errno 98] error while attempting to bind: address already in use\n")
     with pytest.raises(click.ClickException) as err:
-        _follow("http://127.0.0.1:9", [exited], 3, True, 30.0, log)
+        _follow("http://127.0.0.1:9", [exited], 3, True, 30.0, [log])
     assert err.value.message == ("the coordinator exited with status 3: ERROR:    [Errno 98] error while attempting "
                                  f"to bind: address already in use (log: {log})")
+
+
+def test_a_demo_whose_agent_dies_stops_at_once_naming_it(tmp_path):
+    """Only the coordinator was watched: with an agent killed (OOM, a crash) every phase waited
+    for it until its deadline (300 s for local training), with all of them dead the demo waited an
+    hour, and nothing was said."""
+    import click
+
+    from fedal_cli.demo import _follow
+
+    logs = [tmp_path / "coordinator" / "coordinator.log", tmp_path / "agents" / "c00" / "agent.log",
+            tmp_path / "agents" / "c01" / "agent.log"]
+    for log in logs:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("")
+    logs[2].write_text("2026-01-01 00:00:01,000 edge_agent ERROR cannot load the private data: MemoryError\n")
+    coordinator, fine = subprocess.Popen(["sleep", "30"]), subprocess.Popen(["sleep", "30"])
+    killed = subprocess.Popen(["sleep", "30"])
+    killed.kill()
+    killed.wait()
+    left = subprocess.Popen(["true"])  # an agent leaving a finished run exits 0: not a failure
+    left.wait()
+    try:
+        with pytest.raises(click.ClickException) as err:
+            _follow("http://127.0.0.1:9", [coordinator, left, killed], 3, True, 30.0, [logs[0], logs[1], logs[2]])
+    finally:
+        for p in (coordinator, fine):
+            p.kill()
+            p.wait()
+    assert err.value.message == ("agent c01 exited with status -9: 2026-01-01 00:00:01,000 edge_agent ERROR cannot "
+                                 f"load the private data: MemoryError (log: {logs[2]})")
 
 
 @pytest.mark.parametrize("command", ["simulate", "demo"])
