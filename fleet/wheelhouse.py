@@ -160,11 +160,14 @@ def pinned_requirements(constraints: Path, arch: str, python_version: str) -> li
     return reqs
 
 
-def _pip(spec: WheelhouseSpec, *args: str) -> None:
+def _pip(spec: WheelhouseSpec, *args: str, work: Path) -> None:
     """pip as a child that dies with this process (procs.spawn), and is ended with it when a
-    stop signal or an error ends the wait."""
+    stop signal or an error ends the wait. Its temporary files go under `work` (TMPDIR), which
+    goes with the run: pip ended by a signal leaves its own behind."""
     cmd = [spec.python, "-m", "pip", *args, "--disable-pip-version-check", "--no-input"]
-    proc = procs.spawn(cmd, stdout=subprocess.PIPE, text=True)
+    tmp = work / "tmp"
+    tmp.mkdir(exist_ok=True)
+    proc = procs.spawn(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp)})
     try:
         output, _ = proc.communicate()
     except BaseException:
@@ -194,7 +197,7 @@ def _agent_wheel(spec: WheelhouseSpec, dest: Path) -> Path:
         return target
     if not (REPO / "pyproject.toml").is_file():
         raise UsageProblem("no checkout to build the agent's wheel from: give --wheel FILE")
-    with tempfile.TemporaryDirectory(prefix="fedal-wheel-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="fedal-wheel-", dir=dest) as tmp:  # in the run's work dir: reaped
         src = Path(tmp) / "src"
         listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=REPO, capture_output=True)
         if listed.returncode == 0:  # a clean copy: no stale build/ leftovers end up in the wheel
@@ -204,7 +207,7 @@ def _agent_wheel(spec: WheelhouseSpec, dest: Path) -> Path:
                     shutil.copy2(REPO / name, src / name)
         else:
             shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "runs", "__pycache__"))
-        _pip(spec, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dest), str(src))
+        _pip(spec, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dest), str(src), work=dest)
     (wheel,) = dest.glob("fedal_edge-*.whl")
     return wheel
 
@@ -317,12 +320,12 @@ def build_wheelhouse(spec: WheelhouseSpec, progress=lambda msg: None) -> dict:
         tags = [x for tag in platforms(spec.arch) for x in ("--platform", tag)]
         _pip(spec, "download", "-q", "--no-deps", "--only-binary=:all:", *tags, "--python-version", spec.python_version,
              "--implementation", "cp", "--abi", f"cp{spec.python_version.replace('.', '')}", "--abi", "abi3", "--abi", "none",
-             "-d", str(downloads), *_index_args(spec), "-r", str(req_file))
+             "-d", str(downloads), *_index_args(spec), "-r", str(req_file), work=work)
         if spec.torch_index is not None and torch_req is not None:
             progress(f"pip download: {torch_req} from {spec.torch_index}")
             _pip(spec, "download", "-q", "--no-deps", "--only-binary=:all:", *tags, "--python-version",
                  spec.python_version, "--implementation", "cp", "--abi", f"cp{spec.python_version.replace('.', '')}",
-                 "-d", str(downloads), "--index-url", spec.torch_index, torch_req)
+                 "-d", str(downloads), "--index-url", spec.torch_index, torch_req, work=work)
         files = [agent, *sorted(downloads.glob("*.whl"))]
         missing = check_closure(files, spec.arch, spec.python_version, {AGENT_DIST: {"agent"}})
         if missing:

@@ -202,13 +202,20 @@ def test_a_stopped_wheelhouse_ends_pip_and_leaves_nothing_in_out(tmp_path, input
                                  "--wheel", str(wheel)], cwd=REPO, env=hermetic_pip_env(tmp_path / "none"),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         pips: list = []
+        tmpdirs: list[Path] = []
 
         def downloading() -> bool:
             pips[:] = [c for c in psutil.Process(proc.pid).children(recursive=True) if "download" in " ".join(c.cmdline())]
+            if pips and not tmpdirs:
+                tmpdirs.append(Path(pips[0].environ()["TMPDIR"]))
             return bool(pips)
 
         _, err = signal_when_ready(proc, downloading, signal.SIGTERM, settle_s=1)
+        pip_tmp = tmpdirs[0] if tmpdirs else None
     assert proc.returncode == 128 + signal.SIGTERM, err
+    # pip's own temporary files (a partial download; pip ended by a signal leaves them) were in the
+    # run's work directory, and went with it
+    assert pip_tmp is not None and pip_tmp.is_relative_to(out), pip_tmp
     assert "stopped by SIGTERM: pip ended" in err and "Traceback" not in err
     psutil.wait_procs(pips, timeout=10)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in pips)
