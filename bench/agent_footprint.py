@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # agent and coordinator processes import the toolkit from this checkout too
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    workdir = Path(tempfile.mkdtemp(prefix="fedal-footprint-"))
+    workdir = Path(procs.pid_dir(tempfile.gettempdir(), "fedal-footprint-"))  # a killed run's: reaped by the next
     try:
         with procs.stop_signals_interrupt():  # SIGTERM/SIGHUP as Ctrl-C: the agents stopped, workdir removed
             report = measure(args, datasets, workdir)

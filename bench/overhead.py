@@ -28,6 +28,7 @@ import paho.mqtt.client as mqtt
 import torch
 from tqdm import tqdm
 
+from fedal import procs
 from fedal.protocol import EnvelopeError, decode, parse_broker_url, topics
 from fedal.sim import build_run, load_config, simulated_engine
 from fedal_cli.demo import run_demo
@@ -139,12 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not variants:
         ap.error(f"--wire-dtype: unknown {unknown or variants}; choose from {', '.join(VARIANTS)}")
 
-    workdir = Path(tempfile.mkdtemp(prefix="fedal-overhead-"))
+    workdir = Path(procs.pid_dir(tempfile.gettempdir(), "fedal-overhead-"))  # a killed run's: reaped by the next
     measured = {}
     try:
-        with loopback_broker(workdir) as (broker, broker_name):
+        with procs.stop_signals_interrupt(), loopback_broker(workdir) as (broker, broker_name):
             for variant in tqdm(variants, desc="wire dtypes", unit="variant"):
                 measured[variant] = measure(args, variant, workdir, broker)
+    except procs.Stopped as exc:
+        print(f"stopped by {exc}", file=sys.stderr)
+        return exc.exit_status
     finally:  # the demos' workspaces and the broker's files: this run's alone
         shutil.rmtree(workdir, ignore_errors=True)
     k, b, n, tau = 10, args.public_batch, args.clients, args.tau

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cli_args import at_least  # noqa: E402
 
+from fedal import procs  # noqa: E402
 from hil.coordinator_setup import get_json, start_coordinator, stop_process, wait_for_run, write_coordinator_config  # noqa: E402
 from hil.fleet import Fleet, client_ids  # noqa: E402
 from hil.mosquitto import Mosquitto, free_port, raise_open_files_limit  # noqa: E402
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=client_counts, default="100,300,1000", help="comma-separated N")
     ap.add_argument("--tau", type=at_least(1), default=3, help="transfer iterations per round")
-    ap.add_argument("--rounds", type=at_least(1), default=2, help="the last round is reported (the first warms up)")
+    ap.add_argument("--rounds", type=at_least(2), default=2, help="the last round is reported (the first warms up: at least 2)")
     ap.add_argument("--no-fedmd", action="store_true", help="skip the FedMD reference runs")
     ap.add_argument("--coordinator-threads", type=int, default=1,
                     help="torch threads of the coordinator (0: torch's default, one per core)")
@@ -174,19 +175,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = args.clients
     raise_open_files_limit(max(sizes) * 3 + 1024)
-    workdir = Path(tempfile.mkdtemp(prefix="fedal-scale-"))
+    # a pid_dir: one a killed run (SIGKILL) leaves is removed by the next
+    workdir = Path(procs.pid_dir(tempfile.gettempdir(), "fedal-scale-"))
     load_before = os.getloadavg()
     rows: dict[str, list[dict]] = {"fedal": [], "fedmd": []}
     try:
-        for strategy in ["fedal"] + ([] if args.no_fedmd else ["fedmd"]):
-            for n in sizes:
-                print(f"{strategy}: {n} emulated clients ...", file=sys.stderr, flush=True)
-                row = one_run(workdir, strategy, n, args.rounds, args.tau, args.timeout, args.coordinator_threads or None)
-                if strategy == "fedal":
-                    row["in_process_compute_s"] = round(in_process_compute(n, args.coordinator_threads or None), 4)
-                rows[strategy].append(row)
-                print(f"  compute {row['transfer_compute_s'] * 1000:.0f} ms, end-to-end "
-                      f"{row['transfer_end_to_end_s'] * 1000:.0f} ms", file=sys.stderr, flush=True)
+        with procs.stop_signals_interrupt():  # SIGTERM/SIGHUP as Ctrl-C: through the clean-up below
+            for strategy in ["fedal"] + ([] if args.no_fedmd else ["fedmd"]):
+                for n in sizes:
+                    print(f"{strategy}: {n} emulated clients ...", file=sys.stderr, flush=True)
+                    row = one_run(workdir, strategy, n, args.rounds, args.tau, args.timeout,
+                                  args.coordinator_threads or None)
+                    if strategy == "fedal":
+                        row["in_process_compute_s"] = round(in_process_compute(n, args.coordinator_threads or None), 4)
+                    rows[strategy].append(row)
+                    print(f"  compute {row['transfer_compute_s'] * 1000:.0f} ms, end-to-end "
+                          f"{row['transfer_end_to_end_s'] * 1000:.0f} ms", file=sys.stderr, flush=True)
+    except procs.Stopped as exc:
+        print(f"stopped by {exc}", file=sys.stderr)
+        return exc.exit_status
     finally:  # the runs' configs, logs and stores: this benchmark's alone
         shutil.rmtree(workdir, ignore_errors=True)
     load_after = os.getloadavg()
