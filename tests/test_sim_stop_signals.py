@@ -137,6 +137,38 @@ def test_a_ray_simulation_stopped_by_a_signal_leaves_no_ray_process_or_snapshot(
 
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("ray_may_start")
+def test_a_ray_driver_killed_outright_leaves_no_ray_process_behind(tmp_path):
+    """SIGKILL of the driver: Ray ends its GCS server and raylet with it, but not the raylet's
+    dashboard and runtime-env agents, which lived on for a minute or more; the reaper the driver
+    started (fedal/sim/ray_reaper.py) ends them and removes the session directory."""
+    psutil = pytest.importorskip("psutil")
+    pytest.importorskip("ray")
+    seen: dict[str, object] = {}
+
+    def before_signal(proc: subprocess.Popen) -> None:
+        seen["tree"] = {(p.pid, p.create_time()) for p in psutil.Process(proc.pid).children(recursive=True)}
+        seen["session"] = next(Path(tempfile.gettempdir(), "ray").glob(f"session_*_{proc.pid}"))
+
+    proc, text = stopped_run(tmp_path, signal.SIGKILL, "--backend", "ray", before_signal=before_signal)
+    assert proc.returncode == -signal.SIGKILL, text
+
+    def left() -> list[str]:
+        alive = []
+        for pid, created in seen["tree"]:
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{pid} {p.name()}")
+        return alive
+
+    deadline = time.monotonic() + 20  # the reaper notices within a second, then gives them 5 s
+    while (left() or seen["session"].exists()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left() == [] and not seen["session"].exists()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("ray_may_start")
 def test_the_local_ray_instance_is_always_a_new_one(tmp_path):
     """Without --ray-address a run starts its own instance, even where RAY_ADDRESS names a
     cluster (ray.init would join it, and the run's clean-up would then end that cluster's

@@ -29,6 +29,7 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -240,7 +241,41 @@ def start_ray(address: str | None, num_cpus: int | None, verbose: bool) -> bool:
             signal.signal(signal.SIGTERM, on_sigterm)
     if not address:
         _local_processes.update(_descendants() - before)
+        _start_reaper()
     return True
+
+
+def _start_reaper() -> None:
+    """fedal/sim/ray_reaper.py, told this instance's processes and session directory: it ends
+    them if this driver dies without shutting the instance down (SIGKILL). Its own session, so a
+    terminal's Ctrl-C to this driver's group does not end it first."""
+    global _reaper
+    try:
+        _reaper = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ray_reaper.py"))],
+                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+        assert _reaper.stdin is not None
+        lines = [f"session {_local_session}"] if _local_session else []
+        lines += [f"proc {pid} {created!r}" for pid, created in sorted(_local_processes)]
+        _reaper.stdin.write(("\n".join(lines) + "\n").encode())
+        _reaper.stdin.flush()
+    except OSError as exc:  # without it only a killed driver leaves Ray's agents behind, for a minute or two
+        log.warning("could not start the Ray instance's reaper: %s", exc)
+        _reaper = None
+
+
+def _stop_reaper() -> None:
+    global _reaper
+    reaper, _reaper = _reaper, None
+    if reaper is None or reaper.stdin is None:
+        return
+    with contextlib.suppress(OSError):
+        reaper.stdin.write(b"done\n")
+        reaper.stdin.close()
+    try:
+        reaper.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        reaper.kill()
+        reaper.wait()
 
 
 @contextlib.contextmanager
@@ -345,6 +380,7 @@ def _init(ray: Any, address: str | None, num_cpus: int | None, verbose: bool) ->
 
 _local_session: str | None = None  # the session directory of the local instance start_ray started
 _local_processes: set[Process] = set()  # the processes it started (gcs, raylet, their agents)
+_reaper: subprocess.Popen | None = None  # ends them if this driver is killed (fedal/sim/ray_reaper.py)
 
 
 def shutdown_local_ray() -> None:
@@ -364,6 +400,7 @@ def shutdown_local_ray() -> None:
     _end(ours)
     if session and Path(session).is_dir():  # named after this driver (see _init): its own
         shutil.rmtree(session, ignore_errors=True)
+    _stop_reaper()
 
 
 def _unreachable(address: str, timeout_s: float = GCS_PROBE_TIMEOUT_S) -> str | None:
