@@ -234,7 +234,9 @@ def start_ray(address: str | None, num_cpus: int | None, verbose: bool) -> bool:
         with _sigterm_kept():
             _init(ray, address, num_cpus, verbose)
     except BaseException:  # stopped or failed midway: what it had started goes too
-        _end(_descendants() - before)
+        from fedal.sim.ray_reaper import end
+
+        end(_descendants() - before)
         raise
     finally:
         if on_sigterm is not None:
@@ -312,43 +314,6 @@ def _descendants() -> set[Process]:
     return out
 
 
-def _family(roots: set[Process]) -> set[Process]:
-    """`roots` still alive as the same processes, and their descendants."""
-    import psutil
-
-    out = set(roots)
-    for pid, created in roots:
-        try:
-            proc = psutil.Process(pid)
-            if proc.create_time() != created:
-                continue
-            for child in proc.children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    out.add((child.pid, child.create_time()))
-        except psutil.Error:
-            continue
-    return out
-
-
-def _end(processes: set[Process], timeout_s: float = 5.0) -> None:
-    """SIGTERM, then SIGKILL after timeout_s, each of `processes` still alive as the same process."""
-    import psutil
-
-    alive = []
-    for pid, created in processes:
-        try:
-            proc = psutil.Process(pid)
-            if proc.create_time() == created:
-                proc.terminate()
-                alive.append(proc)
-        except psutil.Error:
-            continue
-    _gone, left = psutil.wait_procs(alive, timeout=timeout_s)
-    for proc in left:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-
-
 def _init(ray: Any, address: str | None, num_cpus: int | None, verbose: bool) -> None:
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": verbose,
                                "logging_level": logging.INFO if verbose else logging.ERROR}
@@ -394,10 +359,12 @@ def shutdown_local_ray() -> None:
 
     global _local_session
     session, _local_session = _local_session, None
-    ours = _family(_local_processes)
+    from fedal.sim.ray_reaper import end, family
+
+    ours = family(_local_processes)
     _local_processes.clear()
     ray.shutdown()
-    _end(ours)
+    end(ours)
     if session and Path(session).is_dir():  # named after this driver (see _init): its own
         shutil.rmtree(session, ignore_errors=True)
     _stop_reaper()

@@ -25,7 +25,8 @@ import psutil
 POLL_S = 1.0
 
 
-def _family(known: set[tuple[int, float]]) -> set[tuple[int, float]]:
+def family(known: set[tuple[int, float]]) -> set[tuple[int, float]]:
+    """`known` processes (PID, start time) and, for those still alive as themselves, their descendants."""
     out = set(known)
     for pid, created in known:
         try:
@@ -40,7 +41,8 @@ def _family(known: set[tuple[int, float]]) -> set[tuple[int, float]]:
     return out
 
 
-def _end(known: set[tuple[int, float]]) -> None:
+def end(known: set[tuple[int, float]]) -> None:
+    """SIGTERM, then SIGKILL after 5 s, each of `known` still alive as the same process."""
     alive = []
     for pid, created in known:
         try:
@@ -63,7 +65,7 @@ def main() -> int:
     fd = sys.stdin.fileno()
     while True:
         ready, _, _ = select.select([fd], [], [], POLL_S)
-        known = _family(known)  # workers and agents the instance started since
+        known = family(known)  # workers and agents the instance started since
         if not ready:
             continue
         chunk = os.read(fd, 65536)
@@ -80,7 +82,7 @@ def main() -> int:
             elif word == "proc":
                 pid, created = rest.split()
                 known.add((int(pid), float(created)))
-    _end(_family(known))
+    end(family(known))
     if session and os.path.isdir(session):
         shutil.rmtree(session, ignore_errors=True)
     return 0
