@@ -182,10 +182,12 @@ def _follow(api: str, children: list[subprocess.Popen], rounds: int, quiet: bool
                 raise click.ClickException(f"the coordinator exited with status {children[0].returncode}"
                                            + procs.last_error(coordinator_log))
             for i, agent in enumerate(children[1:], start=1):
-                if agent.poll() not in (None, 0):  # 0: it left a finished run (exit_on_finish)
+                # 0: it left a finished run (exit_on_finish), or was stopped by a signal it handles
+                if agent.poll() is not None and (agent.returncode != 0 or not _finished(api)):
                     log = logs[i] if i < len(logs) else None
                     raise click.ClickException(f"agent {log.parent.name if log else i - 1} exited with status "
-                                               f"{agent.returncode}" + procs.last_error(log))
+                                               f"{agent.returncode}" + ("" if agent.returncode else " before the run "
+                                               "finished") + procs.last_error(log))
             try:
                 run = get_json(f"{api}/api/v1/runs/{RUN_ID}")
             except (urllib.error.URLError, OSError, ValueError):
@@ -205,6 +207,15 @@ def _follow(api: str, children: list[subprocess.Popen], rounds: int, quiet: bool
         raise click.ClickException(f"no round completed within {timeout_s:.0f} s" + procs.last_error(coordinator_log))
     finally:
         bar.close()
+
+
+def _finished(api: str) -> bool:
+    """Whether the run has finished (asked now: an agent leaves a run that finished a moment ago);
+    True when the API does not answer, so only a run known unfinished counts against an agent."""
+    try:
+        return get_json(f"{api}/api/v1/runs/{RUN_ID}")["state"] == "finished"
+    except (urllib.error.URLError, OSError, ValueError, KeyError):
+        return True
 
 
 def summary_table(results: dict) -> str:
@@ -292,7 +303,10 @@ def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, *
         raise click.BadParameter(str(exc), param_hint="--workdir") from None
 
     def _report(results: dict) -> None:
-        write_results(results, out, plot)
+        try:
+            write_results(results, out, plot)
+        except OSError as exc:  # said as what it is (not as a missing dataset file below)
+            raise click.ClickException(f"cannot write the results to {out}: {exc.strerror or exc}") from None
         click.echo(summary_table(results))
         click.echo(f"results -> {out}" + (f", plot -> {plot}" if plot else ""))
 

@@ -136,8 +136,8 @@ def test_a_demo_whose_agent_dies_stops_at_once_naming_it(tmp_path):
     killed = subprocess.Popen(["sleep", "30"])
     killed.kill()
     killed.wait()
-    left = subprocess.Popen(["true"])  # an agent leaving a finished run exits 0: not a failure
-    left.wait()
+    left = subprocess.Popen(["true"])  # an agent leaving a finished run exits 0: not a failure (no API here
+    left.wait()  # answers, so the run is not known to be unfinished)
     try:
         with pytest.raises(click.ClickException) as err:
             _follow("http://127.0.0.1:9", [coordinator, left, killed], 3, True, 30.0, [logs[0], logs[1], logs[2]])
@@ -202,3 +202,45 @@ def test_ctrl_c_stops_the_demo_as_the_other_stop_signals_do(tmp_path):
     assert proc.returncode == 128 + signal.SIGINT, err
     assert "stopped by SIGINT: the coordinator, the agents and the broker are shut down" in err
     assert "Aborted!" not in err and "Traceback" not in err
+
+
+def test_a_demo_agent_stopped_by_a_signal_it_handles_counts_though_it_exits_0(tmp_path):
+    """An agent ends with status 0 when it leaves a finished run, and also when SIGTERM stops it:
+    with the run still going, that is an agent gone."""
+    import http.server
+    import json
+    import threading
+
+    import click
+
+    from fedal_cli.demo import RUN_ID, _follow
+
+    class Running(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"state": "running", "completed_rounds": 0, "last_round": None}).encode()
+            self.send_response(200 if self.path == f"/api/v1/runs/{RUN_ID}" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            """quiet"""
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Running)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    coordinator = subprocess.Popen(["sleep", "30"])
+    stopped = subprocess.Popen(["true"])
+    stopped.wait()
+    log = tmp_path / "agents" / "c00" / "agent.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("")
+    try:
+        with pytest.raises(click.ClickException) as err:
+            _follow(f"http://127.0.0.1:{server.server_address[1]}", [coordinator, stopped], 3, True, 30.0,
+                    [tmp_path / "coordinator.log", log])
+    finally:
+        coordinator.kill()
+        coordinator.wait()
+        server.shutdown()
+        server.server_close()
+    assert err.value.message.startswith("agent c00 exited with status 0 before the run finished")

@@ -167,3 +167,7 @@ def test_the_privacy_table_is_spelled_the_same_in_a_deployment():
 
     with pytest.raises(ValueError, match="privacy is given twice"):
         RunConfig.model_validate({"privacy": table, "strategy_params": {"privacy": table}})
+    from fedal.strategies import StrategyParams
+
+    built = RunConfig(strategy_params=StrategyParams(lr=0.01), privacy=table)  # a StrategyParams made in code
+    assert built.strategy_params.lr == 0.01 and built.strategy_params.privacy.noise_multiplier == 1.1

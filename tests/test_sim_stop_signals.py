@@ -96,12 +96,14 @@ def test_a_ray_simulation_stopped_by_a_signal_leaves_no_ray_process_or_snapshot(
     psutil = pytest.importorskip("psutil")
     pytest.importorskip("ray")
     seen: dict[str, object] = {}
+    started_at = time.time()
 
     def before_signal(proc: subprocess.Popen) -> None:
         tree = psutil.Process(proc.pid).children(recursive=True)
         seen["tree"] = {(p.pid, p.create_time()) for p in tree}
         seen["names"] = sorted({p.name() for p in tree})
-        sessions = list(Path(tempfile.gettempdir(), "ray").glob(f"session_*_{proc.pid}"))
+        sessions = [d for d in Path(tempfile.gettempdir(), "ray").glob(f"session_*_{proc.pid}")
+                    if d.stat().st_mtime >= started_at - 1]  # not an older driver's with a reused PID
         assert len(sessions) == 1, sessions
         seen["session"] = sessions[0]
         seen["bystander"] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)",
@@ -144,10 +146,12 @@ def test_a_ray_driver_killed_outright_leaves_no_ray_process_behind(tmp_path):
     psutil = pytest.importorskip("psutil")
     pytest.importorskip("ray")
     seen: dict[str, object] = {}
+    started_at = time.time()
 
     def before_signal(proc: subprocess.Popen) -> None:
         seen["tree"] = {(p.pid, p.create_time()) for p in psutil.Process(proc.pid).children(recursive=True)}
-        seen["session"] = next(Path(tempfile.gettempdir(), "ray").glob(f"session_*_{proc.pid}"))
+        seen["session"] = next(d for d in Path(tempfile.gettempdir(), "ray").glob(f"session_*_{proc.pid}")
+                               if d.stat().st_mtime >= started_at - 1)  # not an older driver's with a reused PID
 
     proc, text = stopped_run(tmp_path, signal.SIGKILL, "--backend", "ray", before_signal=before_signal)
     assert proc.returncode == -signal.SIGKILL, text

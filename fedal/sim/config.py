@@ -79,12 +79,20 @@ def lift_privacy(data: Any) -> Any:
         return data
     data = dict(data)
     privacy = data.pop("privacy")
+    if privacy is None:
+        return data
     params = data.get("strategy_params")
-    params = dict(params) if isinstance(params, dict) else {}
-    if params.get("privacy") is not None and privacy is not None:
+    if params is None:
+        params = {}
+    elif hasattr(params, "model_dump"):  # a StrategyParams built in code: its own values, not defaults
+        params = params.model_dump(exclude_unset=True)
+    elif isinstance(params, dict):
+        params = dict(params)
+    else:
+        raise ValueError("strategy_params must be a table of strategy parameters")
+    if params.get("privacy") is not None:
         raise ValueError("privacy is given twice ([privacy] and strategy_params.privacy): give it once")
-    if privacy is not None:
-        params["privacy"] = privacy
+    params["privacy"] = privacy
     data["strategy_params"] = params
     return data
 

@@ -27,6 +27,7 @@ import importlib.util
 import logging
 import math
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -229,14 +230,20 @@ def start_ray(address: str | None, num_cpus: int | None, verbose: bool) -> bool:
     if ray.is_initialized():
         return False
     on_sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
-    before = _descendants()
+    before = _descendants() if not address else set()
+    started = time.time()
     try:
         with _sigterm_kept():
             _init(ray, address, num_cpus, verbose)
-    except BaseException:  # stopped or failed midway: what it had started goes too
-        from fedal.sim.ray_reaper import end
+    except BaseException:  # a local instance stopped or failed midway: what it had started goes too
+        if not address:
+            from fedal.sim.ray_reaper import end
 
-        end(_descendants() - before)
+            end(_descendants() - before)
+            for session in Path(tempfile.gettempdir(), "ray").glob(f"session_*_{os.getpid()}"):
+                with contextlib.suppress(OSError):
+                    if session.stat().st_mtime >= started - 1:  # this attempt's, not an earlier driver's with our PID
+                        shutil.rmtree(session, ignore_errors=True)
         raise
     finally:
         if on_sigterm is not None:
@@ -254,14 +261,21 @@ def _start_reaper() -> None:
     global _reaper
     try:
         _reaper = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ray_reaper.py"))],
-                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         assert _reaper.stdin is not None
+        assert _reaper.stdout is not None
+        ready, _, _ = select.select([_reaper.stdout], [], [], 15)
+        if not ready or _reaper.stdout.readline().strip() != b"ready":
+            raise OSError(f"it did not start (exit status {_reaper.poll()}; is psutil installed?)")
         lines = [f"session {_local_session}"] if _local_session else []
-        lines += [f"proc {pid} {created!r}" for pid, created in sorted(_local_processes)]
+        lines += [f"proc {pid} {ticks}" for pid, ticks in sorted(_local_processes)]
         _reaper.stdin.write(("\n".join(lines) + "\n").encode())
         _reaper.stdin.flush()
     except OSError as exc:  # without it only a killed driver leaves Ray's agents behind, for a minute or two
-        log.warning("could not start the Ray instance's reaper: %s", exc)
+        log.warning("the Ray instance's reaper %s: a driver killed outright would leave Ray's agents running", exc)
+        if _reaper is not None:
+            _reaper.kill()
+            _reaper.wait()
         _reaper = None
 
 
@@ -278,6 +292,8 @@ def _stop_reaper() -> None:
     except subprocess.TimeoutExpired:
         reaper.kill()
         reaper.wait()
+    if reaper.stdout is not None:
+        reaper.stdout.close()
 
 
 @contextlib.contextmanager
@@ -301,16 +317,16 @@ def _sigterm_kept() -> Iterator[None]:
         ray_utils.set_sigterm_handler = original
 
 
-Process = tuple[int, float]  # (pid, create time): a pid alone may name a later, unrelated process
-
-
 def _descendants() -> set[Process]:
     import psutil
 
+    from fedal.sim.ray_reaper import identify
+
     out: set[Process] = set()
     for proc in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            out.add((proc.pid, proc.create_time()))
+        who = identify(proc.pid)
+        if who is not None:
+            out.add(who)
     return out
 
 
@@ -343,6 +359,7 @@ def _init(ray: Any, address: str | None, num_cpus: int | None, verbose: bool) ->
             _local_session = session
 
 
+Process = tuple[int, int]  # (PID, start ticks): fedal/sim/ray_reaper.py
 _local_session: str | None = None  # the session directory of the local instance start_ray started
 _local_processes: set[Process] = set()  # the processes it started (gcs, raylet, their agents)
 _reaper: subprocess.Popen | None = None  # ends them if this driver is killed (fedal/sim/ray_reaper.py)

@@ -4,7 +4,7 @@ Ray gives its GCS server and raylet the driver's fate, but not the raylet's dash
 runtime-env agents: a driver killed outright (SIGKILL, the OOM killer) leaves them running for a
 minute or more, reparented to init. The driver starts this script right after `ray.init` and
 keeps a pipe to it open: it sends the instance's session directory and processes (`session
-PATH`, `proc PID CREATE_TIME`) and, when it has shut the instance down itself, `done`. End of
+PATH`, `proc PID START_TICKS`) and, when it has shut the instance down itself, `done`. End of
 file without `done` means the driver is gone: the processes it named, and those they started
 since, are ended (checked by PID and start time, so no later process with a reused PID is
 touched), and the session directory is removed.
@@ -22,47 +22,73 @@ import sys
 
 import psutil
 
-POLL_S = 1.0
+POLL_S = 2.0
+
+Process = tuple[int, int]  # (PID, start time in clock ticks since boot): a PID alone may be reused
 
 
-def family(known: set[tuple[int, float]]) -> set[tuple[int, float]]:
-    """`known` processes (PID, start time) and, for those still alive as themselves, their descendants."""
-    out = set(known)
-    for pid, created in known:
-        try:
-            proc = psutil.Process(pid)
-            if proc.create_time() != created:
-                continue
-            for child in proc.children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    out.add((child.pid, child.create_time()))
-        except psutil.Error:
-            continue
+def start_ticks(pid: int) -> int | None:
+    """The process's start time as the kernel keeps it (/proc/PID/stat, field 22): unlike
+    psutil's create_time, which adds the boot time as read now, it does not move when the
+    system clock is stepped (NTP, a VM resumed). None: no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state is field 3
+    return int(fields[19])
+
+
+def identify(pid: int) -> Process | None:
+    ticks = start_ticks(pid)
+    return None if ticks is None else (pid, ticks)
+
+
+def alive(known: set[Process]) -> set[Process]:
+    return {(pid, ticks) for pid, ticks in known if start_ticks(pid) == ticks}
+
+
+def family(known: set[Process]) -> set[Process]:
+    """Those of `known` still alive as themselves, and their descendants: one scan of the process table."""
+    roots = alive(known)
+    children: dict[int, list[int]] = {}
+    for proc in psutil.process_iter(["ppid"]):
+        children.setdefault(proc.info["ppid"] or 0, []).append(proc.pid)
+    out = set(roots)
+    todo = [pid for pid, _ in roots]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            who = identify(child)
+            if who is not None and who not in out:
+                out.add(who)
+                todo.append(child)
     return out
 
 
-def end(known: set[tuple[int, float]]) -> None:
+def end(known: set[Process]) -> None:
     """SIGTERM, then SIGKILL after 5 s, each of `known` still alive as the same process."""
-    alive = []
-    for pid, created in known:
+    procs = []
+    for pid, ticks in alive(known):
         try:
             proc = psutil.Process(pid)
-            if proc.create_time() == created:
+            if start_ticks(pid) == ticks:
                 proc.terminate()
-                alive.append(proc)
+                procs.append(proc)
         except psutil.Error:
             continue
-    _gone, left = psutil.wait_procs(alive, timeout=5)
+    _gone, left = psutil.wait_procs(procs, timeout=5)
     for proc in left:
         with contextlib.suppress(psutil.Error):
             proc.kill()
 
 
 def main() -> int:
-    known: set[tuple[int, float]] = set()
+    known: set[Process] = set()
     session = ""
     buffer = b""
     fd = sys.stdin.fileno()
+    print("ready", flush=True)  # imported: the driver waits for this line
     while True:
         ready, _, _ = select.select([fd], [], [], POLL_S)
         known = family(known)  # workers and agents the instance started since
@@ -80,8 +106,8 @@ def main() -> int:
             if word == "session":
                 session = rest
             elif word == "proc":
-                pid, created = rest.split()
-                known.add((int(pid), float(created)))
+                pid, ticks = rest.split()
+                known.add((int(pid), int(ticks)))
     end(family(known))
     if session and os.path.isdir(session):
         shutil.rmtree(session, ignore_errors=True)
