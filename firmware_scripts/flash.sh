@@ -242,6 +242,12 @@ PYEOF
   [ "$WH_ARCH" = "$IMAGE_ARCH" ] || die "--wheelhouse $WHEELHOUSE is for $WH_ARCH; a Raspberry Pi (64-bit OS) needs one built with --arch $IMAGE_ARCH"
   mapfile -t WH_FILES < <(whf file)
   if [ -z "$WHEEL" ]; then WHEEL="$WHEELHOUSE/$(whf agent)"; fi
+  if [ "$PRIVACY" -eq 1 ]; then  # the offline install's pip would fail at first boot, for good
+    for dist in opacus opt_einsum scipy; do
+      printf '%s\n' "${WH_FILES[@]}" | grep -qi "^${dist}-" \
+        || die "--privacy needs the privacy extra's wheels, and --wheelhouse $WHEELHOUSE holds no $dist: build it with the default constraints (they pin opacus, opt-einsum and scipy)"
+    done
+  fi
 fi
 CLIENT="$(fact client_id)"
 CA_FILE="$(fact ca_file)"

@@ -66,8 +66,10 @@ def root_listing(fs: str, path: str) -> dict[str, tuple[str, str, str, int]]:
     return out
 
 
-def build_wheelhouse(tmp_path: Path, arch: str = "aarch64", pad: int = 0, name: str = "wh") -> Path:
-    """A wheelhouse from `fedal fleet wheelhouse` (small wheels from a local directory); pad grows torch."""
+def build_wheelhouse(tmp_path: Path, arch: str = "aarch64", pad: int = 0, name: str = "wh",
+                     privacy: bool = False) -> Path:
+    """A wheelhouse from `fedal fleet wheelhouse` (small wheels from a local directory); pad grows torch;
+    privacy: with the privacy extra's pins too (as the default constraints have them)."""
     idx = fake_index(tmp_path / f"index-{name}")
     version = {"aarch64": "2.10.0", "x86_64": "2.13.0"}[arch]
     for old in idx.glob(f"torch-{version}-*{arch}.whl"):
@@ -77,7 +79,12 @@ def build_wheelhouse(tmp_path: Path, arch: str = "aarch64", pad: int = 0, name: 
     fake_wheel(idx, "filelock", "4.2.11", files={"filelock.py": ""})
     pins = {"aarch64": "torch==2.10.0\nfilelock==3.20.0\n", "x86_64": "torch==2.13.0\nfilelock==4.2.11\n"}[arch]
     constraints = tmp_path / f"constraints-{name}.txt"
-    constraints.write_text(pins + "numpy==2.4.6\npaho-mqtt==2.2.0\n")
+    extra = ""
+    if privacy:
+        for dist, version in (("opacus", "1.6.0"), ("opt-einsum", "3.4.0"), ("scipy", "1.17.1")):
+            fake_wheel(idx, dist, version, files={f"{dist.replace('-', '_')}/__init__.py": ""})
+            extra += f"{dist}=={version}\n"
+    constraints.write_text(pins + "numpy==2.4.6\npaho-mqtt==2.2.0\n" + extra)
     built = tmp_path / f"built-{name}"
     built.mkdir()
     out = tmp_path / name
@@ -112,6 +119,14 @@ def test_a_wheelhouse_that_fits_goes_on_the_boot_partition(tmp_path, device):
     assert fat_read(img, f"fedal/{manifest['agent_wheel']}", tmp_path) == (wh / manifest["agent_wheel"]).read_bytes()
     assert fat_read(img, "fedal/install-args", tmp_path) == b"--wheelhouse\n/boot/firmware/fedal/wheelhouse\n"
     assert root_fs_hash(img) == root_before
+
+
+def test_a_private_device_gets_the_privacy_extra_from_the_wheelhouse(tmp_path, device):
+    wh = build_wheelhouse(tmp_path, privacy=True)
+    img = rpi_image(tmp_path)
+    r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--wheelhouse", str(wh), "--privacy")
+    assert r.returncode == 0, r.stderr
+    assert fat_read(img, "fedal/install-args", tmp_path) == b"--privacy\n--wheelhouse\n/boot/firmware/fedal/wheelhouse\n"
 
 
 def test_too_big_for_the_boot_partition_goes_to_the_root_partition(tmp_path, device):
@@ -170,6 +185,8 @@ def test_bad_wheelhouses_are_refused_and_leave_the_image_alone(tmp_path, device)
              (["--wheelhouse", str(wh), "--torch-index", "https://download.pytorch.org/whl/cpu"], "exclude each other"),
              # what the device's installer would refuse at first boot, refused before the card is written
              (["--wheelhouse", str(x86)], "is for x86_64; a Raspberry Pi (64-bit OS) needs one built with --arch aarch64"),
+             # its offline install at first boot would fail, for good: this test wheelhouse pins no opacus
+             (["--wheelhouse", str(wh), "--privacy"], "--privacy needs the privacy extra's wheels"),
              (["--torch-version", "2.13.0"], "without --torch-index: PyPI's aarch64 torch from 2.11 on depends on the CUDA")]
     for extra, message in cases:
         r = flash("--image", str(img), "--config", str(device / "agent.toml"), *extra)
