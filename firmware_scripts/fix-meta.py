@@ -18,6 +18,7 @@ a link or a FIFO at a path it only fixes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import stat
@@ -97,10 +98,8 @@ def _install(src: str, path: str, mode: int, owner: tuple[int, int] | None, dry:
         except IsADirectoryError:
             raise Refused("is a directory where the installer puts a file") from None
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):  # the rename may have taken it already
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
 
 

@@ -425,6 +425,17 @@ def test_a_link_swapped_into_the_state_directory_is_never_followed(tmp_path, inp
     assert (state / "train.npz").read_bytes() == shadow.read_bytes()
 
 
+def put_in_the_way(path: Path, kind: str, target: Path) -> None:
+    """What the service user could leave at `path`: a link to `target` (a symbolic or a hard one)
+    or a FIFO."""
+    if kind.startswith("symlink"):
+        path.symlink_to(target)
+    elif kind in ("hardlink", "hard link"):
+        os.link(target, path)
+    else:
+        os.mkfifo(path)
+
+
 @pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo"])
 def test_fix_meta_refuses_what_a_name_could_redirect(tmp_path, kind):
     """The race the installer cannot close by checking first: the name is swapped after the
@@ -433,12 +444,7 @@ def test_fix_meta_refuses_what_a_name_could_redirect(tmp_path, kind):
     target.write_text("root:*:1::::::\n")
     target.chmod(0o600)
     path = tmp_path / "train.npz"
-    if kind == "symlink":
-        path.symlink_to(target)
-    elif kind == "hardlink":
-        os.link(target, path)
-    else:
-        os.mkfifo(path)
+    put_in_the_way(path, kind, target)
     r = subprocess.run([sys.executable, str(SCRIPTS / "fix-meta.py"), str(path), "0644", f"{os.getuid()}:{os.getgid()}"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and str(path) in r.stderr and "left it as it is" in r.stderr
@@ -494,14 +500,7 @@ def test_fix_meta_install_replaces_the_name_never_what_it_points_at(tmp_path, ki
     src.write_text(target.read_text())  # identical content: the path that only fixes metadata
     path = tmp_path / "state" / "train.npz"
     path.parent.mkdir()
-    if kind == "symlink to a file":
-        path.symlink_to(target)
-    elif kind == "symlink to a directory":
-        path.symlink_to(folder)
-    elif kind == "hard link":
-        os.link(target, path)
-    else:
-        os.mkfifo(path)
+    put_in_the_way(path, kind, folder if kind == "symlink to a directory" else target)
     r = subprocess.run([sys.executable, str(SCRIPTS / "fix-meta.py"), "--install", str(src), str(path), "0640",
                         f"{os.getuid()}:{os.getgid()}"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and r.stdout == f"installed {path}\n", r.stderr

@@ -55,6 +55,25 @@ def stopped_run(tmp_path, sig: int, *extra: str, before_signal=None) -> tuple[su
 
 
 # SIGINT: Ctrl-C, which click reported as "Aborted!", exit 1 (and what Ray turns any stop into)
+def ray_session_of(pid: int, since: float) -> list[Path]:
+    """The session directories Ray named after driver `pid` since `since` (not an older driver's
+    with a reused PID)."""
+    return [d for d in Path(tempfile.gettempdir(), "ray").glob(f"session_*_{pid}") if d.stat().st_mtime >= since - 1]
+
+
+def still_alive(tree: set[tuple[int, float]]) -> list[str]:
+    """Those of `tree` (PID, create time) still running as the same process."""
+    import psutil
+
+    alive = []
+    for pid, created in tree:
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{pid} {p.name()}")
+    return alive
+
+
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_ends_a_simulation_through_its_clean_up(tmp_path, sig):
     proc, text = stopped_run(tmp_path, sig)
@@ -102,8 +121,7 @@ def test_a_ray_simulation_stopped_by_a_signal_leaves_no_ray_process_or_snapshot(
         tree = psutil.Process(proc.pid).children(recursive=True)
         seen["tree"] = {(p.pid, p.create_time()) for p in tree}
         seen["names"] = sorted({p.name() for p in tree})
-        sessions = [d for d in Path(tempfile.gettempdir(), "ray").glob(f"session_*_{proc.pid}")
-                    if d.stat().st_mtime >= started_at - 1]  # not an older driver's with a reused PID
+        sessions = ray_session_of(proc.pid, started_at)
         assert len(sessions) == 1, sessions
         seen["session"] = sessions[0]
         seen["bystander"] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)",
@@ -115,20 +133,10 @@ def test_a_ray_simulation_stopped_by_a_signal_leaves_no_ray_process_or_snapshot(
         assert proc.returncode == 128 + sig, text
         assert f"stopped by {signal.Signals(sig).name}: no results written" in text
         assert len(seen["tree"]) >= 4, seen["names"]  # gcs, raylet, their agents, the actors
-
-        def left() -> list[str]:
-            alive = []
-            for pid, created in seen["tree"]:
-                with contextlib.suppress(psutil.Error):
-                    p = psutil.Process(pid)
-                    if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                        alive.append(f"{pid} {p.name()}")
-            return alive
-
         deadline = time.monotonic() + 15
-        while left() and time.monotonic() < deadline:
+        while still_alive(seen["tree"]) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert left() == []
+        assert still_alive(seen["tree"]) == []
         assert bystander.poll() is None  # not the toolkit's: alive
         assert not seen["session"].exists()
         assert not list(Path(tempfile.gettempdir()).glob(f"{SNAPSHOT_PREFIX}{proc.pid}-*"))
@@ -150,25 +158,15 @@ def test_a_ray_driver_killed_outright_leaves_no_ray_process_behind(tmp_path):
 
     def before_signal(proc: subprocess.Popen) -> None:
         seen["tree"] = {(p.pid, p.create_time()) for p in psutil.Process(proc.pid).children(recursive=True)}
-        seen["session"] = next(d for d in Path(tempfile.gettempdir(), "ray").glob(f"session_*_{proc.pid}")
-                               if d.stat().st_mtime >= started_at - 1)  # not an older driver's with a reused PID
+        seen["session"] = ray_session_of(proc.pid, started_at)[0]
 
     proc, text = stopped_run(tmp_path, signal.SIGKILL, "--backend", "ray", before_signal=before_signal)
     assert proc.returncode == -signal.SIGKILL, text
 
-    def left() -> list[str]:
-        alive = []
-        for pid, created in seen["tree"]:
-            with contextlib.suppress(psutil.Error):
-                p = psutil.Process(pid)
-                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(f"{pid} {p.name()}")
-        return alive
-
     deadline = time.monotonic() + 20  # the reaper notices within a second, then gives them 5 s
-    while (left() or seen["session"].exists()) and time.monotonic() < deadline:
+    while (still_alive(seen["tree"]) or seen["session"].exists()) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert left() == [] and not seen["session"].exists()
+    assert still_alive(seen["tree"]) == [] and not seen["session"].exists()
 
 
 @pytest.mark.timeout(240)
