@@ -288,8 +288,6 @@ fix_meta() {
   done <<<"$out"
 }
 
-ensure_meta() { fix_meta "$@"; }
-
 # put_file SRC DEST MODE OWNER: install SRC as DEST unless it is already identical
 put_file() {
   local src="$1" dest="$ROOT$2" mode="$3" who="$4"
@@ -300,12 +298,12 @@ put_file() {
   if [ -L "$dest" ] && cmp -s "$src" "$dest"; then
     return 0  # a link with this content (a CA in the system's store): the system's file, left as it is
   elif [ ! -L "$dest" ] && [ -f "$dest" ] && cmp -s "$src" "$dest"; then
-    ensure_meta "$dest" "$mode" "$who"
+    fix_meta "$dest" "$mode" "$who"
     return 0
   fi
   run install -D -T -m "$mode" "$src" "$dest"
   changed "installed $2"
-  [ "$DRY" -eq 1 ] || ensure_meta "$dest" "$mode" "$who"
+  [ "$DRY" -eq 1 ] || fix_meta "$dest" "$mode" "$who"
 }
 
 put_dir() {
@@ -315,7 +313,7 @@ put_dir() {
     changed "created $1/"
     [ "$DRY" -eq 1 ] && return 0
   fi
-  ensure_meta "$dest" "$mode" "$who"
+  fix_meta "$dest" "$mode" "$who"
 }
 
 # the installed agent trains, exports ONNX and runs onnxruntime here; as root it also leaves the
