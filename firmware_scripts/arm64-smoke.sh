@@ -34,6 +34,9 @@ Usage: arm64-smoke.sh [options]
   --out DIR            where arm64_smoke.{md,json} go (default docs/results of this checkout)
   --keep               keep the run's workspace (printed at the end)
   -h, --help           this text
+
+The host side (bench/arm64_smoke.py) runs with $FEDAL_PYTHON, else the active virtualenv, else
+this checkout's .venv (found under sudo too): a Python with the toolkit and torch installed.
 EOF
 }
 
@@ -48,7 +51,6 @@ SUITE=bookworm
 # HTTPS; procps and time: ps, free and /usr/bin/time for looking around inside
 PACKAGES=python3,python3-venv,python3-pip,ca-certificates,procps,time
 SRC=/opt/fedal-src
-PYTHON="${PYTHON:-python3}"
 REBUILD=0 FRESH_VENV=0 BUILD_ONLY=0 PREREQS_ONLY=0 KEEP=0 OUT="$REPO/docs/results"
 DRIVER_ARGS=()
 while [ $# -gt 0 ]; do
@@ -110,6 +112,9 @@ if [ "$PREREQS_ONLY" -eq 1 ]; then
   say "host prerequisites present"
   exit 0
 fi
+# shellcheck source=../scripts/host-python.sh
+. "$REPO/scripts/host-python.sh"
+HOST_PYTHON="$(fedal_host_python "$REPO")" || die "no host Python for bench/arm64_smoke.py"
 ROOTFS="$(mkdir -p "$(dirname "$ROOTFS")" && cd "$(dirname "$ROOTFS")" && pwd)/$(basename "$ROOTFS")"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
@@ -238,5 +243,5 @@ WORKDIR="$(mktemp -d /tmp/fedal-arm64-smoke.XXXXXX)"
 mount_in "$ROOTFS$WORKDIR" --bind "$WORKDIR"
 
 say "federated run: Mosquitto, coordinator and x86 agents on this host, one agent in the arm64 userland"
-PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" "$REPO/bench/arm64_smoke.py" --rootfs "$ROOTFS" --source "$SRC" \
+PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$HOST_PYTHON" "$REPO/bench/arm64_smoke.py" --rootfs "$ROOTFS" --source "$SRC" \
   --workdir "$WORKDIR" --out "$OUT" ${DRIVER_ARGS[@]+"${DRIVER_ARGS[@]}"}

@@ -26,13 +26,15 @@ Usage: boot-test.sh [options]
   --timeout S          seconds for boot 1, the install and the run (default 10800)
   --out DIR            where boot_test.{md,json} go (default docs/results of this checkout)
   -h, --help           this text
+
+The host side (bench/boot_test.py) runs with $FEDAL_PYTHON, else the active virtualenv, else
+this checkout's .venv (found under sudo too): a Python with the toolkit and torch installed.
 USAGE
 }
 die() { echo "boot-test: error: $*" >&2; exit 2; }
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORKDIR=/tmp/fedal-boot-test CACHE_ARGS=() DRIVER=()
-PYTHON="${PYTHON:-python3}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --workdir) WORKDIR="${2:?--workdir needs a directory}"; shift 2 ;;
@@ -44,6 +46,9 @@ while [ $# -gt 0 ]; do
 done
 [ "$(id -u)" -eq 0 ] || die "run as root: the image build needs debootstrap and chroot"
 PATH="$PATH:/usr/sbin:/sbin"
+# shellcheck source=../scripts/host-python.sh
+. "$REPO/scripts/host-python.sh"
+HOST_PYTHON="$(fedal_host_python "$REPO")" || die "no host Python for bench/boot_test.py"
 
 need=()
 command -v qemu-system-aarch64 >/dev/null 2>&1 || need+=(qemu-system-arm)
@@ -66,5 +71,5 @@ fi
 mkdir -p "$WORKDIR"
 IMAGE="$WORKDIR/base.img"
 bash "$REPO/firmware_scripts/pi-image.sh" --out "$IMAGE" ${CACHE_ARGS[@]+"${CACHE_ARGS[@]}"}
-PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" nice -n 15 "$PYTHON" "$REPO/bench/boot_test.py" --image "$IMAGE" \
+PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" nice -n 15 "$HOST_PYTHON" "$REPO/bench/boot_test.py" --image "$IMAGE" \
   --workdir "$WORKDIR/run" ${DRIVER[@]+"${DRIVER[@]}"}

@@ -95,3 +95,36 @@ def test_a_failed_install_stops_with_a_clear_message(shim):
     assert proc.returncode == 1
     assert "arm64-smoke: error: apt-get update failed" in proc.stderr
     assert log.read_text().splitlines() == ["update -qq"]
+
+
+def _python_that_cannot_import(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\nexit 1\n")
+    path.chmod(0o755)
+    return path
+
+
+def run_smoke(bin_dir: Path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([str(bin_dir / "bash"), str(SCRIPT)], capture_output=True, text=True,
+                          env={"PATH": str(bin_dir), "HOME": str(bin_dir.parent), **env}, timeout=60)
+
+
+def test_a_host_python_without_the_toolkit_is_refused_before_any_build(shim, tmp_path):
+    """The host side (bench/arm64_smoke.py) imports torch and the toolkit: a Python without them
+    is said at once, not after a userland build of many minutes."""
+    bin_dir, _ = shim
+    fake = _python_that_cannot_import(tmp_path / "py" / "python")
+    proc = run_smoke(bin_dir, FEDAL_PYTHON=str(fake), VIRTUAL_ENV=str(tmp_path / "unused"))
+    assert proc.returncode == 1
+    assert f"runs with {fake}, which cannot import the toolkit" in proc.stderr
+    assert "scripts/install.sh dev" in proc.stderr
+    assert not (tmp_path / ".cache").exists()  # the userland's cache was not started
+
+
+def test_the_active_virtualenv_is_taken_and_an_inherited_python_is_not(shim, tmp_path):
+    bin_dir, _ = shim
+    venv = tmp_path / "venv"
+    fake = _python_that_cannot_import(venv / "bin" / "python")
+    proc = run_smoke(bin_dir, VIRTUAL_ENV=str(venv), PYTHON=shutil.which("python3") or "/usr/bin/python3")
+    assert proc.returncode == 1
+    assert f"runs with {fake}, which cannot import the toolkit" in proc.stderr

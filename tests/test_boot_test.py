@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -38,3 +39,27 @@ def test_an_emulated_pi_boots_installs_offline_and_finishes_a_run(request, tmp_p
     assert report["ok"] and all(report["checks"].values()), report.get("checks")
     assert report["pi"]["last_round"] == 2 and report["run"]["completed_rounds"] == 2
     assert report["wheelhouse"]["torch"] == "2.10.0"
+
+
+def test_a_host_python_without_the_toolkit_is_refused_before_any_install(tmp_path):
+    """bench/boot_test.py runs on the host and imports torch and the toolkit: a Python without
+    them is said before apt-get and the image build (an hour), not after."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    (bin_dir / "id").write_text('#!/bin/sh\n[ "$1" = -u ] && echo 0 && exit 0\nexec /usr/bin/id "$@"\n')
+    log = tmp_path / "apt-get.log"
+    (bin_dir / "apt-get").write_text(f'#!/bin/sh\necho "$*" >> "{log}"\nexit 0\n')
+    fake = tmp_path / "py" / "python"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    for f in (bin_dir / "id", bin_dir / "apt-get", fake):
+        f.chmod(0o755)
+    proc = subprocess.run([str(bin_dir / "bash"), str(SCRIPT), "--workdir", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=60,
+                          env={"PATH": str(bin_dir), "HOME": str(tmp_path), "FEDAL_PYTHON": str(fake)})
+    assert proc.returncode == 2
+    assert f"runs with {fake}, which cannot import the toolkit" in proc.stderr
+    assert "boot-test: error: no host Python for bench/boot_test.py" in proc.stderr
+    assert not log.exists() and not (tmp_path / "work").exists()
