@@ -24,13 +24,13 @@ from pathlib import Path
 import click
 import numpy as np
 import tomli_w
-from tqdm import tqdm
 
 from fedal import procs, workspace
 from fedal.cli_types import FiniteFloatRange
 from fedal.engine.results import privacy_line
 from fedal.models import check_model_input
 from fedal.ports import free_port, unreachable
+from fedal.progress import progress_bar
 from fedal.sim.build import build_data
 from fedal.sim.config import ConfigError, RunConfig
 from fedal.sim.fairness import fairness_line
@@ -174,7 +174,7 @@ def _follow(api: str, children: list[subprocess.Popen], rounds: int, quiet: bool
     with none left, until timeout_s."""
     logs = logs or []
     coordinator_log = logs[0] if logs else None
-    bar = tqdm(total=rounds, desc="demo", unit="round", disable=quiet, file=sys.stderr)
+    bar = progress_bar(total=rounds, desc="demo", unit="round", disable=quiet)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:

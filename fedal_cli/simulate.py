@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import click
-from tqdm import tqdm
 
 from fedal import procs, workspace
 from fedal.owned import MARKED_PLOT_FORMATS, ForeignFile, check_replaceable, is_our_plot, is_results, unwritable
+from fedal.progress import progress_bar
 from fedal_cli.options import config_from_flags, fault_options, run_options
 
 
@@ -30,8 +30,8 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
 
     config = config_from_flags(config_path, flags)
     check_outputs(out, plot, config_path)
-    bars = [tqdm(total=config.rounds, desc=f"{config.strategy} (preparing the data and clients)", unit="round",
-                 disable=quiet, file=sys.stderr)]
+    bars = [progress_bar(total=config.rounds, desc=f"{config.strategy} (preparing the data and clients)", unit="round",
+                 disable=quiet)]
 
     def progress(_round: int, entry: dict) -> None:
         if "mean_acc" in entry:
@@ -44,8 +44,8 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
             bars[-1].set_description(config.strategy)
         elif name == "standalone":
             bars[-1].close()
-            bars.append(tqdm(total=config.rounds, desc=f"{config.strategy}: standalone baseline for CF", unit="round",
-                             disable=quiet, file=sys.stderr))
+            bars.append(progress_bar(total=config.rounds, desc=f"{config.strategy}: standalone baseline for CF", unit="round",
+                             disable=quiet))
 
     fired: list[int] = []
     try:

@@ -54,9 +54,8 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
               reconnect_min, reconnect_max, status_file, timeout, start_coordinator, workdir, strategy, rounds, tau,
               num_classes, public_size, batch, api_port, resend_s, quiet) -> None:
     """Emulated agents: N MQTT clients that follow the protocol exactly, with synthetic results (no torch)."""
-    from tqdm import tqdm
-
     from fedal.ports import unreachable
+    from fedal.progress import progress_bar
     from fedal.protocol import parse_broker_url, topics
     from hil.fleet import Fleet, client_ids, device_credentials
     from hil.mosquitto import free_port, raise_open_files_limit
@@ -149,7 +148,7 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
             stop_process(coordinator)
         held.close()
         raise
-    bar = tqdm(total=None, desc=f"fleet {run_id}", unit="round", disable=quiet, file=sys.stderr)
+    bar = progress_bar(total=None, desc=f"fleet {run_id}", unit="round", disable=quiet)
     deadline = time.monotonic() + timeout if timeout else None
     outcome = "interrupted"
     try:
