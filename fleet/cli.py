@@ -184,5 +184,6 @@ def wheelhouse_cmd(**options) -> None:
         raise click.ClickException(str(exc)) from None
     click.echo(f"wheelhouse for {manifest['arch']} (CPython {manifest['python']}) written to {spec.out}: "
                f"{len(manifest['files'])} wheels, {manifest['bytes'] / 2**20:.1f} MiB")
-    click.echo(f"  agent: {manifest['agent_wheel']}; torch {manifest['torch'] or '(none)'}")
+    click.echo(f"  agent: {manifest['agent_wheel']}; torch {manifest['torch'] or '(none)'}; "
+               f"installs offline: {', '.join(manifest['extras'])}")
     click.echo(f"  next: firmware_scripts/flash.sh --image IMG --config agent.toml --wheelhouse {spec.out}")

@@ -7,8 +7,10 @@ would pull the x86-only CUDA packages. So the agent's pinned closure (firmware_s
 <arch>.txt pins every package of the `agent` extra) is downloaded with --no-deps, and the result is
 checked here against the device's marker environment: every requirement of every wheel, with the
 toolkit's `agent` extra, must be met by a wheel in the directory, or the build fails naming what is
-missing. MANIFEST marks a wheelhouse this command wrote; only such a directory is ever emptied,
-and only of the files its manifest lists.
+missing. A device extra the wheelhouse carries (`privacy`: its Opacus is pinned by default) is
+checked the same way, so `install-agent.sh --privacy` installs offline too. MANIFEST marks a
+wheelhouse this command wrote; only such a directory is ever emptied, and only of the files its
+manifest lists.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ GLIBC_MINOR = 36
 ARCHES = ("aarch64", "x86_64")
 AGENT_DIST = "fedal-edge"
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+DEVICE_EXTRAS = ("privacy",)  # extras a device may add to `agent` (install-agent.sh --privacy)
 
 
 class WheelhouseError(ValueError):
@@ -261,6 +264,23 @@ def check_closure(files: list[Path], arch: str, python_version: str, extras: dic
     return sorted(set(missing))
 
 
+def carried_extras(agent: Path, files: list[Path], arch: str, python_version: str) -> list[str]:
+    """The device extras whose own requirements (beyond the `agent` extra's) are in the wheelhouse."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    env = marker_environment(arch, python_version)
+    present = {canonicalize_name(_metadata(f)[0]) for f in files}
+    requires = [Requirement(line) for line in _metadata(agent)[2]]
+    carried = []
+    for extra in DEVICE_EXTRAS:
+        own = [r for r in requires if r.marker is not None and r.marker.evaluate({**env, "extra": extra})
+               and not r.marker.evaluate({**env, "extra": "agent"})]
+        if own and any(canonicalize_name(r.name) in present for r in own):
+            carried.append(extra)
+    return carried
+
+
 def _torch_requirement(spec: WheelhouseSpec, reqs: list[str]) -> str | None:
     """`torch==V` the wheelhouse holds: --torch-version, else the constraints' pin (None: no torch)."""
     if spec.torch_version is not None:
@@ -327,7 +347,8 @@ def build_wheelhouse(spec: WheelhouseSpec, progress=lambda msg: None) -> dict:
                  spec.python_version, "--implementation", "cp", "--abi", f"cp{spec.python_version.replace('.', '')}",
                  "-d", str(downloads), "--index-url", spec.torch_index, torch_req, work=work)
         files = [agent, *sorted(downloads.glob("*.whl"))]
-        missing = check_closure(files, spec.arch, spec.python_version, {AGENT_DIST: {"agent"}})
+        extras = ["agent", *carried_extras(agent, files, spec.arch, spec.python_version)]
+        missing = check_closure(files, spec.arch, spec.python_version, {AGENT_DIST: set(extras)})
         if missing:
             hint = (f"PyPI's torch needs the CUDA libraries from 2.11 on: take torch from PyTorch's CPU index with "
                     f"--torch-index {CPU_TORCH_INDEX} --torch-version 2.13.0 (on aarch64 2.10.0, PyPI's last CPU-only "
@@ -345,6 +366,7 @@ def build_wheelhouse(spec: WheelhouseSpec, progress=lambda msg: None) -> dict:
             "platforms": platforms(spec.arch),
             "agent_wheel": agent.name,
             "agent_version": agent_version,
+            "extras": extras,  # what `install-agent.sh` may install from it offline
             "torch": versions.get("torch"),
             "bytes": sum(e["bytes"] for e in entries.values()),
             "versions": dict(sorted(versions.items(), key=lambda kv: kv[0].lower())),

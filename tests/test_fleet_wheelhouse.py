@@ -117,6 +117,7 @@ def test_pinned_aarch64_closure_without_x86_only_dependencies(tmp_path, inputs):
     assert manifest["bytes"] == sum(e["bytes"] for e in manifest["files"].values())
     assert "manylinux_2_36_aarch64" in manifest["platforms"] and "manylinux2014_aarch64" in manifest["platforms"]
     assert "6 wheels" not in r.stdout and "5 wheels" in r.stdout and "torch 2.10.0" in r.stdout
+    assert manifest["extras"] == ["agent"] and "installs offline: agent\n" in r.stdout
 
     # a second build replaces its own wheelhouse
     again = wheelhouse("--arch", "aarch64", "--out", str(out), *offline(*inputs))
@@ -138,6 +139,37 @@ def test_an_incomplete_closure_is_refused_naming_what_is_missing(tmp_path, input
     assert r.returncode == 1, r.stdout
     assert "lacks filelock (needed by torch)" in r.stderr and "nvidia" not in r.stderr
     assert list(out.iterdir()) == []  # nothing half-written is left, nothing looks like a wheelhouse
+
+
+def test_the_privacy_extra_it_carries_is_checked_complete_too(tmp_path, inputs):
+    """The default constraints pin Opacus: a wheelhouse holding it must hold what Opacus needs, or
+    `install-agent.sh --privacy` would fail offline on the device."""
+    idx, constraints, _ = inputs
+    wheel = fake_wheel(tmp_path / "built", "fedal-edge", "0.2.0",
+                       requires=('torch<2.14,>=2.10; extra == "agent"', 'paho-mqtt<3,>=2.0; extra == "agent"',
+                                 'numpy>=1.26', 'opacus==1.6.0; extra == "privacy"'),
+                       files={"edge_agent/__init__.py": ""}, extras=("agent", "privacy"))
+    fake_wheel(idx, "opacus", "1.6.0", requires=("scipy>=1.2", "torch>=2.0"), files={"opacus/__init__.py": ""})
+    fake_wheel(idx, "scipy", "1.17.1", "cp311-cp311-manylinux_2_17_aarch64.manylinux2014_aarch64",
+               files={"scipy/__init__.py": ""})
+    constraints.write_text(CONSTRAINTS + "opacus==1.6.0\n")
+    out = tmp_path / "wh"
+    r = wheelhouse("--out", str(out), *offline(idx, constraints, wheel))
+    assert r.returncode == 1, r.stdout
+    assert "lacks scipy>=1.2 (needed by opacus)" in r.stderr
+    assert list(out.iterdir()) == []
+
+    constraints.write_text(CONSTRAINTS + "opacus==1.6.0\nscipy==1.17.1\n")
+    r = wheelhouse("--out", str(out), *offline(idx, constraints, wheel))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "fedal-wheelhouse.json").read_text())["extras"] == ["agent", "privacy"]
+    assert "installs offline: agent, privacy" in r.stdout
+
+    # without Opacus pinned the wheelhouse serves the agent alone, as before
+    constraints.write_text(CONSTRAINTS)
+    r = wheelhouse("--out", str(out), *offline(idx, constraints, wheel))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "fedal-wheelhouse.json").read_text())["extras"] == ["agent"]
 
 
 def test_foreign_directories_are_never_touched(tmp_path, inputs):
