@@ -32,11 +32,12 @@ class EventHub:
         return self._closed
 
     def publish(self, kind: str, **data: Any) -> None:
-        event = {"id": next(self._ids), "type": kind, "ts": time.time(), **data}
+        """Every subscriber gets events in the order of their ids: numbered and queued under one
+        lock (`_put` never blocks), so two publishers cannot interleave."""
         with self._lock:
-            subscribers = list(self._subscribers)
-        for q in subscribers:
-            _put(q, event)
+            event = {"id": next(self._ids), "type": kind, "ts": time.time(), **data}
+            for q in self._subscribers:
+                _put(q, event)
 
     def subscribe(self) -> queue.Queue:
         """A new subscriber's queue; on a closed hub it holds CLOSED alone."""

@@ -242,9 +242,11 @@ class Run:
                 self.operator_paused = by_operator
             if by_operator:
                 self.store.set_state(self.cfg.run_id, "paused")
-        self.events.publish("run", run_id=self.cfg.run_id, state="paused")
+            self.events.publish("run", run_id=self.cfg.run_id, state="paused")
 
     def resume(self) -> None:
+        """The engine is released inside the same lock as the state changes: a pause that comes
+        right after holds the run, instead of being undone by a late release."""
         with self.state_write:
             if self.state != "paused":
                 return
@@ -253,7 +255,7 @@ class Run:
             self._set_state("running")
             if was_operator:
                 self.store.set_state(self.cfg.run_id, "running")
-        self.engine.resume()
+            self.engine.resume()
 
     def _set_state(self, state: str) -> None:
         with self.lock:
@@ -296,13 +298,17 @@ class Run:
         return start
 
     def _save(self, completed: int, server_state: bool = True) -> None:
-        with self.lock:
-            state = "running" if self.state == "paused" and not self.operator_paused else self.state
-            progress = {"config_hash": self.config_hash, "completed_rounds": completed, "epoch": self.engine.epoch,
-                        "instance": self.instance, "started_at": self.started_at, "state": state}
-            records = list(self.records)
-            info = {c: asdict(i) for c, i in self.engine.clients.items()}
-        self.store.save(self.cfg.run_id, progress, records, info, self.server.state_dict() if server_state else None)
+        """Under `state_write`, as pause and resume: the state it writes is still the run's when
+        it lands (an operator's pause saved over by a round's save would not outlive a restart)."""
+        with self.state_write:
+            with self.lock:
+                state = "running" if self.state == "paused" and not self.operator_paused else self.state
+                progress = {"config_hash": self.config_hash, "completed_rounds": completed, "epoch": self.engine.epoch,
+                            "instance": self.instance, "started_at": self.started_at, "state": state}
+                records = list(self.records)
+                info = {c: asdict(i) for c, i in self.engine.clients.items()}
+            self.store.save(self.cfg.run_id, progress, records, info,
+                            self.server.state_dict() if server_state else None)
 
     def _finish(self, state: str, at: float | None = None) -> None:
         """End the run in `state`; `at`: when it ended before a restart (its results, written

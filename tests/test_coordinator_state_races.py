@@ -1,0 +1,101 @@
+"""Pause, resume and a round's save from different threads (the API's workers and the run's
+thread) on one run, their windows widened by a slow store write or a slow engine release, and
+events from two publishers: the store, the engine and the event stream end as the last
+operation left them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from coordinator import events as events_module
+from coordinator import store as store_module
+from coordinator.config import CoordinatorConfig
+from coordinator.events import EventHub
+from coordinator.run import Run
+from fedal.engine import rounds as rounds_module
+
+
+@pytest.fixture()
+def run(tmp_path):
+    """A run as the coordinator builds it (never started: no broker is needed)."""
+    np.savez(tmp_path / "public.npz", x=np.random.default_rng(0).standard_normal((100, 8), dtype=np.float32))
+    cfg = CoordinatorConfig(run_id="race", client_ids=["a", "b"], public_file=tmp_path / "public.npz",
+                            state_dir=tmp_path / "state", broker={"url": "mqtt://127.0.0.1:1"},
+                            run={"strategy": "fedal", "rounds": 5, "public_size": 100})
+    r = Run(cfg)
+    r.store.register("race", r.run_spec(), "config")
+    yield r
+    r.store.close()
+
+
+def slowed(monkeypatch, owner, name: str, seconds: float = 0.1) -> None:
+    original = getattr(owner, name)
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, slow)
+
+
+def test_a_pause_during_a_rounds_save_is_what_the_store_keeps(run, monkeypatch):
+    run.state = "running"
+    slowed(monkeypatch, store_module.RunStore, "save")  # the round's save: server state and a transaction
+    saving = threading.Thread(target=run._save, kwargs={"completed": 1})
+    saving.start()
+    time.sleep(0.02)
+    run.pause()  # the operator, over the API, while the round is saved
+    saving.join()
+    assert run.state == "paused" and run.operator_paused
+    assert run.store.load("race").state == "paused"  # a restart keeps the run held
+
+
+def test_a_resume_during_a_rounds_save_is_what_the_store_keeps(run, monkeypatch):
+    run.state = "running"
+    run.pause()
+    slowed(monkeypatch, store_module.RunStore, "save")
+    saving = threading.Thread(target=run._save, kwargs={"completed": 1})
+    saving.start()
+    time.sleep(0.02)
+    run.resume()
+    saving.join()
+    assert run.state == "running" and run.store.load("race").state == "running"
+
+
+def test_a_pause_right_after_a_resume_holds_the_run(run, monkeypatch):
+    run.pause()
+    slowed(monkeypatch, rounds_module.RoundEngine, "resume")  # the engine's release, late
+    resuming = threading.Thread(target=run.resume)
+    resuming.start()
+    time.sleep(0.02)
+    run.pause()
+    resuming.join()
+    assert run.state == "paused"
+    assert not run.engine.resume_event.is_set()  # the engine holds, as the API says
+    assert run.store.load("race").state == "paused"
+
+
+def test_events_reach_subscribers_in_the_order_of_their_ids(monkeypatch):
+    hub = EventHub()
+    q = hub.subscribe()
+    first_call = threading.Event()
+    real_time = time.time
+
+    def clock() -> float:  # the first publisher is slow between taking its id and queueing
+        if not first_call.is_set():
+            first_call.set()
+            time.sleep(0.1)
+        return real_time()
+
+    monkeypatch.setattr(events_module.time, "time", clock)
+    slow = threading.Thread(target=hub.publish, args=("run",), kwargs={"state": "paused"})
+    slow.start()
+    first_call.wait(5)
+    hub.publish("run", state="running")
+    slow.join()
+    got = [q.get_nowait(), q.get_nowait()]
+    assert [e["id"] for e in got] == sorted(e["id"] for e in got)
