@@ -27,6 +27,7 @@ class CoordinatorBus:
         self.connected = threading.Event()
         self.stopping = False
         self.bytes_down = 0
+        self.tasks_held = 0  # task sends skipped while disconnected (the reconnect re-sends)
         self._clears: dict[str, float] = {}  # topic -> when it was last cleared
         self._clear_timers: dict[str, threading.Timer] = {}
         self._clear_lock = threading.Lock()
@@ -58,6 +59,13 @@ class CoordinatorBus:
         self.client.loop_stop()
 
     def publish_task(self, client_id: str, payload: bytes) -> int:
+        """Bytes sent; 0 while the broker is away. The client would queue the task for the
+        reconnect, a copy per re-send, and then send them all at once (each agent answering each
+        copy with its whole result); the engine re-sends every open task once when the
+        connection is back (`$connected`)."""
+        if not self.connected.is_set():
+            self.tasks_held += 1
+            return 0
         sent = 0
         for part in split(payload, self.settings.max_payload):
             self.client.publish(topics.task(self.run_id, client_id), part, qos=1)

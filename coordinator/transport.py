@@ -113,6 +113,7 @@ class MqttTransport(Transport):
 
     def counters(self) -> dict[str, int]:
         """Unfinished chunked messages the reassembler dropped: `evicted` for a sender's newer
-        ones, `expired` after its timeout."""
+        ones, `expired` after its timeout; `held_offline`: task sends skipped while the broker was
+        away (the reconnect re-sends each open task once)."""
         evicted, expired = sum(self.reassembler.evicted.values()), self.reassembler.expired
-        return {k: v for k, v in (("evicted", evicted), ("expired", expired)) if v}
+        return {k: v for k, v in (("evicted", evicted), ("expired", expired), ("held_offline", self.bus.tasks_held)) if v}
