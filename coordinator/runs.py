@@ -190,7 +190,10 @@ class RunManager:
             self.all_done.clear()
 
     def start(self) -> None:
+        """Start every run; after stop() (a stop signal right as the API came up) none."""
         with self.lock:
+            if self.stopping:
+                return
             self.started = True
             for run in self.by_id.values():
                 self._start(run)

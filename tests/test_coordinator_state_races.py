@@ -16,6 +16,7 @@ from coordinator import store as store_module
 from coordinator.config import CoordinatorConfig
 from coordinator.events import EventHub
 from coordinator.run import Run
+from coordinator.runs import RunManager
 from fedal.engine import rounds as rounds_module
 
 
@@ -99,3 +100,11 @@ def test_events_reach_subscribers_in_the_order_of_their_ids(monkeypatch):
     slow.join()
     got = [q.get_nowait(), q.get_nowait()]
     assert [e["id"] for e in got] == sorted(e["id"] for e in got)
+
+
+def test_runs_are_not_started_once_the_coordinator_is_stopping(run):
+    """A stop signal right as the API comes up: the thread that starts the runs may come second."""
+    manager = RunManager.of(run)
+    manager.stop(timeout_s=1)
+    manager.start()
+    assert manager.threads == {} and run.state == "pending"
