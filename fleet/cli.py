@@ -65,6 +65,10 @@ def init_cmd(**options) -> None:
                    f"--out {out}` issues a new one from the same CA (no device changes)")
     elif spec.broker.startswith("mqtt://"):
         click.echo("  warning: mqtt:// sends passwords in clear text; use --tls with an mqtts:// URL outside a trusted LAN")
+    else:
+        click.echo(f"  note: mqtts:// without --tls: fedal.conf expects your own certificate and key at "
+                   f"{spec.broker_dir.rstrip('/')}/server.crt and server.key (the devices check it against the system's "
+                   "CA bundle: a publicly signed one); --tls makes a CA and a certificate instead")
 
 
 @fleet_cmd.command("renew-cert")

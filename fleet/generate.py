@@ -322,7 +322,14 @@ def _plan_fleet(spec: FleetSpec) -> dict:
 def mosquitto_conf(spec: FleetSpec, port: int, coord_port: int) -> str:
     d = spec.broker_dir.rstrip("/")
     bind = f" {spec.bind}" if spec.bind else ""
-    tls = [f"cafile {d}/ca.crt", f"certfile {d}/server.crt", f"keyfile {d}/server.key"] if spec.tls else []
+    if spec.tls:
+        tls = [f"cafile {d}/ca.crt", f"certfile {d}/server.crt", f"keyfile {d}/server.key"]
+    elif parse_broker_url(spec.broker).tls:  # mqtts:// with a certificate of one's own: never plain MQTT on a TLS port
+        tls = ["# mqtts:// without `fleet init --tls`: your own certificate (the devices check it against the",
+               "# system's CA bundle, so a publicly signed one) and its key; Mosquitto will not start without them",
+               f"certfile {d}/server.crt", f"keyfile {d}/server.key"]
+    else:
+        tls = []
     return "\n".join([
         "# Mosquitto settings for the FedAL fleet (written by `fedal fleet init`).",
         f"# Copy this directory's files to {d}/ (passwd, coordinator.passwd and server.key readable by the",

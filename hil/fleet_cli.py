@@ -36,6 +36,10 @@ from fedal.cli_types import FiniteFloatRange
 @click.option("--timeout", type=FiniteFloatRange(0), default=0.0, help="Give up after S seconds (0: wait for the run to finish).")
 @click.option("--start-coordinator", is_flag=True,
               help="Also start a real coordinator for these clients (config and synthetic public set in --workdir).")
+@click.option("--coordinator-broker", default=None,
+              help="With --start-coordinator: the broker URL the coordinator uses (default: --broker). Give the real "
+                   "broker when --broker is a `fedal hil broker` proxy: behind drops and resets the coordinator, whose "
+                   "every reconnect re-sends all open tasks, can stall a large fleet.")
 @click.option("--workdir", type=click.Path(file_okay=False), default="runs/fleet", show_default=True,
               help="With --start-coordinator: where its config, state and log go.")
 @click.option("--strategy", default="fedal", show_default=True, help="With --start-coordinator: the strategy.")
@@ -51,8 +55,8 @@ from fedal.cli_types import FiniteFloatRange
                    "again (default 30; a few seconds behind a proxy with `lost` drops, e.g. --profile chaos).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file, credentials_dir, ids, public_file,
-              reconnect_min, reconnect_max, status_file, timeout, start_coordinator, workdir, strategy, rounds, tau,
-              num_classes, public_size, batch, api_port, resend_s, quiet) -> None:
+              reconnect_min, reconnect_max, status_file, timeout, start_coordinator, coordinator_broker, workdir,
+              strategy, rounds, tau, num_classes, public_size, batch, api_port, resend_s, quiet) -> None:
     """Emulated agents: N MQTT clients that follow the protocol exactly, with synthetic results (no torch)."""
     from fedal.ports import unreachable
     from fedal.progress import progress_bar
@@ -60,8 +64,15 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
     from hil.fleet import Fleet, client_ids, device_credentials
     from hil.mosquitto import free_port, raise_open_files_limit
 
+    if coordinator_broker is not None and not start_coordinator:
+        raise click.UsageError("--coordinator-broker is for the coordinator --start-coordinator starts")
     try:
         address = parse_broker_url(broker)
+        if coordinator_broker is not None:
+            try:
+                parse_broker_url(coordinator_broker)
+            except ValueError as exc:
+                raise ValueError(f"--coordinator-broker: {exc}") from None
         topics.check_id(run_id, "run id")
         if ids:
             ids = [topics.check_id(c.strip(), "client id") for c in ids.split(",") if c.strip()]
@@ -123,12 +134,15 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
             import tomllib
 
             extra["broker"] = tomllib.loads(account.read_text()).get("broker", {})
+            if coordinator_broker is not None:  # asked for by name: over the account's own listener
+                extra["broker"]["url"] = coordinator_broker
         from fedal.workspace import WorkspaceError
 
         try:  # this run's alone until it ends: another on the same --workdir is refused, not mixed in
             held.enter_context(workspace.held(workspace.claim(wd, "fedal hil fleet --start-coordinator"),
                                               "fedal hil fleet --start-coordinator"))
-            path = write_coordinator_config(wd, broker, run_id, ids, api_port=api_port, strategy=strategy, rounds=rounds,
+            path = write_coordinator_config(wd, coordinator_broker or broker, run_id, ids, api_port=api_port,
+                                            strategy=strategy, rounds=rounds,
                                             seed=seed, num_classes=num_classes, public_size=public_size,
                                             public_batch_size=batch, tau=tau, extra=extra,
                                             phases=None if resend_s is None else {"resend_s": resend_s})

@@ -221,6 +221,26 @@ def test_agent_comes_online_over_tls_with_generated_credentials(tmp_path):
         broker.wait(timeout=10)
 
 
+def test_mqtts_without_tls_never_gives_a_plain_listener_on_the_tls_port(tmp_path):
+    """mqtts:// with a certificate of one's own: fedal.conf names it, so Mosquitto refuses to start
+    until it is there, instead of serving plain MQTT where every device expects TLS."""
+    port = free_port()
+    out = tmp_path / "fleet"
+    code, output = fleet_init("--devices", "1", "--broker", f"mqtts://127.0.0.1:{port}", "--out", str(out),
+                              "--bind", "127.0.0.1", "--broker-dir", str(out / "broker"))
+    assert code == 0, output
+    assert f"expects your own certificate and key at {out / 'broker'}/server.crt" in output
+    conf = (out / "broker" / "fedal.conf").read_text()
+    assert conf.count(f"certfile {out / 'broker'}/server.crt") == 2 and "cafile" not in conf
+    log = out / "mosquitto.log"
+    (out / "test-mosquitto.conf").write_text(conf + f"persistence false\nlog_dest file {log}\n"
+                                             + ("user root\n" if os.geteuid() == 0 else ""))
+    proc = subprocess.run(["mosquitto", "-c", str(out / "test-mosquitto.conf")], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode != 0  # no certificate yet: no listener at all
+    assert "server.crt" in proc.stderr + (log.read_text() if log.exists() else "")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--devices", "2", "--broker", "mqtt://h:1883", "--tls"], "needs an mqtts:// broker URL"),
     (["--devices", "2", "--broker", "mqtt://u:p@h"], "without user:password"),

@@ -6,12 +6,14 @@ a lower bound (a bandwidth cap can only make things slower).
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import tomllib
 import uuid
 
 import httpx
@@ -385,3 +387,35 @@ def test_the_control_api_listens_on_an_ipv6_address(mosquitto, tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
         log.close()
+
+
+def test_a_fleet_behind_a_lossy_proxy_with_its_coordinator_on_the_real_broker(mosquitto, tmp_path):
+    """`hil fleet --start-coordinator --coordinator-broker`: the emulated agents' link is faulted
+    (the built-in wifi-lossy profile), the coordinator's is not, and the run finishes."""
+    listen, control = free_port(), free_port()
+    log = open(tmp_path / "hil.log", "wb")
+    proxy = subprocess.Popen([sys.executable, "-m", "hil", "broker", "--upstream", mosquitto, "--listen",
+                              f"127.0.0.1:{listen}", "--profile", "wifi-lossy", "--control", f"127.0.0.1:{control}",
+                              "--seed", "1"], stdout=log, stderr=subprocess.STDOUT)
+    workdir = tmp_path / "coordinator"
+    try:
+        assert wait_for_port(control, timeout_s=60), (tmp_path / "hil.log").read_text()
+        fleet = subprocess.run([sys.executable, "-m", "hil", "fleet", "--clients", "10", "--run-id", uid("lossy"),
+                                "--broker", f"mqtt://127.0.0.1:{listen}", "--coordinator-broker", mosquitto,
+                                "--start-coordinator", "--workdir", str(workdir), "--rounds", "2", "--tau", "2",
+                                "--public-size", "100", "--resend-s", "2", "--timeout", "150", "--quiet"],
+                               capture_output=True, text=True, timeout=200)
+        assert fleet.returncode == 0, (fleet.stdout[-2000:], fleet.stderr[-3000:])
+        assert json.loads(fleet.stdout)["outcome"] == "finished"
+        assert tomllib.loads((workdir / "coordinator.toml").read_text())["broker"]["url"] == mosquitto
+        stats = httpx.get(f"http://127.0.0.1:{control}/stats", timeout=10).json()
+        behind = set(stats["clients"])
+        assert sum(c.startswith("fedal-agent-") for c in behind) == 10, behind  # the agents' link was faulted
+        assert not any(c.startswith("fedal-coordinator-") for c in behind), behind
+    finally:
+        proxy.send_signal(signal.SIGTERM)
+        proxy.wait(timeout=30)
+        log.close()
+    bad = subprocess.run([sys.executable, "-m", "hil", "fleet", "--clients", "2", "--run-id", "r",
+                          "--coordinator-broker", mosquitto], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--coordinator-broker is for the coordinator --start-coordinator starts" in bad.stderr
