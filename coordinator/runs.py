@@ -87,7 +87,7 @@ class RunManager:
                     raise ValueError(where)
                 self._add(self._new_run(spec, "api"))
             except (ValidationError, ValueError, OSError) as exc:
-                reason = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
+                reason = format_validation_error(exc, RunSpec) if isinstance(exc, ValidationError) else str(exc)
                 log.error("cannot restore run %s from the store: %s (it is shown as failed; its stored "
                           "rounds are kept)", run_id, reason)
                 self.unrestored[run_id] = reason
@@ -97,7 +97,7 @@ class RunManager:
         try:
             spec = RunSpec.model_validate(body)
         except ValidationError as exc:
-            raise InvalidRunSpec(format_validation_error(exc).replace("invalid config", "invalid run")) from None
+            raise InvalidRunSpec(format_validation_error(exc, RunSpec).replace("invalid config", "invalid run")) from None
         where = self._outside_reach(spec)
         if where:
             raise InvalidRunSpec(f"invalid run: {where}")

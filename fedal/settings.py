@@ -16,6 +16,8 @@ import pydantic_settings
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, TomlConfigSettingsSource
 
+from fedal.validation import describe
+
 S = TypeVar("S", bound=BaseSettings)
 
 
@@ -53,9 +55,7 @@ def load_settings(cls: type[S], path: str | Path | None = None, **overrides) -> 
     try:
         loaded = _WithFile(**overrides)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
-        )
+        problems = describe(exc, cls, whole="config")
         # a value may come from the environment as well as the file: say which were set
         source = f" {path}" if path else ""
         if env:

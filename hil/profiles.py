@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedal.strict_fields import NoCoercion
+from fedal.validation import describe as describe_errors
 
 DIRECTIONS = ("up", "down")
 DropMode = Literal["reset", "lost", "unacked"]
@@ -127,5 +128,4 @@ def parse_profile(text: str, origin: str = "profile") -> Profile:
 
 
 def describe(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'profile'}: {e['msg'].removeprefix('Value error, ')}"
-                     for e in exc.errors())
+    return describe_errors(exc, Profile, whole="profile")

@@ -171,3 +171,21 @@ def no_ray_starts_meanwhile(tmp_path_factory):
     """While this test runs, no other test on the machine starts a Ray instance."""
     with _ray_lock(tmp_path_factory, exclusive=True):
         yield
+
+
+@pytest.fixture()
+def unstarted_run(tmp_path):
+    """A coordinator's run as the coordinator builds it, never started (no broker is needed)."""
+    import numpy as np
+
+    from coordinator.config import CoordinatorConfig
+    from coordinator.run import Run
+
+    np.savez(tmp_path / "public.npz", x=np.random.default_rng(0).standard_normal((100, 8), dtype=np.float32))
+    cfg = CoordinatorConfig(run_id="race", client_ids=["a", "b"], public_file=tmp_path / "public.npz",
+                            state_dir=tmp_path / "state", broker={"url": "mqtt://127.0.0.1:1"},
+                            run={"strategy": "fedal", "rounds": 5, "public_size": 100})
+    r = Run(cfg)
+    r.store.register("race", r.run_spec(), "config")
+    yield r
+    r.store.close()

@@ -8,29 +8,11 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
-import pytest
-
 from coordinator import events as events_module
 from coordinator import store as store_module
-from coordinator.config import CoordinatorConfig
 from coordinator.events import EventHub
-from coordinator.run import Run
 from coordinator.runs import RunManager
 from fedal.engine import rounds as rounds_module
-
-
-@pytest.fixture()
-def run(tmp_path):
-    """A run as the coordinator builds it (never started: no broker is needed)."""
-    np.savez(tmp_path / "public.npz", x=np.random.default_rng(0).standard_normal((100, 8), dtype=np.float32))
-    cfg = CoordinatorConfig(run_id="race", client_ids=["a", "b"], public_file=tmp_path / "public.npz",
-                            state_dir=tmp_path / "state", broker={"url": "mqtt://127.0.0.1:1"},
-                            run={"strategy": "fedal", "rounds": 5, "public_size": 100})
-    r = Run(cfg)
-    r.store.register("race", r.run_spec(), "config")
-    yield r
-    r.store.close()
 
 
 def slowed(monkeypatch, owner, name: str, seconds: float = 0.1) -> None:
@@ -43,41 +25,41 @@ def slowed(monkeypatch, owner, name: str, seconds: float = 0.1) -> None:
     monkeypatch.setattr(owner, name, slow)
 
 
-def test_a_pause_during_a_rounds_save_is_what_the_store_keeps(run, monkeypatch):
-    run.state = "running"
+def test_a_pause_during_a_rounds_save_is_what_the_store_keeps(unstarted_run, monkeypatch):
+    unstarted_run.state = "running"
     slowed(monkeypatch, store_module.RunStore, "save")  # the round's save: server state and a transaction
-    saving = threading.Thread(target=run._save, kwargs={"completed": 1})
+    saving = threading.Thread(target=unstarted_run._save, kwargs={"completed": 1})
     saving.start()
     time.sleep(0.02)
-    run.pause()  # the operator, over the API, while the round is saved
+    unstarted_run.pause()  # the operator, over the API, while the round is saved
     saving.join()
-    assert run.state == "paused" and run.operator_paused
-    assert run.store.load("race").state == "paused"  # a restart keeps the run held
+    assert unstarted_run.state == "paused" and unstarted_run.operator_paused
+    assert unstarted_run.store.load("race").state == "paused"  # a restart keeps the run held
 
 
-def test_a_resume_during_a_rounds_save_is_what_the_store_keeps(run, monkeypatch):
-    run.state = "running"
-    run.pause()
+def test_a_resume_during_a_rounds_save_is_what_the_store_keeps(unstarted_run, monkeypatch):
+    unstarted_run.state = "running"
+    unstarted_run.pause()
     slowed(monkeypatch, store_module.RunStore, "save")
-    saving = threading.Thread(target=run._save, kwargs={"completed": 1})
+    saving = threading.Thread(target=unstarted_run._save, kwargs={"completed": 1})
     saving.start()
     time.sleep(0.02)
-    run.resume()
+    unstarted_run.resume()
     saving.join()
-    assert run.state == "running" and run.store.load("race").state == "running"
+    assert unstarted_run.state == "running" and unstarted_run.store.load("race").state == "running"
 
 
-def test_a_pause_right_after_a_resume_holds_the_run(run, monkeypatch):
-    run.pause()
+def test_a_pause_right_after_a_resume_holds_the_run(unstarted_run, monkeypatch):
+    unstarted_run.pause()
     slowed(monkeypatch, rounds_module.RoundEngine, "resume")  # the engine's release, late
-    resuming = threading.Thread(target=run.resume)
+    resuming = threading.Thread(target=unstarted_run.resume)
     resuming.start()
     time.sleep(0.02)
-    run.pause()
+    unstarted_run.pause()
     resuming.join()
-    assert run.state == "paused"
-    assert not run.engine.resume_event.is_set()  # the engine holds, as the API says
-    assert run.store.load("race").state == "paused"
+    assert unstarted_run.state == "paused"
+    assert not unstarted_run.engine.resume_event.is_set()  # the engine holds, as the API says
+    assert unstarted_run.store.load("race").state == "paused"
 
 
 def test_events_reach_subscribers_in_the_order_of_their_ids(monkeypatch):
@@ -102,9 +84,9 @@ def test_events_reach_subscribers_in_the_order_of_their_ids(monkeypatch):
     assert [e["id"] for e in got] == sorted(e["id"] for e in got)
 
 
-def test_runs_are_not_started_once_the_coordinator_is_stopping(run):
+def test_runs_are_not_started_once_the_coordinator_is_stopping(unstarted_run):
     """A stop signal right as the API comes up: the thread that starts the runs may come second."""
-    manager = RunManager.of(run)
+    manager = RunManager.of(unstarted_run)
     manager.stop(timeout_s=1)
     manager.start()
-    assert manager.threads == {} and run.state == "pending"
+    assert manager.threads == {} and unstarted_run.state == "pending"

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
+    BaseModel,
     ConfigDict,
     Field,
     ValidationError,
@@ -20,6 +21,7 @@ from pydantic import (
 from fedal.strategies import STRATEGIES, STRATEGY_NAMES, StrategyParams, get_strategy
 from fedal.strategies.params import COMMON_PARAMS, MAX_DISCRIMINATOR_PARAMS, discriminator_params
 from fedal.strict_fields import NoCoercion
+from fedal.validation import describe
 
 MAX_DATASET_CLASSES = 10  # the most classes of the datasets below (celeba has 2)
 DATASET_NAMES = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn", "cinic10", "celeba")
@@ -393,13 +395,9 @@ def _is_json(path: Path, raw: bytes | None) -> bool:
     return raw.lstrip()[:1] == b"{"
 
 
-def format_validation_error(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}: {msg}" if where else msg)  # a whole-config check names its fields itself
-    return "invalid config: " + "; ".join(lines)
+def format_validation_error(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """model: the one validated (default RunConfig), where a mistyped key finds its suggestion."""
+    return "invalid config: " + describe(exc, model or RunConfig)  # a whole-config check names its fields itself
 
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "DATASET_NAMES", "DEFAULT_MODELS", "DEFAULT_SINGLE_MODEL",
