@@ -1,4 +1,4 @@
-"""The FedAL paper's black-box comparison on generated MNIST-1D (ALGORITHMS.md section 6).
+"""The FedAL paper's black-box comparison on generated MNIST-1D (docs/algorithms.md).
 
 Local-only / FedMD / FedMD-LF / FedAL with the same number of local SGD steps per client,
 heterogeneous models, per-client Dirichlet partitions, several seeds; plus a high-skew setting

@@ -1,5 +1,5 @@
 """FedAKD vs FedAvg: collaborative fairness and accuracy under POW and covariate shift
-(ALGORITHMS.md section 3; the FedAKD paper's Table 1 setting, scaled to generated MNIST-1D).
+(docs/algorithms.md; the FedAKD paper's Table 1 setting, scaled to generated MNIST-1D).
 
 10 clients with one model architecture, power-law data sizes, 20 rounds of one local epoch (Adam
 1e-3, batch 32), each client's own 20 % held out as its local test split. FedAKD's run also

@@ -1,5 +1,5 @@
 """FedDF-AL vs FedDF vs FedAL (and FedMD-LF) on MNIST-1D: FedAL's parameter-sharing extension
-(fedal.txt section VI, Fig. 10; ALGORITHMS.md section 1, variants).
+(fedal.txt section VI, Fig. 10; docs/algorithms.md, variants).
 
 Ten clients with MLP / 1D-CNN / wide 1D-CNN models round-robin, so three architecture groups
 (4, 3 and 3 clients) average their weights in FedDF and FedDF-AL; FedAL and FedMD-LF exchange

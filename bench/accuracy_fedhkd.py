@@ -1,4 +1,4 @@
-"""FedHKD vs FedAvg under per-class Dirichlet beta = 0.5 (ALGORITHMS.md section 4), on MNIST-1D.
+"""FedHKD vs FedAvg under per-class Dirichlet beta = 0.5 (docs/algorithms.md), on MNIST-1D.
 
 The FedHKD paper's two metrics: personalised accuracy (each client's model after local training,
 on its own local test split: 25 % of its share, as the paper's 75/25 split) and global accuracy

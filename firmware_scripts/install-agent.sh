@@ -253,7 +253,10 @@ done
 
 # -- helpers -------------------------------------------------------------------------------
 CHANGES=0
-changed() { CHANGES=$((CHANGES + 1)); say "$*"; }
+changed() {  # a change made; under --dry-run one that would be (its `would run:` lines said how)
+  CHANGES=$((CHANGES + 1))
+  if [ "$DRY" -eq 1 ]; then say "not done (dry run): $*"; else say "$*"; fi
+}
 run() {
   if [ "$DRY" -eq 1 ]; then echo "install-agent: would run: $*"; else "$@"; fi
 }

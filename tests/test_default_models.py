@@ -102,3 +102,15 @@ def test_demo_without_models_over_mosquitto(mosquitto, tmp_path):
     assert results["config"]["models"] == ["mlp"]
     assert [c["model"] for c in results["clients"]] == ["mlp", "mlp"]
     assert [r["round"] for r in results["rounds"]] == [1]
+
+
+@pytest.mark.parametrize("strategy", ["fedproto", "fedproto-public"])
+def test_prototype_strategies_name_the_models_of_one_feature_width_they_take(strategy, tmp_path):
+    mnist1d = ["--dataset", "mnist1d", *TINY[2:]]
+    proc = fedal("simulate", "--strategy", strategy, *mnist1d, "--out", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"{strategy} needs one feature width for all clients: using mlp, cnn1d_wide" in proc.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["config"]["models"] == ["mlp", "cnn1d_wide"]
+    assert load_config(None, {"strategy": strategy, "models": ["mlp"]}).default_model_note() is None
+    # on digits every default model has its own width: the dataset's single default, said as such
+    assert "using mlp" in load_config(None, {"strategy": strategy, "dataset": "digits"}).default_model_note()

@@ -234,6 +234,11 @@ def test_dry_run_changes_nothing(tmp_path, inputs):
     assert list(root.iterdir()) == []
     assert "would run:" in r.stdout and "--index-url https://download.pytorch.org/whl/cpu torch==2.10.0" in r.stdout
     assert "would be made (dry run)" in r.stdout
+    # what it reports is what it would do, never as done
+    reported = [line for line in r.stdout.splitlines() if line.startswith("install-agent: ")
+                and not line.startswith(("install-agent: would run:", "install-agent: not done (dry run): "))]
+    assert not any(word in line for line in reported for word in ("installed", "created", "enabled", "removed")), reported
+    assert "install-agent: not done (dry run): installed /etc/fedal-agent/agent.toml" in r.stdout
 
 
 def test_bad_inputs_fail_with_clear_messages(tmp_path, inputs):

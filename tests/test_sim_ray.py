@@ -135,6 +135,11 @@ def test_client_resources_are_parsed_and_bad_ones_refused():
     with pytest.raises(ValueError, match="client_resources") as refused:
         load_config(None, {"backend": "ray", "client_resources": "cpus=many"})
     assert str(refused.value).count("client_resources") == 1  # the field named once
+    # a typo of Ray's own resources is named (it would ask the cluster for a custom resource it lacks)
+    for typo, meant in (("num_cpu=1", "num_cpus"), ("numgpus=0.5", "num_gpus"), ("memroy=1e9", "memory")):
+        with pytest.raises(ConfigError, match=f"did you mean {meant!r}"):
+            parse_resources(typo)
+    assert parse_resources("accelerator_tpu=1") == {"accelerator_tpu": 1.0}  # custom resources stay possible
 
 
 def test_an_actor_killed_mid_round_misses_the_rest_of_it_and_the_round_closes_by_quorum():

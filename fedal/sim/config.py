@@ -3,6 +3,7 @@ and what it writes back into the results so the run can be repeated exactly."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import tomllib
@@ -53,6 +54,9 @@ class ConfigError(ValueError):
     """A config that cannot describe a run; the message says what to change."""
 
 
+RAY_RESOURCES = ("num_cpus", "num_gpus", "memory")
+
+
 def parse_resources(text: str | dict | None) -> dict[str, float]:
     """'num_cpus=1,num_gpus=0.25' (or a dict) -> {'num_cpus': 1.0, 'num_gpus': 0.25}, per actor."""
     if text is None or text == "":
@@ -63,6 +67,10 @@ def parse_resources(text: str | dict | None) -> dict[str, float]:
         if len(pair) != 2:
             raise ConfigError(f"client_resources: expected name=value pairs such as 'num_cpus=1,num_gpus=0.25', got {text!r}")
         name, value = str(pair[0]).strip(), pair[1]
+        near = difflib.get_close_matches(name, RAY_RESOURCES, n=1, cutoff=0.75)
+        if near and name != near[0]:  # any other name is a custom Ray resource, never found for a typo
+            raise ConfigError(f"client_resources: {name!r} is no Ray resource: did you mean {near[0]!r}? "
+                              f"(Ray's own are {', '.join(RAY_RESOURCES)}; a custom resource needs a name further from them)")
         try:
             number = float(value)
         except (TypeError, ValueError):
@@ -243,9 +251,16 @@ class RunConfig(NoCoercion):
         return list(DEFAULT_MODELS[self.dataset])
 
     def default_model_note(self) -> str | None:
-        """A line telling the user which model a parameter-averaging strategy got when none was
-        chosen; None when the models were given or the strategy takes mixed ones."""
-        if self.models or not get_strategy(self.strategy).homogeneous_models:
+        """A line telling the user which models a strategy got in place of the dataset's defaults
+        (parameter averaging: one model; prototypes: one feature width); None when the models were
+        given or the defaults apply."""
+        if self.models:
+            return None
+        spec = get_strategy(self.strategy)
+        if spec.same_feature_dim and self.resolved_models() != list(DEFAULT_MODELS[self.dataset]):
+            return (f"{self.strategy} needs one feature width for all clients: using {', '.join(self.resolved_models())} "
+                    f"(--models or `models` chooses others)")
+        if not spec.homogeneous_models:
             return None
         return (f"{self.strategy} needs one model for all clients: using {DEFAULT_SINGLE_MODEL[self.dataset]} "
                 f"(the {self.dataset} default; --models or `models` chooses another)")
