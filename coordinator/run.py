@@ -28,6 +28,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.events import EventHub
 from coordinator.store import RunStore, default_store_url
 from coordinator.transport import MqttTransport
+from fedal.atomic import write_bytes_atomic
 from fedal.data import check_servable, content_hash, load_dataset, public_rows_from_npz, public_set
 from fedal.engine import ClientInfo, RoundEngine, Stopped
 from fedal.engine.health import health_flags
@@ -192,7 +193,10 @@ class Run:
                 self._save(completed=r + 1)
             self._finish("finished")
         except Stopped:
-            self._finish("stopped")
+            if self.finished_before is not None:  # a run found finished stays so, with its end time and results
+                self._finish("finished", at=self.finished_before)
+            else:
+                self._finish("stopped")
         except Exception as exc:  # the API, the event stream and the store must still say what happened
             log.exception("run failed")
             with self.lock:
@@ -294,15 +298,20 @@ class Run:
             self.store.reset(self.cfg.run_id)
         if not engine.instance:
             engine.instance = f"{self.config_hash[:12]}-{uuid.uuid4().hex[:8]}"
-        self._save(completed=start, server_state=start == 0)
+        # the stored state stays until the run changes it: a run found finished (or held) and then
+        # stopped or killed before it reached the broker is still that, not `pending`
+        kept = stored.state if stored and stored.config_hash == self.config_hash else None
+        self._save(completed=start, server_state=start == 0, state=kept)
         return start
 
-    def _save(self, completed: int, server_state: bool = True) -> None:
+    def _save(self, completed: int, server_state: bool = True, state: str | None = None) -> None:
         """Under `state_write`, as pause and resume: the state it writes is still the run's when
-        it lands (an operator's pause saved over by a round's save would not outlive a restart)."""
+        it lands (an operator's pause saved over by a round's save would not outlive a restart).
+        state: the one to store instead of the run's."""
         with self.state_write:
             with self.lock:
-                state = "running" if self.state == "paused" and not self.operator_paused else self.state
+                if state is None:
+                    state = "running" if self.state == "paused" and not self.operator_paused else self.state
                 progress = {"config_hash": self.config_hash, "completed_rounds": completed, "epoch": self.engine.epoch,
                             "instance": self.instance, "started_at": self.started_at, "state": state}
                 records = list(self.records)
@@ -325,8 +334,13 @@ class Run:
             self._publish_manifest()
         path = self.cfg.results_file or (self.cfg.state_dir / "results.json")
         if state == "finished" and (at is None or not path.exists()):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(self.results(), indent=2) + "\n")
+            try:  # whole or not at all: a torn file would be refused as someone else's at the next start
+                write_bytes_atomic(path, (json.dumps(self.results(), indent=2) + "\n").encode())
+            except OSError as exc:  # the run stays finished: its rounds are in the store
+                log.error("run %s: cannot write its results to %s (%s); its rounds are kept in the store, and the "
+                          "coordinator started again writes them", self.cfg.run_id, path, exc)
+                with self.lock:
+                    self.error = f"results not written to {path}: {exc.strerror or exc} (a restart writes them)"
         self.finished_event.set()
 
     # -- evaluation --------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from edge_agent.inference import OnnxInference, write_final_onnx
 from edge_agent.mqtt_link import MqttLink
 from edge_agent.own_workspace import claim_workspace
 from edge_agent.public_set import load_public_set
-from fedal.atomic import write_bytes_atomic
+from fedal.atomic import write_atomic, write_bytes_atomic
 from fedal.data import ArrayDataset
 from fedal.models import build_model
 from fedal.protocol import EnvelopeError, ManifestError, Message, Packet, Reassembler, RunManifest, decode, encode
@@ -57,6 +57,7 @@ log = logging.getLogger("edge_agent")
 CRASH_POINTS = ("after_journal", "after_publish", "next_task", "mid_snapshot")
 MAX_DEFERRED = 32  # tasks held until the run is joined (see Agent._defer)
 FINISHED_MARK = "instance"  # in final/: the run instance whose final model it holds
+FINAL_WRITE_FAILED = 75  # exit status (EX_TEMPFAIL) when the final model could not be written: the service restarts it
 
 
 class CrashHook:
@@ -152,6 +153,7 @@ class Agent:
         self.retry_at = 0.0
         self.join_backoff = 0.5
         self.worker = threading.Thread(target=self._work, name="fedal-worker", daemon=True)
+        self.exit_status = 0  # FINAL_WRITE_FAILED once the final model could not be written
 
     # -- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -178,7 +180,7 @@ class Agent:
         self.worker.join(timeout=30)
         self.link.stop()
         self._write_status_file()
-        return 0
+        return self.exit_status
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -550,12 +552,22 @@ class Agent:
             self._context = (self.session.round_no, "finish")
             self._save_checkpoint(round_start=None)  # the end state: a restart replays nothing
         out = self.workspace / "final"
-        out.mkdir(parents=True, exist_ok=True)
-        checkpoint.save_atomic(self.client.model.state_dict(), out / "model.pt")
-        if self.test is not None:
-            np.save(out / "test_logits.npy", self.client.predict(self.test.x).numpy())
-        write_final_onnx(self.client.model, self.client.train_data.x, out, self.config.export_int8)
-        write_bytes_atomic(out / FINISHED_MARK, f"{manifest.instance}\n".encode())  # last: what came before is complete
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            checkpoint.save_atomic(self.client.model.state_dict(), out / "model.pt")
+            if self.test is not None:
+                logits = self.client.predict(self.test.x).numpy()
+                write_atomic(out / "test_logits.npy", lambda fh: np.save(fh, logits))
+            write_final_onnx(self.client.model, self.client.train_data.x, out, self.config.export_int8)
+            write_bytes_atomic(out / FINISHED_MARK, f"{manifest.instance}\n".encode())  # last: what came before is complete
+        except (OSError, RuntimeError) as exc:  # a full card (torch.save says so as a RuntimeError)
+            # exit, not idle: the service starts the agent again, which writes them from its end checkpoint
+            log.error("cannot write the final model to %s (%s: %s): exiting with status %d so that a restart writes it",
+                      out, type(exc).__name__, exc, FINAL_WRITE_FAILED)
+            self.counters["errors"] += 1
+            self.exit_status = FINAL_WRITE_FAILED
+            self.stop_requested = True
+            return
         log.info("run %s %s; final model in %s", manifest.run_id, manifest.state, out)
         if self.config.exit_on_finish:
             self.finished.set()
@@ -578,4 +590,7 @@ class Agent:
                                   "last_key": self.session.last_key if self.session else None,
                                   "connects": self.link.connects, "durability": self.config.durability,
                                   "bytes_written": self.bytes_written(), "ts": time.time()}
-        (self.workspace / "agent-status.json").write_text(json.dumps(status, indent=2))
+        try:  # the last one stays whole until the new one is (a full card leaves the last one)
+            write_bytes_atomic(self.workspace / "agent-status.json", json.dumps(status, indent=2).encode())
+        except OSError as exc:
+            log.error("cannot write %s: %s", self.workspace / "agent-status.json", exc)

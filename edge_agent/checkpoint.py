@@ -75,7 +75,7 @@ def save_checkpoint(state: dict[str, Any], path: Path, midway: Callable[[], None
             midway()
         fh.write(data[half:])
 
-    write_atomic(path, write)
+    write_atomic(path, write, private=True)
     fsync_dir(path.parent)
     return len(data)
 
@@ -134,7 +134,7 @@ class Journal:
         returns the bytes written."""
         self.close()
         data = _frame({"checkpoint": checkpoint_id})
-        write_atomic(self.path, lambda fh: fh.write(data))
+        write_atomic(self.path, lambda fh: fh.write(data), private=True)
         fsync_dir(self.path.parent)
         self.checkpoint_id = checkpoint_id
         return len(data)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
@@ -14,11 +15,15 @@ from typing import Any, BinaryIO
 TEMPORARY_NAME = re.compile(r"^\.(?P<name>.+)\.[^.]+\.tmp$")
 
 
-def write_atomic(path: str | Path, write: Callable[[BinaryIO], Any]) -> None:
+def write_atomic(path: str | Path, write: Callable[[BinaryIO], Any], private: bool = False) -> None:
+    """private: mode 0600 (an agent's checkpoints); else the mode a new file gets (0666 less the
+    umask), as a plain write gives results and exports."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        if not private:
+            os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
@@ -29,11 +34,20 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], Any]) -> None:
         raise
 
 
-def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    write_atomic(path, lambda fh: fh.write(data))
+def write_bytes_atomic(path: str | Path, data: bytes, private: bool = False) -> None:
+    write_atomic(path, lambda fh: fh.write(data), private)
 
 
-def torch_save_atomic(obj: Any, path: str | Path) -> None:
+def torch_save_atomic(obj: Any, path: str | Path, private: bool = True) -> None:
     import torch
 
-    write_atomic(path, lambda fh: torch.save(obj, fh))
+    write_atomic(path, lambda fh: torch.save(obj, fh), private)
+
+
+def current_umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it: a race with other threads)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):  # (no /proc: the usual default)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    return 0o022

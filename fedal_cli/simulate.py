@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from fedal import procs, workspace
+from fedal.atomic import write_bytes_atomic
 from fedal.owned import MARKED_PLOT_FORMATS, ForeignFile, check_replaceable, is_our_plot, is_results, unwritable
 from fedal.progress import progress_bar
 from fedal_cli.options import config_from_flags, fault_options, run_options
@@ -69,7 +70,18 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
         raise click.ClickException(str(exc)) from None
     finally:
         bars[-1].close()
-    write_results(results, out, plot)
+    try:
+        write_results(results, out)
+    except OSError as exc:  # a full disk: the run's hours are not thrown away, they go to stdout
+        click.echo(json.dumps(results, indent=2))
+        raise click.ClickException(f"cannot write the results to {out}: {exc.strerror or exc}; they are on stdout "
+                                   "above (redirect it to a file to keep them)") from None
+    if plot:
+        try:
+            write_plot(results, plot)
+        except OSError as exc:
+            raise click.ClickException(f"cannot write the plot to {plot}: {exc.strerror or exc} (the results are in "
+                                       f"{out}; `fedal simulate` plots nothing else)") from None
     final = results["final"]
     click.echo(
         f"{config.strategy} on {config.dataset}: mean acc {final['mean_acc']:.4f} "
@@ -132,10 +144,12 @@ def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | P
 
 
 def write_results(results: dict, out: str | Path, plot: str | Path | None = None) -> None:
-    out_path = Path(out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(results, indent=2) + "\n")
+    write_bytes_atomic(Path(out), (json.dumps(results, indent=2) + "\n").encode())  # a torn one would be refused later
     if plot:
-        from fedal.sim.plot import plot_accuracy
+        write_plot(results, plot)
 
-        plot_accuracy({results["config"]["strategy"]: results}, plot)
+
+def write_plot(results: dict, plot: str | Path) -> None:
+    from fedal.sim.plot import plot_accuracy
+
+    plot_accuracy({results["config"]["strategy"]: results}, plot)

@@ -1,0 +1,102 @@
+"""Results and state on a full disk and across restarts (a crash-consistency review): every
+results or status file is written whole or not at all; a run whose results cannot be written
+stays finished, with its rounds in the store; a simulation's results go to stdout when their file
+cannot take them; an agent that cannot write its final model exits for its service to restart
+it; and a finished run found in the store stays finished when the coordinator that found it is
+stopped before it reaches the broker."""
+
+from __future__ import annotations
+
+import errno
+import json
+import resource
+import signal
+import subprocess
+import threading
+import time
+import tomllib
+
+from coordinator import run as run_module
+from coordinator.run import Run
+from fedal.sim import load_config
+from tests.deployment import Deployment
+from tests.helpers import fedal_command
+
+FILE_LIMIT = 20_000  # bytes: the results of the run below are larger, the library's own writes smaller
+
+
+def limited_file_size() -> None:
+    """A disk that takes no file past FILE_LIMIT: writes fail with EFBIG (SIGXFSZ ignored)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
+
+
+def test_simulation_results_that_no_file_takes_go_to_stdout(tmp_path):
+    proc = subprocess.run([*fedal_command(), "simulate", "--dataset", "digits", "--clients", "3", "--rounds", "20",
+                           "--strategy", "fedmd", "--public-size", "60", "--quiet", "--out", "r.json"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, preexec_fn=limited_file_size)
+    assert proc.returncode == 1, proc.stderr
+    assert "cannot write the results to r.json: File too large; they are on stdout" in proc.stderr
+    results = json.loads(proc.stdout)
+    assert len(json.dumps(results, indent=2)) > FILE_LIMIT and [r["round"] for r in results["rounds"]] == list(range(1, 21))
+    assert list(tmp_path.iterdir()) == []  # no torn file, no temporary one (a rerun would refuse a torn one)
+
+
+def test_a_run_whose_results_cannot_be_written_stays_finished(unstarted_run, monkeypatch):
+    def full_disk(path, data, private=False):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run_module, "write_bytes_atomic", full_disk)
+    unstarted_run._resume()
+    unstarted_run._finish("finished")
+    assert unstarted_run.state == "finished"
+    assert "results not written to" in unstarted_run.error and "a restart writes them" in unstarted_run.error
+    assert unstarted_run.store.load("race").state == "finished"
+    assert not (unstarted_run.cfg.state_dir / "results.json").exists()
+
+
+def test_a_finished_run_found_by_a_coordinator_stopped_before_the_broker_stays_finished(unstarted_run):
+    run = unstarted_run
+    run._resume()
+    run.store.save("race", {"config_hash": run.config_hash, "completed_rounds": 5, "epoch": 0, "instance": "i1",
+                            "started_at": 900.0, "state": "finished"}, [], {}, run.server.state_dict())
+    run.store.set_state("race", "finished", 1000.0)
+    results = run.cfg.state_dir / "results.json"
+    results.write_text('{"written": "when it finished"}\n')
+
+    again = Run(run.cfg)  # the coordinator started again; its broker (port 1) never answers
+    runner = threading.Thread(target=again.run)
+    runner.start()
+    deadline = time.monotonic() + 30
+    while again.store.load("race").epoch != 1 and time.monotonic() < deadline:  # resumed: the next epoch stored
+        time.sleep(0.05)
+    assert again.store.load("race").state == "finished"  # were it killed now: still finished
+    again.stop()  # stopped while it waits for the broker
+    runner.join(30)
+    stored = again.store.load("race")
+    assert (stored.state, stored.finished_at) == ("finished", 1000.0)
+    assert again.state == "finished" and results.read_text() == '{"written": "when it finished"}\n'
+    again.store.close()
+
+
+def test_an_agent_that_cannot_write_its_final_model_exits_and_its_restart_writes_it(mosquitto, tmp_path):
+    config = load_config(None, dict(strategy="fedmd", dataset="digits", clients=2, rounds=1, tau=1, public_size=60, seed=2))
+    dep = Deployment(config, tmp_path / "dep", mosquitto)
+    workspace = tomllib.loads(dep.agent_path("c01").read_text())["workspace"]
+    blocker = tmp_path / "dep" / "agents" / "c01" / "final"  # where final/ goes: a file, as a full card fails it
+    assert str(blocker.parent) == workspace
+    blocker.write_text("not a directory")
+    try:
+        dep.start_all()
+        dep.finish()
+        c01 = dep.agents["c01"]
+        assert c01.wait(timeout=120) == 75
+        assert dep.agents["c00"].wait(timeout=120) == 0
+        log = "".join(p.read_text() for p in blocker.parent.glob("agent-*.log"))
+        assert "cannot write the final model to" in log and "exiting with status 75" in log
+        blocker.unlink()
+        restarted = dep.start_agent("c01")
+        assert restarted.wait(timeout=120) == 0
+        assert (blocker / "model.pt").is_file() and (blocker / "instance").is_file()
+    finally:
+        dep.close()
