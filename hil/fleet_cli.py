@@ -115,6 +115,7 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
         signal.signal(sig, _on_signal)  # before anything starts: every way out goes through the finally below
     coordinator = None
     api = None
+    coordinator_started = 0.0
     held = contextlib.ExitStack()  # the workspace's lock, with --start-coordinator
     if start_coordinator:
         from fedal.strategies import get_strategy
@@ -123,8 +124,8 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
             get_strategy(strategy)
         except ValueError as exc:  # names the valid choices
             raise click.BadParameter(str(exc), param_hint="--strategy") from None
+        from hil.coordinator_setup import poll_run, stop_process, wait_for_run, write_coordinator_config
         from hil.coordinator_setup import start_coordinator as spawn_coordinator
-        from hil.coordinator_setup import stop_process, wait_for_run, write_coordinator_config
 
         api_port = api_port or free_port()
         wd = Path(workdir)
@@ -148,6 +149,7 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
                                             phases=None if resend_s is None else {"resend_s": resend_s})
         except WorkspaceError as exc:
             raise click.BadParameter(str(exc), param_hint="--workdir") from None
+        coordinator_started = time.time()
         coordinator = spawn_coordinator(path, wd / "coordinator.log")
         api = f"http://127.0.0.1:{api_port}"
         click.echo(f"coordinator: {api}/api/v1/runs/{run_id} (log {wd / 'coordinator.log'})", err=True)
@@ -165,6 +167,7 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
     bar = progress_bar(total=None, desc=f"fleet {run_id}", unit="round", disable=quiet)
     deadline = time.monotonic() + timeout if timeout else None
     outcome = "interrupted"
+    status_unwritten = False
     try:
         while True:
             if fleet.finished():
@@ -178,6 +181,9 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
             if coordinator is not None and coordinator.poll() is not None:
                 outcome = "coordinator exited"
                 break
+            if api is not None and _finished_before(poll_run(api, run_id), coordinator_started):
+                outcome = "finished before"  # the run in --workdir's store: nothing is left to do
+                break
             if deadline is not None and time.monotonic() > deadline:
                 outcome = "timed out"
                 break
@@ -190,7 +196,11 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
             _progress(bar, fleet)  # where the run ended (the loop leaves before its last update)
         bar.close()
         if status_file:
-            fleet.write_status(status_file)
+            try:
+                fleet.write_status(status_file)
+            except OSError as exc:  # the rest still runs: the coordinator stopped in order, the summary said
+                click.echo(f"cannot write the status file {status_file}: {exc.strerror or exc}", err=True)
+                status_unwritten = True
         if coordinator is not None:
             if outcome == "finished":  # let it record the end (results file) before it is stopped
                 try:
@@ -208,9 +218,13 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
 
             click.echo(f"the coordinator exited with status {coordinator.returncode}"
                        f"{last_error(wd / 'coordinator.log')}", err=True)
+        if outcome == "finished before":
+            click.echo(f"run {run_id} had already finished in {wd / 'state'} (its results: "
+                       f"{wd / 'state' / 'results.json'}); a coordinator started on it resumes it, so nothing was "
+                       "left to run: give another --run-id or --workdir to run it again", err=True)
     if stop["signal"] is not None and outcome == "interrupted":  # as a shell reports a process ended by it
         raise SystemExit(128 + int(stop["signal"]))
-    if outcome != "finished":
+    if outcome != "finished" or status_unwritten:
         raise SystemExit(1)
 
 
@@ -251,3 +265,8 @@ def global_model_layout(strategy: str) -> tuple[list[str] | None, tuple[int, ...
         return None, None
     run = RunConfig(strategy=strategy)
     return run.resolved_models(), load_dataset(run.dataset, run.data_dir)[1].input_shape
+
+
+def _finished_before(run: dict | None, since: float) -> bool:
+    """Whether the coordinator found its run finished in its store: ended before it started."""
+    return bool(run) and run.get("state") == "finished" and (run.get("finished_at") or since) < since

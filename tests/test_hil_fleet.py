@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import tomllib
 import uuid
 from pathlib import Path
@@ -250,3 +251,34 @@ def catches_sigterm(pid: int) -> bool:
         return False
     mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
     return bool(mask >> (signal.SIGTERM - 1) & 1)
+
+
+def test_a_second_fleet_on_a_finished_workdir_says_so_instead_of_waiting(mosquitto, tmp_path, monkeypatch):
+    """The coordinator resumes the run it finds in --workdir's store; finished, nothing is left to
+    run: the command ends at once (it waited for ever). And a status file that cannot be written
+    at the end is said in one line, the coordinator still stopped in order and the summary given."""
+    from click.testing import CliRunner
+
+    from hil.cli import hil_cmd
+    from hil.fleet import Fleet
+
+    run_id = f"again-{uuid.uuid4().hex[:8]}"
+    args = ["--clients", "2", "--broker", mosquitto, "--run-id", run_id, "--start-coordinator", "--workdir",
+            str(tmp_path / "w"), "--rounds", "1", "--tau", "1", "--public-size", "60", "--quiet", "--timeout", "120"]
+    first = subprocess.run([sys.executable, "-m", "hil", "fleet", *args], capture_output=True, text=True, timeout=180)
+    assert first.returncode == 0, first.stderr[-2000:]
+
+    def full_disk(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Fleet, "write_status", full_disk)
+    started = time.monotonic()
+    again = CliRunner().invoke(hil_cmd, ["fleet", *args, "--status-file", str(tmp_path / "status.json")])
+    assert again.exit_code == 1, again.output
+    assert time.monotonic() - started < 90  # not the --timeout: it saw the run had finished
+    assert f"run {run_id} had already finished in {tmp_path / 'w' / 'state'}" in again.stderr
+    assert "cannot write the status file" in again.stderr and "No space left on device" in again.stderr
+    assert json.loads(again.stdout)["outcome"] == "finished before"
+    log = (tmp_path / "w" / "coordinator.log").read_text()
+    assert log.count("resuming run") == 1  # the second coordinator found it finished
+    assert "Traceback" not in again.stderr
