@@ -26,7 +26,7 @@ import torch
 
 from coordinator.config import CoordinatorConfig
 from coordinator.events import EventHub
-from coordinator.store import RunStore, default_store_url
+from coordinator.store import RunStore, StoredRun, default_store_url
 from coordinator.transport import MqttTransport
 from fedal.atomic import write_bytes_atomic
 from fedal.data import check_servable, content_hash, load_dataset, public_rows_from_npz, public_set
@@ -294,7 +294,9 @@ class Run:
                     engine.clients[cid] = ClientInfo(**{**info, "online": False})
             log.info("resuming run %s after round %d (epoch %d)", self.cfg.run_id, start, engine.epoch)
         elif stored and stored.config_hash is not None:
-            log.warning("stored run %s belongs to another config; starting afresh", self.cfg.run_id)
+            kept = self._keep_replaced(stored)  # before anything is forgotten: raises if it cannot
+            log.warning("stored run %s belongs to another config; starting afresh (its %d stored rounds are kept in %s)",
+                        self.cfg.run_id, len(stored.records), kept)
             self.store.reset(self.cfg.run_id)
         if not engine.instance:
             engine.instance = f"{self.config_hash[:12]}-{uuid.uuid4().hex[:8]}"
@@ -303,6 +305,17 @@ class Run:
         kept = stored.state if stored and stored.config_hash == self.config_hash else None
         self._save(completed=start, server_state=start == 0, state=kept)
         return start
+
+    def _keep_replaced(self, stored: StoredRun) -> Path:
+        """A stored run the config no longer matches, as JSON under state_dir/previous-runs/ (its
+        rounds, clients and spec): starting afresh forgets it in the store, never on disk."""
+        path = self.cfg.state_dir / "previous-runs" / f"{self.cfg.run_id}-{stored.instance or 'run'}.json"
+        record = {"run_id": stored.run_id, "instance": stored.instance, "config_hash": stored.config_hash,
+                  "state": stored.state, "completed_rounds": stored.completed_rounds, "started_at": stored.started_at,
+                  "finished_at": stored.finished_at, "spec": stored.spec, "rounds": stored.records,
+                  "clients": stored.clients}
+        write_bytes_atomic(path, (json.dumps(record, indent=2) + "\n").encode())
+        return path
 
     def _save(self, completed: int, server_state: bool = True, state: str | None = None) -> None:
         """Under `state_write`, as pause and resume: the state it writes is still the run's when

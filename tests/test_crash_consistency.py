@@ -100,3 +100,19 @@ def test_an_agent_that_cannot_write_its_final_model_exits_and_its_restart_writes
         assert (blocker / "model.pt").is_file() and (blocker / "instance").is_file()
     finally:
         dep.close()
+
+
+def test_a_run_started_afresh_under_another_config_keeps_the_earlier_rounds_in_a_file(unstarted_run):
+    run = unstarted_run
+    run._resume()
+    records = [{"round": 1, "mean_acc": 0.5}, {"round": 2, "mean_acc": 0.6}]
+    run.store.save("race", {"config_hash": run.config_hash, "completed_rounds": 2, "epoch": 0, "instance": "old-1",
+                            "started_at": 900.0, "state": "running"}, records, {}, run.server.state_dict())
+    changed = run.cfg.model_copy(update={"run": run.cfg.run.model_copy(update={"threads": 2})})
+    again = Run(changed)  # the coordinator started again with one [run] key changed
+    assert again.config_hash != run.config_hash
+    again._resume()
+    kept = json.loads((run.cfg.state_dir / "previous-runs" / "race-old-1.json").read_text())
+    assert kept["rounds"] == records and kept["completed_rounds"] == 2 and kept["config_hash"] == run.config_hash
+    assert again.store.load("race").records == [] and again.store.load("race").completed_rounds == 0
+    again.store.close()
