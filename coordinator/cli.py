@@ -31,12 +31,19 @@ def coordinator_cmd(config_path: str, log_level: str) -> None:
     warn_if_secrets_exposed(config_path)
     warn_if_weak_token(config)
     from coordinator.store import StoreError
+    from fedal.workspace import WorkspaceError, locked
 
-    try:
-        status = serve(config)
+    try:  # one coordinator per state_dir: a second one would take over the broker session and the store
+        with locked(config.state_dir, "the coordinator", STATE_LOCK):
+            status = serve(config)
+    except WorkspaceError as error:
+        raise click.UsageError(f"state_dir: {error}") from None
     except StoreError as error:  # e.g. a damaged coordinator.db: one line, the file left as it is
         raise click.ClickException(str(error)) from None
     sys.exit(status)
+
+
+STATE_LOCK = ".coordinator.lock"
 
 
 def check_files(config) -> None:

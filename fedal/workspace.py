@@ -81,17 +81,26 @@ def held(path: str | Path, owner: str) -> Iterator[Path]:
     path = Path(path)
     if not is_workspace(path):
         raise WorkspaceError(f"{path} is not a FedAL workspace (no {MARKER})")
+    with locked(path, owner, LOCK):
+        yield path
+
+
+@contextlib.contextmanager
+def locked(path: str | Path, owner: str, name: str) -> Iterator[Path]:
+    """Directory `path` for this process alone while within: an exclusive flock on its file
+    `name` (`owner` written into it, for the refusal of a second one)."""
+    path = Path(path)
     flags = os.O_CLOEXEC | os.O_NOFOLLOW  # never through a link: what it points to is not the toolkit's to write
     try:
-        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | flags, 0o644)
+        fd = os.open(path / name, os.O_RDWR | os.O_CREAT | flags, 0o644)
     except PermissionError:  # made by another user (root ran it by hand once): a lock needs no write access
         try:
-            fd = os.open(path / LOCK, os.O_RDONLY | flags)
+            fd = os.open(path / name, os.O_RDONLY | flags)
         except OSError as exc:
-            raise WorkspaceError(f"{path / LOCK} cannot be opened by this user ({exc.strerror or exc})") from None
+            raise WorkspaceError(f"{path / name} cannot be opened by this user ({exc.strerror or exc})") from None
     except OSError as exc:
         why = "remove it: it is a link" if exc.errno == errno.ELOOP else "check the directory"
-        raise WorkspaceError(f"{path / LOCK} cannot be opened ({exc.strerror or exc}); {why}") from None
+        raise WorkspaceError(f"{path / name} cannot be opened ({exc.strerror or exc}); {why}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

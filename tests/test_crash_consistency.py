@@ -116,3 +116,27 @@ def test_a_run_started_afresh_under_another_config_keeps_the_earlier_rounds_in_a
     assert kept["rounds"] == records and kept["completed_rounds"] == 2 and kept["config_hash"] == run.config_hash
     assert again.store.load("race").records == [] and again.store.load("race").completed_rounds == 0
     again.store.close()
+
+
+def test_a_second_coordinator_on_the_same_state_dir_is_refused(tmp_path):
+    """Its own API port gets it past the port check; it would take over the first one's broker
+    session and store."""
+    import os
+
+    from hil.coordinator_setup import start_coordinator, stop_process, write_coordinator_config
+    from tests.waiting import free_port, wait_until
+
+    port = free_port()
+    path = write_coordinator_config(tmp_path / "coord", f"mqtt://127.0.0.1:{free_port()}", "solo", ["a", "b"],
+                                    api_port=port, rounds=1, public_size=60)
+    first = start_coordinator(path, tmp_path / "first.log")
+    try:
+        wait_until(lambda: (tmp_path / "coord" / "state" / ".coordinator.lock").exists(), timeout_s=60,
+                   what="the first coordinator to hold its state_dir")
+        second = subprocess.run([*fedal_command(), "coordinator", "--config", str(path)], capture_output=True, text=True,
+                                timeout=120, env={**os.environ, "FEDAL_COORD_API__PORT": str(free_port())})
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert "is in use by `the coordinator` (PID" in second.stderr and str(first.pid) in second.stderr
+        assert first.poll() is None
+    finally:
+        stop_process(first)
