@@ -29,6 +29,7 @@ from fedal import procs, workspace
 from fedal.cli_types import FiniteFloatRange
 from fedal.engine.results import privacy_line
 from fedal.models import check_model_input
+from fedal.owned import is_our_plot, is_results
 from fedal.ports import free_port, unreachable
 from fedal.progress import progress_bar
 from fedal.sim.build import build_data
@@ -47,6 +48,9 @@ BROKER_PROBE_TIMEOUT_S = 10.0  # how long `--broker`'s host:port is given to acc
 
 
 
+DEFAULT_OUTPUTS = (("results.json", is_results), ("accuracy.png", is_our_plot))  # in --workdir, without --out/--plot
+
+
 def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_port: int) -> tuple[Path, list[Path], dict]:
     """Partition files, agent configs and the coordinator config for `config` (resolved).
 
@@ -62,6 +66,10 @@ def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_por
         except ValueError as exc:
             raise ConfigError(f"{exc} (--models)") from None
     workspace.clear(workdir, ("coordinator", "agents"))
+    for name, ours in DEFAULT_OUTPUTS:  # the earlier run's: never read beside this one's files as its
+        earlier = workdir / name
+        if earlier.is_file() and not earlier.is_symlink() and ours(earlier):
+            earlier.unlink()
     (workdir / "coordinator").mkdir()
     public_file = workdir / "coordinator" / "public.npz"
     np.savez(public_file, x=data.public_x)

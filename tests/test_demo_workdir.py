@@ -1,6 +1,7 @@
 """`fedal demo --workdir DIR` never deletes what the toolkit did not create: a non-empty directory
 without the workspace marker is refused (exit 2) untouched; a workspace of an earlier demo is
-reused, and only its coordinator/ and agents/ trees are replaced."""
+reused, and only its coordinator/ and agents/ trees are replaced (and the earlier run's own
+results.json and accuracy.png, which would otherwise pass as the new run's)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,11 @@ def test_a_workspace_is_made_adopted_and_reused_clearing_only_its_own_trees(tmp_
     assert not (ws / "agents" / "c02").exists()  # the earlier run's agents are gone ...
     assert (ws / "agents" / "c01" / "agent.toml").exists()
     assert (ws / "notes.txt").read_text() == "mine" and (ws / "results.json").exists()  # ... nothing else
+
+    # the earlier run's own results (a run stopped midway writes none: they would pass as its)
+    (ws / "results.json").write_text('{"config": {"rounds": 1}, "rounds": [], "final": {}}\n')
+    prepare_workspace(smaller, ws, "mqtt://127.0.0.1:1", 1)
+    assert not (ws / "results.json").exists() and (ws / "notes.txt").read_text() == "mine"
 
 
 def test_a_link_in_a_workspace_is_removed_never_followed(tmp_path, config):
