@@ -41,7 +41,7 @@ from edge_agent import checkpoint
 from edge_agent.config import AgentConfig
 from edge_agent.inference import OnnxInference, write_final_onnx
 from edge_agent.mqtt_link import MqttLink
-from edge_agent.own_workspace import claim_workspace
+from edge_agent.own_workspace import KEPT_UNREADABLE, claim_workspace
 from edge_agent.public_set import load_public_set
 from fedal.atomic import write_atomic, write_bytes_atomic
 from fedal.data import ArrayDataset
@@ -336,8 +336,12 @@ class Agent:
                 tmp.unlink(missing_ok=True)
         try:
             state = checkpoint.load(self.ckpt_path)
-        except Exception as exc:  # unreadable (e.g. torn by a power cut before the atomic rename existed)
-            log.warning("ignoring an unreadable checkpoint: %s", exc)
+        except Exception as exc:  # unreadable: a damaged card; kept for a look, never written over
+            kept = self.ckpt_path.with_name(f"{self.ckpt_path.name}{KEPT_UNREADABLE}{int(time.time())}")
+            os.replace(self.ckpt_path, kept)
+            self.counters["checkpoint_unreadable"] += 1
+            log.error("the checkpoint is unreadable (%s: %s): kept as %s; this device takes part again from a "
+                      "new model, its progress in this run lost", type(exc).__name__, exc, kept)
             state = None
         self._attach(client, instance)
         if state is not None and (state.get("run_id"), state.get("instance")) == (cfg.run_id, instance):

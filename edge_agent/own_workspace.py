@@ -28,6 +28,9 @@ OWN_NAMES = frozenset({"checkpoint.pt", "round-start.pt", "journal.bin", "public
                        "cache", ".firstboot-done"})
 
 
+KEPT_UNREADABLE = ".unreadable-"  # checkpoint.pt.unreadable-<time>: a damaged checkpoint, kept (Agent.host)
+
+
 def _named_files(config: AgentConfig) -> set[Path]:
     named = [config.data_file, config.test_file, config.local_test_file, config.public_file, config.broker.ca_file]
     return {Path(os.path.abspath(p)) for p in named if p is not None}
@@ -40,6 +43,8 @@ def foreign_entries(config: AgentConfig, entries: list[Path]) -> list[Path]:
     for entry in entries:
         torn = TEMPORARY_NAME.match(entry.name)  # our own writes, torn by a crash
         if entry.name in OWN_NAMES or (torn and torn["name"] in OWN_NAMES):
+            continue
+        if KEPT_UNREADABLE in entry.name and entry.name.split(KEPT_UNREADABLE, 1)[0] in OWN_NAMES:
             continue
         if Path(os.path.abspath(entry)) in named:
             continue

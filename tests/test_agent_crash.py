@@ -16,6 +16,7 @@ from fedal.procs import spawn_python
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment
 from tests.helpers import per_client, simulated_run
+from tests.waiting import wait_until
 
 VICTIM = "c01"
 # tasks an agent gets per round: fedal local_train, 2 transfers (tau 2), evaluate; fedavg
@@ -118,3 +119,33 @@ def test_round_durability_loses_at_most_the_round_under_way(mosquitto, tmp_path)
     assert r2["phases"]["transfer"]["participation"] < 1.0  # round 2: lost
     assert all(p["participation"] == 1.0 for p in r3["phases"].values())  # round 3: every phase again
     assert all(acc is not None for acc in results["final"]["client_acc"])
+
+
+def test_an_unreadable_checkpoint_is_kept_aside_and_said(mosquitto, tmp_path):
+    """A damaged card: the checkpoint of a killed agent cut in half. The restarted agent keeps the
+    damaged file (it wrote over it before), says so as an error, counts it, and takes part again;
+    a later start takes the kept file as the agent's own."""
+    dep = Deployment(run_config("fedal"), tmp_path / "dep", mosquitto, phases={"quorum": 0.5, "deadline_s": 20.0})
+    try:
+        dep.start_coordinator()
+        dep.start_agent("c00")
+        victim = start_victim(dep, "after_publish:5")
+        assert victim.wait(timeout=240) == -signal.SIGKILL
+        ckpt = dep.agent_path(VICTIM).parent / "checkpoint.pt"
+        damaged = ckpt.read_bytes()[: ckpt.stat().st_size // 2]
+        ckpt.write_bytes(damaged)
+        restarted = start_victim(dep, None)
+        results = dep.finish()
+        assert restarted.wait(timeout=60) == 0
+        kept = list(ckpt.parent.glob("checkpoint.pt.unreadable-*"))
+        assert len(kept) == 1 and kept[0].read_bytes() == damaged
+        assert "the checkpoint is unreadable" in agent_logs(dep) and f"kept as {kept[0]}" in agent_logs(dep)
+        status = json.loads((ckpt.parent / "agent-status.json").read_text())
+        assert status["counters"]["checkpoint_unreadable"] == 1
+        assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
+        again = start_victim(dep, None)  # its workspace, kept file included, is its own: it waits for the next run
+        wait_until(lambda: "finished here already" in agent_logs(dep) or again.poll() is not None, timeout_s=120,
+                   what="the agent started again to see the finished run")
+        assert again.poll() is None, agent_logs(dep)[-2000:]
+    finally:
+        dep.close()
