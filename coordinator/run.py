@@ -292,6 +292,8 @@ class Run:
             for cid, info in stored.clients.items():
                 if cid in engine.clients:
                     engine.clients[cid] = ClientInfo(**{**info, "online": False})
+            engine.counters.update(stored.counters.get("counters", {}))
+            engine.reject_reasons.update(stored.counters.get("rejects", {}))
             log.info("resuming run %s after round %d (epoch %d)", self.cfg.run_id, start, engine.epoch)
         elif stored and stored.config_hash is not None:
             kept = self._keep_replaced(stored)  # before anything is forgotten: raises if it cannot
@@ -329,8 +331,10 @@ class Run:
                             "instance": self.instance, "started_at": self.started_at, "state": state}
                 records = list(self.records)
                 info = {c: asdict(i) for c, i in self.engine.clients.items()}
+                # run-wide, kept as the per-client ones are: a restarted run goes on counting
+                counters = {"counters": dict(self.engine.counters), "rejects": dict(self.engine.reject_reasons)}
             self.store.save(self.cfg.run_id, progress, records, info,
-                            self.server.state_dict() if server_state else None)
+                            self.server.state_dict() if server_state else None, counters)
 
     def _finish(self, state: str, at: float | None = None) -> None:
         """End the run in `state`; `at`: when it ended before a restart (its results, written

@@ -72,6 +72,11 @@ metrics = Table(
     Column("name", String(128), primary_key=True),
     Column("value", Float, nullable=False),
 )
+run_counters = Table(  # (a table of its own: an existing store gains it at open, no migration)
+    "run_counters", metadata,
+    Column("run_id", String(128), primary_key=True),
+    Column("counters", Text, nullable=False),  # JSON: {"counters": run-wide counters, "rejects": by reason}
+)
 server_states = Table(
     "server_state", metadata,
     Column("run_id", String(128), primary_key=True),
@@ -93,6 +98,7 @@ class StoredRun:
     finished_at: float | None
     records: list[dict[str, Any]] = field(default_factory=list)
     clients: dict[str, dict[str, Any]] = field(default_factory=dict)
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)  # as of its last save: counters, rejects
 
 
 def default_store_url(state_dir: Path) -> str:
@@ -165,11 +171,13 @@ class RunStore:
                 return None
             recs = conn.execute(select(rounds.c.record).where(rounds.c.run_id == run_id).order_by(rounds.c.round))
             infos = conn.execute(select(clients.c.client_id, clients.c.info).where(clients.c.run_id == run_id))
+            counted = conn.execute(select(run_counters.c.counters).where(run_counters.c.run_id == run_id)).scalar()
             return StoredRun(
                 run_id=row.run_id, origin=row.origin, spec=json.loads(row.spec), config_hash=row.config_hash,
                 instance=row.instance, epoch=row.epoch, completed_rounds=row.completed_rounds, state=row.state,
                 started_at=row.started_at, finished_at=row.finished_at,
                 records=[json.loads(r.record) for r in recs], clients={c.client_id: json.loads(c.info) for c in infos},
+                counters=json.loads(counted) if counted else {},
             )
 
     def load_server_state(self, run_id: str) -> dict[str, Any]:
@@ -180,15 +188,17 @@ class RunStore:
     def reset(self, run_id: str) -> None:
         """Forget a run's progress (its config changed: it starts afresh)."""
         with self.engine.begin() as conn:
-            for table in (rounds, clients, metrics, server_states):
+            for table in (rounds, clients, metrics, server_states, run_counters):
                 conn.execute(delete(table).where(table.c.run_id == run_id))
             conn.execute(update(runs).where(runs.c.run_id == run_id).values(
                 completed_rounds=0, epoch=0, instance=None, config_hash=None, state="pending",
                 started_at=None, finished_at=None))
 
     def save(self, run_id: str, progress: dict[str, Any], records: list[dict[str, Any]],
-             client_info: dict[str, dict[str, Any]], server_state: dict[str, Any] | None = None) -> None:
-        """One transaction: the run row, rounds not stored yet, every client, the server state."""
+             client_info: dict[str, dict[str, Any]], server_state: dict[str, Any] | None = None,
+             counters: dict[str, dict[str, int]] | None = None) -> None:
+        """One transaction: the run row, rounds not stored yet, every client, the server state, the
+        run-wide counters."""
         blob = None
         if server_state is not None:
             buf = io.BytesIO()
@@ -212,6 +222,9 @@ class RunStore:
             if blob is not None:
                 conn.execute(delete(server_states).where(server_states.c.run_id == run_id))
                 conn.execute(insert(server_states).values(run_id=run_id, state=blob))
+            if counters is not None:
+                conn.execute(delete(run_counters).where(run_counters.c.run_id == run_id))
+                conn.execute(insert(run_counters).values(run_id=run_id, counters=json.dumps(counters)))
 
     def set_state(self, run_id: str, state: str, finished_at: float | None = None) -> None:
         with self.engine.begin() as conn:

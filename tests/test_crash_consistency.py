@@ -140,3 +140,18 @@ def test_a_second_coordinator_on_the_same_state_dir_is_refused(tmp_path):
         assert first.poll() is None
     finally:
         stop_process(first)
+
+
+def test_run_wide_counters_outlive_a_coordinator_restart(unstarted_run):
+    """They were in memory only: after a restart the run said 0 rejected while its clients said 5."""
+    run = unstarted_run
+    run._resume()
+    run.engine.counters.update({"rejected": 5, "stale": 2})
+    run.engine.reject_reasons.update({"envelope": 5})
+    run._save(completed=0)
+    again = Run(run.cfg)
+    again._resume()
+    assert again.engine.counters["rejected"] == 5 and again.engine.counters["stale"] == 2
+    assert again.engine.reject_reasons == {"envelope": 5}
+    assert again.snapshot()["counters"]["rejected"] == 5
+    again.store.close()
