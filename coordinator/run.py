@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,7 @@ class Run:
         # a state change and its store write as one (pause/resume from the API, the end from the run's
         # thread): the store never ends up with an older state than the run's
         self.state_write = threading.Lock()
+        self.transport_before: Counter[str] = Counter()  # the transport's counts of earlier starts of the run
         self.config_hash = hashlib.sha256(
             json.dumps([config.run_id, self.run_config.model_dump(mode="json"), self.client_ids, self.public_hash]).encode()
         ).hexdigest()
@@ -294,6 +296,7 @@ class Run:
                     engine.clients[cid] = ClientInfo(**{**info, "online": False})
             engine.counters.update(stored.counters.get("counters", {}))
             engine.reject_reasons.update(stored.counters.get("rejects", {}))
+            self.transport_before = Counter(stored.counters.get("transport", {}))
             log.info("resuming run %s after round %d (epoch %d)", self.cfg.run_id, start, engine.epoch)
         elif stored and stored.config_hash is not None:
             kept = self._keep_replaced(stored)  # before anything is forgotten: raises if it cannot
@@ -305,7 +308,7 @@ class Run:
         # the stored state stays until the run changes it: a run found finished (or held) and then
         # stopped or killed before it reached the broker is still that, not `pending`
         kept = stored.state if stored and stored.config_hash == self.config_hash else None
-        self._save(completed=start, server_state=start == 0, state=kept)
+        self._save(completed=start, server_state=start == 0, pending_as=kept)
         return start
 
     def _keep_replaced(self, stored: StoredRun) -> Path:
@@ -319,20 +322,23 @@ class Run:
         write_bytes_atomic(path, (json.dumps(record, indent=2) + "\n").encode())
         return path
 
-    def _save(self, completed: int, server_state: bool = True, state: str | None = None) -> None:
+    def _save(self, completed: int, server_state: bool = True, pending_as: str | None = None) -> None:
         """Under `state_write`, as pause and resume: the state it writes is still the run's when
         it lands (an operator's pause saved over by a round's save would not outlive a restart).
-        state: the one to store instead of the run's."""
+        pending_as: what to store while the run is still pending (the state the store had)."""
         with self.state_write:
             with self.lock:
-                if state is None:
+                if self.state == "pending" and pending_as is not None:
+                    state = pending_as
+                else:
                     state = "running" if self.state == "paused" and not self.operator_paused else self.state
                 progress = {"config_hash": self.config_hash, "completed_rounds": completed, "epoch": self.engine.epoch,
                             "instance": self.instance, "started_at": self.started_at, "state": state}
                 records = list(self.records)
                 info = {c: asdict(i) for c, i in self.engine.clients.items()}
                 # run-wide, kept as the per-client ones are: a restarted run goes on counting
-                counters = {"counters": dict(self.engine.counters), "rejects": dict(self.engine.reject_reasons)}
+                counters = {"counters": dict(self.engine.counters), "rejects": dict(self.engine.reject_reasons),
+                            "transport": dict(self._transport_counters())}
             self.store.save(self.cfg.run_id, progress, records, info,
                             self.server.state_dict() if server_state else None, counters)
 
@@ -386,7 +392,11 @@ class Run:
     def counters(self) -> dict[str, int]:
         """The run-wide counters, with the unfinished chunked messages the transport dropped. The
         always-present ones are 0 until counted (an API reader may index them)."""
-        return {**dict.fromkeys(ALWAYS_COUNTED, 0), **self.engine.counters, **self.transport.counters()}
+        return {**dict.fromkeys(ALWAYS_COUNTED, 0), **self.engine.counters, **self._transport_counters()}
+
+    def _transport_counters(self) -> Counter[str]:
+        """The transport's, added to what earlier starts of the run counted (the store keeps them)."""
+        return self.transport_before + Counter(self.transport.counters())
 
     def _round_shown(self) -> int:
         """The round under way (1-based); a run stopped or failed before any round began shows

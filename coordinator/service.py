@@ -92,4 +92,5 @@ def serve(config: CoordinatorConfig) -> int:
             signal.signal(sig, signal.SIG_IGN)  # (a second Ctrl-C still aborts it, as asked)
     runs.stop()
     runs.store.close()
-    return 0 if all(e.state in ENDED[:2] and e.error is None for e in runs.list()) else 1  # (results unwritten: 1)
+    # a run ended as asked, or never started (stopped right as the API came up); results unwritten: 1
+    return 0 if all(e.state in (*ENDED[:2], "pending") and e.error is None for e in runs.list()) else 1

@@ -338,10 +338,14 @@ class Agent:
             state = checkpoint.load(self.ckpt_path)
         except Exception as exc:  # unreadable: a damaged card; kept for a look, never written over
             kept = self.ckpt_path.with_name(f"{self.ckpt_path.name}{KEPT_UNREADABLE}{int(time.time())}")
-            os.replace(self.ckpt_path, kept)
+            try:
+                os.replace(self.ckpt_path, kept)
+                where = f"kept as {kept}"
+            except OSError as move:  # (a card gone read-only: the next write fails as well, and says so)
+                where = f"not moved aside ({move.strerror or move})"
             self.counters["checkpoint_unreadable"] += 1
-            log.error("the checkpoint is unreadable (%s: %s): kept as %s; this device takes part again from a "
-                      "new model, its progress in this run lost", type(exc).__name__, exc, kept)
+            log.error("the checkpoint is unreadable (%s: %s): %s; this device takes part again from a new model, "
+                      "its progress in this run lost", type(exc).__name__, exc, where)
             state = None
         self._attach(client, instance)
         if state is not None and (state.get("run_id"), state.get("instance")) == (cfg.run_id, instance):
@@ -556,11 +560,11 @@ class Agent:
             self._context = (self.session.round_no, "finish")
             self._save_checkpoint(round_start=None)  # the end state: a restart replays nothing
         out = self.workspace / "final"
+        logits = self.client.predict(self.test.x).numpy() if self.test is not None else None
         try:
             out.mkdir(parents=True, exist_ok=True)
             checkpoint.save_atomic(self.client.model.state_dict(), out / "model.pt")
-            if self.test is not None:
-                logits = self.client.predict(self.test.x).numpy()
+            if logits is not None:
                 write_atomic(out / "test_logits.npy", lambda fh: np.save(fh, logits))
             write_final_onnx(self.client.model, self.client.train_data.x, out, self.config.export_int8)
             write_bytes_atomic(out / FINISHED_MARK, f"{manifest.instance}\n".encode())  # last: what came before is complete

@@ -44,7 +44,7 @@ def foreign_entries(config: AgentConfig, entries: list[Path]) -> list[Path]:
         torn = TEMPORARY_NAME.match(entry.name)  # our own writes, torn by a crash
         if entry.name in OWN_NAMES or (torn and torn["name"] in OWN_NAMES):
             continue
-        if KEPT_UNREADABLE in entry.name and entry.name.split(KEPT_UNREADABLE, 1)[0] in OWN_NAMES:
+        if entry.name.startswith(f"checkpoint.pt{KEPT_UNREADABLE}"):
             continue
         if Path(os.path.abspath(entry)) in named:
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,14 +17,19 @@ TEMPORARY_NAME = re.compile(r"^\.(?P<name>.+)\.[^.]+\.tmp$")
 
 
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], Any], private: bool = False) -> None:
-    """private: mode 0600 (an agent's checkpoints); else the mode a new file gets (0666 less the
-    umask), as a plain write gives results and exports."""
+    """private: mode 0600 (an agent's checkpoints); else the mode of the file it replaces, or for a
+    new one 0666 less the umask, as a plain write gives results and exports. The directory must
+    take new files (fedal.owned.unwritable checks outputs so before a run)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        if not private:
-            os.fchmod(fd, 0o666 & ~current_umask())
+        if not private:  # a file it replaces keeps its mode; a new one gets what a plain write gives
+            try:
+                mode = stat.S_IMODE(os.stat(path).st_mode)
+            except OSError:
+                mode = 0o666 & ~current_umask()
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()

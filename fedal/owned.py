@@ -93,8 +93,10 @@ def check_replaceable(path: str | Path, ours: Callable[[Path], bool], what: str)
 
 def unwritable(path: str | Path) -> str | None:
     """Why a file could not be written at `path` after a run (its output would be lost), else None.
-    Tried, not asked (permission bits say nothing to root, or on /proc): an existing file opened
-    for appending, which changes nothing, or a scratch file made and removed where it will go."""
+    Tried, not asked (permission bits say nothing to root, or on /proc): a scratch file made and
+    removed where it will go, as outputs are written (a temporary file renamed over the name, so
+    the directory must take new files even where the file itself is writable), and an existing
+    file opened for appending, which changes nothing."""
     target = Path(path)
     if target.is_dir():
         return f"{path} is a directory"
@@ -105,8 +107,7 @@ def unwritable(path: str | Path) -> str | None:
         return f"{path} cannot be created: {parent} is not a directory"
     try:
         if target.exists():
-            with open(target, "ab"):
-                return None
+            open(target, "ab").close()  # opened for appending: changes nothing
         with tempfile.NamedTemporaryFile(dir=parent, prefix=".fedal-write-check-"):
             return None
     except OSError:

@@ -48,7 +48,7 @@ BROKER_PROBE_TIMEOUT_S = 10.0  # how long `--broker`'s host:port is given to acc
 
 
 
-DEFAULT_OUTPUTS = (("results.json", is_results), ("accuracy.png", is_our_plot))  # in --workdir, without --out/--plot
+DEFAULT_OUTPUTS = (("results.json", is_results), ("accuracy.png", is_our_plot))  # where a demo writes them in --workdir
 
 
 def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_port: int) -> tuple[Path, list[Path], dict]:

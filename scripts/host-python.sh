@@ -17,7 +17,7 @@ fedal_host_python() {
   else
     candidate=python3
   fi
-  if ! "$candidate" -c 'import torch, tomli_w, fedal, edge_agent' >/dev/null 2>&1; then
+  if ! PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$candidate" -c 'import torch, tomli_w, fedal, edge_agent' >/dev/null 2>&1; then
     echo "the host side runs with $candidate, which cannot import the toolkit (torch, tomli_w, fedal, edge_agent):" \
       "run 'bash scripts/install.sh dev' in $repo, or set FEDAL_PYTHON to a Python that has it" >&2
     return 1

@@ -90,3 +90,24 @@ def test_runs_are_not_started_once_the_coordinator_is_stopping(unstarted_run):
     manager.stop(timeout_s=1)
     manager.start()
     assert manager.threads == {} and unstarted_run.state == "pending"
+
+
+def test_a_pause_while_a_restarted_run_loads_its_state_is_what_the_store_keeps(unstarted_run):
+    """The resume's first save keeps the stored state for a run still pending, but an operator's
+    pause that landed meanwhile is the run's state, not the stored one."""
+    from coordinator.run import Run
+
+    unstarted_run._resume()
+    unstarted_run.state = "running"
+    unstarted_run._save(completed=1)  # a crash mid-run: stored `running`
+    again = Run(unstarted_run.cfg)
+    load = again.store.load_server_state
+
+    def pausing_load(run_id):
+        again.pause()  # the API's pause, while the restarted run loads its server state
+        return load(run_id)
+
+    again.store.load_server_state = pausing_load
+    again._resume()
+    assert again.state == "paused" and again.store.load("race").state == "paused"
+    again.store.close()

@@ -148,10 +148,46 @@ def test_run_wide_counters_outlive_a_coordinator_restart(unstarted_run):
     run._resume()
     run.engine.counters.update({"rejected": 5, "stale": 2})
     run.engine.reject_reasons.update({"envelope": 5})
+    run.transport.bus.tasks_held = 3  # the transport's own counters too
     run._save(completed=0)
     again = Run(run.cfg)
     again._resume()
+    again.transport.bus.tasks_held = 1  # counted by this start
+    assert again.counters["held_offline"] == 4
     assert again.engine.counters["rejected"] == 5 and again.engine.counters["stale"] == 2
     assert again.engine.reject_reasons == {"envelope": 5}
     assert again.snapshot()["counters"]["rejected"] == 5
     again.store.close()
+
+
+def test_an_output_whose_directory_takes_no_new_file_is_said_unwritable():
+    """Outputs are written to a temporary file renamed over the name: a writable file in a
+    directory that takes no new file passed the check, and the write failed at the run's end."""
+    import os
+    import shutil
+    import tempfile
+
+    import pytest
+
+    from fedal.owned import unwritable
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another user")
+    base = tempfile.mkdtemp(prefix="fedal-unwritable-")  # (pytest's tmp_path is private to root)
+    try:
+        os.chmod(base, 0o755)
+        target = os.path.join(base, "results.json")
+        with open(target, "w") as fh:
+            fh.write("{}")
+        os.chown(target, 65534, 65534)  # the user's own file, in a directory that is not theirs
+        os.setegid(65534)
+        os.seteuid(65534)
+        try:
+            why = unwritable(target)
+        finally:
+            os.seteuid(0)
+            os.setegid(0)
+        assert why == f"{target} is not writable here"
+        assert unwritable(target) is None  # (as root it is)
+    finally:
+        shutil.rmtree(base)

@@ -3,7 +3,6 @@ and what it writes back into the results so the run can be repeated exactly."""
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import tomllib
@@ -67,10 +66,6 @@ def parse_resources(text: str | dict | None) -> dict[str, float]:
         if len(pair) != 2:
             raise ConfigError(f"client_resources: expected name=value pairs such as 'num_cpus=1,num_gpus=0.25', got {text!r}")
         name, value = str(pair[0]).strip(), pair[1]
-        near = difflib.get_close_matches(name, RAY_RESOURCES, n=1, cutoff=0.75)
-        if near and name != near[0]:  # any other name is a custom Ray resource, never found for a typo
-            raise ConfigError(f"client_resources: {name!r} is no Ray resource: did you mean {near[0]!r}? "
-                              f"(Ray's own are {', '.join(RAY_RESOURCES)}; a custom resource needs a name further from them)")
         try:
             number = float(value)
         except (TypeError, ValueError):
@@ -79,6 +74,27 @@ def parse_resources(text: str | dict | None) -> dict[str, float]:
             raise ConfigError(f"client_resources: {name} must be a finite number, not negative, got {value!r}")
         out[name] = number
     return out
+
+
+def resource_name_notes(text: str | dict | None) -> list[str]:
+    """A custom resource named like one of Ray's own (`num_cpu`): most likely a typo, said at start
+    (a custom resource is legitimate, so not refused; the cluster check names what it lacks)."""
+    notes = []
+    for name in parse_resources(text):
+        near = next((real for real in RAY_RESOURCES if _one_slip(name, real)), None)
+        if near is not None:
+            notes.append(f"client_resources: {name!r} is taken as a custom Ray resource; did you mean {near!r}?")
+    return notes
+
+
+def _one_slip(typed: str, meant: str) -> bool:
+    """A character left out or added, or two neighbours swapped (not a substitution: `num_tpus`
+    is a resource of its own, not `num_gpus` mistyped)."""
+    short, long = sorted((typed, meant), key=len)
+    if len(long) - len(short) == 1:
+        return any(long[:i] + long[i + 1:] == short for i in range(len(long)))
+    return len(typed) == len(meant) and typed != meant and any(
+        typed[:i] + typed[i + 1] + typed[i] + typed[i + 2:] == meant for i in range(len(typed) - 1))
 
 
 def lift_privacy(data: Any) -> Any:
@@ -271,6 +287,8 @@ class RunConfig(NoCoercion):
         notes = [note] if (note := self.default_model_note()) else []
         if self.dataset == "digits" and self.data_dir:  # else a user's files are believed read, and are not
             notes.append(f"data_dir {self.data_dir} is not read: dataset 'digits' comes with scikit-learn")
+        if self.backend == "ray":
+            notes += resource_name_notes(self.client_resources)
         return notes
 
     @property
