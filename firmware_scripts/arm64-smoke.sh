@@ -112,7 +112,7 @@ if [ "$PREREQS_ONLY" -eq 1 ]; then
   say "host prerequisites present"
   exit 0
 fi
-# shellcheck source=../scripts/host-python.sh
+# shellcheck source=scripts/host-python.sh
 . "$REPO/scripts/host-python.sh"
 HOST_PYTHON="$(fedal_host_python "$REPO")" || die "no host Python for bench/arm64_smoke.py"
 ROOTFS="$(mkdir -p "$(dirname "$ROOTFS")" && cd "$(dirname "$ROOTFS")" && pwd)/$(basename "$ROOTFS")"

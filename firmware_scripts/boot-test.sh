@@ -46,7 +46,7 @@ while [ $# -gt 0 ]; do
 done
 [ "$(id -u)" -eq 0 ] || die "run as root: the image build needs debootstrap and chroot"
 PATH="$PATH:/usr/sbin:/sbin"
-# shellcheck source=../scripts/host-python.sh
+# shellcheck source=scripts/host-python.sh
 . "$REPO/scripts/host-python.sh"
 HOST_PYTHON="$(fedal_host_python "$REPO")" || die "no host Python for bench/boot_test.py"
 
