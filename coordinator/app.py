@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import Body, Depends, FastAPI, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
@@ -244,16 +245,20 @@ def create_app(runs: RunManager | Run) -> FastAPI:
         raise HTTPException(status_code=404, detail=f"no client {client_id!r}")
 
     @app.post("/api/v1/runs/{run_id}/{action}", dependencies=writes)
-    def control(run_id: str, action: str) -> dict[str, Any]:
-        """pause (before the next phase), resume, stop (the run can be resumed by restarting)."""
+    async def control(run_id: str, action: str) -> dict[str, Any]:
+        """pause (before the next phase), resume, stop (the run can be resumed by restarting).
+        A stop's wait for the run to reach `stopped` polls on the event loop: a worker thread held
+        for it by each of a few dozen stops at once would leave none for the reads."""
         run = _run(run_id)
         if action not in ("pause", "resume", "stop"):
             raise HTTPException(status_code=404, detail=f"no action {action!r}: pause, resume or stop")
         if run.state in ("finished", "stopped", "failed"):
             raise HTTPException(status_code=409, detail=f"the run is {run.state}")
-        getattr(run, action)()
+        await run_in_threadpool(getattr(run, action))  # (it may wait for a round's save in progress)
         if action == "stop" and (run_id in runs.threads or run.started_at is not None):  # its thread stops between two steps:
-            run.finished_event.wait(STOP_WAIT_S)  # answer with the state it reaches
+            deadline = time.monotonic() + STOP_WAIT_S  # answer with the state it reaches
+            while not run.finished_event.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(EVENT_POLL_S)
         return {"run_id": run_id, "action": action, "state": run.state}
 
     @app.get("/api/v1/events", dependencies=reads)

@@ -111,3 +111,40 @@ def test_a_pause_while_a_restarted_run_loads_its_state_is_what_the_store_keeps(u
     again._resume()
     assert again.state == "paused" and again.store.load("race").state == "paused"
     again.store.close()
+
+
+def test_stops_waiting_for_their_run_leave_the_reads_served(unstarted_run):
+    """A stop answers once the run has stopped, or after STOP_WAIT_S: it held a server worker
+    thread for that wait, so some forty stops at once left none for the reads (the dashboard,
+    /healthz). The wait is on the event loop now."""
+    import concurrent.futures
+
+    import httpx
+    import uvicorn
+
+    from coordinator.app import STOP_WAIT_S, create_app
+    from tests.waiting import free_port, wait_until
+
+    unstarted_run.cfg.api.token = "s3cret-token-for-the-test"
+    manager = RunManager.of(unstarted_run)
+    manager.threads["race"] = threading.Thread()  # a run thread that never reaches `stopped`
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(manager), host="127.0.0.1", port=port, log_level="warning"))
+    serving = threading.Thread(target=server.run, daemon=True)
+    serving.start()
+    try:
+        wait_until(lambda: server.started, timeout_s=30, what="the API")
+        base = f"http://127.0.0.1:{port}"
+        stop = {"Authorization": f"Bearer {unstarted_run.cfg.api.token}"}
+        with concurrent.futures.ThreadPoolExecutor(50) as pool:
+            stops = [pool.submit(httpx.post, f"{base}/api/v1/runs/race/stop", headers=stop, timeout=60) for _ in range(50)]
+            time.sleep(1.0)  # every stop is waiting now
+            started = time.monotonic()
+            health = httpx.get(f"{base}/healthz", timeout=60)
+            waited = time.monotonic() - started
+            assert health.status_code == 200
+            assert waited < STOP_WAIT_S / 3, waited  # served, not queued behind the stops' waits
+            assert all(f.result().status_code == 200 for f in stops)
+    finally:
+        server.should_exit = True
+        serving.join(30)
