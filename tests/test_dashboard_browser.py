@@ -67,6 +67,10 @@ def test_dashboard_follows_a_live_run(mosquitto, tmp_path):
         wait_until(lambda: "%" in driver.find_element(By.ID, "local-acc").text, 120, "a local accuracy")
         assert len(driver.find_elements(By.CSS_SELECTOR, "#acc-chart canvas")) == 1
         assert len(driver.find_elements(By.CSS_SELECTOR, "#disc-chart canvas")) == 1
+        # the round axis of a run of a few rounds is marked at whole rounds (it read 1, 1.2, 1.4, ...)
+        ticks = wait_until(lambda: driver.execute_script("return state.charts['acc-chart'].axes[0]._splits"),
+                           60, "the accuracy chart's round axis")
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
         statuses = [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#clients tbody tr td:nth-child(2)")]
         assert statuses == ["online"] * 3
         health = wait_until(lambda: {r.get_attribute("data-client"): r.find_element(By.CSS_SELECTOR, "td:last-child")

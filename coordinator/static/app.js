@@ -62,11 +62,14 @@ function fillTable(id, rows) {
   }));
 }
 
+// rounds are whole: the x axis steps by these (uPlot's own steps give 1, 1.2, 1.4 ... for a few rounds)
+const ROUND_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000];
+
 function chart(id, series) {
   if (state.charts[id]) return state.charts[id];
   const el = document.getElementById(id);
   const opts = { width: Math.max(360, el.clientWidth || 480), height: 220,
-                 scales: { x: { time: false } }, axes: [{ label: "round" }, {}],
+                 scales: { x: { time: false } }, axes: [{ label: "round", incrs: ROUND_STEPS }, {}],
                  series: [{ label: "round" }, ...series] };
   state.charts[id] = new uPlot(opts, [[], ...series.map(() => [])], el);
   return state.charts[id];
