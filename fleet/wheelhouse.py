@@ -215,7 +215,10 @@ def _agent_wheel(spec: WheelhouseSpec, dest: Path) -> Path:
     return wheel
 
 
-def _metadata(wheel: Path) -> tuple[str, str, list[str]]:
+Metadata = tuple[str, str, list[str]]  # a wheel's (name, version, Requires-Dist lines): _metadata
+
+
+def _metadata(wheel: Path) -> Metadata:
     """(name, version, Requires-Dist lines) from a wheel's METADATA."""
     try:
         with zipfile.ZipFile(wheel) as z:
@@ -228,17 +231,17 @@ def _metadata(wheel: Path) -> tuple[str, str, list[str]]:
     return msg["Name"], msg["Version"], msg.get_all("Requires-Dist") or []
 
 
-def check_closure(files: list[Path], arch: str, python_version: str, extras: dict[str, set[str]]) -> list[str]:
+def check_closure(wheels: dict[Path, Metadata], arch: str, python_version: str,
+                  extras: dict[str, set[str]]) -> list[str]:
     """What the device's pip would miss: each requirement (markers evaluated for the device) that
-    no wheel in files satisfies, as 'req (needed by dist)'."""
+    no wheel of `wheels` satisfies, as 'req (needed by dist)'."""
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
     from packaging.version import Version
 
     base = marker_environment(arch, python_version)
     found = {}
-    for f in files:
-        name, version, requires = _metadata(f)
+    for name, version, requires in wheels.values():
         found[canonicalize_name(name)] = (name, Version(version), requires)
     missing = []
     todo = [(key, set(extras.get(key, ()))) for key in found]
@@ -264,14 +267,14 @@ def check_closure(files: list[Path], arch: str, python_version: str, extras: dic
     return sorted(set(missing))
 
 
-def carried_extras(agent: Path, files: list[Path], arch: str, python_version: str) -> list[str]:
+def carried_extras(agent: Path, wheels: dict[Path, Metadata], arch: str, python_version: str) -> list[str]:
     """The device extras whose own requirements (beyond the `agent` extra's) are in the wheelhouse."""
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
     env = marker_environment(arch, python_version)
-    present = {canonicalize_name(_metadata(f)[0]) for f in files}
-    requires = [Requirement(line) for line in _metadata(agent)[2]]
+    present = {canonicalize_name(name) for name, _, _ in wheels.values()}
+    requires = [Requirement(line) for line in wheels[agent][2]]
     carried = []
     for extra in DEVICE_EXTRAS:
         own = [r for r in requires if r.marker is not None and r.marker.evaluate({**env, "extra": extra})
@@ -347,8 +350,9 @@ def build_wheelhouse(spec: WheelhouseSpec, progress=lambda msg: None) -> dict:
                  spec.python_version, "--implementation", "cp", "--abi", f"cp{spec.python_version.replace('.', '')}",
                  "-d", str(downloads), "--index-url", spec.torch_index, torch_req, work=work)
         files = [agent, *sorted(downloads.glob("*.whl"))]
-        extras = ["agent", *carried_extras(agent, files, spec.arch, spec.python_version)]
-        missing = check_closure(files, spec.arch, spec.python_version, {AGENT_DIST: set(extras)})
+        wheels = {f: _metadata(f) for f in files}  # each wheel's metadata read once
+        extras = ["agent", *carried_extras(agent, wheels, spec.arch, spec.python_version)]
+        missing = check_closure(wheels, spec.arch, spec.python_version, {AGENT_DIST: set(extras)})
         if missing:
             hint = (f"PyPI's torch needs the CUDA libraries from 2.11 on: take torch from PyTorch's CPU index with "
                     f"--torch-index {CPU_TORCH_INDEX} --torch-version 2.13.0 (on aarch64 2.10.0, PyPI's last CPU-only "
@@ -356,7 +360,7 @@ def build_wheelhouse(spec: WheelhouseSpec, progress=lambda msg: None) -> dict:
             raise WheelhouseError("the wheelhouse would not install offline; it lacks " + "; ".join(missing)
                                   + f". Pin what is missing in {constraints} ({hint})")
         entries: dict[str, dict[str, Any]] = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files}
-        versions = dict(_metadata(f)[:2] for f in files)
+        versions = {name: version for name, version, _ in wheels.values()}
         manifest = {
             "format": FORMAT,
             "created_by": "fedal fleet wheelhouse",
