@@ -5,7 +5,9 @@ never blocks keepalive pings. A retained `online` status is published on every (
 the broker publishes the retained Last Will `offline` if the device disappears. paho reconnects
 by itself with exponential backoff between reconnect_min_s and reconnect_max_s. With
 health_every_s the `online` status carries the device's health, refreshed at most that often by
-a thread of its own (never per message: the status stays small and rare).
+a thread of its own (never per message: the status stays small and rare). A sample may take
+seconds (`vcgencmd`), so it is never taken on paho's thread: a connect publishes `online` at once
+with the last sample the agent has, and the health thread follows it with a fresh one.
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ class MqttLink:
         self.health = HealthProbe(config.health_root, config.workspace) if config.health_every_s > 0 else None
         self.status_lock = threading.Lock()  # one `online` publisher at a time, and none once stopping
         self.stopping = threading.Event()
-        self.health_sent = -float("inf")  # time.monotonic() of the last report
+        self.health_sent = -float("inf")  # time.monotonic() of the last sample
+        self.last_health: dict[str, Any] | None = None  # what a connect's `online` carries
+        self.wake = threading.Event()  # a (re)connect or a stop: the health thread looks again
         self.health_thread = threading.Thread(target=self._report_health, name="fedal-health", daemon=True)
 
     def start(self) -> None:
@@ -70,6 +74,7 @@ class MqttLink:
     def stop(self) -> None:
         with self.status_lock:
             self.stopping.set()  # no `online` may follow the `offline` below
+        self.wake.set()
         if self.health_thread.is_alive():
             self.health_thread.join(timeout=10)
         if self.connected.is_set():
@@ -92,36 +97,39 @@ class MqttLink:
             return
         self.connects += 1
         client.subscribe([(self.manifest_topic, 1), (self.task_topic, 1)])
-        self._publish_online()
+        self._publish_online(self.last_health)
         self.connected.set()
+        self.wake.set()  # a fresh health report follows, from the health thread
         log.info("connected to %s", self.address.redacted())
 
-    def _publish_online(self) -> None:
-        """The retained `online` status, with a fresh health report when they are on."""
+    def _publish_online(self, health: dict[str, Any] | None) -> None:
+        """The retained `online` status, with `health` when there is one."""
         with self.status_lock:
             if self.stopping.is_set():
                 return
-            health = None
-            if self.health is not None:
-                try:
-                    health = self.health.sample()
-                except Exception:  # a report is never worth the link
-                    log.exception("cannot read the device's health")
-                self.health_sent = time.monotonic()
             self.client.publish(self.status_topic, status_payload("online", health), qos=1, retain=True)
 
     def _report_health(self) -> None:
-        """Thread: refresh the status's health every health_every_s while connected (a connect
-        sends one by itself, and restarts the interval)."""
+        """Thread: a fresh health report right after each connect (which restarts the interval),
+        and every health_every_s while connected."""
+        assert self.health is not None  # started only with health reports on
         every = self.config.health_every_s
         while not self.stopping.is_set():
-            with self.status_lock:
-                due = self.health_sent + every
-            now = time.monotonic()
-            if now >= due and self.connected.is_set():
-                self._publish_online()
-            elif self.stopping.wait(due - now if now < due else every):  # overdue offline: a connect reports
-                return
+            woken = self.wake.is_set()
+            self.wake.clear()  # before looking: a connect from here on wakes the wait below
+            now, due = time.monotonic(), self.health_sent + every
+            if not (self.connected.is_set() and (woken or now >= due)):
+                self.wake.wait(due - now if now < due else every)  # disconnected and overdue: a connect reports
+                continue
+            try:
+                health = self.health.sample()
+            except Exception:  # a report is never worth the link
+                log.exception("cannot read the device's health")
+                health = None
+            self.health_sent = time.monotonic()
+            if health is not None:
+                self.last_health = health
+            self._publish_online(health)
 
     def _on_connect_fail(self, client, _userdata) -> None:
         log.warning("cannot connect to %s: %s; retrying with backoff", self.address.redacted(),

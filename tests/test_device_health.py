@@ -11,6 +11,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -301,6 +302,8 @@ def test_the_link_refreshes_the_health_at_most_every_n_seconds_and_ends_offline(
     watcher = StatusWatcher(mosquitto, topics.status(cfg.run_id, cfg.client_id))
     try:
         link.start()
+        first = watcher.next()  # at connect: the last sample there is, none yet
+        assert first["state"] == "online" and "health" not in first
         reports = [watcher.next() for _ in range(4)]
         assert all(r["state"] == "online" and r["health"]["throttled"] == 0x50005 for r in reports)
         assert all(r["health"]["versions"]["board"] == PI_MODEL for r in reports)
@@ -344,6 +347,7 @@ def test_a_reconnect_sends_a_fresh_report(mosquitto, tmp_path):
     watcher = StatusWatcher(mosquitto, topics.status(cfg.run_id, cfg.client_id))
     try:
         link.start()
+        assert "health" not in watcher.next()  # at the first connect there is no sample yet
         assert watcher.next()["health"]["cpu_temp_c"] == 50.0
         write(root, "sys/class/thermal/thermal_zone0/temp", "83000\n")
         connects = link.connects
@@ -356,7 +360,33 @@ def test_a_reconnect_sends_a_fresh_report(mosquitto, tmp_path):
         report = watcher.next()
         while report["state"] != "online":
             report = watcher.next()
-        assert report["health"]["cpu_temp_c"] == 83.0
+        assert report["health"]["cpu_temp_c"] == 50.0  # at connect: the last sample, at once
+        assert watcher.next()["health"]["cpu_temp_c"] == 83.0  # then a fresh one
+    finally:
+        link.stop()
+        watcher.close()
+
+
+def test_a_slow_health_sample_never_holds_the_connection(mosquitto, tmp_path):
+    """vcgencmd may take seconds: sampled on paho's network thread, it held the connect (and
+    keepalive, and every message) until it answered."""
+    root = pi_tree(tmp_path / "root", throttled=None)  # no firmware file: vcgencmd is asked
+    calls = tmp_path / "vcgencmd-calls"
+    tool = tmp_path / "vcgencmd"
+    tool.write_text(f"#!/bin/sh\necho call >> {calls}\nsleep 4\necho throttled=0x4\n")
+    tool.chmod(0o755)
+    cfg = link_config(tmp_path, mosquitto, 3600, root)
+    link = MqttLink(cfg, queue.Queue())
+    link.health = HealthProbe(root, cfg.workspace, vcgencmd=str(tool))
+    watcher = StatusWatcher(mosquitto, topics.status(cfg.run_id, cfg.client_id))
+    try:
+        start = time.monotonic()
+        link.start()
+        assert link.connected.wait(3), "the connect waited for the health sample"
+        first = watcher.next()
+        assert first["state"] == "online" and "health" not in first and time.monotonic() - start < 3
+        fresh = watcher.next(20)
+        assert fresh["health"]["throttled"] == 0x4 and calls.read_text().count("call") == 1
     finally:
         link.stop()
         watcher.close()
