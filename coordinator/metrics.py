@@ -47,6 +47,7 @@ class RunCollector(Collector):
         per_client = {name: CounterMetricFamily(f"fedal_client_{name}", f"per client: {help_text}", labels=["run", "client"])
                       for name, help_text in (("answered", "results accepted"), ("late", "phases closed without the client"),
                                               ("rejected", "messages rejected"), ("duplicates", "duplicate results dropped"),
+                                              ("declined", "tasks it declined (sitting out a round it lost)"),
                                               ("bytes_up", "payload bytes received"), ("bytes_down", "payload bytes sent"))}
         counters = CounterMetricFamily("fedal_messages", "messages by outcome (evicted, expired: unfinished chunked "
                                        "messages dropped)", labels=["run", "outcome"])
@@ -96,7 +97,7 @@ class RunCollector(Collector):
                     flags.add_metric([run, cid, flag], 1.0 if flag in c["health_flags"] else 0.0)
                 if reported.get("versions"):
                     versions.add_metric([run, cid], {k: reported["versions"].get(k, "") for k in VERSION_KEYS})
-            for outcome in ("rejected", "stale", "duplicates", "evicted", "expired", "health_ignored"):
+            for outcome in ("rejected", "stale", "duplicates", "declined", "evicted", "expired", "health_ignored"):
                 counters.add_metric([run, outcome], float(snap["counters"].get(outcome, 0)))
             for reason, count in sorted((snap.get("rejects") or {}).items()):
                 rejects.add_metric([run, reason], float(count))

@@ -48,7 +48,7 @@ from fedal.data import ArrayDataset
 from fedal.models import build_model
 from fedal.protocol import EnvelopeError, ManifestError, Message, Packet, Reassembler, RunManifest, decode, encode
 from fedal.protocol.chunking import is_chunk
-from fedal.session import ClientSession, TaskRefused, evaluation_reply
+from fedal.session import ClientSession, TaskRefused, declining, evaluation_reply
 from fedal.strategies import StrategyParams, get_strategy
 from fedal.workspace import WorkspaceError, held
 
@@ -437,7 +437,7 @@ class Agent:
         if task is None:
             return None  # a chunk of a larger task
         if self._sits_out(task):
-            return None
+            return declining(task, "sat_out")  # so its phase need not wait out its deadline for this agent
         if self._is_new(task):
             self.crash.reached("next_task")
         self._payload, self._context = whole, (task.meta.get("round"), str(task.meta.get("phase")))
@@ -468,7 +468,8 @@ class Agent:
 
     def _sits_out(self, task: Message) -> bool:
         """durability "round": a restarted agent leaves out the round it crashed in (the state it
-        reached there is lost), and takes part again from the next round's first task."""
+        reached there is lost), declining its tasks, and takes part again from the next round's
+        first task."""
         if self.sit_out is None or task.meta.get("instance") != self.session.instance:
             return False
         if task.meta.get("round") == self.sit_out:

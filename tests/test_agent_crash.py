@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from fedal.procs import spawn_python
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment
 from tests.helpers import per_client, simulated_run
+from tests.test_coordinator_api import metric_values
 from tests.waiting import wait_until
 
 VICTIM = "c01"
@@ -92,9 +94,9 @@ def test_a_crashed_agent_resumes_to_exactly_the_uninterrupted_run(strategy, poin
 def test_round_durability_loses_at_most_the_round_under_way(mosquitto, tmp_path):
     config = run_config("fedal")
     dep = Deployment(config, tmp_path / "dep", mosquitto, agent={"durability": "round"},
-                     # round 2's transfers and evaluation wait out deadline_s without the victim (3x);
-                     # round 3 asks every client in time, so a deadline a busy machine cannot miss
-                     phases={"deadline_s": 6.0, "train_deadline_s": 30.0, "quorum": 0.5, "resend_s": 1.0,
+                     # the victim declines round 2's transfers and evaluation, so they close as soon as
+                     # the other client answers: deadlines longer than the test may take prove it
+                     phases={"deadline_s": 600.0, "train_deadline_s": 600.0, "quorum": 0.5, "resend_s": 1.0,
                              "pause_at": [{"round": 2, "phase": "transfer", "iteration": 0}]})
     try:
         dep.start_coordinator()
@@ -106,17 +108,28 @@ def test_round_durability_loses_at_most_the_round_under_way(mosquitto, tmp_path)
         dep.wait_for(lambda r: r["clients"][VICTIM]["online"], what="the restarted agent online")
         dep.control("resume")
         results = dep.finish()
+        run = dep.run()
+        with urllib.request.urlopen(f"{dep.api}/metrics", timeout=5) as resp:
+            metrics = metric_values(resp.read().decode())
         assert restarted.wait(timeout=60) == 0
     finally:
         dep.close()
     workspace = dep.agent_path(VICTIM).parent
     status = json.loads((workspace / "agent-status.json").read_text())
     assert status["durability"] == "round" and not (workspace / "journal.bin").exists()
-    assert status["counters"]["sat_out"] >= 1  # round 2's transfers (and their re-sends), its evaluation
+    # round 2's first transfer and its evaluation (without its logits of iteration 1 the victim
+    # gets no task in the last transfer iteration)
+    assert status["counters"]["sat_out"] >= 2
     assert "sitting out the rest of round 1" in agent_logs(dep)  # round 2 as the API counts
     assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
     r2, r3 = results["rounds"][1], results["rounds"][2]
     assert r2["phases"]["transfer"]["participation"] < 1.0  # round 2: lost
+    # each declined, not waited for: the run took far less than one deadline
+    assert r2["phases"]["transfer"]["declined"] == 1 and r2["phases"]["evaluate"]["declined"] == 1
+    assert run["counters"]["declined"] == 2 and run["clients"][VICTIM]["declined"] == 2
+    assert run["counters"]["quorum_missed"] == 0 and run["clients"][VICTIM]["late"] == 0
+    assert metrics[("fedal_client_declined_total", (("client", VICTIM), ("run", "demo")))] == 2
+    assert metrics[("fedal_messages_total", (("outcome", "declined"), ("run", "demo")))] == 2
     assert all(p["participation"] == 1.0 for p in r3["phases"].values())  # round 3: every phase again
     assert all(acc is not None for acc in results["final"]["client_acc"])
 

@@ -20,6 +20,7 @@ class ClientInfo:
     late: int = 0
     rejected: int = 0
     duplicates: int = 0
+    declined: int = 0  # tasks it declined (a restarted agent sitting out the rest of a round)
     bytes_up: int = 0
     bytes_down: int = 0
     last_acc: float | None = None
@@ -40,6 +41,7 @@ class PhaseState:
     wall_started: float  # epoch seconds, to compare with the timestamps clients put in their status
     results: dict[str, Message] = field(default_factory=dict)
     refused: dict[str, set[bytes]] = field(default_factory=dict)  # digests of each client's refused answers
+    declined: dict[str, str] = field(default_factory=dict)  # clients that declined their task: why
     latencies: list[float] = field(default_factory=list)  # from sending to each accepted result
     reconnect_sent: dict[str, float] = field(default_factory=dict)  # a task re-sent on a client's reconnect, when
     compute_s: float = 0.0  # the server half producing this phase's tasks (begin_round / collect)
@@ -54,6 +56,7 @@ class PhaseStats:
         self.latencies: dict[str, list[float]] = {}
         self.sent: dict[str, int] = {}
         self.answered: dict[str, int] = {}
+        self.declined: dict[str, int] = {}
         self.compute: dict[str, list[float]] = {}
         self.wall: dict[str, list[float]] = {}
 
@@ -62,6 +65,7 @@ class PhaseStats:
         self.latencies.setdefault(name, []).extend(state.latencies)
         self.sent[name] = self.sent.get(name, 0) + len(state.phase.tasks)
         self.answered[name] = self.answered.get(name, 0) + len(state.results)
+        self.declined[name] = self.declined.get(name, 0) + len(state.declined)
         self.compute.setdefault(name, []).append(state.compute_s)
         self.wall.setdefault(name, []).append(state.wall_s)
 
@@ -77,4 +81,6 @@ class PhaseStats:
                 "compute_s": round(float(np.mean(self.compute[name])), 4),
                 "wall_s": round(float(np.mean(self.wall[name])), 4),
             }
+            if self.declined.get(name):  # only where some did: the record of a run without any stays as it was
+                out[name]["declined"] = self.declined[name]
         return out

@@ -33,6 +33,7 @@ from fedal.strategies import InvalidResult, PhaseTasks, ServerHalf
 log = logging.getLogger("fedal.engine")
 POLL_S = 0.05
 MAX_STATUS_BYTES = 16 * 1024  # a client's status with its health report is well under 2 KiB
+MAX_DECLINE_REASON = 64  # characters of a declined task's reason ("sat_out")
 MAX_REJECT_REASONS = 200  # the latest reasons a round keeps (all are counted)
 
 
@@ -215,11 +216,12 @@ class RoundEngine:
             self._send(cid, packet)
         train = self.phase_kinds.get(phase.phase) == "train"
         deadline = state.started + (self.settings.train_deadline_s if train else self.settings.deadline_s)
-        need = math.ceil(self.settings.quorum * len(phase.tasks))
         last_resend = self.transport.now()
-        while state.pending:
+        while state.pending:  # answered or declined, a client is no longer pending
             self.pump()
             now = self.transport.now()
+            # the quorum counts the clients that did not decline: the others will not answer
+            need = math.ceil(self.settings.quorum * (len(phase.tasks) - len(state.declined)))
             if now >= deadline and (len(state.results) >= need or self.transport.exhausted()):
                 if len(state.results) < need:
                     self.counters["quorum_missed"] += 1
@@ -357,11 +359,14 @@ class RoundEngine:
             return
         refused = cur.refused.get(cid)
         fingerprint = hashlib.sha256(encode(msg)).digest() if refused is not None else b""
-        if cid in cur.results or (refused is not None and fingerprint in refused):
+        if cid in cur.results or cid in cur.declined or (refused is not None and fingerprint in refused):
             # a redelivery, or the re-send of an answer already refused: counted once
             with self.lock:
                 info.duplicates += 1
                 self.counters["duplicates"] += 1
+            return
+        if "declined" in meta:
+            self._on_decline(cid, cur, msg)
             return
         sent, task = msg, cur.phase.tasks.get(cid)
         if task is not None:  # a result names its task by (epoch, seq): the task's context is its own
@@ -391,6 +396,26 @@ class RoundEngine:
             info.online = True  # a valid answer proves it, should its retained "online" status have been lost
         if came_online:
             self.notify("client", client=cid, online=True)
+
+    def _on_decline(self, cid: str, cur: PhaseState, msg: Message) -> None:
+        """A client that will not answer this task says so (a restarted agent sitting out the rest
+        of a round it lost): the phase stops waiting for it, so it closes once the others have
+        answered instead of at its deadline (docs/protocol.md section 8)."""
+        why = msg.meta["declined"]
+        if not (isinstance(why, str) and 0 < len(why) <= MAX_DECLINE_REASON and why.isprintable()) or msg.tensors:
+            self.reject(cid, f"a declined task's reason must be 1 to {MAX_DECLINE_REASON} printable characters "
+                             f"and come without tensors (got {str(why)[:MAX_DECLINE_REASON]!r}, "
+                             f"{len(msg.tensors)} tensors)", "result")
+            return
+        with self.lock:
+            cur.declined[cid] = why
+            cur.pending.discard(cid)
+            info = self.clients[cid]
+            info.declined += 1
+            info.last_seen = time.time()
+            self.counters["declined"] += 1
+        log.info("%s declined its %s task of round %d (iteration %d): %s", cid, cur.phase.phase, cur.phase.round + 1,
+                 cur.phase.iteration, why)
 
     @staticmethod
     def _record_privacy(info: ClientInfo, msg: Message) -> None:

@@ -70,6 +70,16 @@ def wire_result(result: Message, key: tuple[int, int]) -> Message:
     return Message({**meta, "epoch": key[0], "seq": key[1]}, result.tensors)
 
 
+def declining(task: Message, reason: str) -> Packet | None:
+    """The answer of a client that will not compute `task` (a restarted agent sitting out the
+    rest of a round it lost): the coordinator stops waiting for it (docs/protocol.md section 8).
+    None for a task without integer epoch and seq, which no answer could name."""
+    key = (task.meta.get("epoch"), task.meta.get("seq"))
+    if not all(type(v) is int for v in key):
+        return None
+    return Packet.of(wire_result(Message({"declined": reason}), key))  # type: ignore[arg-type]  # ints: checked
+
+
 class ClientSession:
     def __init__(self, run_id: str, client_id: str, client: ClientHalf, instance: str,
                  evaluate: Callable[[Message], Message], store: SessionStore | None = None,
