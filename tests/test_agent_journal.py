@@ -204,11 +204,18 @@ def test_round_durability_sits_out_the_round_under_way(tmp_path, one_torch_threa
     assert_same(restarted.client.state_dict(), start_state)  # back at round 1's start
     rounds = [(p, decode(p).meta["round"]) for p in through.payloads]
     rest_of_round = [p for p, r in rounds if r == round_no][1:]
-    assert rest_of_round and all(restarted.apply_task(p) is None for p in rest_of_round)
-    assert restarted.counters["sat_out"] == len(rest_of_round)
+    declines = [restarted.apply_task(p) for p in rest_of_round]
+    assert rest_of_round and all(d is not None and d.message.meta == {"declined": "sat_out", **key(p)}
+                                 for d, p in zip(declines, rest_of_round))  # declined, named by its key
+    assert restarted.counters["sat_out"] == len(rest_of_round) and restarted.counters["tasks"] == 0
     next_round = next(p for p, r in rounds if r == round_no + 1)
     assert restarted.apply_task(next_round) is not None  # takes part again from the next round
     assert restarted.sit_out is None and restarted.counters["tasks"] == 1
+
+
+def key(payload: bytes) -> dict[str, int]:
+    meta = decode(payload).meta
+    return {"epoch": meta["epoch"], "seq": meta["seq"]}
 
 
 def test_a_failed_journal_write_sends_nothing_and_rejoins_from_disk(tmp_path, one_torch_thread):
