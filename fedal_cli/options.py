@@ -18,31 +18,40 @@ def _models(_ctx, _param, value: str | None) -> list[str] | None:
     return names
 
 
+def _said(text: str, name: str) -> str:
+    """`text` with " (default X)." from the run config's own default: the flags have none of their
+    own (a config file may set any of them), and the help never says another."""
+    return f"{text} (default {RunConfig.model_fields[name].default})."
+
+
 RUN_OPTIONS = [
     click.option("--config", "config_path", type=click.Path(dir_okay=False),
                  help="TOML run config (or a results JSON); flags override it."),
-    click.option("--strategy", type=click.Choice(STRATEGY_NAMES), help="Algorithm to run."),
-    click.option("--dataset", type=click.Choice(DATASET_NAMES), help="Dataset (mnist1d and digits are embedded)."),
+    click.option("--strategy", type=click.Choice(STRATEGY_NAMES), help=_said("Algorithm to run", "strategy")),
+    click.option("--dataset", type=click.Choice(DATASET_NAMES),
+                 help=_said("Dataset (mnist1d and digits are embedded)", "dataset")),
     click.option("--data-dir", type=click.Path(file_okay=False), help="Folder with dataset files (file-backed datasets)."),
-    click.option("--clients", type=int, help="Number of clients N."),
-    click.option("--partition", type=click.Choice(PARTITION_NAMES), help="How private data is split."),
-    click.option("--alpha", type=float, help="Dirichlet concentration."),
-    click.option("--shift-c", type=float, help="Covariate shift C of the covariate-shift partitions."),
+    click.option("--clients", type=int, help=_said("Number of clients N", "clients")),
+    click.option("--partition", type=click.Choice(PARTITION_NAMES), help=_said("How private data is split", "partition")),
+    click.option("--alpha", type=float, help=_said("Dirichlet concentration", "alpha")),
+    click.option("--shift-c", type=float, help=_said("Covariate shift C of the covariate-shift partitions", "shift_c")),
     click.option("--train-splits", type=click.Choice(TRAIN_SPLIT_NAMES),
                  help="cinic10, celeba: train on the train split (default) or on train+valid."),
     click.option("--celeba-attribute", help="celeba: the binary attribute to predict (default Smiling)."),
     click.option("--mnist1d-samples", type=click.IntRange(min=10),
                  help="mnist1d: samples to generate, train and test together (default 12000)."),
-    click.option("--samples-per-client", type=int, help="Private samples per client."),
-    click.option("--public-size", type=int, help="Unlabeled public rows |P|."),
-    click.option("--local-test-fraction", type=float, help="Share of each client's data kept as its local test split."),
-    click.option("--rounds", type=int, help="Rounds T."),
-    click.option("--tau", type=int, help="Local steps and transfer iterations per round."),
-    click.option("--seed", type=int, help="Seed driving data, models and sampling."),
+    click.option("--samples-per-client", type=int,
+                 help="Private samples per client (default: an equal share of the training data the public set leaves)."),
+    click.option("--public-size", type=int, help=_said("Unlabeled public rows |P|", "public_size")),
+    click.option("--local-test-fraction", type=float,
+                 help=_said("Share of each client's data kept as its local test split", "local_test_fraction")),
+    click.option("--rounds", type=int, help=_said("Rounds T", "rounds")),
+    click.option("--tau", type=int, help="Local steps and transfer iterations per round (default: the strategy's, 5 for fedal)."),
+    click.option("--seed", type=int, help=_said("Seed driving data, models and sampling", "seed")),
     click.option("--models", callback=_models, help="Comma-separated model names, assigned round-robin (default: the dataset's; "
                  f"its first alone for {', '.join(n for n, s in STRATEGIES.items() if s.homogeneous_models)})."),
-    click.option("--eval-every", type=int, help="Evaluate every k rounds."),
-    click.option("--threads", type=int, help="torch threads per process."),
+    click.option("--eval-every", type=int, help=_said("Evaluate every k rounds (and after the last)", "eval_every")),
+    click.option("--threads", type=int, help=_said("torch threads per process", "threads")),
     click.option("--dp-noise-multiplier", type=FiniteFloatRange(min=0, min_open=True),
                  help="Differential privacy: noise multiplier sigma of DP-SGD on the private data (docs/privacy.md)."),
     click.option("--dp-max-grad-norm", type=FiniteFloatRange(min=0, min_open=True),
@@ -70,10 +79,10 @@ def run_options(func):
 # the in-process transport's faults and execution: `fedal simulate` only (a deployment has real faults)
 FAULT_OPTIONS = [
     click.option("--dropout", type=FiniteFloatRange(0.0, 1.0, max_open=True),
-                 help="Each client misses each phase with this probability (seeded)."),
+                 help=_said("Each client misses each phase with this probability (seeded)", "dropout")),
     click.option("--stragglers", type=FiniteFloatRange(0.0, 1.0),
-                 help="This fraction of clients answers after the phase deadline every k-th phase."),
-    click.option("--straggle-every", type=click.IntRange(min=1), help="k for --stragglers (default 2)."),
+                 help=_said("This fraction of clients answers after the phase deadline every k-th phase", "stragglers")),
+    click.option("--straggle-every", type=click.IntRange(min=1), help=_said("k for --stragglers", "straggle_every")),
     click.option("--vectorize/--no-vectorize", default=None,
                  help="Run the clients of one architecture as one stacked model (every strategy; a group a "
                       "strategy cannot stack, e.g. models with BatchNorm, runs one by one). Default on; "

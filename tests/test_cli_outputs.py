@@ -244,3 +244,18 @@ def test_a_demo_agent_stopped_by_a_signal_it_handles_counts_though_it_exits_0(tm
         server.shutdown()
         server.server_close()
     assert err.value.message.startswith("agent c00 exited with status 0 before the run finished")
+
+
+@pytest.mark.parametrize("command", ["simulate", "demo"])
+def test_the_help_states_the_defaults_a_run_without_the_flag_takes(command):
+    """The defaults live in the run config (a TOML file may set any of them), so the flags have
+    none of their own; their help states the config's, which is what a run without them takes."""
+    text = " ".join(CliRunner().invoke(cli, [command, "--help"], terminal_width=400).output.split())
+    from fedal.sim import load_config
+
+    config = load_config(None, {})
+    for phrase in (f"Number of clients N (default {config.clients})", f"Rounds T (default {config.rounds})",
+                   f"Algorithm to run (default {config.strategy})", f"(default {config.dataset})",
+                   f"Unlabeled public rows |P| (default {config.public_size})", "5 for fedal"):
+        assert phrase in text, phrase
+    assert config.resolved().strategy_params.tau == 5 and config.strategy == "fedal"
