@@ -220,12 +220,13 @@ class RoundEngine:
         while state.pending:  # answered or declined, a client is no longer pending
             self.pump()
             now = self.transport.now()
-            # the quorum counts the clients that did not decline: the others will not answer
-            need = math.ceil(self.settings.quorum * (len(phase.tasks) - len(state.declined)))
-            if now >= deadline and (len(state.results) >= need or self.transport.exhausted()):
-                if len(state.results) < need:
-                    self.counters["quorum_missed"] += 1
-                break
+            if now >= deadline:
+                # the quorum counts the clients that did not decline: the others will not answer
+                need = math.ceil(self.settings.quorum * (len(phase.tasks) - len(state.declined)))
+                if len(state.results) >= need or self.transport.exhausted():
+                    if len(state.results) < need:
+                        self.counters["quorum_missed"] += 1
+                    break
             if now - last_resend >= self.settings.resend_s:
                 last_resend = now
                 for cid in sorted(state.pending):
