@@ -106,3 +106,15 @@ def test_cfd_public_rows_beyond_the_public_set_are_refused_not_clamped(tmp_path,
     # the config alone does not decide it: a deployment's public set may be a file of another size
     assert load_config(None, {"strategy": "cfd", "public_size": 1000,
                               "strategy_params": {"cfd_public_rows": 5000}}).strategy_params.cfd_public_rows == 5000
+
+
+def test_a_privacy_flag_alone_is_told_which_flags_set_the_missing_keys(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = run(tmp_path, "--dp-delta", "0.01")
+    assert r.exit_code == 2 and "privacy needs noise_multiplier or target_epsilon" in r.output
+    assert "--dp-noise-multiplier sets noise_multiplier" in r.output and "--dp-target-epsilon sets target_epsilon" in r.output
+    assert not list(tmp_path.iterdir())
+    (tmp_path / "run.toml").write_text("[strategy_params.privacy]\ndelta = 0.01\n")
+    from_file = run(tmp_path, "--config", "run.toml")  # no flag given: the config's own names alone
+    assert from_file.exit_code == 2 and "privacy needs noise_multiplier" in from_file.output
+    assert "--dp-" not in from_file.output

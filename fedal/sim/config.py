@@ -359,7 +359,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     try:
         return RunConfig(**data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
+        message = format_validation_error(exc)
+        if "strategy_params.privacy" in message and any(
+                k in PRIVACY_FLAGS and v is not None for k, v in (overrides or {}).items()):
+            # the privacy settings' own names, said in the flags that were given
+            message += " (as flags: " + ", ".join(
+                f"--{flag.replace('_', '-')} sets {key}" for flag, key in PRIVACY_FLAGS.items()) + ")"
+        raise ConfigError(message) from None
 
 
 DERIVED_FIELDS = ("models", "mnist1d_samples", "celeba_attribute")
