@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -291,9 +291,10 @@ class Run:
             engine.instance = stored.instance or ""
             self.started_at = stored.started_at
             self.finished_before = stored.finished_at if stored.state == "finished" else None
+            known = {f.name for f in fields(ClientInfo)}  # a field a later version added is left out
             for cid, info in stored.clients.items():
                 if cid in engine.clients:
-                    engine.clients[cid] = ClientInfo(**{**info, "online": False})
+                    engine.clients[cid] = ClientInfo(**{**{k: v for k, v in info.items() if k in known}, "online": False})
             engine.counters.update(stored.counters.get("counters", {}))
             engine.reject_reasons.update(stored.counters.get("rejects", {}))
             self.transport_before = Counter(stored.counters.get("transport", {}))

@@ -114,13 +114,16 @@ class MqttLink:
         and every health_every_s while connected."""
         assert self.health is not None  # started only with health reports on
         every = self.config.health_every_s
-        while not self.stopping.is_set():
-            woken = self.wake.is_set()
-            self.wake.clear()  # before looking: a connect from here on wakes the wait below
-            now, due = time.monotonic(), self.health_sent + every
-            if not (self.connected.is_set() and (woken or now >= due)):
+        reported = 0  # the connects a fresh sample has followed
+        while True:
+            self.wake.clear()  # first: whatever sets it from here on ends the wait below
+            if self.stopping.is_set():
+                return
+            connects, now, due = self.connects, time.monotonic(), self.health_sent + every
+            if not (self.connected.is_set() and (connects != reported or now >= due)):
                 self.wake.wait(due - now if now < due else every)  # disconnected and overdue: a connect reports
                 continue
+            reported = connects
             try:
                 health = self.health.sample()
             except Exception:  # a report is never worth the link
@@ -129,7 +132,7 @@ class MqttLink:
             self.health_sent = time.monotonic()
             if health is not None:
                 self.last_health = health
-            self._publish_online(health)
+            self._publish_online(self.last_health)  # a failed sample keeps the last report retained
 
     def _on_connect_fail(self, client, _userdata) -> None:
         log.warning("cannot connect to %s: %s; retrying with backoff", self.address.redacted(),

@@ -191,3 +191,20 @@ def test_an_output_whose_directory_takes_no_new_file_is_said_unwritable():
         assert unwritable(target) is None  # (as root it is)
     finally:
         shutil.rmtree(base)
+
+
+def test_a_stored_client_field_this_version_does_not_know_is_left_out_at_resume(unstarted_run):
+    """A store written by a later version (a rollback) may hold per-client fields this one lacks:
+    they are left out, the rest restored (it raised TypeError, and the run could not resume)."""
+    run = unstarted_run
+    run._resume()
+    run.store.save("race", {"config_hash": run.config_hash, "completed_rounds": 1, "epoch": 0, "instance": "i1",
+                            "started_at": 900.0, "state": "running"}, [],
+                   {"a": {"answered": 4, "declined": 2, "from_a_later_version": 1}}, run.server.state_dict())
+    again = Run(run.cfg)
+    try:
+        assert again._resume() == 1
+        assert again.engine.clients["a"].answered == 4 and again.engine.clients["a"].declined == 2
+        assert not again.engine.clients["a"].online
+    finally:
+        again.store.close()

@@ -390,3 +390,73 @@ def test_a_slow_health_sample_never_holds_the_connection(mosquitto, tmp_path):
     finally:
         link.stop()
         watcher.close()
+
+
+class RacyEvent(threading.Event):
+    """The link's wake event, letting another thread act right after the health thread's first
+    look at it (where a connect's or a stop's wake-up was once lost)."""
+
+    def __init__(self, between):
+        super().__init__()
+        self.between, self.armed = between, True
+
+    def _fire(self):
+        if self.armed and threading.current_thread().name == "fedal-health":
+            self.armed = False
+            self.between()
+
+    def is_set(self):
+        value = super().is_set()
+        self._fire()
+        return value
+
+    def clear(self):
+        super().clear()
+        self._fire()
+
+
+def offline_link(tmp_path: Path, wake_between) -> MqttLink:
+    """A link whose MQTT client is a recorder (never connected), counting its health samples."""
+    cfg = link_config(tmp_path, "mqtt://127.0.0.1:1", 3600, pi_tree(tmp_path / "root"))
+    link = MqttLink(cfg, queue.Queue())
+    link.samples = 0  # type: ignore[attr-defined]
+
+    def sample():
+        link.samples += 1  # type: ignore[attr-defined]
+        return {"ts": time.time(), "cpu_temp_c": 50.0}
+
+    link.health.sample = sample  # type: ignore[union-attr,method-assign]
+    link.client = SimpleNamespace(publish=lambda *a, **k: SimpleNamespace(wait_for_publish=lambda t: None),
+                                  subscribe=lambda *a: None, disconnect=lambda: None, loop_stop=lambda: None)
+    link.wake = RacyEvent(wake_between)
+    link.health_thread = threading.Thread(target=link._report_health, name="fedal-health", daemon=True)
+    return link
+
+
+def test_a_connect_racing_the_health_thread_still_gets_its_fresh_sample(tmp_path):
+    link = offline_link(tmp_path, lambda: link._on_connect(link.client, None, None, SimpleNamespace(is_failure=False),
+                                                           None))
+    link.connected.set()
+    link.health_sent = time.monotonic()  # the last sample was just taken: the periodic one is an hour away
+    link.health_thread.start()
+    try:
+        wait_until(lambda: link.samples == 1, 10, "the fresh sample after the connect")
+        assert link.connects == 1
+    finally:
+        link.stop()
+
+
+def test_a_stop_racing_the_health_thread_ends_it_at_once(tmp_path):
+    stopped: dict[str, float] = {}
+
+    def stop_now():
+        def run():
+            start = time.monotonic()
+            link.stop()
+            stopped["s"] = time.monotonic() - start
+        threading.Thread(target=run).start()
+        time.sleep(0.2)  # stop() has set `stopping` and the wake-up by now, and joins the thread
+    link = offline_link(tmp_path, stop_now)  # disconnected (the broker away): the thread would wait an hour
+    link.health_thread.start()
+    wait_until(lambda: "s" in stopped, 15, "stop() to return")
+    assert stopped["s"] < 5 and not link.health_thread.is_alive()

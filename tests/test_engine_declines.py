@@ -109,3 +109,38 @@ def test_a_decline_names_its_task_and_nothing_else():
     assert packet is not None and packet.message.meta == {"declined": "sat_out", "epoch": 2, "seq": 40}
     assert not packet.message.tensors
     assert declining(Message({"epoch": 2.0, "seq": 40}), "sat_out") is None  # no answer could name it
+
+
+def _phase_of(cids: list[str], name: str = "transfer") -> PhaseTasks:
+    return PhaseTasks(name, 1, 0, {c: Message({"phase": name, "round": 1, "iteration": 0}) for c in cids})
+
+
+def test_a_client_cannot_decline_a_task_it_was_not_sent():
+    """FedAvg's init phase lists one client: others declining it (by guessing its key) neither
+    count nor lower its quorum, so it waits for its client as before."""
+    engine, transport = _engine(quorum=0.5)
+    transport.queue.extend([_decline("pi-2"), _decline("pi-3"), _decline("pi-3")])
+    waited = transport.receive
+
+    def receive(timeout_s):
+        if transport.t > 300:  # five deadlines: it waits for pi-1, as documented
+            transport.queue.append(_result("pi-1", Message({"epoch": 0, "seq": 1})))
+        return waited(timeout_s)
+
+    transport.receive = receive  # type: ignore[method-assign]
+    state = engine.run_phase(_phase_of(["pi-1"], "init"))
+    assert set(state.results) == {"pi-1"} and not state.declined and transport.t > 300
+    assert engine.clients["pi-2"].rejected == 1 and engine.clients["pi-3"].rejected == 1
+    assert engine.clients["pi-3"].duplicates == 1  # its re-send: refused once, then a duplicate
+    assert engine.counters["declined"] == 0 and engine.clients["pi-1"].late == 0
+
+
+def test_a_re_sent_malformed_decline_is_rejected_once_and_a_decline_proves_the_client_online():
+    engine, transport = _engine(quorum=1.0)
+    bad = Message({"epoch": 0, "seq": 1, "declined": 7})
+    transport.queue.extend([_result("pi-1", bad), _result("pi-1", bad), _result("pi-1", bad), _decline("pi-1"),
+                            _decline("pi-2"), _result("pi-3", Message({"epoch": 0, "seq": 1}))])
+    assert not engine.clients["pi-1"].online
+    engine.run_phase(_phase())
+    assert engine.clients["pi-1"].rejected == 1 and engine.clients["pi-1"].duplicates == 2
+    assert engine.clients["pi-1"].declined == 1 and engine.clients["pi-1"].online

@@ -3,8 +3,9 @@
 Generic: it knows deadlines, quorum, re-sending, deduplication by (epoch, seq), validation,
 evaluation and accounting, never an algorithm and never a network. Each phase gets a sequence
 number (epoch, seq); the epoch grows with every coordinator start, so clients can tell a
-re-sent task from a stale one. A phase closes when every client answered, or at its deadline
-once the quorum answered; late clients are left out of that phase and rejoin with the next.
+re-sent task from a stale one. A phase closes when every client answered or declined, or at its
+deadline once the quorum of the clients that did not decline answered; late clients are left
+out of that phase and rejoin with the next.
 `fedal simulate` runs it over the in-process transport, the coordinator over MQTT.
 """
 
@@ -367,6 +368,10 @@ class RoundEngine:
                 self.counters["duplicates"] += 1
             return
         if "declined" in meta:
+            if cid not in cur.phase.tasks:  # only a task sent in this phase can be declined
+                cur.refused.setdefault(cid, set()).add(fingerprint or hashlib.sha256(encode(msg)).digest())
+                self.reject(cid, "declined a task it was not sent in this phase", "result")
+                return
             self._on_decline(cid, cur, msg)
             return
         sent, task = msg, cur.phase.tasks.get(cid)
@@ -404,6 +409,7 @@ class RoundEngine:
         answered instead of at its deadline (docs/protocol.md section 8)."""
         why = msg.meta["declined"]
         if not (isinstance(why, str) and 0 < len(why) <= MAX_DECLINE_REASON and why.isprintable()) or msg.tensors:
+            cur.refused.setdefault(cid, set()).add(hashlib.sha256(encode(msg)).digest())  # its re-send: a duplicate
             self.reject(cid, f"a declined task's reason must be 1 to {MAX_DECLINE_REASON} printable characters "
                              f"and come without tensors (got {str(why)[:MAX_DECLINE_REASON]!r}, "
                              f"{len(msg.tensors)} tensors)", "result")
@@ -415,6 +421,10 @@ class RoundEngine:
             info.declined += 1
             info.last_seen = time.time()
             self.counters["declined"] += 1
+            came_online = not info.online
+            info.online = True  # as a valid answer, a decline proves it is there
+        if came_online:
+            self.notify("client", client=cid, online=True)
         log.info("%s declined its %s task of round %d (iteration %d): %s", cid, cur.phase.phase, cur.phase.round + 1,
                  cur.phase.iteration, why)
 
