@@ -14,6 +14,7 @@ from fedal.protocol import MAX_MESSAGE_BYTES, BrokerSettings, topics
 from fedal.settings import load_settings
 from fedal.strict_fields import NoCoercion
 
+MIN_HEALTH_EVERY_S = 0.5  # a report more often would only load the broker (each is retained)
 
 class AgentBrokerSettings(BrokerSettings):
     reconnect_min_s: float = Field(1.0, gt=0)
@@ -48,7 +49,8 @@ class AgentConfig(BaseSettings, NoCoercion):
     )
     exit_on_finish: bool = True
     health_every_s: float = Field(60.0, ge=0, description="report the device's health (temperature, throttling, load, "
-                                  "memory, disk, versions) with the status on connecting and at most this often; 0: never")
+                                  "memory, disk, versions) with the status on connecting and at most this often "
+                                  f"(at least {MIN_HEALTH_EVERY_S} s: each report is a retained publish); 0: never")
     health_root: Path = Field(Path("/"), description="where /proc, /sys and /etc are read for the health report "
                               "(a container with the host's mounted elsewhere)")
 
@@ -56,6 +58,13 @@ class AgentConfig(BaseSettings, NoCoercion):
     @classmethod
     def _ids(cls, v: str) -> str:
         return topics.check_id(v)
+
+    @field_validator("health_every_s")
+    @classmethod
+    def _health_every(cls, v: float) -> float:
+        if 0 < v < MIN_HEALTH_EVERY_S:
+            raise ValueError(f"0 (no health reports) or at least {MIN_HEALTH_EVERY_S} s, not {v}")
+        return v
 
     @field_validator("model")
     @classmethod

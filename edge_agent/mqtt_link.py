@@ -120,8 +120,11 @@ class MqttLink:
             if self.stopping.is_set():
                 return
             connects, now, due = self.connects, time.monotonic(), self.health_sent + every
-            if not (self.connected.is_set() and (connects != reported or now >= due)):
-                self.wake.wait(due - now if now < due else every)  # disconnected and overdue: a connect reports
+            if not self.connected.is_set():
+                self.wake.wait()  # a connect or a stop wakes it: none is due while disconnected
+                continue
+            if connects == reported and now < due:
+                self.wake.wait(due - now)
                 continue
             reported = connects
             try:

@@ -460,3 +460,31 @@ def test_a_stop_racing_the_health_thread_ends_it_at_once(tmp_path):
     link.health_thread.start()
     wait_until(lambda: "s" in stopped, 15, "stop() to return")
     assert stopped["s"] < 5 and not link.health_thread.is_alive()
+
+
+def test_a_health_interval_below_the_floor_is_refused(tmp_path):
+    """Each report is a retained publish: an interval of a millisecond flooded the broker."""
+    root = pi_tree(tmp_path / "root")
+    with pytest.raises(ValueError, match="0 \\(no health reports\\) or at least 0.5 s"):
+        link_config(tmp_path, "mqtt://127.0.0.1:1", 0.001, root)
+    assert link_config(tmp_path, "mqtt://127.0.0.1:1", 0, root).health_every_s == 0
+    assert link_config(tmp_path, "mqtt://127.0.0.1:1", 0.5, root).health_every_s == 0.5
+
+
+def test_a_disconnected_health_thread_waits_for_a_connect_without_waking(tmp_path):
+    waits: list[float | None] = []
+
+    class CountingEvent(threading.Event):
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            return super().wait(timeout)
+
+    link = offline_link(tmp_path, lambda: None)
+    link.wake = CountingEvent()
+    link.health_thread.start()
+    time.sleep(0.5)
+    try:
+        assert waits == [None] and link.samples == 0  # one wait, no timeout: nothing is due while away
+    finally:
+        link.stop()
+    assert not link.health_thread.is_alive()

@@ -141,6 +141,9 @@ def test_a_re_sent_malformed_decline_is_rejected_once_and_a_decline_proves_the_c
     transport.queue.extend([_result("pi-1", bad), _result("pi-1", bad), _result("pi-1", bad), _decline("pi-1"),
                             _decline("pi-2"), _result("pi-3", Message({"epoch": 0, "seq": 1}))])
     assert not engine.clients["pi-1"].online
+    events: list[tuple[str, dict]] = []
+    engine.notify = lambda kind, **fields: events.append((kind, fields))
     engine.run_phase(_phase())
+    assert ("client", {"client": "pi-1", "online": True}) in events
     assert engine.clients["pi-1"].rejected == 1 and engine.clients["pi-1"].duplicates == 2
     assert engine.clients["pi-1"].declined == 1 and engine.clients["pi-1"].online
