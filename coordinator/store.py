@@ -75,7 +75,7 @@ metrics = Table(
 run_counters = Table(  # (a table of its own: an existing store gains it at open, no migration)
     "run_counters", metadata,
     Column("run_id", String(128), primary_key=True),
-    Column("counters", Text, nullable=False),  # JSON: {"counters": run-wide counters, "rejects": by reason}
+    Column("counters", Text, nullable=False),  # JSON: {"counters": run-wide, "rejects": by reason, "transport": the link's}
 )
 server_states = Table(
     "server_state", metadata,
@@ -98,7 +98,7 @@ class StoredRun:
     finished_at: float | None
     records: list[dict[str, Any]] = field(default_factory=list)
     clients: dict[str, dict[str, Any]] = field(default_factory=dict)
-    counters: dict[str, dict[str, int]] = field(default_factory=dict)  # as of its last save: counters, rejects
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)  # as of its last save: counters, rejects, transport
 
 
 def default_store_url(state_dir: Path) -> str:

@@ -16,6 +16,7 @@ from fedal.strict_fields import NoCoercion
 
 MIN_HEALTH_EVERY_S = 0.5  # a report more often would only load the broker (each is retained)
 
+
 class AgentBrokerSettings(BrokerSettings):
     reconnect_min_s: float = Field(1.0, gt=0)
     reconnect_max_s: float = Field(30.0, gt=0)
