@@ -423,6 +423,26 @@ def test_many_clients_rows_go_through_the_discriminator_in_chunks_with_the_same_
     assert torch.allclose(grads[0], grads[1], atol=1e-7, rtol=0)
 
 
+def test_the_discriminator_steps_adams_fused_kernel_with_adams_update():
+    """On a CPU the discriminator's Adam is torch's fused kernel (one kernel for all its tensors,
+    the cheaper step): the same update as torch's default Adam, to float rounding."""
+    server = toy_federation("fedal", n_clients=4, tau=1, disc_lr=1e-2)[0]
+    assert server.disc_opt.param_groups[0]["fused"] is True
+    start = copy.deepcopy(server.disc)
+    reference = copy.deepcopy(server.disc)
+    reference_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    torch.manual_seed(2)
+    rows, target = torch.randn(4 * 32, 4) * 3, torch.arange(4).repeat_interleave(32)
+    for _ in range(3):
+        server._discriminator_step(rows, target)
+        reference_opt.zero_grad()
+        F.cross_entropy(reference(discriminator_input(rows, server.params.temperature_disc)), target).backward()
+        reference_opt.step()
+    for a, b, w0 in zip(server.disc.parameters(), reference.parameters(), start.parameters()):
+        assert (a - w0).abs().max() > 1e-3  # three steps of lr 1e-2 moved every tensor
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), (a - b).abs().max().item()
+
+
 def test_train_mode_switches_only_a_model_not_all_in_train_mode(monkeypatch):
     """train_mode calls train() when some module is in eval mode (a submodule too), and not when
     every module already trains: a client calls it before each upload and training task."""
