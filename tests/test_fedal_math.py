@@ -167,24 +167,28 @@ def test_client_best_response_is_the_average():
     torch.testing.assert_close(p_n, others.mean(dim=0), atol=2e-3, rtol=0)
 
 
-def test_clients_answering_the_discriminator_move_toward_the_average():
-    """Lemma IV.3 on the toolkit's own halves (the test above is its algebra alone): with the
-    adversarial term only (no KD, no LF), clients stepping on a near-optimal discriminator's
-    per-sample gradients G_n move their outputs toward the clients' average; the spread of their
-    probabilities on the public rows falls. Were the sign of the client's vector-Jacobian product
-    or of G_n flipped, it would grow (0.47 -> 0.59 measured)."""
+def _spread_on_public_set(clients) -> float:
+    """How far the clients' probabilities on the whole public set lie from their mean."""
+    x = next(iter(clients.values())).public_x
+    with torch.no_grad():
+        probs = torch.stack([F.softmax(c.model(x), dim=1) for c in clients.values()])
+    return float((probs - probs.mean(0)).abs().sum(-1).mean())
+
+
+def _adversarial_only_transfer(gradient: str) -> float:
+    """A round with the adversarial term alone (no KD, no LF) on a near-optimal discriminator
+    (200 steps per iteration); the clients' spread on the public set at the end over that at the
+    transfer stage's start. `gradient`: the per-sample gradients G_n sent ("sent"), or zeros."""
     from fedal.strategies.discriminator import per_sample_adversarial_grad
 
-    torch.manual_seed(0)
     server, clients, params = toy_federation("fedal", n_clients=3, tau=12, lambda_kd=0.0, lambda_lf_loc=0.0,
-                                             lambda_lf_glo=0.0, lambda_adv=1.0, disc_lr=1e-2, lr=3e-2)
-    phase, spreads = server.begin_round(0), []
+                                             lambda_lf_glo=0.0, lambda_adv=1.0, disc_lr=1e-2, lr=1e-2)
+    phase, start = server.begin_round(0), None
     while phase is not None and phase.phase != "evaluate":
         results = {c: clients[c].handle(t) for c, t in phase.tasks.items()}
+        if phase.phase == "local_train":
+            start = _spread_on_public_set(clients)
         ups = {c: torch.from_numpy(m.tensors["logits"]) for c, m in results.items() if "logits" in m.tensors}
-        if ups:
-            probs = torch.stack([F.softmax(f, dim=1) for f in ups.values()])
-            spreads.append(float((probs - probs.mean(0)).abs().sum(-1).mean()))
         phase = server.collect(phase, results)
         if phase is not None and phase.phase == "transfer" and ups:  # the discriminator near its optimum
             rows = torch.cat(list(ups.values()))
@@ -193,10 +197,22 @@ def test_clients_answering_the_discriminator_move_toward_the_average():
                 server._discriminator_step(rows, target)
             for c, task in phase.tasks.items():
                 index = torch.full((len(ups[c]),), server.client_index[c])
-                task.tensors["grad"] = per_sample_adversarial_grad(server.disc, ups[c], index,
-                                                                   params.temperature_disc).numpy()
-    assert len(spreads) == 12
-    assert np.mean(spreads[-3:]) < 0.9 * spreads[0], spreads
+                g = per_sample_adversarial_grad(server.disc, ups[c], index, params.temperature_disc)
+                task.tensors["grad"] = (g if gradient == "sent" else torch.zeros_like(g)).numpy()
+    assert start is not None
+    return _spread_on_public_set(clients) / start
+
+
+def test_clients_answering_the_discriminator_move_toward_the_average():
+    """Lemma IV.3 on the toolkit's own halves (the test above is its algebra alone): with the
+    adversarial term only (no KD, no LF), clients stepping on a near-optimal discriminator's
+    per-sample gradients G_n move their outputs toward the clients' average: the spread of their
+    probabilities on the public set falls (to 0.75x measured), where without the gradients
+    (Adam's momentum from local training going on) it grows (1.37x), as it does with G_n's sign
+    flipped (1.38x). Measured on the whole public set, not on each iteration's rows, so the
+    rounding of one kernel or another does not move it (0.75-0.76 with either Adam kernel)."""
+    assert _adversarial_only_transfer("sent") < 0.9
+    assert _adversarial_only_transfer("zeros") > 1.1
 
 
 def test_kl_gradient_closed_form():
