@@ -30,6 +30,7 @@ def coordinator_cmd(config_path: str, log_level: str) -> None:
     check_files(config)
     warn_if_secrets_exposed(config_path)
     warn_if_weak_token(config)
+    warn_if_reads_open(config)
     from coordinator.store import StoreError
     from fedal.workspace import WorkspaceError, locked
 
@@ -128,6 +129,32 @@ def warn_if_weak_token(config) -> None:
             "api.token has %d characters: use at least %d random ones (e.g. `python -c \"import secrets; "
             "print(secrets.token_urlsafe(24))\"`); anyone who guesses it can stop and create runs",
             len(token), MIN_TOKEN_CHARS)
+
+
+def warn_if_reads_open(config) -> None:
+    """Reads open to the network tell anyone on it the fleet's client ids and each device's
+    software versions (what to aim an exploit at), temperatures and memory; on loopback only
+    this machine sees them."""
+    api = config.api
+    if api.read_requires_token or is_loopback(api.host):
+        return
+    logging.getLogger("coordinator").warning(
+        "the API listens on %s and its reads are open: run and client ids, each device's software versions "
+        "and health, /metrics and the event stream, to anyone who reaches port %d; set [api] "
+        "read_requires_token = true (the dashboard then asks for the token; a Prometheus scrape sends it "
+        "as `authorization: {credentials: TOKEN}`)", api.host, api.port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or name the API binds to) is this machine's loopback only."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any interface
 
 
 def main() -> int:

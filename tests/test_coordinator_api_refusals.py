@@ -56,6 +56,22 @@ def test_a_short_token_is_warned_of_at_start(tmp_path, caplog):
     assert "api.token" not in caplog.text
 
 
+@pytest.mark.parametrize("host, reads_token, warned", [
+    ("0.0.0.0", False, True), ("192.168.1.10", False, True), ("coordinator.lan", False, True), ("::", False, True),
+    ("0.0.0.0", True, False), ("127.0.0.1", False, False), ("127.0.0.2", False, False), ("::1", False, False),
+    ("localhost", False, False)])
+def test_reads_open_beyond_loopback_are_warned_of_at_start(tmp_path, caplog, host, reads_token, warned):
+    from coordinator.cli import warn_if_reads_open
+
+    caplog.set_level(logging.WARNING, logger="coordinator")
+    warn_if_reads_open(load_coordinator_config(None, state_dir=tmp_path / "state",
+                                               api={"host": host, "port": 8123, "read_requires_token": reads_token}))
+    said = f"the API listens on {host} and its reads are open"
+    assert (said in caplog.text) is warned, caplog.text
+    if warned:
+        assert "port 8123" in caplog.text and "read_requires_token = true" in caplog.text
+
+
 def test_refusal_logs_cannot_be_forged_or_flood_the_log(tmp_path, caplog):
     runs = RunManager(load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": TOKEN}))
     api = TestClient(create_app(runs), raise_server_exceptions=False)
