@@ -139,22 +139,23 @@ def warn_if_reads_open(config) -> None:
     if api.read_requires_token or is_loopback(api.host):
         return
     logging.getLogger("coordinator").warning(
-        "the API listens on %s and its reads are open: run and client ids, each device's software versions "
+        "the API listens on %s and its reads are open: the run's client ids, each device's software versions "
         "and health, /metrics and the event stream, to anyone who reaches port %d; set [api] "
         "read_requires_token = true (the dashboard then asks for the token; a Prometheus scrape sends it "
         "as `authorization: {credentials: TOKEN}`)", api.host, api.port)
 
 
 def is_loopback(host: str) -> bool:
-    """Whether `host` (an address or name the API binds to) is this machine's loopback only."""
+    """Whether the API bound to `host` listens on this machine's loopback only: every address
+    the name resolves to (as check_port binds it) is a loopback one. Unresolvable: False."""
     import ipaddress
 
-    if host.lower() == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve to any interface
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
+        return False
+    addresses = {info[4][0].split("%")[0] for info in infos}
+    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
 
 
 def main() -> int:

@@ -210,9 +210,12 @@ def test_clients_answering_the_discriminator_move_toward_the_average():
     probabilities on the public set falls (to 0.75x measured), where without the gradients
     (Adam's momentum from local training going on) it grows (1.37x), as it does with G_n's sign
     flipped (1.38x). Measured on the whole public set, not on each iteration's rows, so the
-    rounding of one kernel or another does not move it (0.75-0.76 with either Adam kernel)."""
-    assert _adversarial_only_transfer("sent") < 0.9
-    assert _adversarial_only_transfer("zeros") > 1.1
+    rounding of one kernel or another does not move it (0.75-0.76 with either Adam kernel).
+    Without momentum carried into the transfer stage the zeroed run would stay at 1.0: the
+    bound against it is relative for that reason."""
+    sent = _adversarial_only_transfer("sent")
+    assert sent < 0.9  # the spread falls
+    assert sent < 0.8 * _adversarial_only_transfer("zeros")  # and the gradients are what makes it fall
 
 
 def test_kl_gradient_closed_form():
