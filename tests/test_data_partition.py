@@ -92,7 +92,9 @@ def test_smaller_alpha_more_skew_per_client():
         return np.mean([max_share(labels, dirichlet_per_client(
             labels, 10, alpha, 100, np.random.default_rng(s))).mean() for s in range(5)])
     low, high = skew(0.1), skew(100.0)
-    assert low > 0.6 and high < 0.25 and low > high + 0.3
+    # low is 0.64 for these seeds, and 0.645 +- 0.025 over other draws: the bound leaves room for
+    # a change in how the partition draws (the comparison with high is the point)
+    assert low > 0.5 and high < 0.25 and low > high + 0.3
 
 
 def test_smaller_beta_more_skew_per_class():

@@ -206,16 +206,14 @@ def _adversarial_only_transfer(gradient: str) -> float:
 def test_clients_answering_the_discriminator_move_toward_the_average():
     """Lemma IV.3 on the toolkit's own halves (the test above is its algebra alone): with the
     adversarial term only (no KD, no LF), clients stepping on a near-optimal discriminator's
-    per-sample gradients G_n move their outputs toward the clients' average: the spread of their
-    probabilities on the public set falls (to 0.75x measured), where without the gradients
-    (Adam's momentum from local training going on) it grows (1.37x), as it does with G_n's sign
-    flipped (1.38x). Measured on the whole public set, not on each iteration's rows, so the
-    rounding of one kernel or another does not move it (0.75-0.76 with either Adam kernel).
-    Without momentum carried into the transfer stage the zeroed run would stay at 1.0: the
-    bound against it is relative for that reason."""
-    sent = _adversarial_only_transfer("sent")
-    assert sent < 0.9  # the spread falls
-    assert sent < 0.8 * _adversarial_only_transfer("zeros")  # and the gradients are what makes it fall
+    per-sample gradients G_n move their outputs toward the clients' average. Their spread on the
+    public set (the whole set, not each iteration's rows) ends well below where the same round
+    ends with the gradients zeroed: 0.75 against 1.37 of its start here (0.55x; at most 0.73x
+    over twelve federations' seeds and three sets of CPU kernels), while with G_n's sign flipped
+    it ends at 1.38, as high as without. Compared with the zeroed round, not with a fixed bound:
+    on its own the spread's fall depends on the seed (0.75-0.96), and without Adam's momentum
+    carried into the transfer stage the zeroed round would end at 1.0."""
+    assert _adversarial_only_transfer("sent") < 0.8 * _adversarial_only_transfer("zeros")
 
 
 def test_kl_gradient_closed_form():
