@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.config import RunSpec
 from coordinator.dashboard import STATIC_DIR
-from coordinator.events import CLOSED, sse_format
+from coordinator.events import CLOSED, TooManySubscribers, sse_format
 from coordinator.metrics import registry_for
 from coordinator.run import Run
 from coordinator.runs import InvalidRunSpec, RunConflict, RunManager, ShuttingDown
@@ -264,8 +264,16 @@ def create_app(runs: RunManager | Run) -> FastAPI:
     @app.get("/api/v1/events", dependencies=reads)
     async def events(request: Request) -> StreamingResponse:
         """Server-Sent Events: run, round, phase and client events as they happen. The stream
-        ends when the client leaves or when the coordinator shuts down (the event hub is closed)."""
-        subscription = runs.events.subscribe()
+        ends when the client leaves or when the coordinator shuts down (the event hub is closed).
+        At most api.max_event_streams at once: each holds a queue and a task for as long as it is
+        open, so an unbounded number of idle connections would cost without limit."""
+        try:
+            subscription = runs.events.subscribe(limit=api.max_event_streams)
+        except TooManySubscribers as exc:
+            detail = (f"{exc.args[0]} event streams are open, as many as api.max_event_streams allows: "
+                      "poll the read endpoints, or try again later")
+            runs.refused(503, request.method, request.url.path, _client_host(request), detail)
+            raise HTTPException(status_code=503, detail=detail, headers={"Retry-After": str(STREAM_RETRY_AFTER_S)}) from None
 
         async def stream():
             try:
@@ -308,6 +316,7 @@ def create_app(runs: RunManager | Run) -> FastAPI:
 STOP_WAIT_S = 10.0  # how long a stop request waits for the run to reach `stopped` before it answers
 KEEP_ALIVE_S = 1.0  # an event stream with nothing to say sends a comment this often
 EVENT_POLL_S = 0.05
+STREAM_RETRY_AFTER_S = 30  # a refused event stream's Retry-After
 
 
 async def next_event(subscription: queue.Queue, timeout_s: float) -> dict[str, Any] | None:

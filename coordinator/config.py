@@ -34,6 +34,8 @@ class ApiSettings(NoCoercion):
     token: str | None = Field(None, description="bearer token for write endpoints (pause, resume, stop); none: writes refused")
     read_requires_token: bool = Field(False, description="require the token for reads too (the public set stays open to agents)")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="larger request bodies are refused (413) before they are read")
+    max_event_streams: int = Field(100, ge=1, le=100_000, description="live event streams (/api/v1/events) open at "
+                                   "once; more are refused (503: the dashboard then polls)")
 
     @field_validator("token")
     @classmethod

@@ -19,6 +19,10 @@ from typing import Any
 CLOSED: dict[str, Any] = {"type": "_closed"}  # what a subscriber reads once the hub is closed (compare with `is`)
 
 
+class TooManySubscribers(Exception):
+    """The hub holds as many subscribers as it may (each one an open stream: a queue and a task)."""
+
+
 class EventHub:
     def __init__(self, max_queue: int = 1000):
         self.max_queue = max_queue
@@ -39,13 +43,17 @@ class EventHub:
             for q in self._subscribers:
                 _put(q, event)
 
-    def subscribe(self) -> queue.Queue:
-        """A new subscriber's queue; on a closed hub it holds CLOSED alone."""
+    def subscribe(self, limit: int | None = None) -> queue.Queue:
+        """A new subscriber's queue; on a closed hub it holds CLOSED alone. TooManySubscribers
+        where `limit` subscribers are there already (counted under the lock: two at once cannot
+        both take the last place)."""
         q: queue.Queue = queue.Queue(maxsize=self.max_queue)
         with self._lock:
             if self._closed:
                 q.put_nowait(CLOSED)
                 return q
+            if limit is not None and len(self._subscribers) >= limit:
+                raise TooManySubscribers(len(self._subscribers))
             self._subscribers.add(q)
         return q
 
