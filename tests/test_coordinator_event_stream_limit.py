@@ -6,35 +6,22 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 
 import httpx
-import uvicorn
 
-from coordinator.app import create_app
 from coordinator.config import load_coordinator_config
 from coordinator.runs import RunManager
-from tests.waiting import free_port, wait_until
+from tests.event_streams import open_stream, serving
+from tests.waiting import wait_until
 
 LIMIT = 3
 
 
-def open_stream(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(b"GET /api/v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/event-stream\r\n\r\n")
-    return sock
-
-
 def test_one_stream_past_the_limit_is_refused_and_a_closed_one_frees_its_place(tmp_path):
     runs = RunManager(load_coordinator_config(None, state_dir=tmp_path / "state", api={"max_event_streams": LIMIT}))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(runs), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     streams: list[socket.socket] = []
-    try:
-        wait_until(lambda: server.started, timeout_s=30, what="the API to listen")
-        streams = [open_stream(port) for _ in range(LIMIT)]
+    with serving(runs, streams) as port:
+        streams += [open_stream(port) for _ in range(LIMIT)]
         wait_until(lambda: len(runs.events._subscribers) == LIMIT, timeout_s=30, what="every stream subscribed")
         base = f"http://127.0.0.1:{port}"
         with httpx.stream("GET", f"{base}/api/v1/events", timeout=10) as refused:  # a stream would never end
@@ -49,10 +36,3 @@ def test_one_stream_past_the_limit_is_refused_and_a_closed_one_frees_its_place(t
         streams.append(open_stream(port))
         wait_until(lambda: len(runs.events._subscribers) == LIMIT, timeout_s=30, what="a new stream in its place")
         assert httpx.get(f"{base}/healthz", timeout=10).status_code == 200
-    finally:
-        for sock in streams:
-            sock.close()
-        runs.events.close()
-        server.should_exit = True
-        thread.join(timeout=15)
-        runs.store.close()
