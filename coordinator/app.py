@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from coordinator.config import RunSpec
 from coordinator.dashboard import STATIC_DIR
 from coordinator.events import CLOSED, TooManySubscribers, sse_format
+from coordinator.hosts import AnyHost, allowed_hosts, host_allowed, host_name
 from coordinator.metrics import registry_for
 from coordinator.run import Run
 from coordinator.runs import InvalidRunSpec, RunConflict, RunManager, ShuttingDown
@@ -52,15 +53,18 @@ def auth_failure(header: str | bytes | None, token: str | None) -> tuple[int, st
 class RequestGuard:
     """Pure ASGI middleware in front of every route, so nothing reads a body it should not.
 
-    A write (any method but GET, HEAD, OPTIONS) without the right bearer token is answered
+    A request whose Host header names none of `allowed` is answered 400 (coordinator/hosts.py:
+    a page of another site reading an API on loopback through DNS rebinding). A write (any
+    method but GET, HEAD, OPTIONS) without the right bearer token is answered
     401/403 from its headers alone: its body is never received. A body above max_body_bytes is
     answered 413: at once when Content-Length says so, else as soon as the bytes counted while
     receiving pass it (a chunked body has no Content-Length). A body within the limit is
     received here and handed on whole."""
 
-    def __init__(self, app, token: str | None, max_body_bytes: int, on_refused=None):
+    def __init__(self, app, token: str | None, max_body_bytes: int, allowed: set[str] | AnyHost, on_refused=None):
         self.app = app
         self.token = token
+        self.allowed = allowed
         self.max_body_bytes = max_body_bytes
         self.on_refused = on_refused or (lambda *_args: None)  # (status, method, path, client, detail)
 
@@ -73,6 +77,13 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
+        name = host_name(headers.get(b"host"))
+        if not host_allowed(name, self.allowed):
+            detail = (f"Host {name!r} is not a name this API answers to (api.allowed_hosts)" if name
+                      else "a request needs a valid Host header")
+            self._refuse(scope, 400, detail)
+            await _answer(send, 400, detail)
+            return
         if scope["method"] not in READ_METHODS:
             failure = auth_failure(headers.get(b"authorization"), self.token)
             if failure is not None:
@@ -309,7 +320,8 @@ def create_app(runs: RunManager | Run) -> FastAPI:
         return RedirectResponse("/dashboard/")
 
     app.mount("/dashboard", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
-    app.add_middleware(RequestGuard, token=token, max_body_bytes=api.max_body_bytes, on_refused=runs.refused)
+    app.add_middleware(RequestGuard, token=token, max_body_bytes=api.max_body_bytes,
+                       allowed=allowed_hosts(api.host, api.public_base_url, api.allowed_hosts), on_refused=runs.refused)
     return app
 
 

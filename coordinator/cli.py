@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from coordinator.hosts import is_loopback
 from fedal.owned import ForeignFile, check_replaceable, is_results, unwritable
 from fedal.settings import SettingsError, exposed_secrets
 
@@ -143,19 +144,6 @@ def warn_if_reads_open(config) -> None:
         "and health, /metrics and the event stream, to anyone who reaches port %d; set [api] "
         "read_requires_token = true (the dashboard then asks for the token; a Prometheus scrape sends it "
         "as `authorization: {credentials: TOKEN}`)", api.host, api.port)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether the API bound to `host` listens on this machine's loopback only: every address
-    the name resolves to (as check_port binds it) is a loopback one. Unresolvable: False."""
-    import ipaddress
-
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (OSError, UnicodeError):
-        return False
-    addresses = {info[4][0].split("%")[0] for info in infos}
-    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
 
 
 def main() -> int:

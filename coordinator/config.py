@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from coordinator.hosts import check_host_pattern
 from fedal.engine.health import HealthLimits
 from fedal.engine.settings import PhaseSettings
 from fedal.protocol import MAX_MESSAGE_BYTES, BrokerSettings, topics
@@ -36,6 +37,15 @@ class ApiSettings(NoCoercion):
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="larger request bodies are refused (413) before they are read")
     max_event_streams: int = Field(100, ge=1, le=100_000, description="live event streams (/api/v1/events) open at "
                                    "once; more are refused (503: the dashboard then polls)")
+    allowed_hosts: list[str] | None = Field(
+        None, description="names the Host header may carry (IP addresses always may), `*` for any, `*.example.org` "
+        "for its subdomains; none: on a loopback host, localhost, the host itself and public_base_url's name "
+        "(a guard against DNS rebinding), elsewhere any")
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_patterns(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else [check_host_pattern(p) for p in v]
 
     @field_validator("token")
     @classmethod

@@ -115,8 +115,9 @@ class RunCollector(Collector):
         yield flags
         yield from (g for g in (epsilon, exhausted) if g.samples)
         yield versions
-        refused = CounterMetricFamily("fedal_api_refused_requests", "API requests refused, by HTTP status (401, 403: "
-                                      "no or a wrong token; 413: body too large; 422: invalid; 503: too many event streams)",
+        refused = CounterMetricFamily("fedal_api_refused_requests", "API requests refused, by HTTP status (400: a Host "
+                                      "name it does not answer to; 401, 403: no or a wrong token; "
+                                      "413: body too large; 422: invalid; 503: too many event streams)",
                                       labels=["status"])
         for status, count in sorted(dict(self.runs.refused_requests).items()):
             refused.add_metric([str(status)], count)

@@ -54,7 +54,7 @@ class RunManager:
         self.unrestored: dict[str, str] = {}
         self._unrestored_views: dict[str, dict[str, Any]] = {}
         self.creating: set[str] = set()  # ids of runs being built by create(), outside the lock
-        self.refused_requests: Counter[int] = Counter()  # API requests refused, by HTTP status (401, 403, 413, 422, 503)
+        self.refused_requests: Counter[int] = Counter()  # API requests refused, by HTTP status (400, 401, 403, 413, 422, 503)
         self.refusal_log = RateLimitedLog(log, "refused requests")
         self.threads: dict[str, threading.Thread] = {}
         self.lock = threading.RLock()

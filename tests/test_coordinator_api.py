@@ -8,7 +8,6 @@ import urllib.request
 
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.app import create_app
@@ -17,6 +16,7 @@ from coordinator.run import Run
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment, get
 from tests.helpers import per_client
+from tests.local_api import local_client
 
 
 @pytest.fixture()
@@ -36,7 +36,7 @@ def metric_values(text: str) -> dict[tuple[str, tuple], float]:
 
 
 def test_endpoints_before_the_run_starts(engine):
-    client = TestClient(create_app(engine))
+    client = local_client(engine)
     assert client.get("/healthz").json() == {"status": "ok", "broker_connected": False, "runs": {"unit": "pending"}}
     head = client.head("/healthz")  # what uptime checkers send: 200, no body
     assert head.status_code == 200 and head.content == b""
@@ -128,7 +128,7 @@ def guarded(tmp_path):
 
 
 def test_write_endpoints_need_the_token(guarded, engine):
-    client = TestClient(create_app(guarded))
+    client = local_client(guarded)
     assert client.post("/api/v1/runs/unit/pause").status_code == 401
     assert client.post("/api/v1/runs/unit/pause", headers={"Authorization": "Bearer nope"}).status_code == 403
     ok = client.post("/api/v1/runs/unit/stop", headers={"Authorization": "Bearer s3cret"})
@@ -140,7 +140,7 @@ def test_write_endpoints_need_the_token(guarded, engine):
     assert client.get("/metrics").status_code == 401
     assert client.get("/healthz").status_code == 200 and client.get("/api/v1/runs/unit/public").status_code == 200
     # without a configured token, writes are off altogether
-    open_client = TestClient(create_app(engine))
+    open_client = local_client(engine)
     assert open_client.post("/api/v1/runs/unit/stop", headers={"Authorization": "Bearer anything"}).status_code == 403
     assert open_client.get("/api/v1/runs").status_code == 200
 

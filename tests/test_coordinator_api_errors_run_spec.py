@@ -11,13 +11,12 @@ import httpx
 import numpy as np
 import pytest
 import tomli_w
-from fastapi.testclient import TestClient
 
-from coordinator.app import create_app
 from coordinator.config import MAX_DISCRIMINATOR_PARAMS, RunSpec, discriminator_params, load_coordinator_config
 from coordinator.runs import RunManager
 from fedal.settings import SettingsError
 from fedal_cli.demo import spawn, terminate
+from tests.local_api import local_client
 from tests.waiting import free_port, wait_for_port, wait_until
 
 TOKEN = "tok"
@@ -63,7 +62,7 @@ def disc(hidden: list[int]) -> dict:
 def client(tmp_path):
     cfg = load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": TOKEN})
     runs = RunManager(cfg)
-    yield TestClient(create_app(runs), raise_server_exceptions=False), runs, tmp_path / "state"
+    yield local_client(runs, raise_server_exceptions=False), runs, tmp_path / "state"
     runs.store.close()
 
 

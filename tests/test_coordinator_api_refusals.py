@@ -7,12 +7,11 @@ from __future__ import annotations
 import logging
 
 import pytest
-from fastapi.testclient import TestClient
 
-from coordinator.app import create_app
 from coordinator.config import load_coordinator_config
 from coordinator.runs import RunManager
 from fedal.settings import SettingsError
+from tests.local_api import local_client
 
 TOKEN = "tok"
 
@@ -20,7 +19,7 @@ TOKEN = "tok"
 def test_refused_requests_are_logged_and_counted(tmp_path, caplog):
     runs = RunManager(load_coordinator_config(None, state_dir=tmp_path / "state",
                                               api={"token": TOKEN, "max_body_bytes": 2048}))
-    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    api = local_client(runs, raise_server_exceptions=False)
     caplog.set_level(logging.WARNING, logger="coordinator.runs")
     assert api.post("/api/v1/runs/x/stop").status_code == 401
     assert api.post("/api/v1/runs/x/stop", headers={"Authorization": "Bearer guess"}).status_code == 403
@@ -74,7 +73,7 @@ def test_reads_open_beyond_loopback_are_warned_of_at_start(tmp_path, caplog, hos
 
 def test_refusal_logs_cannot_be_forged_or_flood_the_log(tmp_path, caplog):
     runs = RunManager(load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": TOKEN}))
-    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    api = local_client(runs, raise_server_exceptions=False)
     caplog.set_level(logging.WARNING, logger="coordinator.runs")
     assert api.post("/api/v1/runs/x%0AINFO%20forged/stop").status_code == 401
     first = next(r.getMessage() for r in caplog.records if "API: refused" in r.getMessage())
@@ -95,7 +94,7 @@ def test_head_answers_where_get_does(tmp_path):
     state.mkdir()
     np.savez(state / "public.npz", x=np.zeros((4, 3), np.float32))
     runs = RunManager(load_coordinator_config(None, state_dir=state, api={"token": TOKEN}))
-    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    api = local_client(runs, raise_server_exceptions=False)
     body = {"run_id": "r", "client_ids": ["a", "b"], "public_file": str(state / "public.npz"),
             "run": {"strategy": "fedmd", "dataset": "digits"}}
     assert api.post("/api/v1/runs", json=body, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 201

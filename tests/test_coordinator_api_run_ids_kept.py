@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from coordinator.app import create_app
 from coordinator.config import load_coordinator_config
 from coordinator.runs import RunManager
+from tests.local_api import local_client
 
 TOKEN = "tok"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -58,7 +58,7 @@ def test_a_stored_run_a_restart_cannot_bring_back_stays_failed_and_keeps_its_id_
     state.mkdir()
     np.savez(state / "public.npz", x=np.random.default_rng(0).random((40, 64), dtype=np.float32))
     runs = manager(state)
-    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    api = local_client(runs, raise_server_exceptions=False)
     assert api.post("/api/v1/runs", json=spec("r2", public_file=str(state / "public.npz")), headers=AUTH).status_code == 201
     records = [{"round": r, "mean_acc": 0.5} for r in (1, 2, 3)]
     runs.store.save("r2", {"completed_rounds": 3, "state": "stopped"}, records, {})
@@ -67,7 +67,7 @@ def test_a_stored_run_a_restart_cannot_bring_back_stays_failed_and_keeps_its_id_
 
     runs = manager(state)
     runs.restore()
-    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    api = local_client(runs, raise_server_exceptions=False)
     try:
         run = api.get("/api/v1/runs/r2").json()
         assert run["state"] == "failed" and "public.npz" in run["error"] and run["completed_rounds"] == 3
@@ -84,7 +84,7 @@ def test_a_stored_run_a_restart_cannot_bring_back_stays_failed_and_keeps_its_id_
 
 def test_a_run_being_created_holds_its_id_and_reads_go_on_meanwhile(tmp_path, monkeypatch):
     runs = manager(tmp_path / "state")
-    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    api = local_client(runs, raise_server_exceptions=False)
     building, release = held_builds(monkeypatch)
     creator, answers = create_in_background(api, "big")
     try:
@@ -105,7 +105,7 @@ def test_a_run_being_created_holds_its_id_and_reads_go_on_meanwhile(tmp_path, mo
 @pytest.mark.parametrize("body", [spec(".."), spec("."), {**spec("ok"), "client_ids": ["pi-1", ".."]}])
 def test_ids_made_only_of_dots_are_refused(tmp_path, body):
     runs = manager(tmp_path / "state")
-    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    api = local_client(runs, raise_server_exceptions=False)
     resp = api.post("/api/v1/runs", json=body, headers=AUTH)
     assert resp.status_code == 422 and "not only dots" in resp.text, resp.text
     assert runs.store.run_ids() == []
@@ -120,7 +120,7 @@ def test_ids_made_only_of_dots_are_refused(tmp_path, body):
 ])
 def test_non_finite_numbers_in_a_body_are_a_422(tmp_path, text, where):
     runs = manager(tmp_path / "state")
-    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    api = local_client(runs, raise_server_exceptions=False)
     body = '{"run_id": "x1", "client_ids": ["a", "b"], "run": {"strategy": "fedmd", "dataset": "digits", ' + text + "}}"
     resp = api.post("/api/v1/runs", content=body, headers={**AUTH, "Content-Type": "application/json"})
     assert resp.status_code == 422, (resp.status_code, resp.text)
@@ -133,7 +133,7 @@ def test_non_finite_numbers_in_a_body_are_a_422(tmp_path, text, where):
 def test_a_run_created_while_the_coordinator_stops_is_never_started(tmp_path, monkeypatch):
     runs = manager(tmp_path / "state")
     runs.start()
-    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    api = local_client(runs, raise_server_exceptions=False)
     building, release = held_builds(monkeypatch)
     creator, answers = create_in_background(api, "late")
     assert building.wait(30)
@@ -148,7 +148,7 @@ def test_a_run_created_while_the_coordinator_stops_is_never_started(tmp_path, mo
 def test_runs_are_built_one_at_a_time(tmp_path, monkeypatch):
     """Building a run's server seeds torch's global generator: two builds at once could mix them."""
     runs = manager(tmp_path / "state")
-    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    api = local_client(runs, raise_server_exceptions=False)
     real = RunManager._new_run
     order: list[str] = []
 
@@ -178,7 +178,7 @@ def test_a_stored_spec_of_any_shape_never_breaks_the_run_list(tmp_path):
     runs.store.close()
     runs = manager(state)
     runs.restore()
-    api = TestClient(create_app(runs), raise_server_exceptions=False)
+    api = local_client(runs, raise_server_exceptions=False)
     listing = api.get("/api/v1/runs")
     assert listing.status_code == 200 and [(r["run_id"], r["state"]) for r in listing.json()] == [("odd", "failed")]
     runs.store.close()
@@ -199,7 +199,7 @@ def test_a_stored_run_whose_data_dir_the_rules_now_refuse_is_not_restored(tmp_pa
     runs = manager(state)
     runs.restore()
     try:
-        api = TestClient(create_app(runs), raise_server_exceptions=False)
+        api = local_client(runs, raise_server_exceptions=False)
         run = api.get("/api/v1/runs/old").json()
         assert run["state"] == "failed" and "run.data_dir must lie inside" in run["error"]
         assert "old" not in runs.by_id

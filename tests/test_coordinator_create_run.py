@@ -12,15 +12,14 @@ import httpx
 import numpy as np
 import pytest
 import tomli_w
-from fastapi.testclient import TestClient
 
-from coordinator.app import create_app
 from coordinator.config import load_coordinator_config
 from coordinator.runs import RunManager
 from fedal.data import content_hash, public_set
 from fedal.sim import load_config, simulate
 from tests.deployment import Deployment
 from tests.helpers import per_client
+from tests.local_api import local_client
 from tests.waiting import wait_for_port, wait_until
 
 SPEC = {"run_id": "api-run", "client_ids": ["pi-1", "pi-2"],
@@ -31,7 +30,7 @@ SPEC = {"run_id": "api-run", "client_ids": ["pi-1", "pi-2"],
 def client(tmp_path):
     cfg = load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": "tok"})
     runs = RunManager(cfg)
-    yield TestClient(create_app(runs)), runs, tmp_path
+    yield local_client(runs), runs, tmp_path
     runs.store.close()
 
 

@@ -11,14 +11,13 @@ import time
 
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
 
-from coordinator.app import create_app
 from coordinator.config import load_coordinator_config
 from coordinator.run import Run
 from coordinator.runs import RunManager
 from fedal.engine import RoundEngine
 from fedal.sim import load_config, simulate
+from tests.local_api import local_client
 from tests.test_coordinator_api import engine, metric_values  # noqa: F401 (engine: its Run fixture)
 
 
@@ -51,7 +50,7 @@ def test_a_failed_run_says_so_on_the_event_stream_in_the_store_and_with_its_end(
     events = runs.events.subscribe()
     runs.start()
     try:
-        api = TestClient(create_app(runs))
+        api = local_client(runs)
         created = api.post("/api/v1/runs", headers={"Authorization": "Bearer tok"},
                            json={"run_id": "f1", "client_ids": ["a", "b"],
                                  "run": {"strategy": "fedmd", "dataset": "digits", "rounds": 2, "public_size": 50}})
@@ -110,7 +109,7 @@ def test_metrics_name_a_paused_run_and_keep_the_last_evaluated_accuracy(engine):
     engine.records = [{"round": 1, "mean_acc": 0.5, "min_acc": 0.25, "local_mean_acc": 0.75},
                       {"round": 2, "mean_acc": None, "min_acc": None, "local_mean_acc": None}]
     engine.state = "paused"
-    values = metric_values(TestClient(create_app(engine)).get("/metrics").text)
+    values = metric_values(local_client(engine).get("/metrics").text)
     states = {dict(labels)["state"]: v for (name, labels), v in values.items() if name == "fedal_run_state"}
     assert states == {"pending": 0, "running": 0, "paused": 1, "finished": 0, "stopped": 0, "failed": 0}
     run = (("run", "unit"),)
@@ -122,7 +121,7 @@ def test_a_run_paused_before_it_starts_holds_before_its_first_phase(mosquitto, e
     """Before: pausing a pending run answered 200 and was dropped: the run went straight to
     `running` when the broker came."""
     run = engine_on_broker
-    api = TestClient(create_app(run))
+    api = local_client(run)
     assert run.state == "pending"
     token = {"Authorization": "Bearer tok"}
     paused = api.post("/api/v1/runs/unit/pause", headers=token)
@@ -198,7 +197,7 @@ def test_a_run_stopped_before_its_first_round_shows_round_0(mosquitto, tmp_path)
                                       public_file=tmp_path / "public.npz", state_dir=tmp_path / "state",
                                       broker={"url": mosquitto}, phases={"start_timeout_s": 600}, api={"token": "tok"},
                                       run={"strategy": "fedmd", "dataset": "digits", "rounds": 2}))
-    api = TestClient(create_app(run))
+    api = local_client(run)
     assert run.snapshot()["round"] == 0
     thread = threading.Thread(target=run.run, daemon=True)
     thread.start()

@@ -13,9 +13,6 @@ import socket
 import threading
 import time
 
-from fastapi.testclient import TestClient
-
-from coordinator.app import create_app
 from coordinator.config import load_coordinator_config
 from coordinator.events import CLOSED, EventHub
 from coordinator.runs import RunManager
@@ -23,6 +20,7 @@ from coordinator.store import RunStore, default_store_url
 from fedal.protocol import parse_broker_url, topics
 from fedal.sim import load_config
 from tests.deployment import Deployment
+from tests.local_api import local_client
 from tests.waiting import wait_until
 
 
@@ -45,7 +43,7 @@ def test_the_event_stream_ends_when_the_hub_is_closed(tmp_path):
     """In process: an open GET /api/v1/events returns once the event hub is closed (what the
     service does when it shuts down); before, it ran until the client left."""
     runs = RunManager(load_coordinator_config(None, state_dir=tmp_path / "state"))
-    api = TestClient(create_app(runs))
+    api = local_client(runs)
     box: dict = {}
 
     def listen() -> None:

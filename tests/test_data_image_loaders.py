@@ -425,19 +425,17 @@ def test_simulate_celeba_by_identity_end_to_end(tmp_path):
 def test_coordinator_serves_the_public_rows_simulate_holds_out(tmp_path):
     """A run created over the API with cinic10 and train+valid serves the public rows
     `fedal simulate` holds out for the same settings (the validation images are in the pool)."""
-    from fastapi.testclient import TestClient
-
-    from coordinator.app import create_app
     from coordinator.config import load_coordinator_config
     from coordinator.runs import RunManager
     from fedal.data import content_hash, public_set
+    from tests.local_api import local_client
 
     data = tmp_path / "state" / "cinic"  # where an API-created run may read datasets: under the state dir
     write_cinic(data, {"train": 2, "valid": 1, "test": 1})
     cfg = load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": "tok"})
     runs = RunManager(cfg)
     try:
-        api = TestClient(create_app(runs))
+        api = local_client(runs)
         spec = {"run_id": "cinic", "client_ids": ["pi-1", "pi-2"],
                 "run": {"strategy": "fedmd", "dataset": "cinic10", "data_dir": str(data), "train_splits": "train+valid",
                         "models": ["smallcnn"], "rounds": 1, "public_size": 8, "seed": 3}}

@@ -10,14 +10,13 @@ import subprocess
 import sys
 
 import pytest
-from fastapi.testclient import TestClient
 
-from coordinator.app import create_app
 from coordinator.config import load_coordinator_config
 from coordinator.runs import RunManager
 from fedal.sim.config import DEFAULT_MODELS, ConfigError, load_config
 from fedal.strategies import STRATEGIES
 from tests.helpers import without_timings
+from tests.local_api import local_client
 
 AVERAGING = ("fedavg", "fedakd", "fedhkd")
 TINY = ["--dataset", "digits", "--clients", "2", "--rounds", "1", "--tau", "1", "--public-size", "50", "--quiet"]
@@ -78,7 +77,7 @@ def test_post_runs_gets_the_same_default(tmp_path):
     cfg = load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": "tok"})
     runs = RunManager(cfg)
     try:
-        api = TestClient(create_app(runs))
+        api = local_client(runs)
         auth = {"Authorization": "Bearer tok"}
         spec = {"run_id": "avg", "client_ids": ["pi-1", "pi-2"], "run": {"strategy": "fedavg", "dataset": "digits", "rounds": 1}}
         created = api.post("/api/v1/runs", json=spec, headers=auth)
