@@ -136,6 +136,8 @@ class Run:
         host = self.cfg.api.host
         if host in ("0.0.0.0", "::", ""):
             host = socket.getfqdn()  # a wildcard bind address is not an address agents can reach
+        elif ":" in host:  # an IPv6 address: in brackets in a URL, or its colons read as a port
+            host = f"[{host}]"
         base = self.cfg.api.public_base_url or f"http://{host}:{self.cfg.api.port}"
         return f"{base.rstrip('/')}/api/v1/runs/{self.cfg.run_id}/public"
 
