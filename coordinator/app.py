@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from coordinator.config import RunSpec
 from coordinator.dashboard import STATIC_DIR
 from coordinator.events import CLOSED, TooManySubscribers, sse_format
-from coordinator.hosts import AnyHost, allowed_hosts, host_allowed, host_name
+from coordinator.hosts import AnyHost, BadHost, allowed_hosts, host_allowed, host_name
 from coordinator.metrics import registry_for
 from coordinator.run import Run
 from coordinator.runs import InvalidRunSpec, RunConflict, RunManager, ShuttingDown
@@ -54,7 +54,7 @@ class RequestGuard:
     """Pure ASGI middleware in front of every route, so nothing reads a body it should not.
 
     A request whose Host header names none of `allowed` is answered 400 (coordinator/hosts.py:
-    a page of another site reading an API on loopback through DNS rebinding). A write (any
+    a page of another site reading the API through DNS rebinding). A write (any
     method but GET, HEAD, OPTIONS) without the right bearer token is answered
     401/403 from its headers alone: its body is never received. A body above max_body_bytes is
     answered 413: at once when Content-Length says so, else as soon as the bytes counted while
@@ -70,20 +70,25 @@ class RequestGuard:
 
     def _refuse(self, scope, status: int, detail: str) -> None:
         client = scope.get("client")
-        self.on_refused(status, scope["method"], scope.get("path", ""), client[0] if client else None, detail)
+        method = scope.get("method", "WEBSOCKET")  # a websocket's scope has no method
+        self.on_refused(status, method, scope.get("path", ""), client[0] if client else None, detail)
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        refused = self._host_refused(scope.get("headers") or [])
+        if refused is not None:
+            self._refuse(scope, 400, refused)
+            if scope["type"] == "websocket":  # closed before it is accepted: the server answers 403
+                await send({"type": "websocket.close", "code": 1008, "reason": refused[:120]})
+            else:
+                await _answer(send, 400, refused)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        name = host_name(headers.get(b"host"))
-        if not host_allowed(name, self.allowed):
-            detail = (f"Host {name!r} is not a name this API answers to (api.allowed_hosts)" if name
-                      else "a request needs a valid Host header")
-            self._refuse(scope, 400, detail)
-            await _answer(send, 400, detail)
-            return
         if scope["method"] not in READ_METHODS:
             failure = auth_failure(headers.get(b"authorization"), self.token)
             if failure is not None:
@@ -118,6 +123,23 @@ class RequestGuard:
             return body.pop() if body else await receive()
 
         await self.app(scope, replay, send)
+
+    def _host_refused(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        """Why the Host header is refused, or None. None present passes (an HTTP/1.0 health
+        check; a browser always sends one); two are refused, as servers and frameworks differ
+        on which one counts."""
+        hosts = [value for key, value in headers if key.lower() == b"host"]
+        if len(hosts) > 1:
+            return "a request may carry one Host header"
+        if not hosts:
+            return None
+        try:
+            name = host_name(hosts[0])
+        except BadHost:
+            return "the Host header is not a host name or address with an optional port"
+        if host_allowed(name, self.allowed):
+            return None
+        return f"Host {name!r} is not a name this API answers to (api.allowed_hosts)"
 
     def _too_large(self) -> str:
         return f"request body larger than {self.max_body_bytes} bytes (api.max_body_bytes)"

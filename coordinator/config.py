@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -38,9 +39,25 @@ class ApiSettings(NoCoercion):
     max_event_streams: int = Field(100, ge=1, le=100_000, description="live event streams (/api/v1/events) open at "
                                    "once; more are refused (503: the dashboard then polls)")
     allowed_hosts: list[str] | None = Field(
-        None, description="names the Host header may carry (IP addresses always may), `*` for any, `*.example.org` "
-        "for its subdomains; none: on a loopback host, localhost, the host itself and public_base_url's name "
-        "(a guard against DNS rebinding), elsewhere any")
+        None, description="more names the Host header may carry, `*.example.org` for its subdomains, `*` for any; "
+        "besides the API's own (loopback names, its host, public_base_url's, the machine's names) and IP addresses: "
+        "other names are refused (400), a guard against DNS rebinding")
+
+    @field_validator("public_base_url")
+    @classmethod
+    def _reachable_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            parts = urlsplit(v)
+            parts.port  # noqa: B018 - a port that is not a number raises here
+            check_host_pattern(parts.hostname or "")
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or "*" in (parts.hostname or "*"):
+            raise ValueError(f"{v!r} is not an http:// or https:// URL with a host name or address "
+                             "(as agents fetch the public set from it)")
+        return v
 
     @field_validator("allowed_hosts")
     @classmethod

@@ -1,28 +1,40 @@
 """Which Host headers the API answers: a guard against DNS rebinding.
 
-A web page the operator opens can point a name of its own at 127.0.0.1 and then read an API
-bound to loopback as if it were its own origin (the browser sends the page's name as Host).
-An API on loopback therefore answers only names that are loopback's: `localhost`, the name it is
-bound to and the name in `public_base_url`, or those set in `[api] allowed_hosts`. IP addresses
-always pass: a rebinding page needs a name its own DNS answers for, and a browser that reaches
-an address it was given sends that address. An API bound beyond loopback answers any name
-unless `allowed_hosts` is set (its reads are then open to the network anyway, which the
-coordinator warns of at start)."""
+A web page the operator opens can point a name of its own at the coordinator's address (127.0.0.1,
+or its address on the lab network) and then read the API as if it were that page's own site: the
+browser sends the page's name as Host. So the API answers only the names it knows for itself:
+the loopback names, the name it is bound to, the name it announces to agents (`public_base_url`'s,
+or this machine's), this machine's host name, its fully qualified name and its `.local` (mDNS)
+name, plus those set in `[api] allowed_hosts` (`*`: any). IP addresses always pass: a rebinding
+page needs a name its own DNS answers for, and a browser that reaches an address it was given
+sends that address. A request without a Host header passes too (an HTTP/1.0 health check; a
+browser always sends one)."""
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 from urllib.parse import urlsplit
 
-__all__ = ["AnyHost", "allowed_hosts", "check_host_pattern", "host_allowed", "host_name", "is_loopback"]
+__all__ = ["AnyHost", "BadHost", "allowed_hosts", "check_host_pattern", "host_allowed", "host_name", "is_loopback",
+           "is_wildcard", "url_host"]
+
+# names that mean this machine's loopback on Debian, Raspberry Pi OS and others; `*.localhost`
+# (RFC 6761) browsers resolve to loopback themselves, without asking any DNS server
+LOOPBACK_NAMES = frozenset({"localhost", "*.localhost", "localhost.localdomain", "localhost6",
+                            "localhost6.localdomain6", "ip6-localhost", "ip6-loopback"})
 
 
 class AnyHost:
-    """Every Host header passes (`["*"]`, or an API bound beyond loopback by default)."""
+    """Every Host header passes (`allowed_hosts = ["*"]`)."""
 
     def __contains__(self, name: object) -> bool:
         return True
+
+
+class BadHost(ValueError):
+    """A Host header that is not one name or address with an optional port."""
 
 
 def is_loopback(host: str) -> bool:
@@ -36,6 +48,21 @@ def is_loopback(host: str) -> bool:
     return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
 
 
+def is_wildcard(host: str) -> bool:
+    """Whether binding `host` listens on every interface (`0.0.0.0`, `::`, `::0`, empty)."""
+    if not host:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def url_host(host: str) -> str:
+    """`host` as a URL writes it: an IPv6 address in brackets (its colons would read as a port)."""
+    return f"[{host}]" if ":" in host else host
+
+
 def check_host_pattern(pattern: str) -> str:
     """An `allowed_hosts` entry as it is matched: a name or address without port or scheme,
     `*` (any) or `*.domain` (its subdomains); lower case, IPv6 without brackets."""
@@ -46,54 +73,63 @@ def check_host_pattern(pattern: str) -> str:
     if value.startswith("[") and value.endswith("]"):
         value = value[1:-1]
     name = value[2:] if value.startswith("*.") else value
-    if not name or any(c in name for c in "/@*?# \t") or (":" in name and not _is_address(name)):
+    if not name or any(c in name for c in "/@*?#[] \t") or (":" in name and not _is_address(name)):
         raise ValueError(f"{pattern!r} is not a host name: give a name or address without a scheme or port, "
                          "`*` for any, or `*.example.org` for its subdomains")
     return value
 
 
+@functools.cache
+def machine_names() -> frozenset[str]:
+    """This machine's host name, fully qualified name and mDNS name (as a Pi or a lab server is
+    often reached: `coordinator.local`)."""
+    names = set()
+    short = socket.gethostname()
+    for name in (short, socket.getfqdn(), f"{short.split('.')[0]}.local"):
+        try:
+            names.add(check_host_pattern(name))
+        except ValueError:  # a host name no browser could send
+            continue
+    return frozenset(names)
+
+
 def allowed_hosts(host: str, public_base_url: str | None, configured: list[str] | None) -> set[str] | AnyHost:
-    """The names an API bound to `host` answers (patterns as check_host_pattern gives them)."""
-    if configured is not None:
-        patterns = {check_host_pattern(p) for p in configured}
-        return AnyHost() if "*" in patterns else patterns
-    if not is_loopback(host):
+    """The names an API bound to `host`, announcing `public_base_url`, answers (patterns as
+    check_host_pattern gives them; addresses pass besides these)."""
+    extra = {check_host_pattern(p) for p in configured or ()}
+    if "*" in extra:
         return AnyHost()
-    names = {"localhost", check_host_pattern(host)}
+    names = set(LOOPBACK_NAMES) | machine_names() | extra
+    if not is_wildcard(host):
+        names.add(check_host_pattern(host))
     public = urlsplit(public_base_url).hostname if public_base_url else None
     if public:
         names.add(check_host_pattern(public))
     return names
 
 
-def host_name(header: bytes | None) -> str | None:
+def host_name(header: bytes) -> str:
     """The name or address of a Host header without its port (IPv6 without brackets), lower
-    case; None for one that is missing or malformed."""
-    if not header:
-        return None
+    case; BadHost for one that is not a name or address with an optional port."""
     try:
         text = header.decode("ascii").strip().lower()
     except UnicodeDecodeError:
-        return None
+        raise BadHost("not ASCII") from None
     if text.startswith("["):
         end = text.find("]")
         rest = text[end + 1:]
-        if end < 0 or (rest and not (rest.startswith(":") and _is_port(rest[1:]))):
-            return None
-        inner = text[1:end]
-        return inner if _is_address(inner) else None
+        if end < 0 or (rest and not (rest.startswith(":") and _is_port(rest[1:]))) or not _is_address(text[1:end]):
+            raise BadHost(text)
+        return text[1:end]
     name, colon, port = text.partition(":")
-    if colon and not _is_port(port):
-        return None
-    return name.removesuffix(".") or None
+    name = name.removesuffix(".")
+    if not name or (colon and not _is_port(port)):
+        raise BadHost(text)
+    return name
 
 
-def host_allowed(name: str | None, allowed: set[str] | AnyHost) -> bool:
-    if isinstance(allowed, AnyHost):
-        return True
-    if name is None:
-        return False
-    if _is_address(name) or name in allowed:
+def host_allowed(name: str, allowed: set[str] | AnyHost) -> bool:
+    if isinstance(allowed, AnyHost) or _is_address(name) or name in allowed:
         return True
     return any(p.startswith("*.") and name.endswith(p[1:]) for p in allowed)
 

@@ -27,6 +27,7 @@ import torch
 
 from coordinator.config import CoordinatorConfig
 from coordinator.events import EventHub
+from coordinator.hosts import is_wildcard, url_host
 from coordinator.store import RunStore, StoredRun, default_store_url
 from coordinator.transport import MqttTransport
 from fedal.atomic import write_bytes_atomic
@@ -134,11 +135,9 @@ class Run:
     # -- lifecycle ---------------------------------------------------------------------------
     def public_url(self) -> str:
         host = self.cfg.api.host
-        if host in ("0.0.0.0", "::", ""):
+        if is_wildcard(host):
             host = socket.getfqdn()  # a wildcard bind address is not an address agents can reach
-        elif ":" in host:  # an IPv6 address: in brackets in a URL, or its colons read as a port
-            host = f"[{host}]"
-        base = self.cfg.api.public_base_url or f"http://{host}:{self.cfg.api.port}"
+        base = self.cfg.api.public_base_url or f"http://{url_host(host)}:{self.cfg.api.port}"
         return f"{base.rstrip('/')}/api/v1/runs/{self.cfg.run_id}/public"
 
     def manifest(self) -> RunManifest:

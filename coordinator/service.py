@@ -13,6 +13,7 @@ import uvicorn
 
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig
+from coordinator.hosts import url_host
 from coordinator.runs import ENDED, RunManager
 
 log = logging.getLogger("coordinator")
@@ -85,7 +86,7 @@ def serve(config: CoordinatorConfig) -> int:
         threading.Thread(target=_exit_when_done, daemon=True).start()
     for engine in runs.list():
         log.info("run %s (%s)", engine.cfg.run_id, engine.run_config.strategy)
-    log.info("API on http://%s:%d", config.api.host, config.api.port)
+    log.info("API on http://%s:%d", url_host(config.api.host), config.api.port)
     server.run()  # returns on SIGINT/SIGTERM/SIGHUP or when should_exit is set
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGHUP):  # a repeated stop must not cut the orderly stop short
