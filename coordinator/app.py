@@ -23,11 +23,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from coordinator.config import RunSpec
 from coordinator.dashboard import STATIC_DIR
 from coordinator.events import CLOSED, TooManySubscribers, sse_format
-from coordinator.hosts import AnyHost, BadHost, allowed_hosts, host_allowed, host_name
 from coordinator.metrics import registry_for
 from coordinator.run import Run
 from coordinator.runs import InvalidRunSpec, RunConflict, RunManager, ShuttingDown
 from fedal import __version__
+from fedal.hosts import AnyHost, allowed_hosts, host_refusal
 from fedal.json_values import json_safe
 
 RUN_SUMMARY = ("run_id", "strategy", "state", "round", "rounds", "completed_rounds", "phase", "iteration",
@@ -53,7 +53,7 @@ def auth_failure(header: str | bytes | None, token: str | None) -> tuple[int, st
 class RequestGuard:
     """Pure ASGI middleware in front of every route, so nothing reads a body it should not.
 
-    A request whose Host header names none of `allowed` is answered 400 (coordinator/hosts.py:
+    A request whose Host header names none of `allowed` is answered 400 (fedal/hosts.py:
     a page of another site reading the API through DNS rebinding). A write (any
     method but GET, HEAD, OPTIONS) without the right bearer token is answered
     401/403 from its headers alone: its body is never received. A body above max_body_bytes is
@@ -77,8 +77,9 @@ class RequestGuard:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        refused = self._host_refused(scope.get("headers") or [])
+        refused = host_refusal(scope.get("headers") or [], self.allowed)
         if refused is not None:
+            refused += " (api.allowed_hosts)" if refused.startswith("Host ") else ""
             self._refuse(scope, 400, refused)
             if scope["type"] == "websocket":  # closed before it is accepted: the server answers 403
                 await send({"type": "websocket.close", "code": 1008, "reason": refused[:120]})
@@ -123,23 +124,6 @@ class RequestGuard:
             return body.pop() if body else await receive()
 
         await self.app(scope, replay, send)
-
-    def _host_refused(self, headers: list[tuple[bytes, bytes]]) -> str | None:
-        """Why the Host header is refused, or None. None present passes (an HTTP/1.0 health
-        check; a browser always sends one); two are refused, as servers and frameworks differ
-        on which one counts."""
-        hosts = [value for key, value in headers if key.lower() == b"host"]
-        if len(hosts) > 1:
-            return "a request may carry one Host header"
-        if not hosts:
-            return None
-        try:
-            name = host_name(hosts[0])
-        except BadHost:
-            return "the Host header is not a host name or address with an optional port"
-        if host_allowed(name, self.allowed):
-            return None
-        return f"Host {name!r} is not a name this API answers to (api.allowed_hosts)"
 
     def _too_large(self) -> str:
         return f"request body larger than {self.max_body_bytes} bytes (api.max_body_bytes)"

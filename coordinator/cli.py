@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from coordinator.hosts import is_loopback
+from fedal.hosts import is_loopback
 from fedal.owned import ForeignFile, check_replaceable, is_results, unwritable
 from fedal.settings import SettingsError, exposed_secrets
 

@@ -8,9 +8,9 @@ from urllib.parse import urlsplit
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from coordinator.hosts import check_host_pattern
 from fedal.engine.health import HealthLimits
 from fedal.engine.settings import PhaseSettings
+from fedal.hosts import check_host_pattern
 from fedal.protocol import MAX_MESSAGE_BYTES, BrokerSettings, topics
 from fedal.settings import load_settings
 from fedal.sim.config import RunConfig

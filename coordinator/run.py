@@ -27,7 +27,6 @@ import torch
 
 from coordinator.config import CoordinatorConfig
 from coordinator.events import EventHub
-from coordinator.hosts import is_wildcard, url_host
 from coordinator.store import RunStore, StoredRun, default_store_url
 from coordinator.transport import MqttTransport
 from fedal.atomic import write_bytes_atomic
@@ -35,6 +34,7 @@ from fedal.data import check_servable, content_hash, load_dataset, public_rows_f
 from fedal.engine import ClientInfo, RoundEngine, Stopped
 from fedal.engine.health import health_flags
 from fedal.engine.results import build_results, final_summary
+from fedal.hosts import is_wildcard, url_host
 from fedal.protocol import RunManifest
 from fedal.strategies import ServerContext, get_strategy
 from fedal.strategies.global_model import fedavg_style_metrics, global_accuracy

@@ -13,8 +13,8 @@ import uvicorn
 
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig
-from coordinator.hosts import url_host
 from coordinator.runs import ENDED, RunManager
+from fedal.hosts import url_host
 
 log = logging.getLogger("coordinator")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

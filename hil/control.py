@@ -2,7 +2,9 @@
 
 It runs in the proxy's event loop (uvicorn as a task) and every endpoint is `async def`, so
 FastAPI runs none of them on a worker thread: a request and a packet never see the fault state
-half-changed. Bind it to loopback: it has no authentication.
+half-changed. Bind it to loopback: it has no authentication. It answers only its own names and
+IP addresses in the Host header (fedal/hosts.py), so that no web page can change a run's faults
+through DNS rebinding.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field
 
+from fedal.hosts import allowed_hosts, host_refusal
 from fedal.json_values import json_safe
 from hil.faults import resolve
 from hil.profiles import Faults
@@ -39,9 +42,18 @@ class ResetRequest(BaseModel):
     client: str = Field("*", description="client id or glob pattern")
 
 
-def build_app(proxy: Proxy) -> FastAPI:
+def build_app(proxy: Proxy, host: str = "127.0.0.1") -> FastAPI:
+    """The control API of `proxy`, served on `host` (whose name it answers besides loopback's)."""
     engine = proxy.engine
     app = FastAPIOffline(title="FedAL Edge emulated broker", description="Fault injection control for `fedal hil broker`.")
+    own_names = allowed_hosts(host, None, None)
+
+    @app.middleware("http")
+    async def own_names_only(request: Request, call_next):
+        refused = host_refusal(request.scope.get("headers") or [], own_names)
+        if refused is not None:
+            return JSONResponse(status_code=400, content={"detail": refused})
+        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -104,7 +116,7 @@ async def serve_control(proxy: Proxy, host: str, port: int) -> tuple[uvicorn.Ser
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # --control [::1]:PORT as --listen takes it
     sock = socket.create_server((host, port), family=family)
-    config = uvicorn.Config(build_app(proxy), log_level="warning", lifespan="off")
+    config = uvicorn.Config(build_app(proxy, host), log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
     server.capture_signals = contextlib.nullcontext
     task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -11,5 +11,5 @@ from coordinator.app import create_app
 
 def local_client(runs: Any, **kwargs: Any) -> TestClient:
     """A TestClient of `runs`' API whose requests carry `Host: 127.0.0.1` (TestClient's own
-    `testserver` is refused by an API on loopback: coordinator/hosts.py)."""
+    `testserver` is refused by an API on loopback: fedal/hosts.py)."""
     return TestClient(create_app(runs), base_url="http://127.0.0.1", **kwargs)

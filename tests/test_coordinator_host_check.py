@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 
 from coordinator.app import RequestGuard, create_app
 from coordinator.config import load_coordinator_config
-from coordinator.hosts import AnyHost, BadHost, allowed_hosts, host_allowed, host_name, machine_names
 from coordinator.runs import RunManager
+from fedal.hosts import AnyHost, BadHost, allowed_hosts, host_allowed, host_name, machine_names
 from fedal.settings import SettingsError
 from tests.event_streams import serving
 

@@ -15,6 +15,7 @@ import threading
 import time
 import tomllib
 import uuid
+from urllib.parse import urlsplit
 
 import httpx
 import paho.mqtt.client as mqtt
@@ -297,6 +298,20 @@ def test_control_api_reads_counters_and_changes_faults_live(make_broker, peers):
         wait_until(lambda: len(sub.payloads(f"{topic}/drop")) == 1, what="the topic after the fault was lifted")
         assert api.get("/healthz").json()["connections"] == 2
     assert sub.payloads(f"{topic}/drop") == [b"0"]
+
+
+def test_the_control_api_refuses_names_that_are_not_its_own(make_broker):
+    """A web page that points a name of its own at 127.0.0.1 (DNS rebinding) cannot change a
+    run's faults: the control API answers loopback's names and addresses only."""
+    b = make_broker("")
+    with httpx.Client(base_url=b.control_url) as api:
+        refused = api.put("/faults", json={"default": {"drop": 1}}, headers={"Host": "rebind.example"})
+        assert refused.status_code == 400 and "'rebind.example' is not a name" in refused.json()["detail"]
+        assert api.get("/faults").json()["default"] == {}  # nothing changed
+        port = urlsplit(b.control_url).port
+        for host in ("localhost", f"localhost:{port}", "127.0.0.1"):
+            assert api.get("/healthz", headers={"Host": host}).status_code == 200, host
+        assert api.get("/stats", headers={"Host": "rebind.example"}).status_code == 400
 
 
 def raw_exchange(port: int, data: bytes, then: bytes | None = None) -> bytes:

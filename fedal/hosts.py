@@ -1,8 +1,9 @@
-"""Which Host headers the API answers: a guard against DNS rebinding.
+"""Which Host headers the toolkit's HTTP APIs answer (the coordinator's, the emulated broker's
+control API): a guard against DNS rebinding.
 
-A web page the operator opens can point a name of its own at the coordinator's address (127.0.0.1,
-or its address on the lab network) and then read the API as if it were that page's own site: the
-browser sends the page's name as Host. So the API answers only the names it knows for itself:
+A web page the operator opens can point a name of its own at an API's address (127.0.0.1, or the
+coordinator's address on the lab network) and then use the API as if it were that page's own
+site: the browser sends the page's name as Host. So an API answers only the names it knows for itself:
 the loopback names, the name it is bound to, the name it announces to agents (`public_base_url`'s,
 or this machine's), this machine's host name, its fully qualified name and its `.local` (mDNS)
 name, plus those set in `[api] allowed_hosts` (`*`: any). IP addresses always pass: a rebinding
@@ -17,8 +18,8 @@ import ipaddress
 import socket
 from urllib.parse import urlsplit
 
-__all__ = ["AnyHost", "BadHost", "allowed_hosts", "check_host_pattern", "host_allowed", "host_name", "is_loopback",
-           "is_wildcard", "url_host"]
+__all__ = ["AnyHost", "BadHost", "allowed_hosts", "check_host_pattern", "host_allowed", "host_name", "host_refusal",
+           "is_loopback", "is_wildcard", "url_host"]
 
 # names that mean this machine's loopback on Debian, Raspberry Pi OS and others; `*.localhost`
 # (RFC 6761) browsers resolve to loopback themselves, without asking any DNS server
@@ -44,7 +45,7 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, UnicodeError):
         return False
-    addresses = {info[4][0].split("%")[0] for info in infos}
+    addresses = {str(info[4][0]).split("%")[0] for info in infos}
     return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
 
 
@@ -126,6 +127,24 @@ def host_name(header: bytes) -> str:
     if not name or (colon and not _is_port(port)):
         raise BadHost(text)
     return name
+
+
+def host_refusal(headers: list[tuple[bytes, bytes]], allowed: set[str] | AnyHost) -> str | None:
+    """Why a request with these (ASGI) headers is refused, or None. No Host header passes (an
+    HTTP/1.0 health check; a browser always sends one); two are refused, as servers and
+    frameworks differ on which one counts."""
+    hosts = [value for key, value in headers if key.lower() == b"host"]
+    if len(hosts) > 1:
+        return "a request may carry one Host header"
+    if not hosts:
+        return None
+    try:
+        name = host_name(hosts[0])
+    except BadHost:
+        return "the Host header is not a host name or address with an optional port"
+    if host_allowed(name, allowed):
+        return None
+    return f"Host {name!r} is not a name this API answers to"
 
 
 def host_allowed(name: str, allowed: set[str] | AnyHost) -> bool:
