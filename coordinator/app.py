@@ -80,10 +80,11 @@ class RequestGuard:
         refused = host_refusal(scope.get("headers") or [], self.allowed)
         if refused is not None:
             refused += " (api.allowed_hosts)" if refused.startswith("Host ") else ""
-            self._refuse(scope, 400, refused)
             if scope["type"] == "websocket":  # closed before it is accepted: the server answers 403
+                self._refuse(scope, 403, refused)
                 await send({"type": "websocket.close", "code": 1008, "reason": refused[:120]})
             else:
+                self._refuse(scope, 400, refused)
                 await _answer(send, 400, refused)
             return
         if scope["type"] != "http":

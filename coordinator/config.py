@@ -57,6 +57,11 @@ class ApiSettings(NoCoercion):
         if parts is None or parts.scheme not in ("http", "https") or "*" in (parts.hostname or "*"):
             raise ValueError(f"{v!r} is not an http:// or https:// URL with a host name or address "
                              "(as agents fetch the public set from it)")
+        if parts.query or parts.fragment or "@" in parts.netloc:
+            raise ValueError(f"{v!r}: give the API's base URL without a query, a fragment or credentials "
+                             "(the public set's path is appended to it, and the URL is announced to every agent)")
+        if not parts.netloc.isascii():
+            raise ValueError(f"{v!r}: give the host in its ASCII (punycode, xn--...) form, as agents send it")
         return v
 
     @field_validator("allowed_hosts")

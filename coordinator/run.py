@@ -13,7 +13,6 @@ import hashlib
 import io
 import json
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -34,7 +33,7 @@ from fedal.data import check_servable, content_hash, load_dataset, public_rows_f
 from fedal.engine import ClientInfo, RoundEngine, Stopped
 from fedal.engine.health import health_flags
 from fedal.engine.results import build_results, final_summary
-from fedal.hosts import is_wildcard, url_host
+from fedal.hosts import is_wildcard, machine_fqdn, url_host
 from fedal.protocol import RunManifest
 from fedal.strategies import ServerContext, get_strategy
 from fedal.strategies.global_model import fedavg_style_metrics, global_accuracy
@@ -135,8 +134,8 @@ class Run:
     # -- lifecycle ---------------------------------------------------------------------------
     def public_url(self) -> str:
         host = self.cfg.api.host
-        if is_wildcard(host):
-            host = socket.getfqdn()  # a wildcard bind address is not an address agents can reach
+        if is_wildcard(host):  # a wildcard bind address is not an address agents can reach
+            host = machine_fqdn()  # the name the API answers too (fedal/hosts.py)
         base = self.cfg.api.public_base_url or f"http://{url_host(host)}:{self.cfg.api.port}"
         return f"{base.rstrip('/')}/api/v1/runs/{self.cfg.run_id}/public"
 

@@ -3,13 +3,13 @@ control API): a guard against DNS rebinding.
 
 A web page the operator opens can point a name of its own at an API's address (127.0.0.1, or the
 coordinator's address on the lab network) and then use the API as if it were that page's own
-site: the browser sends the page's name as Host. So an API answers only the names it knows for itself:
-the loopback names, the name it is bound to, the name it announces to agents (`public_base_url`'s,
-or this machine's), this machine's host name, its fully qualified name and its `.local` (mDNS)
-name, plus those set in `[api] allowed_hosts` (`*`: any). IP addresses always pass: a rebinding
-page needs a name its own DNS answers for, and a browser that reaches an address it was given
-sends that address. A request without a Host header passes too (an HTTP/1.0 health check; a
-browser always sends one)."""
+site: the browser sends the page's name as Host. So an API answers only the names it knows for
+itself: the loopback names, the name it is bound to, the name it announces to agents
+(`public_base_url`'s, or this machine's), and where it listens beyond loopback this machine's
+host name, its fully qualified name and its `.local` (mDNS) name, plus those set in
+`[api] allowed_hosts` (`*`: any). IP addresses always pass: a rebinding page needs a name its
+own DNS answers for, and a browser that reaches an address it was given sends that address. A
+request without a Host header passes too (an HTTP/1.0 health check; a browser always sends one)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import socket
 from urllib.parse import urlsplit
 
 __all__ = ["AnyHost", "BadHost", "allowed_hosts", "check_host_pattern", "host_allowed", "host_name", "host_refusal",
-           "is_loopback", "is_wildcard", "url_host"]
+           "is_loopback", "is_wildcard", "machine_fqdn", "machine_names", "url_host"]
 
 # names that mean this machine's loopback on Debian, Raspberry Pi OS and others; `*.localhost`
 # (RFC 6761) browsers resolve to loopback themselves, without asking any DNS server
@@ -81,12 +81,19 @@ def check_host_pattern(pattern: str) -> str:
 
 
 @functools.cache
+def machine_fqdn() -> str:
+    """This machine's fully qualified name, asked once per process: the coordinator announces the
+    public set under it (a wildcard bind) and its API answers it, so both must see one answer
+    (and a resolver without DNS can take seconds)."""
+    return socket.getfqdn()
+
+
 def machine_names() -> frozenset[str]:
     """This machine's host name, fully qualified name and mDNS name (as a Pi or a lab server is
     often reached: `coordinator.local`)."""
     names = set()
     short = socket.gethostname()
-    for name in (short, socket.getfqdn(), f"{short.split('.')[0]}.local"):
+    for name in (short, machine_fqdn(), f"{short.split('.')[0]}.local"):
         try:
             names.add(check_host_pattern(name))
         except ValueError:  # a host name no browser could send
@@ -96,11 +103,15 @@ def machine_names() -> frozenset[str]:
 
 def allowed_hosts(host: str, public_base_url: str | None, configured: list[str] | None) -> set[str] | AnyHost:
     """The names an API bound to `host`, announcing `public_base_url`, answers (patterns as
-    check_host_pattern gives them; addresses pass besides these)."""
+    check_host_pattern gives them; addresses pass besides these). The machine's own names only
+    where it listens beyond loopback: on loopback they reach no socket of the API (Debian maps
+    the host name to 127.0.1.1), and a `.local` name can be answered by anyone on the network."""
     extra = {check_host_pattern(p) for p in configured or ()}
     if "*" in extra:
         return AnyHost()
-    names = set(LOOPBACK_NAMES) | machine_names() | extra
+    names = set(LOOPBACK_NAMES) | extra
+    if is_wildcard(host) or not is_loopback(host):
+        names |= machine_names()
     if not is_wildcard(host):
         names.add(check_host_pattern(host))
     public = urlsplit(public_base_url).hostname if public_base_url else None

@@ -21,10 +21,14 @@ import httpx
 import paho.mqtt.client as mqtt
 import pytest
 from amqtt.mqtt import PublishPacket
+from fastapi.testclient import TestClient
 
 from fedal.protocol import parse_broker_url
 from hil.broker import EmulatedBroker
-from hil.profiles import parse_profile
+from hil.control import build_app
+from hil.faults import FaultEngine
+from hil.profiles import Profile, parse_profile
+from hil.proxy import Proxy
 from tests.test_hil_proxy import connect_bytes
 from tests.waiting import free_port, wait_for_port, wait_until
 
@@ -312,6 +316,12 @@ def test_the_control_api_refuses_names_that_are_not_its_own(make_broker):
         for host in ("localhost", f"localhost:{port}", "127.0.0.1"):
             assert api.get("/healthz", headers={"Host": host}).status_code == 200, host
         assert api.get("/stats", headers={"Host": "rebind.example"}).status_code == 400
+
+
+def test_the_control_api_answers_the_name_it_is_bound_to():
+    app = build_app(Proxy(FaultEngine(Profile()), ("127.0.0.1", 1)), "hil-box.lab")
+    assert TestClient(app, base_url="http://hil-box.lab:8090").get("/healthz").status_code == 200
+    assert TestClient(app, base_url="http://other-box.lab:8090").get("/healthz").status_code == 400
 
 
 def raw_exchange(port: int, data: bytes, then: bytes | None = None) -> bytes:
