@@ -43,6 +43,18 @@ class ApiSettings(NoCoercion):
         "besides the API's own (loopback names, its host, public_base_url's, the machine's names) and IP addresses: "
         "other names are refused (400), a guard against DNS rebinding")
 
+    @field_validator("host")
+    @classmethod
+    def _listenable(cls, v: str) -> str:
+        if v:  # empty: every interface, as 0.0.0.0 and ::
+            try:
+                if "*" in check_host_pattern(v):
+                    raise ValueError(v)
+            except ValueError:
+                raise ValueError(f"{v!r} is not a host name or address to listen on (the port is `port`; "
+                                 "0.0.0.0 or :: listens on every interface)") from None
+        return v
+
     @field_validator("public_base_url")
     @classmethod
     def _reachable_url(cls, v: str | None) -> str | None:

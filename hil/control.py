@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 
 import uvicorn
@@ -23,9 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedal.hosts import allowed_hosts, host_refusal
 from fedal.json_values import json_safe
+from fedal.log_limit import RateLimitedLog
 from hil.faults import resolve
 from hil.profiles import Faults
 from hil.proxy import Proxy
+
+log = logging.getLogger("hil.control")
 
 
 class PartitionRequest(BaseModel):
@@ -47,11 +51,14 @@ def build_app(proxy: Proxy, host: str = "127.0.0.1") -> FastAPI:
     engine = proxy.engine
     app = FastAPIOffline(title="FedAL Edge emulated broker", description="Fault injection control for `fedal hil broker`.")
     own_names = allowed_hosts(host, None, None)
+    refusals = RateLimitedLog(log, "refused requests")
 
     @app.middleware("http")
     async def own_names_only(request: Request, call_next):
         refused = host_refusal(request.scope.get("headers") or [], own_names)
         if refused is not None:
+            client = request.client.host if request.client else "?"
+            refusals.warning("control API: refused %s %r from %s: 400 %s", request.method, request.url.path, client, refused)
             return JSONResponse(status_code=400, content={"detail": refused})
         return await call_next(request)
 

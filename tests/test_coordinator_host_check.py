@@ -214,5 +214,11 @@ def test_public_base_url_must_be_a_url_agents_can_fetch(tmp_path, url, why):
         config(tmp_path, public_base_url=url)
 
 
+@pytest.mark.parametrize("host", ["localhost:8080", "http://0.0.0.0", "*", "*.lan", "a b"])
+def test_the_api_host_must_be_a_name_or_address_to_listen_on(tmp_path, host):
+    with pytest.raises(SettingsError, match="is not a host name or address to listen on"):
+        config(tmp_path, host=host)
+
+
 def test_ipv6_patterns_are_kept_without_brackets(tmp_path):
     assert config(tmp_path, allowed_hosts=["[FD00::1]", "Coord.Lan"]).api.allowed_hosts == ["fd00::1", "coord.lan"]

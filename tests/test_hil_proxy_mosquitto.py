@@ -7,6 +7,7 @@ a lower bound (a bandwidth cap can only make things slower).
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -318,10 +319,12 @@ def test_the_control_api_refuses_names_that_are_not_its_own(make_broker):
         assert api.get("/stats", headers={"Host": "rebind.example"}).status_code == 400
 
 
-def test_the_control_api_answers_the_name_it_is_bound_to():
+def test_the_control_api_answers_the_name_it_is_bound_to(caplog):
     app = build_app(Proxy(FaultEngine(Profile()), ("127.0.0.1", 1)), "hil-box.lab")
     assert TestClient(app, base_url="http://hil-box.lab:8090").get("/healthz").status_code == 200
+    caplog.set_level(logging.WARNING, logger="hil.control")
     assert TestClient(app, base_url="http://other-box.lab:8090").get("/healthz").status_code == 400
+    assert "control API: refused GET '/healthz' from testclient: 400 Host 'other-box.lab' is not a name" in caplog.text
 
 
 def raw_exchange(port: int, data: bytes, then: bytes | None = None) -> bytes:
