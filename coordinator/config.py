@@ -46,6 +46,8 @@ class ApiSettings(NoCoercion):
     @field_validator("host")
     @classmethod
     def _listenable(cls, v: str) -> str:
+        if v.startswith("[") and v.endswith("]"):  # an IPv6 address as a URL writes it: bound without them
+            v = v[1:-1]
         if v:  # empty: every interface, as 0.0.0.0 and ::
             try:
                 if "*" in check_host_pattern(v):

@@ -222,3 +222,4 @@ def test_the_api_host_must_be_a_name_or_address_to_listen_on(tmp_path, host):
 
 def test_ipv6_patterns_are_kept_without_brackets(tmp_path):
     assert config(tmp_path, allowed_hosts=["[FD00::1]", "Coord.Lan"]).api.allowed_hosts == ["fd00::1", "coord.lan"]
+    assert config(tmp_path, host="[::1]").api.host == "::1"
