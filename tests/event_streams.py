@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 from collections.abc import Iterator
 
-import uvicorn
-
-from coordinator.app import create_app
 from coordinator.runs import RunManager
-from tests.waiting import free_port, wait_until
+from tests.local_api import served
 
 
 def open_stream(port: int) -> socket.socket:
@@ -25,17 +21,13 @@ def open_stream(port: int) -> socket.socket:
 def serving(runs: RunManager, streams: list[socket.socket]) -> Iterator[int]:
     """The API of `runs` listening (its port); at the end `streams` are closed, the event hub
     closed (so open streams end), the server stopped and the store closed."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(runs), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     try:
-        wait_until(lambda: server.started, timeout_s=30, what="the API to listen")
-        yield port
+        with served(runs) as port:
+            try:
+                yield port
+            finally:
+                for sock in streams:
+                    sock.close()
+                runs.events.close()  # before the server stops: open streams end
     finally:
-        for sock in streams:
-            sock.close()
-        runs.events.close()
-        server.should_exit = True
-        thread.join(timeout=15)
         runs.store.close()

@@ -4,17 +4,14 @@ brackets (without them its colons read as a port, and no agent could fetch the s
 from __future__ import annotations
 
 import socket
-import threading
 
 import numpy as np
 import pytest
-import uvicorn
 
-from coordinator.app import create_app
 from coordinator.config import load_coordinator_config
 from coordinator.run import Run
 from edge_agent.public_set import load_public_set
-from tests.waiting import wait_until
+from tests.local_api import served
 
 
 def test_an_agent_fetches_the_public_set_from_an_api_on_ipv6_loopback(tmp_path):
@@ -29,14 +26,9 @@ def test_an_agent_fetches_the_public_set_from_an_api_on_ipv6_loopback(tmp_path):
                                       state_dir=tmp_path / "state", api={"host": "::1", "port": port}))
     url = run.manifest().public_url
     assert url == f"http://[::1]:{port}/api/v1/runs/v6/public"
-    server = uvicorn.Server(uvicorn.Config(create_app(run), host="::1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     try:
-        wait_until(lambda: server.started, timeout_s=30, what="the API to listen on ::1")
-        fetched = load_public_set(run.public_hash, None, url, tmp_path / "agent" / "public.bin", timeout_s=10)
-        np.testing.assert_array_equal(fetched.reshape(public.shape), public)
+        with served(run, host="::1", port=port):
+            fetched = load_public_set(run.public_hash, None, url, tmp_path / "agent" / "public.bin", timeout_s=10)
+            np.testing.assert_array_equal(fetched.reshape(public.shape), public)
     finally:
-        server.should_exit = True
-        thread.join(timeout=15)
         run.store.close()

@@ -120,20 +120,14 @@ def test_stops_waiting_for_their_run_leave_the_reads_served(unstarted_run):
     import concurrent.futures
 
     import httpx
-    import uvicorn
 
-    from coordinator.app import STOP_WAIT_S, create_app
-    from tests.waiting import free_port, wait_until
+    from coordinator.app import STOP_WAIT_S
+    from tests.local_api import served
 
     unstarted_run.cfg.api.token = "s3cret-token-for-the-test"
     manager = RunManager.of(unstarted_run)
     manager.threads["race"] = threading.Thread()  # a run thread that never reaches `stopped`
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(manager), host="127.0.0.1", port=port, log_level="warning"))
-    serving = threading.Thread(target=server.run, daemon=True)
-    serving.start()
-    try:
-        wait_until(lambda: server.started, timeout_s=30, what="the API")
+    with served(manager) as port:
         base = f"http://127.0.0.1:{port}"
         stop = {"Authorization": f"Bearer {unstarted_run.cfg.api.token}"}
         with concurrent.futures.ThreadPoolExecutor(50) as pool:
@@ -145,6 +139,3 @@ def test_stops_waiting_for_their_run_leave_the_reads_served(unstarted_run):
             assert health.status_code == 200
             assert waited < STOP_WAIT_S / 3, waited  # served, not queued behind the stops' waits
             assert all(f.result().status_code == 200 for f in stops)
-    finally:
-        server.should_exit = True
-        serving.join(30)
