@@ -40,6 +40,7 @@ from pathlib import Path
 import tomli_w
 
 from edge_agent.config import AgentConfig
+from fedal.hosts import url_host
 from fedal.protocol import MAX_PAYLOAD, BrokerAddress, BrokerSettings, parse_broker_url, topics
 from fleet import acl, passwords, tls
 
@@ -167,8 +168,7 @@ def coordinator_port(spec: FleetSpec, addr: BrokerAddress) -> int:
 
 def coordinator_url(spec: FleetSpec, addr: BrokerAddress) -> str:
     """The broker URL with the coordinator listener's port."""
-    host = f"[{addr.host}]" if ":" in addr.host else addr.host
-    return f"{'mqtts' if addr.tls else 'mqtt'}://{host}:{coordinator_port(spec, addr)}"
+    return f"{'mqtts' if addr.tls else 'mqtt'}://{url_host(addr.host)}:{coordinator_port(spec, addr)}"
 
 
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")

@@ -30,6 +30,7 @@ def hil_cmd() -> None:
 def broker_cmd(upstream: str, listen: str, profile: str, control: str | None, seed: int | None, list_profiles: bool,
                log_level: str) -> None:
     """Run the emulated broker: a fault-injecting MQTT proxy in front of a real broker."""
+    from fedal.hosts import url_host
     from fedal.protocol import parse_broker_url
     from hil.broker import parse_hostport, serve_forever
     from hil.profiles import ProfileError, builtin_profiles, load_profile
@@ -50,8 +51,7 @@ def broker_cmd(upstream: str, listen: str, profile: str, control: str | None, se
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
 
     def ready(proxy, control_port) -> None:
-        host = f"[{control_at[0]}]" if control_at and ":" in control_at[0] else (control_at[0] if control_at else "")
-        api = f", control API http://{host}:{control_port}" if control_port else ""
+        api = f", control API http://{url_host(control_at[0])}:{control_port}" if control_at and control_port else ""
         click.echo(f"hil broker: listening on {listen_at[0]}:{proxy.port}, upstream {addr.host}:{addr.port}, "
                    f"profile {prof.name} (seed {proxy.engine.seed}){api}", err=True)
 
