@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import re
 import socket
 from urllib.parse import urlsplit
 
@@ -135,9 +136,12 @@ def host_name(header: bytes) -> str:
         return text[1:end]
     name, colon, port = text.partition(":")
     name = name.removesuffix(".")
-    if not name or (colon and not _is_port(port)):
-        raise BadHost(text)
+    if not _HOST_CHARACTERS.fullmatch(name) or (colon and not _is_port(port)):
+        raise BadHost(text)  # a configured pattern (`*.lab.example`) sent as a Host matches nothing
     return name
+
+
+_HOST_CHARACTERS = re.compile(r"[a-z0-9_.-]+")  # a DNS name's (lower case), an IPv4 address's
 
 
 def host_refusal(headers: list[tuple[bytes, bytes]], allowed: set[str] | AnyHost) -> str | None:

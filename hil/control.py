@@ -52,11 +52,13 @@ def build_app(proxy: Proxy, host: str = "127.0.0.1") -> FastAPI:
     app = FastAPIOffline(title="FedAL Edge emulated broker", description="Fault injection control for `fedal hil broker`.")
     own_names = allowed_hosts(host, None, None)
     refusals = RateLimitedLog(log, "refused requests")
+    refused_requests = {"count": 0}  # requests refused for their Host name: /healthz and /stats say how many
 
     @app.middleware("http")
     async def own_names_only(request: Request, call_next):
         refused = host_refusal(request.scope.get("headers") or [], own_names)
         if refused is not None:
+            refused_requests["count"] += 1
             client = request.client.host if request.client else "?"
             refusals.warning("control API: refused %s %r from %s: 400 %s", request.method, request.url.path, client, refused)
             return JSONResponse(status_code=400, content={"detail": refused})
@@ -69,7 +71,8 @@ def build_app(proxy: Proxy, host: str = "127.0.0.1") -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict:
-        return {"ok": True, "connections": len(proxy.sessions), "elapsed_s": round(engine.elapsed(), 3)}
+        return {"ok": True, "connections": len(proxy.sessions), "elapsed_s": round(engine.elapsed(), 3),
+                "refused_requests": refused_requests["count"]}
 
     @app.get("/faults")
     async def get_faults() -> dict:
@@ -102,7 +105,8 @@ def build_app(proxy: Proxy, host: str = "127.0.0.1") -> FastAPI:
 
     @app.get("/stats")
     async def stats() -> dict:
-        return {**engine.snapshot(), "connections": sorted(s.client_id for s in proxy.sessions)}
+        return {**engine.snapshot(), "connections": sorted(s.client_id for s in proxy.sessions),
+                "refused_requests": refused_requests["count"]}
 
     @app.get("/events")
     async def events(limit: int = 100, fault: str | None = None, client: str | None = None) -> list[dict]:

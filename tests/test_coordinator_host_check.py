@@ -78,7 +78,8 @@ def test_allowed_hosts_adds_names_to_its_own(tmp_path):
     with serving(runs, []) as port:
         for host, status in ((b"a.lab.example", 200), (b"a.b.lab.example:80", 200), (b"dashboard.example", 200),
                              (b"localhost", 200), (b"coordinator.lab", 200), (b"127.0.0.1", 200),
-                             (b"lab.example", 400), (b"xlab.example", 400), (REBIND, 400)):
+                             (b"lab.example", 400), (b"xlab.example", 400), (REBIND, 400),
+                             (b"*.lab.example", 400)):  # the pattern itself is no name
             assert ask(port, [host])[0] == status, host
 
 
@@ -181,7 +182,8 @@ def test_host_header_parsing(header, name):
     assert host_name(header) == name
 
 
-@pytest.mark.parametrize("header", [b"", b"[::1]x", b"[nope]", b"host:", b"host:8o", b"\xff", b":80", b"[::1"])
+@pytest.mark.parametrize("header", [b"", b"[::1]x", b"[nope]", b"host:", b"host:8o", b"\xff", b":80", b"[::1",
+                                    b"*.lab.example", b"*", b"a b.lan", b"user@coord.lan", b"coord.lan/x"])
 def test_malformed_host_headers(header):
     with pytest.raises(BadHost):
         host_name(header)

@@ -317,6 +317,9 @@ def test_the_control_api_refuses_names_that_are_not_its_own(make_broker):
         for host in ("localhost", f"localhost:{port}", "127.0.0.1"):
             assert api.get("/healthz", headers={"Host": host}).status_code == 200, host
         assert api.get("/stats", headers={"Host": "rebind.example"}).status_code == 400
+        # counted as refused, where the control API reports itself
+        assert api.get("/healthz").json()["refused_requests"] == 2
+        assert api.get("/stats").json()["refused_requests"] == 2
 
 
 def test_the_control_api_answers_the_name_it_is_bound_to(caplog):
