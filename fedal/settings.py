@@ -31,9 +31,11 @@ def load_settings(cls: type[S], path: str | Path | None = None, **overrides) -> 
         if not path.is_file():
             raise SettingsError(f"config file not found: {path}")
         try:
-            tomllib.loads(path.read_text())
+            tomllib.loads(path.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
+        except OSError as exc:  # a device's 0600 config read by another user (flash.sh without sudo)
+            raise SettingsError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
 
     class _WithFile(cls):  # type: ignore[misc, valid-type]
         @classmethod

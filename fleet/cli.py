@@ -69,6 +69,9 @@ def init_cmd(**options) -> None:
         click.echo(f"  note: mqtts:// without --tls: fedal.conf expects your own certificate and key at "
                    f"{spec.broker_dir.rstrip('/')}/server.crt and server.key (the devices check it against the system's "
                    "CA bundle: a publicly signed one); --tls makes a CA and a certificate instead")
+    if len(summary["devices"]) < 2:  # as revoke warns: broker.toml's client_ids would not load
+        click.echo(f"  warning: {len(summary['devices'])} device: a run needs at least 2 clients (the coordinator "
+                   "refuses broker.toml's client_ids until `fleet init --force` makes more)", err=True)
 
 
 @fleet_cmd.command("renew-cert")

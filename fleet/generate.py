@@ -115,6 +115,8 @@ def _write(path: Path, text: str | bytes, mode: int) -> None:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), mode)
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # a power cut after the rename must not leave an empty passwd or ca.key
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -135,6 +137,9 @@ def _check(spec: FleetSpec) -> tuple[list[str], BrokerAddress]:
         raise FleetError(str(exc)) from None
     if addr.username or addr.password:
         raise FleetError("give --broker without user:password; the fleet makes one account per device")
+    if not _host_or_address(addr.host):  # the devices' configs and the broker's certificate name it
+        raise FleetError(f"--broker host {addr.host!r} is not a DNS name or IP address (punycode for a name that "
+                         "is not ASCII)")
     if spec.coordinator_user in ids:
         raise FleetError(f"coordinator user {spec.coordinator_user!r} collides with a device id")
     for name in [spec.coordinator_user, *ids]:
@@ -203,6 +208,8 @@ def build_fleet(spec: FleetSpec) -> dict:
     rel = {path: path.relative_to(out).as_posix() for path in plan}
     in_the_way = sorted(r for path, r in rel.items() if (path.exists() or path.is_symlink())
                         and (r not in previous or (path.is_dir() and not path.is_symlink())))
+    in_the_way += sorted({d.relative_to(out).as_posix() for path in plan for d in _folders_between(out, path)
+                          if (d.exists() or d.is_symlink()) and (d.is_symlink() or not d.is_dir())})
     if in_the_way:
         raise FleetError(f"--out {out}: {', '.join(in_the_way[:5])}{' ...' if len(in_the_way) > 5 else ''} "
                          f"exist(s) and no `fedal fleet init` wrote them; nothing was written (move them away)")
@@ -213,9 +220,14 @@ def build_fleet(spec: FleetSpec) -> dict:
         except OSError as exc:
             raise FleetError(f"--out {out} cannot be created: {exc.strerror or exc}") from None
         os.chmod(out, 0o700)
-    _write(out / MARKER, _marker_text(previous | new), 0o644)  # a crash midway still knows every file it wrote
-    for path, (text, mode) in plan.items():
-        _write(path, text, mode)
+    try:
+        _write(out / MARKER, _marker_text(previous | new), 0o644)  # a crash midway still knows every file it wrote
+        for path, (text, mode) in plan.items():
+            _write(path, text, mode)
+    except OSError as exc:  # a full disk, a directory this user may not write
+        raise FleetError(f"--out {out}: cannot write {Path(exc.filename or '').name or 'the fleet'}: "
+                         f"{exc.strerror or exc}; the files written so far are listed in {out / MARKER} "
+                         "(--force replaces them)") from None
     for r in sorted(previous - new):  # this fleet's predecessor's, e.g. a device no longer in it
         stale = out / r
         if stale.is_symlink() or stale.is_file():
@@ -226,6 +238,11 @@ def build_fleet(spec: FleetSpec) -> dict:
                 parent.rmdir()
     _write(out / MARKER, _marker_text(new), 0o644)
     return summary
+
+
+def _folders_between(out: Path, path: Path) -> list[Path]:
+    """The folders a file under `out` is written into, below `out`: each must be a real folder."""
+    return [p for p in path.parents if p != out and p.is_relative_to(out)]
 
 
 def _marker_text(files: set[str]) -> str:

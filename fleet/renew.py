@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -52,8 +53,13 @@ def renew_server_cert(out: Path, days: int = 825) -> dict[str, object]:
         raise FleetError(f"cannot read the fleet's CA or server certificate in {out}: {exc}") from None
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise FleetError(f"{files['ca/ca.key']} is not the EC key `fleet init --tls` writes")
-    if current.issuer != ca_cert.subject:
-        raise FleetError(f"{files['broker/server.crt']} was not issued by {files['ca/ca.crt']}")
+    if ca_key.public_key() != ca_cert.public_key():  # another fleet's key: devices would refuse what it signs
+        raise FleetError(f"{files['ca/ca.key']} is not the key of {files['ca/ca.crt']} (another fleet's?): nothing "
+                         "was written; put back the key `fleet init --tls` made with this CA")
+    try:  # the name alone is the same for every fleet of one run id: the signature says whose it is
+        current.verify_directly_issued_by(ca_cert)
+    except (ValueError, TypeError, InvalidSignature):
+        raise FleetError(f"{files['broker/server.crt']} was not issued by {files['ca/ca.crt']}") from None
     names = _names(current)
     if not names:
         raise FleetError(f"{files['broker/server.crt']} names no host (no subjectAltName)")
@@ -63,6 +69,7 @@ def renew_server_cert(out: Path, days: int = 825) -> dict[str, object]:
                          "it signs is refused by every verifier; make a new fleet (`fleet init --force`)")
     days = min(days, ca_days_left)  # never past the CA that vouches for it
     pem = tls.make_server_cert(ca_key, ca_cert, names, days=days)
+    x509.load_pem_x509_certificate(pem.cert).verify_directly_issued_by(ca_cert)  # what devices will check
     _write(out / "broker" / "server.crt", pem.cert, 0o644)
     _write(out / "broker" / "server.key", pem.key, 0o600)
     summary_path = out / "fleet.json"

@@ -70,26 +70,48 @@ def _passwd_entries(text: str, path: Path) -> dict[str, str]:
     return entries
 
 
-def _acl_blocks(text: str) -> tuple[list[str], dict[str, list[str]]]:
-    """The lines before the first `user` block, and each block's lines by user."""
-    head: list[str] = []
+def _acl_blocks(text: str) -> tuple[list[str | tuple[str, list[str]]], dict[str, list[str]]]:
+    """The ACL in order: each `user` block as (user, its `topic` rules), every other line (comments,
+    blank lines, `pattern` rules, an admin's own) as it is; and each user's rules by name. A block
+    holds only the `topic` lines right after its `user` line: nothing else is a user's to remove."""
+    items: list[str | tuple[str, list[str]]] = []
     blocks: dict[str, list[str]] = {}
     current: list[str] | None = None
     for line in text.splitlines():
         if line.startswith("user "):
             current = blocks.setdefault(line[5:].strip(), [])
-        elif current is None:
-            head.append(line)
-        elif line.strip():
+            items.append((line[5:].strip(), current))
+        elif current is not None and line.lstrip().startswith("topic "):
             current.append(line)
-    return head, blocks
+        else:
+            current = None
+            items.append(line)
+    return items, blocks
 
 
-def _acl_text(head: list[str], blocks: dict[str, list[str]]) -> str:
-    lines = list(head)
+def _acl_text(items: list[str | tuple[str, list[str]]], blocks: dict[str, list[str]]) -> str:
+    """The ACL with `blocks` as they are now: a block removed leaves the lines around it, a block
+    new (a revoked device reissued) goes at the end."""
+    lines: list[str] = []
+    placed: set[str] = set()
+    removed = False  # the line before was a removed block: the blank line after it goes with it
+    for item in items:
+        if isinstance(item, str):
+            if not (removed and not item.strip()):
+                lines.append(item)
+            removed = False
+        elif item[0] in blocks and item[0] not in placed:
+            placed.add(item[0])
+            lines += [f"user {item[0]}", *blocks[item[0]]]
+            removed = False
+        else:
+            removed = True
     for user, rules in blocks.items():
-        lines += [f"user {user}", *rules, ""]
-    return "\n".join(lines)
+        if user not in placed:
+            if lines and lines[-1].strip():
+                lines.append("")
+            lines += [f"user {user}", *rules, ""]
+    return "\n".join(lines) + ("\n" if lines and lines[-1] else "")
 
 
 def _acl_run(blocks: dict[str, list[str]], summary: dict) -> str:
@@ -125,7 +147,7 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
             raise FleetError(f"{cid!r} is not a device of the fleet in {out} (its devices: {', '.join(devices) or 'none'})")
     passwd_path, acl_path = out / "broker" / "passwd", out / "broker" / "acl"
     entries = _passwd_entries(_read(passwd_path), passwd_path)
-    head, blocks = _acl_blocks(_read(acl_path))
+    acl_items, blocks = _acl_blocks(_read(acl_path))
     coordinator_toml = out / "coordinator" / "broker.toml"
     coordinator_text = _read(coordinator_toml)
     try:
@@ -144,7 +166,8 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
         if reissue:
             new_passwords[cid] = passwords.new_password()
             entries[cid] = passwords.mosquitto_hash(new_passwords[cid])
-            blocks[cid] = acl.device_rules(cid, None if acl_run == "+" else acl_run)
+            if cid not in blocks:  # a revoked device's rules again; a listed device keeps its block as it is
+                blocks[cid] = acl.device_rules(cid, None if acl_run == "+" else acl_run)
             revoked.pop(cid, None)
             if cid not in devices:
                 devices.append(cid)
@@ -173,7 +196,7 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
         _PLAN.reset(token)
     # the accounts first: once these two are on the broker, a revoked card is locked out
     _write(passwd_path, "".join(f"{user}:{hashed}\n" for user, hashed in entries.items()), 0o600)
-    _write(acl_path, _acl_text(head, blocks), 0o644)
+    _write(acl_path, _acl_text(acl_items, blocks), 0o644)
     for path, (text, mode) in device_files.items():
         _write(path, text, mode)
         files.add(path.relative_to(out).as_posix())

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fedal import procs
+from fedal.atomic import write_bytes_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = "fedal-wheelhouse.json"
@@ -114,30 +115,47 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _claim(out: Path) -> None:
-    """Make out usable: new or empty, or a wheelhouse of ours emptied of the files it lists."""
+def _claim(out: Path) -> dict[str, Any]:
+    """Check that out is usable: new or empty, or a wheelhouse of ours holding only the files it
+    lists; returns those files' entries (none for a new or empty one). Nothing is removed here: a
+    rebuild that fails (no network, a pip error) leaves the wheelhouse that was there as it was."""
     if out.exists() and not out.is_dir():
         raise UsageProblem(f"--out {out} exists and is not a directory")
     if out.is_dir():  # the work directories of runs killed before they could remove theirs
         procs.reap_pid_dirs(out, WORK_PREFIX)
     if not out.is_dir() or not any(out.iterdir()):
-        return
+        return {}
     if not is_wheelhouse(out):
         raise UsageProblem(f"--out {out} is not empty and is not a wheelhouse this command wrote (no {MANIFEST}): "
                            f"refusing to delete or overwrite anything in it; give a new or an empty directory")
     try:
-        ours = set(read_manifest(out)["files"]) | {MANIFEST}
+        listed: dict[str, Any] = dict(read_manifest(out)["files"])
     except WheelhouseError as exc:
         raise UsageProblem(f"--out {out}: {exc}; refusing to touch it") from None
+    ours = set(listed) | {MANIFEST}
     foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
     if foreign:
         raise UsageProblem(f"--out {out} is a wheelhouse, but also holds files it did not write ({', '.join(foreign[:5])}): "
                            f"move them away first (they would be installed on the devices)")
-    for name in ours - {MANIFEST}:
+    return listed
+
+
+def _replace_files(out: Path, before: dict[str, Any], manifest: dict[str, Any], files: list[Path]) -> None:
+    """The new wheels in place of the old: a manifest listing both first (whatever happens next,
+    the directory says which files are ours), then the old files the new set lacks removed, the
+    new ones moved in, and the manifest of the new set alone."""
+    write_bytes_atomic(out / MANIFEST, _manifest_bytes({**manifest, "files": {**before, **manifest["files"]}}))
+    for name in set(before) - set(manifest["files"]):
         target = out / name
         if Path(name).name == name and (target.is_file() or target.is_symlink()):
             target.unlink()
-    (out / MANIFEST).unlink()  # last: until here a failure leaves a directory this command still owns
+    for f in files:
+        os.replace(f, out / f.name)
+    write_bytes_atomic(out / MANIFEST, _manifest_bytes(manifest))
+
+
+def _manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    return (json.dumps(manifest, indent=2) + "\n").encode()
 
 
 def pinned_requirements(constraints: Path, arch: str, python_version: str) -> list[str]:
@@ -146,7 +164,11 @@ def pinned_requirements(constraints: Path, arch: str, python_version: str) -> li
 
     env = marker_environment(arch, python_version)
     reqs = []
-    for number, raw in enumerate(constraints.read_text().splitlines(), 1):
+    try:
+        text = constraints.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageProblem(f"constraints file {constraints} cannot be read as text: {exc}") from None
+    for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
@@ -322,7 +344,7 @@ def build_wheelhouse(spec: WheelhouseSpec, progress=lambda msg: None) -> dict:
         reqs = [r for r in reqs if not r.lower().startswith("torch==")]
     elif torch_req is not None:
         reqs = [torch_req if r.lower().startswith("torch==") else r for r in reqs]
-    _claim(spec.out)
+    before = _claim(spec.out)
 
     out = spec.out
     try:
@@ -376,10 +398,7 @@ def build_wheelhouse(spec: WheelhouseSpec, progress=lambda msg: None) -> dict:
             "versions": dict(sorted(versions.items(), key=lambda kv: kv[0].lower())),
             "files": dict(sorted(entries.items())),
         }
-        # the manifest first: whatever happens next, the directory says which files are ours
-        (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        for f in files:
-            os.replace(f, out / f.name)
+        _replace_files(out, before, manifest, files)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return manifest

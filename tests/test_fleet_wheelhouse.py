@@ -296,3 +296,41 @@ def test_a_newer_torch_without_the_cpu_index_is_refused_before_any_download(tmp_
     bad = wheelhouse("--arch", "aarch64", "--out", str(tmp_path / "wh"), *offline(idx, constraints, wheel),
                      "--torch-version", "latest")
     assert bad.returncode == 2 and "is not a version" in bad.stderr
+
+
+def test_a_failed_rebuild_keeps_the_wheelhouse_that_was_there(tmp_path, inputs):
+    """The old files went before the download: a rebuild in an offline lab that failed (no index,
+    a pip error) left an empty directory where the working wheelhouse had been."""
+    from fleet.wheelhouse import verify
+
+    idx, constraints, wheel = inputs
+    out = tmp_path / "wh"
+    assert wheelhouse("--arch", "aarch64", "--out", str(out), *offline(idx, constraints, wheel)).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    empty = tmp_path / "empty-index"
+    empty.mkdir()
+    r = wheelhouse("--arch", "aarch64", "--out", str(out), *offline(empty, constraints, wheel))
+    assert r.returncode != 0 and "pip download failed" in r.stderr, r.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    verify(out)
+
+    # a rebuild that succeeds replaces the files: the old agent wheel gone, the new one listed
+    newer = fake_wheel(tmp_path / "built", "fedal-edge", "0.2.0",
+                       requires=("numpy>=1.26", 'torch<2.14,>=2.10; extra == "agent"',
+                                 'paho-mqtt<3,>=2.0; extra == "agent"'),
+                       files={"edge_agent/__init__.py": "", "edge_agent/__main__.py": SELF_CHECK}, extras=("agent",))
+    r = wheelhouse("--arch", "aarch64", "--out", str(out), *offline(idx, constraints, newer))
+    assert r.returncode == 0, r.stderr
+    manifest = verify(out)
+    assert manifest["agent_version"] == "0.2.0" and newer.name in manifest["files"]
+    assert wheel.name not in {p.name for p in out.iterdir()}
+    assert {p.name for p in out.iterdir()} == set(manifest["files"]) | {"fedal-wheelhouse.json"}
+
+
+def test_a_constraints_file_that_is_not_text_is_a_clear_error(tmp_path, inputs):
+    idx, _, wheel = inputs
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"torch==2.10.0  # \xe9t\xe9\n")
+    r = wheelhouse("--arch", "aarch64", "--out", str(tmp_path / "wh"), *offline(idx, bad, wheel))
+    assert r.returncode == 2 and "cannot be read as text" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "wh").exists()
