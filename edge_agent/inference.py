@@ -107,8 +107,17 @@ class OnnxInference:
         log.info("frozen forward passes on %s: %s", self.name, reason)
 
 
+FINAL_ONNX_FILES = ("model.onnx", "model.int8.onnx")
+
+
 def write_final_onnx(model: torch.nn.Module, example: np.ndarray, out: Path, int8: bool) -> list[Path]:
-    """The deployable artifact: the final model as ONNX (and int8), or nothing if export fails here."""
+    """The deployable artifact: the final model as ONNX (and int8), or nothing if export fails here.
+    Each file is whole or absent (written beside and renamed); an earlier run's are removed first,
+    so none of another model's stays beside this run's model.pt. OSError (a full card) is raised:
+    the caller exits so that a restart writes them."""
+    for name in FINAL_ONNX_FILES:
+        if (out / name).is_file() or (out / name).is_symlink():
+            (out / name).unlink()
     written = []
     try:
         from export import export_onnx
@@ -120,6 +129,8 @@ def write_final_onnx(model: torch.nn.Module, example: np.ndarray, out: Path, int
             from export.quantize import quantize_int8
 
             written.append(quantize_int8(path, out / "model.int8.onnx", mode="static", calibration=example[:256]))
+    except OSError:
+        raise
     except Exception as exc:
         log.warning("could not write the final model as ONNX on this device (%s: %s); model.pt is the artifact",
                     type(exc).__name__, exc)

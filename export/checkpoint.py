@@ -60,7 +60,17 @@ def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike[str]) -> tor
             raise ValueError(f"checkpoint {path} does not match model {name}: {key} has shape "
                              f"{tuple(state[key].shape)} in the checkpoint but {tuple(tensor.shape)} "
                              f"in the model (different model, input shape or num_classes?)")
-    model.load_state_dict(state, strict=True)
+        if tensor.is_floating_point() and not state[key].is_floating_point():  # complex would lose its
+            raise ValueError(f"checkpoint {path}: {key} is {state[key].dtype}, not a floating-point "  # imaginary part
+                             f"tensor as model {name} has it")
+        if state[key].is_floating_point() and not bool(torch.isfinite(state[key]).all()):
+            raise ValueError(f"checkpoint {path}: {key} holds NaN or infinite values (a diverged run?); "
+                             "the exported model would answer NaN")
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:  # e.g. meta tensors: torch's own message is a page long
+        raise ValueError(f"checkpoint {path} does not load into model {name}: "
+                         f"{next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), exc)}") from None
     return model
 
 

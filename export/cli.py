@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import click
 
 from export.onnx_export import MAX_OPSET, MIN_OPSET
+from fedal import procs
 from fedal.models import MODEL_NAMES
 from fedal.owned import ForeignFile, check_replaceable, is_export_report, is_our_onnx
 
@@ -23,6 +25,8 @@ PARITY_ATOL = 1e-4
 PARITY_RANDOM_ROWS = 16
 PARITY_REAL_ROWS = 256
 STATIC_INT8_MIN_OPSET = 13  # per-channel QDQ: DequantizeLinear's axis attribute arrived in opset 13
+INT8_MIN_OPSET = 11  # onnxruntime's quantiser writes opset 11 at least: a lower --opset would not hold for the int8 file
+STAGE_PREFIX = ".fedal-export-"  # the work folder beside --out, removed at the end (or by the next run if killed)
 
 
 def _check_opset(ctx: click.Context, param: click.Parameter, value: int) -> int:
@@ -80,9 +84,6 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
 
     from export.checkpoint import load_checkpoint
     from export.layout import CHANNEL_MULTIPLE, has_1d_layers, nchwc_available
-    from export.onnx_export import export_onnx, written_opset
-    from export.parity import ParityError, check_parity
-    from export.quantize import accuracy_delta, quantize_int8
     from fedal.models import build_model
 
     if threads is not None and threads < 1:
@@ -94,6 +95,9 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
     mode = quantize_mode or ("static" if dataset else "dynamic")
     if quantize and mode == "static" and not dataset:
         raise click.UsageError("--quantize-mode static needs --dataset for calibration samples")
+    if quantize and opset < INT8_MIN_OPSET:
+        raise click.UsageError(f"--quantize int8 needs --opset {INT8_MIN_OPSET} or later, got {opset} (onnxruntime's "
+                               f"quantiser would write the int8 file at opset {INT8_MIN_OPSET} anyway)")
     if quantize and mode == "static" and opset < STATIC_INT8_MIN_OPSET:
         raise click.UsageError(f"static int8 (per-channel QDQ) needs --opset {STATIC_INT8_MIN_OPSET} or later, "
                                f"got {opset}; use --quantize-mode dynamic or a newer opset")
@@ -142,47 +146,85 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
         raise click.UsageError(str(exc)) from None
     gen = torch.Generator().manual_seed(0)
     random_x = torch.randn(PARITY_RANDOM_ROWS, *shape, generator=gen)
+    if channel_multiple is not None and not has_1d_layers(model):  # else it was ignored without a word
+        raise click.UsageError(f"--channel-multiple applies to models with 1-D convolutions; {model_name} has none")
     if has_1d_layers(model) and channel_multiple is None:
         channel_multiple = CHANNEL_MULTIPLE if nchwc_available() else 0
+    try:  # everything is written and checked in a work folder beside --out first: a failed check or
+        out.parent.mkdir(parents=True, exist_ok=True)  # export leaves the earlier files as they were
+        stage = Path(procs.pid_dir(out.parent, STAGE_PREFIX))
+    except OSError as exc:
+        raise click.ClickException(_one_line(f"cannot write beside {out}: {exc.strerror or exc}")) from None
     try:
-        export_onnx(model, random_x[:2], out, opset=opset, channel_multiple=channel_multiple)
+        staged = _export_staged(model, model_name, shape, classes, checkpoint, dataset, out, stage, opset, check, quantize,
+                                mode, threads, channel_multiple, random_x, train, test)
+        for path, final in staged:
+            os.replace(path, final)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    if not quantize and int8_path.exists() and not int8_path.is_symlink() and is_our_onnx(int8_path):
+        int8_path.unlink()  # an earlier export's int8 copy of other weights: it no longer matches --out
+        click.echo(f"removed {int8_path} (an earlier export's int8 copy; --quantize int8 writes a new one)")
+    click.echo(f"wrote {out} ({out.stat().st_size} bytes) and {report_path}")
+
+
+def _export_staged(model, model_name, shape, classes, checkpoint, dataset, out: Path, stage: Path, opset: int,
+                   check: bool, quantize: str | None, mode: str, threads: int | None, channel_multiple: int | None,
+                   random_x, train, test) -> list[tuple[Path, Path]]:
+    """The model, its int8 copy and the report written into `stage` and checked: (staged, final) pairs."""
+    import torch
+
+    from export.layout import has_1d_layers
+    from export.onnx_export import export_onnx, written_opset
+    from export.parity import ParityError, check_parity
+    from export.quantize import accuracy_delta, quantize_int8
+
+    report_path = Path(os.fspath(out) + ".json")
+    int8_path = out.with_name(out.stem + ".int8.onnx")
+    onnx_file, int8_file, report_file = stage / out.name, stage / int8_path.name, stage / report_path.name
+    try:
+        export_onnx(model, random_x[:2], onnx_file, opset=opset, channel_multiple=channel_multiple)
     except Exception as exc:
         raise click.ClickException(_one_line(f"ONNX export of {model_name} failed: {exc}")) from None
     report: dict = {"model": model_name, "input_shape": list(shape), "num_classes": classes,
                     "checkpoint": checkpoint, "dataset": dataset,
                     # read back from the file, so the report cannot disagree with it
-                    "opset": written_opset(out), "onnx": str(out),
-                    "onnx_bytes": out.stat().st_size, "parity_max_diff": None, "int8": None,
+                    "opset": written_opset(onnx_file), "onnx": str(out),
+                    "onnx_bytes": onnx_file.stat().st_size, "parity_max_diff": None, "int8": None,
                     # 1-D conv stacks are exported as 2-D; null: the model has none
                     "conv1d_channel_multiple": channel_multiple if has_1d_layers(model) else None}
 
     if check:
         try:
-            diffs = [check_parity(model, out, random_x, atol=PARITY_ATOL)]
+            diffs = [check_parity(model, onnx_file, random_x, atol=PARITY_ATOL, threads=threads)]
             if test is not None:
-                diffs.append(check_parity(model, out, torch.from_numpy(test.x[:PARITY_REAL_ROWS]),
-                                          atol=PARITY_ATOL))
+                diffs.append(check_parity(model, onnx_file, torch.from_numpy(test.x[:PARITY_REAL_ROWS]),
+                                          atol=PARITY_ATOL, threads=threads))
         except ParityError as exc:
-            raise click.ClickException(_one_line(f"parity check failed: {exc}")) from None
+            raise click.ClickException(_one_line(f"parity check failed: {exc}".replace(str(stage / out.name),
+                                                                                       str(out)))) from None
         report["parity_max_diff"] = max(diffs)
         click.echo(f"parity ok: max |onnx - torch| = {max(diffs):.2e} (atol {PARITY_ATOL:g})")
 
+    staged = [(onnx_file, out)]
     if quantize:
         try:
-            quantize_int8(out, int8_path, mode=mode, calibration=None if train is None else train.x)
+            quantize_int8(onnx_file, int8_file, mode=mode, calibration=None if train is None else train.x)
         except Exception as exc:
             raise click.ClickException(_one_line(f"int8 quantization failed: {exc}")) from None
-        report["int8"] = {"path": str(int8_path), "mode": mode, "bytes": int8_path.stat().st_size,
-                          "accuracy": None}
-        click.echo(f"wrote {int8_path} ({mode}, {int8_path.stat().st_size} bytes)")
+        report["int8"] = {"path": str(int8_path), "mode": mode, "bytes": int8_file.stat().st_size,
+                          "opset": written_opset(int8_file), "accuracy": None}
         if test is not None:
             try:
-                acc = accuracy_delta(out, int8_path, test.x, test.y, threads=threads)
+                acc = accuracy_delta(onnx_file, int8_file, test.x, test.y, threads=threads)
             except Exception as exc:
                 raise click.ClickException(_one_line(f"int8 accuracy check failed: {exc}")) from None
             report["int8"]["accuracy"] = acc
+        click.echo(f"wrote {int8_path} ({mode}, {int8_file.stat().st_size} bytes)")
+        if test is not None:
+            acc = report["int8"]["accuracy"]
             click.echo(f"{dataset} test accuracy: fp32 {acc['fp32_acc']:.4f}, int8 {acc['int8_acc']:.4f} "
                        f"({acc['delta_points']:+.2f} points)")
-
-    report_path.write_text(json.dumps(report, indent=2) + "\n")
-    click.echo(f"wrote {out} ({report['onnx_bytes']} bytes) and {report_path}")
+        staged.append((int8_file, int8_path))
+    report_file.write_text(json.dumps(report, indent=2) + "\n")
+    return [*staged, (report_file, report_path)]  # the report last: it describes the files before it

@@ -21,6 +21,7 @@ import contextlib
 import io
 import logging
 import os
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,6 +95,22 @@ def export_onnx(
         )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)  # written, marked and checked here; `path` is replaced only by a file that passed
+    try:
+        _export_checked(model, example_input, tmp, opset, conv1d_as_2d, channel_multiple, mark)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    actual = written_opset(path)
+    if actual != opset:
+        _log.warning("ONNX file %s has opset %d instead of the requested %d", path, actual, opset)
+    return path
+
+
+def _export_checked(model: torch.nn.Module, example_input: torch.Tensor, path: Path, opset: int, conv1d_as_2d: bool,
+                    channel_multiple: int | None, mark: bool) -> None:
     example = example_input.detach()
     if example.shape[0] == 1:
         # Size-1 dims get specialised by torch.export; two rows keep the batch axis symbolic.
@@ -110,6 +127,8 @@ def export_onnx(
         with torch.no_grad():
             try:
                 _export_legacy(traced, example, path, opset)
+            except OSError:  # the disk, not the exporter: the other exporter would fail alike
+                raise
             except Exception as exc:  # legacy exporter removed or unable to trace the model
                 _log.warning("legacy ONNX export failed (%s); retrying with dynamo", exc)
                 _export_dynamo(traced, example, path, opset)
@@ -120,10 +139,6 @@ def export_onnx(
         mark_onnx(path)
     # Path form lets the checker handle external data; full_check also runs shape inference.
     onnx.checker.check_model(str(path), full_check=True)
-    actual = written_opset(path)
-    if actual != opset:
-        _log.warning("ONNX file %s has opset %d instead of the requested %d", path, actual, opset)
-    return path
 
 
 def mark_onnx(path: str | os.PathLike[str]) -> None:

@@ -12,6 +12,8 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from .session import session_options
+
 __all__ = ["ParityError", "check_parity"]
 
 _ORT_TO_NUMPY = {
@@ -30,6 +32,7 @@ def check_parity(
     onnx_path: str | os.PathLike[str],
     inputs: torch.Tensor,
     atol: float = 1e-4,
+    threads: int | None = None,
 ) -> float:
     """Run `model` (eval, no_grad) and onnxruntime (CPU) on `inputs`; return the max abs diff.
 
@@ -44,8 +47,7 @@ def check_parity(
     finally:
         model.train(was_training)
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # errors only: keep ORT's optimizer notes out of logs
+    options = session_options(threads or 0)  # errors only in the log; `threads` intra-op threads (0: all cores)
     session = ort.InferenceSession(
         os.fspath(onnx_path), sess_options=options, providers=["CPUExecutionProvider"]
     )

@@ -33,6 +33,8 @@ from onnxruntime.quantization import (
     quantize_static,
 )
 
+from fedal.atomic import write_bytes_atomic
+
 from .onnx_export import mark_onnx
 from .session import OrtModel
 
@@ -73,6 +75,7 @@ def quantize_int8(
     fp32_path, out_path = Path(fp32_path), Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
+        written = Path(tmp) / "int8.onnx"  # `out_path` is replaced only by a whole, marked file
         prepped = Path(tmp) / "prepped.onnx"
         try:
             quant_pre_process(str(fp32_path), str(prepped), skip_symbolic_shape=True)
@@ -81,20 +84,21 @@ def quantize_int8(
             _log.warning("quant_pre_process failed (%s); quantising the raw model", exc)
             source = fp32_path
         if mode == "dynamic":
-            quantize_dynamic(str(source), str(out_path), weight_type=QuantType.QInt8,
+            quantize_dynamic(str(source), str(written), weight_type=QuantType.QInt8,
                              op_types_to_quantize=["MatMul", "Gemm"])
         else:
             rows = np.ascontiguousarray(calibration[:MAX_CALIBRATION_ROWS], dtype=np.float32)
             input_name = OrtModel(source, threads=1).input_name
             quantize_static(
-                str(source), str(out_path), _RowsReader(input_name, rows),
+                str(source), str(written), _RowsReader(input_name, rows),
                 quant_format=QuantFormat.QDQ,
                 activation_type=QuantType.QInt8,
                 weight_type=QuantType.QInt8,
                 per_channel=True,
                 calibrate_method=CalibrationMethod.MinMax,
             )
-    mark_onnx(out_path)
+        mark_onnx(written)
+        write_bytes_atomic(out_path, written.read_bytes())
     return out_path
 
 

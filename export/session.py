@@ -77,6 +77,8 @@ def node_times(path: str | os.PathLike[str], x: np.ndarray, threads: int = 1, ru
     reorders). One warm-up run, then `runs` profiled ones. One dict per node, slowest first:
     node, op, domain, mean kernel ms per run, share of the summed node time, input shapes.
     """
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
     options = session_options(threads)
     with tempfile.TemporaryDirectory() as tmp:
         options.optimized_model_filepath = os.path.join(tmp, "optimised.onnx")
