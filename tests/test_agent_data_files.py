@@ -60,7 +60,17 @@ def served():
     server.close()
 
 
-@pytest.mark.parametrize("torn", [b"", npz_bytes(x=X)[:50], b"not a zip at all"])
+def zip_refused(data: bytes, field: int, value: int) -> bytes:
+    """`data` with one byte of its zip central directory changed: at +6 the version needed to
+    extract (90: "9.0", zipfile's NotImplementedError), at +8 the flags (1: encrypted, its
+    RuntimeError); errors other than ValueError escaped and stopped the agent."""
+    damaged = bytearray(data)
+    damaged[data.index(b"PK\x01\x02") + field] = value
+    return bytes(damaged)
+
+
+@pytest.mark.parametrize("torn", [b"", npz_bytes(x=X)[:50], b"not a zip at all", zip_refused(npz_bytes(x=X), 6, 90),
+                                  zip_refused(npz_bytes(x=X), 8, 1)])
 def test_a_torn_cache_is_fetched_again_and_replaced(tmp_path, served, torn):
     url, payload, hits = served
     cache = tmp_path / "public.npz"

@@ -16,6 +16,7 @@ import os
 import random
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -96,8 +97,8 @@ def _read_cache(path: Path, key_json: str) -> dict[str, np.ndarray] | None:
             if str(z["key"]) != key_json:
                 return None
             return {k: z[k] for k in ("x", "y", "x_test", "y_test")}
-    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
-        return None
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError):
+        return None  # the last two: zipfile refusing a damaged archive (an unknown version or method, "encrypted")
 
 
 def _write_atomic(path: Path, arrays: dict[str, np.ndarray], key_json: str) -> None:

@@ -8,13 +8,14 @@ FileNotFoundError naming what was expected and where; corrupt or mismatched file
 from __future__ import annotations
 
 import gzip
+import io
 import math
 import pickle
 import struct
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -142,40 +143,135 @@ def load_mnist_dir(root, kind: str = "mnist") -> tuple[ArrayDataset, ArrayDatase
             load_idx(found["t10k-images"], found["t10k-labels"], name + "-test", image_shape=(28, 28)))
 
 
-class _NumpyOnlyUnpickler(pickle.Unpickler):
-    """Unpickler that can rebuild numpy arrays and nothing else.
+class _Dtype:
+    """numpy.dtype(code, align, copy) and its BUILD state, as a pickle rebuilds a plain numeric
+    dtype: checked field by field here, never handed to numpy's own __setstate__ (which a damaged
+    state can crash)."""
+
+    CODES = ("u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8", "f4", "f8", "b1")
+
+    def __init__(self, code, align=False, copy=True):
+        code = code.decode("latin1") if isinstance(code, bytes) else code  # a Python 2 str
+        if code not in self.CODES or align not in (0, False) or copy not in (1, True):
+            raise ValueError(f"dtype {code!r} is not a plain numeric dtype")
+        self.dtype = np.dtype(code)
+
+    def __setstate__(self, state) -> None:
+        if not (isinstance(state, tuple) and len(state) == 8 and state[0] == 3 and state[2:5] == (None, None, None)
+                and all(isinstance(v, int) for v in state[5:])):
+            raise ValueError(f"unexpected dtype state {state!r:.80}")
+        order = state[1].decode("latin1") if isinstance(state[1], bytes) else state[1]
+        if order not in ("|", "<", ">", "="):
+            raise ValueError(f"unexpected byte order {order!r}")
+        self.dtype = self.dtype.newbyteorder(order) if order in "<>" else self.dtype
+
+
+def _array(raw, dtype, shape, order: str) -> np.ndarray:
+    """An array from a pickle's raw bytes, every field checked first; native byte order, a copy."""
+    if not isinstance(dtype, _Dtype):
+        raise ValueError("an array without a plain numeric dtype")
+    raw = raw.raw() if isinstance(raw, pickle.PickleBuffer) else raw
+    raw = raw.encode("latin1") if isinstance(raw, str) else raw
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise ValueError(f"array data is {type(raw).__name__}, not bytes")
+    if not (isinstance(shape, tuple) and len(shape) <= 8 and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise ValueError(f"bad array shape {shape!r:.80}")
+    if len(raw) != math.prod(shape) * dtype.dtype.itemsize:
+        raise ValueError(f"array of shape {shape} and dtype {dtype.dtype} holds {len(raw)} bytes")
+    flat = np.frombuffer(bytes(raw), dtype=dtype.dtype)
+    return flat.reshape(shape, order="F" if order == "F" else "C").astype(dtype.dtype.newbyteorder("="), order="C")
+
+
+class _PickledArray:
+    """What numpy's `_reconstruct` starts, filled by its BUILD state (version, shape, dtype,
+    Fortran order, raw bytes): checked here instead of by numpy's __setstate__."""
+
+    array: np.ndarray | None = None
+
+    def __setstate__(self, state) -> None:
+        if not (isinstance(state, tuple) and len(state) == 5 and state[0] == 1 and isinstance(state[3], bool)):
+            raise ValueError(f"unexpected array state {state!r:.80}")
+        _version, shape, dtype, fortran, raw = state
+        self.array = _array(raw, dtype, shape, "F" if fortran else "C")
+
+
+_NDARRAY = object()  # numpy.ndarray, as _reconstruct's first argument
+
+
+def _reconstruct(cls, shape, code) -> _PickledArray:
+    if cls is not _NDARRAY or shape != (0,) or code not in (b"b", "b"):
+        raise ValueError("not numpy's array reconstruction")
+    return _PickledArray()
+
+
+def _frombuffer(buf, dtype, shape, order="C") -> np.ndarray:
+    if order not in ("C", "F"):
+        raise ValueError(f"unexpected array order {order!r}")
+    return _array(buf, dtype, shape, order)
+
+
+def _scalar(dtype, raw) -> Any:
+    return _array(raw, dtype, (), "C")[()]
+
+
+def _latin1(text, encoding) -> bytes:
+    """_codecs.encode: how protocol-2 pickles written by Python 3 store bytes."""
+    if encoding != "latin1" or not isinstance(text, str):
+        raise ValueError(f"unexpected encoding {encoding!r}")
+    return text.encode("latin1")
+
+
+class _NumpyOnlyUnpickler(pickle._Unpickler):
+    """Unpickler that rebuilds plain numpy arrays and nothing else, with its own checked stand-ins.
 
     The CIFAR-10 python batches are only distributed as pickles, and unpickling can run
-    arbitrary code. Reading them is acceptable only because they are the user's own dataset
-    files; refusing every global except numpy's array reconstructors is defence in depth.
+    arbitrary code. Every global but numpy's array reconstructors is refused, and those are
+    replaced by functions that check what they are given before building an array with
+    np.frombuffer: numpy's own dtype and array __setstate__ crash the process on some damaged
+    states. The pure-Python unpickler, over the file's bytes in memory, keeps its memo in a dict
+    and never allocates what a damaged length field claims (the C one made a 9-byte file take
+    gigabytes).
     """
 
     _ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
-        ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
-        ("numpy", "ndarray"), ("numpy", "dtype"),
-        ("_codecs", "encode"),  # how protocol-2 pickles written by Python 3 store bytes
+        ("numpy.core.multiarray", "_reconstruct"): _reconstruct, ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+        ("numpy.core.multiarray", "scalar"): _scalar, ("numpy._core.multiarray", "scalar"): _scalar,
+        ("numpy.core.numeric", "_frombuffer"): _frombuffer, ("numpy._core.numeric", "_frombuffer"): _frombuffer,
+        ("numpy", "ndarray"): _NDARRAY, ("numpy", "dtype"): _Dtype,
+        ("_codecs", "encode"): _latin1,
     }
 
     def find_class(self, module: str, name: str):
         if (module, name) not in self._ALLOWED:
             raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a dataset file")
-        if module.startswith("numpy.core.") and hasattr(np, "_core"):
-            module = "numpy._core." + module[len("numpy.core."):]  # numpy 2 renamed; skip the shim
-        return super().find_class(module, name)
+        return self._ALLOWED[(module, name)]
+
+
+def _arrays(obj):
+    """The unpickled batch with the checked arrays in place of their stand-ins."""
+    if isinstance(obj, _PickledArray):
+        if obj.array is None:
+            raise ValueError("an array without its data")
+        return obj.array
+    if isinstance(obj, dict):
+        return {k: _arrays(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_arrays(v) for v in obj]
+    if isinstance(obj, _Dtype) or obj is _NDARRAY:
+        raise ValueError("a dtype where data belongs")
+    return obj
 
 
 def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
-        with open(path, "rb") as f:
-            # encoding="bytes" is the official way to read these Python 2 pickles (keys are bytes).
-            # A corrupt length field has the unpickler allocate what it says before reading: a
-            # MemoryError (or OverflowError) here means a damaged file, not a full machine.
-            batch = _NumpyOnlyUnpickler(f, encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-            IndexError, KeyError, struct.error, UnicodeDecodeError, MemoryError, OverflowError) as e:
-        raise ValueError(f"{path}: not a readable CIFAR-10 batch ({type(e).__name__}: {e})") from e
+        data_bytes = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+    try:
+        # encoding="bytes" is the official way to read these Python 2 pickles (keys are bytes)
+        batch = _arrays(_NumpyOnlyUnpickler(io.BytesIO(data_bytes), encoding="bytes").load())
+    except Exception as e:  # whatever a damaged pickle makes the unpickler raise: not a batch
+        raise ValueError(f"{path}: not a readable CIFAR-10 batch ({type(e).__name__}: {e})") from None
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise ValueError(f"{path}: expected a dict with b'data' and b'labels'")
     try:

@@ -66,6 +66,11 @@ def content_hash(x: np.ndarray) -> str:
     return h.hexdigest()
 
 
+# what zipfile raises for an archive it will not read (a damaged "version needed" or compression
+# method field: NotImplementedError; a member flagged as encrypted: RuntimeError)
+ZIP_REFUSALS = (NotImplementedError, RuntimeError)
+
+
 def public_rows_from_npz(data: bytes, where: str, max_elements: int | None = None) -> np.ndarray:
     """The rows `x` of a public set file's bytes as float32, for the coordinator that serves it
     and the agent that fetches or is provisioned with it. Anything but an .npz holding a numeric
@@ -76,7 +81,7 @@ def public_rows_from_npz(data: bytes, where: str, max_elements: int | None = Non
         _check_declared_size(data, where, max_elements)
     try:
         loaded = np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, EOFError, OSError, zipfile.BadZipFile, pickle.UnpicklingError) as exc:
+    except (ValueError, EOFError, OSError, zipfile.BadZipFile, pickle.UnpicklingError, *ZIP_REFUSALS) as exc:
         raise ValueError(f"{where} is not a readable .npz file: {exc}") from None
     if not isinstance(loaded, np.lib.npyio.NpzFile):
         raise ValueError(f"{where} is a single .npy array, not an .npz holding an array x")
@@ -85,7 +90,7 @@ def public_rows_from_npz(data: bytes, where: str, max_elements: int | None = Non
             raise ValueError(f"{where} holds no array x (it holds: {', '.join(z.files) or 'nothing'})")
         try:
             x = np.ascontiguousarray(z["x"], dtype=np.float32)
-        except (ValueError, TypeError, EOFError, OSError, zipfile.BadZipFile, zlib.error) as exc:
+        except (ValueError, TypeError, EOFError, OSError, zipfile.BadZipFile, zlib.error, *ZIP_REFUSALS) as exc:
             raise ValueError(f"{where}: its array x cannot be read as float32 rows: {exc}") from None
     if x.ndim < 2 or len(x) == 0:
         raise ValueError(f"{where}: x must hold at least one row of features (shape [rows, ...]), "
@@ -113,7 +118,7 @@ def _check_declared_size(data: bytes, where: str, max_elements: int) -> None:
                     major, _minor = np.lib.format.read_magic(member)
                     read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
                     shape, _, dtype = read_header(member)
-    except (ValueError, EOFError, OSError, zipfile.BadZipFile, zlib.error) as exc:
+    except (ValueError, EOFError, OSError, zipfile.BadZipFile, zlib.error, *ZIP_REFUSALS) as exc:
         raise ValueError(f"{where} is not a readable .npz file: {exc}") from None
     elements = 0 if shape is None else int(np.prod(shape, dtype=object))
     if elements > max_elements or inflated > limit_bytes:
