@@ -244,6 +244,8 @@ def _edit(path: Path, fn) -> None:
     (lambda ls: ["11", *ls[1:]], "line 1 promises 11 images, the file lists 10"),
     (lambda ls: [*ls[:4], ls[4].replace(" 1", " 0", 1), *ls[5:]], "line 5 must be a file name and 40 values"),
     (lambda ls: [*ls[:4], ls[4].rsplit(" ", 1)[0], *ls[5:]], "line 5 must be a file name and 40 values"),
+    (lambda ls: [*ls[:4], "/etc/" + ls[4], *ls[5:]], "line 5: '/etc/0000.*' is not an image file name"),
+    (lambda ls: [*ls[:4], "../" + ls[4], *ls[5:]], "line 5: '../0000.*' is not an image file name"),
 ])
 def test_celeba_malformed_attribute_file_is_refused(tmp_path, damage, needle):
     write_celeba(tmp_path)

@@ -191,6 +191,8 @@ def read_celeba_attributes(path) -> tuple[list[str], list[str], np.ndarray]:
         if len(fields) != CELEBA_ATTRIBUTE_COUNT + 1 or any(v not in ("1", "-1") for v in fields[1:]):
             raise ValueError(f"{path}: line {i + 3} must be a file name and {CELEBA_ATTRIBUTE_COUNT} values of -1 or 1, "
                              f"got {line[:80]!r}")
+        if "/" in fields[0] or "\\" in fields[0] or fields[0] in (".", ".."):  # a name in img_align_celeba/, no path
+            raise ValueError(f"{path}: line {i + 3}: {fields[0][:60]!r} is not an image file name (no folders)")
         files.append(fields[0])
         values[i] = [int(v) for v in fields[1:]]
     _check_unique(files, path)
