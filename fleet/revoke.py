@@ -72,8 +72,9 @@ def _passwd_entries(text: str, path: Path) -> dict[str, str]:
 
 def _acl_blocks(text: str) -> tuple[list[str | tuple[str, list[str]]], dict[str, list[str]]]:
     """The ACL in order: each `user` block as (user, its `topic` rules), every other line (comments,
-    blank lines, `pattern` rules, an admin's own) as it is; and each user's rules by name. A block
-    holds only the `topic` lines right after its `user` line: nothing else is a user's to remove."""
+    blank lines, `pattern` rules, which apply to every user) as it is; and each user's rules by
+    name. As Mosquitto reads the file, a `topic` line is the rule of the last `user` line above
+    it: a device's rules are those, and nothing else is the device's to remove."""
     items: list[str | tuple[str, list[str]]] = []
     blocks: dict[str, list[str]] = {}
     current: list[str] | None = None
@@ -84,7 +85,6 @@ def _acl_blocks(text: str) -> tuple[list[str | tuple[str, list[str]]], dict[str,
         elif current is not None and line.lstrip().startswith("topic "):
             current.append(line)
         else:
-            current = None
             items.append(line)
     return items, blocks
 

@@ -93,18 +93,22 @@ def test_revoke_and_reissue_keep_the_admins_own_acl_lines(tmp_path):
     acl = out / "broker" / "acl"
     extra = "topic read fedal/v1/lab/extra/pi-1"
     text = acl.read_text().replace("user pi-1\n", f"user pi-1\n{extra}\n")
+    # a rule of pi-2's after a comment and a blank line is still pi-2's (Mosquitto reads it so): it
+    # must go with pi-2's block, not stay behind as a rule of whichever user comes before
+    text = text.replace("user pi-3\n", "# pi-2's own\n\ntopic write fedal/v1/lab/extra/pi-2\nuser pi-3\n")
     acl.write_text(text + "\n# monitoring\npattern read fedal/v1/+/run\n")
-    assert fleet("revoke", "--out", str(out), "pi-3")[0] == 0
+    assert fleet("revoke", "--out", str(out), "pi-3", "pi-2")[0] == 0
     after = acl.read_text()
     assert "user pi-3" not in after and "fedal/v1/lab/down/pi-3" not in after
+    assert "pi-2" not in after.replace("# pi-2's own", "")
     assert "# monitoring\npattern read fedal/v1/+/run\n" in after
     assert "\n\n\n" not in after
     assert fleet("revoke", "--out", str(out), "--reissue", "pi-1")[0] == 0  # re-keyed, its rules as they were
     assert f"user pi-1\n{extra}\n" in acl.read_text() and "pattern read fedal/v1/+/run" in acl.read_text()
     assert fleet("revoke", "--out", str(out), "--reissue", "pi-3")[0] == 0  # a revoked one's rules come back
     again = acl.read_text()
-    assert "user pi-3\ntopic read fedal/v1/lab/run\n" in again and again.count("user ") == 4
-    assert fleet("revoke", "--out", str(out), "pi-1", "pi-2", "pi-3")[0] == 0
+    assert "user pi-3\ntopic read fedal/v1/lab/run\n" in again and again.count("user ") == 3
+    assert fleet("revoke", "--out", str(out), "pi-1", "pi-3")[0] == 0
     assert "pattern read fedal/v1/+/run" in acl.read_text() and "user pi-" not in acl.read_text()
 
 
