@@ -32,6 +32,7 @@ def coordinator_cmd(config_path: str, log_level: str) -> None:
     warn_if_secrets_exposed(config_path)
     warn_if_weak_token(config)
     warn_if_reads_open(config)
+    from coordinator.runs import ConfiguredRunError
     from coordinator.store import StoreError
     from fedal.workspace import WorkspaceError, locked
 
@@ -40,6 +41,8 @@ def coordinator_cmd(config_path: str, log_level: str) -> None:
             status = serve(config)
     except WorkspaceError as error:
         raise click.UsageError(f"state_dir: {error}") from None
+    except ConfiguredRunError as error:
+        raise click.UsageError(str(error)) from None
     except StoreError as error:  # e.g. a damaged coordinator.db: one line, the file left as it is
         raise click.ClickException(str(error)) from None
     sys.exit(status)

@@ -117,6 +117,7 @@ class Run:
         self.finished_at: float | None = None
         self.finished_before: float | None = None  # when a run found finished in the store finished
         self.was_paused = False  # the store had it paused: an operator's hold outlives a restart
+        self.connected_once = False  # past its broker connection: a resume makes it `running`, else `pending`
         self.operator_paused = False  # paused over the API (a phases.pause_at hold comes back by itself)
         # a state change and its store write as one (pause/resume from the API, the end from the run's
         # thread): the store never ends up with an older state than the run's
@@ -164,6 +165,9 @@ class Run:
         try:
             start = self._resume()
             self.round = start
+            if start >= self.run_config.rounds:  # found finished in the store: it says so at once, broker or not
+                with self.lock:  # (a pause or resume meanwhile is refused: it is not `pending`)
+                    self.state, self.finished_at = "finished", self.finished_before
             if self.was_paused and start < self.run_config.rounds:
                 log.info("run %s was paused when the coordinator stopped: it stays paused (resume it over the API)",
                          self.cfg.run_id)
@@ -176,6 +180,7 @@ class Run:
                 self._finish("finished", at=self.finished_before)  # (again: as it finished then)
                 return
             with self.lock:  # paused while pending: it stays paused, held before its first phase
+                self.connected_once = True
                 held = self.state == "paused"
                 if not held:
                     self.state = "running"
@@ -195,22 +200,26 @@ class Run:
                 self._save(completed=r + 1)
             self._finish("finished")
         except Stopped:
-            if self.finished_before is not None:  # a run found finished stays so, with its end time and results
-                self._finish("finished", at=self.finished_before)
-            else:
-                self._finish("stopped")
+            # a run found finished stays so, with its end time and results
+            self._end("finished" if self.finished_before is not None else "stopped", self.finished_before)
         except Exception as exc:  # the API, the event stream and the store must still say what happened
             log.exception("run failed")
             with self.lock:
                 self.error = f"{type(exc).__name__}: {exc}"
-            try:
-                self._finish("failed")
-            except Exception:  # e.g. the store is what failed: the API says it all the same
-                log.exception("could not record the failure")
-                with self.lock:
-                    self.state = "failed"
-                    self.finished_at = self.finished_at or time.time()
-                self.finished_event.set()
+            self._end("failed")
+
+    def _end(self, state: str, at: float | None = None) -> None:
+        """_finish, and where recording the end fails (the store: a full disk, a lock timed out)
+        the run ends all the same: the API says so, and a stop or the coordinator's exit waits no longer."""
+        try:
+            self._finish(state, at=at)
+        except Exception as exc:
+            log.exception("run %s: could not record its end (%s)", self.cfg.run_id, state)
+            with self.lock:
+                self.state = state
+                self.finished_at = self.finished_at or at or time.time()
+                self.error = self.error or f"its end ({state}) not recorded: {type(exc).__name__}: {exc}"
+            self.finished_event.set()
 
     def stop(self) -> None:
         self.engine.stop()
@@ -258,9 +267,12 @@ class Run:
                 return
             was_operator = self.operator_paused
             self.operator_paused = False
-            self._set_state("running")
+            with self.lock:  # decided with the run thread's check after its connect: one of the two says `running`
+                state = "running" if self.connected_once else "pending"  # paused while pending: pending again
+                self.state = state
+            self.events.publish("run", run_id=self.cfg.run_id, state=state)
             if was_operator:
-                self.store.set_state(self.cfg.run_id, "running")
+                self.store.set_state(self.cfg.run_id, state)
             self.engine.resume()
 
     def _set_state(self, state: str) -> None:

@@ -43,6 +43,10 @@ def _inside(path: Path, directory: Path) -> bool:
     return Path(path).resolve().is_relative_to(Path(directory).resolve())
 
 
+class ConfiguredRunError(ValueError):
+    """The config file's run cannot be built; the message says why (the coordinator exits 2)."""
+
+
 class RunManager:
     def __init__(self, config: CoordinatorConfig, store: RunStore | None = None, events: EventHub | None = None):
         self.config = config
@@ -75,7 +79,10 @@ class RunManager:
         """The configured run, then every run created over the API before a restart."""
         initial = self.config.initial_run()
         if initial is not None:
-            self._add(self._new_run(initial, "config"))
+            try:
+                self._add(self._new_run(initial, "config"))
+            except (ValueError, OSError) as exc:  # e.g. phases.pause_at past its rounds, public_size past the data
+                raise ConfiguredRunError(f"the configured run cannot start: {exc}") from None
         for run_id in self.store.run_ids(origin="api"):
             if run_id in self.by_id:
                 continue

@@ -211,3 +211,98 @@ def test_a_run_stopped_before_its_first_round_shows_round_0(mosquitto, tmp_path)
         run.stop()
         thread.join(30)
         run.transport.stop()
+
+
+@pytest.mark.parametrize("end", ["stop", "close"])
+def test_a_paused_run_that_is_stopped_sends_nothing(mosquitto, engine_on_broker, end):
+    """stop() releases the hold too: the held phase's tasks went out to every device (which began
+    to train for a stopped run) before the loop saw the stop. `close` is a coordinator's SIGTERM."""
+    run = engine_on_broker
+    sent: list[str] = []
+    real_send = run.engine._send
+    run.engine._send = lambda cid, packet: (sent.append(cid), real_send(cid, packet))[1]
+    run.pause()
+    thread = threading.Thread(target=run.run, daemon=True)
+    thread.start()
+    try:
+        wait(lambda: run.snapshot()["held_before"] is not None, 60, "the run to hold before its first phase")
+        getattr(run, end)()
+        thread.join(30)
+        assert not thread.is_alive() and run.state == "stopped"
+        assert sent == []
+    finally:
+        run.stop()
+        thread.join(30)
+        run.transport.stop()
+
+
+def test_a_run_found_finished_while_the_broker_is_away_says_so_and_refuses_a_pause(tmp_path):
+    """Before: it showed `pending` until the broker came, and a pause (200) stored `paused`
+    without its end time: after the next restart the run finished again, with a new end."""
+    np.savez(tmp_path / "public.npz", x=np.zeros((20, 64), np.float32))
+    cfg = load_coordinator_config(None, run_id="done", client_ids=["c00", "c01"], num_classes=10,
+                                  state_dir=tmp_path / "state", broker={"url": "mqtt://127.0.0.1:1"},
+                                  api={"token": "tok"}, run={"strategy": "fedmd", "dataset": "digits", "rounds": 1,
+                                                             "public_size": 50})
+    first = Run(cfg)
+    first._resume()
+    first.store.save("done", {"completed_rounds": 1, "state": "finished", "started_at": 1000.0}, [{"round": 1}], {},
+                     first.server.state_dict())
+    first.store.set_state("done", "finished", 1040.0)
+    first.store.close()
+    again = Run(load_coordinator_config(None, **json.loads(cfg.model_dump_json())))
+    thread = threading.Thread(target=again.run, daemon=True)
+    thread.start()
+    try:
+        wait(lambda: again.snapshot()["state"] == "finished", 30, "the run to say it is finished")
+        assert again.snapshot()["finished_at"] == 1040.0
+        api = local_client(again)
+        token = {"Authorization": "Bearer tok"}
+        for action in ("pause", "resume"):
+            answer = api.post(f"/api/v1/runs/done/{action}", headers=token)
+            assert answer.status_code == 409 and "finished" in answer.json()["detail"], answer.text
+        stored = again.store.load("done")
+        assert (stored.state, stored.finished_at) == ("finished", 1040.0)
+    finally:
+        again.stop()
+        thread.join(30)
+        again.store.close()
+    assert not thread.is_alive()
+
+
+def test_a_run_paused_while_pending_is_pending_again_when_resumed(unstarted_run):
+    """Before: the resume made it `running` (round 1, in the store too) while it had not even
+    reached its broker."""
+    run = unstarted_run  # its broker, 127.0.0.1:1, never answers
+    thread = threading.Thread(target=run.run, daemon=True)
+    thread.start()
+    try:
+        run.pause()
+        assert run.state == "paused" and run.store.load("race").state == "paused"
+        run.resume()
+        assert run.state == "pending" and run.store.load("race").state == "pending"
+    finally:
+        run.stop()
+        thread.join(30)
+    assert run.state == "stopped"
+
+
+def test_a_store_that_fails_as_a_run_stops_still_ends_it(unstarted_run, monkeypatch):
+    """Before: the error killed the run's thread; a stop waited its full 10 s, an exit_on_finish
+    coordinator never exited, and the API said nothing of it."""
+    from sqlalchemy.exc import OperationalError
+
+    run = unstarted_run
+
+    def full(*_args, **_kwargs):
+        raise OperationalError("UPDATE runs", {}, Exception("database or disk is full"))
+
+    thread = threading.Thread(target=run.run, daemon=True)
+    thread.start()
+    monkeypatch.setattr(run.store, "set_state", full)
+    run.stop()
+    assert run.finished_event.wait(30)
+    thread.join(30)
+    snap = run.snapshot()
+    assert snap["state"] == "stopped" and snap["finished_at"] is not None
+    assert "database or disk is full" in snap["error"]

@@ -38,7 +38,7 @@ def test_a_pause_during_a_rounds_save_is_what_the_store_keeps(unstarted_run, mon
 
 
 def test_a_resume_during_a_rounds_save_is_what_the_store_keeps(unstarted_run, monkeypatch):
-    unstarted_run.state = "running"
+    unstarted_run.state, unstarted_run.connected_once = "running", True  # a run past its broker connection
     unstarted_run.pause()
     slowed(monkeypatch, store_module.RunStore, "save")
     saving = threading.Thread(target=unstarted_run._save, kwargs={"completed": 1})

@@ -100,6 +100,10 @@ def test_a_missing_data_file_is_a_usage_error_not_a_join_retried_for_ever(tmp_pa
     ('state_dir = "{tmp}/s"\ndevice = "tpu"', "device: 'tpu' is not a torch device"),
     ('state_dir = "{tmp}/s"\ndevice = "cuda:7"', "device cuda:7: torch sees"),
     ('state_dir = "{tmp}/s"\nresults_file = "/proc/r.json"', "results_file: /proc/r.json is not writable here"),
+    ('state_dir = "{tmp}/s"\n[run]\nrounds = 2\n[phases]\npause_at = [{{round = 3}}]',
+     "the configured run cannot start: phases.pause_at: round 3 is past the run's 2 rounds"),
+    ('state_dir = "{tmp}/s"\n[run]\ndataset = "digits"\npublic_size = 100000',
+     "the configured run cannot start: public_size must be at most"),
 ])
 def test_coordinator_config_values_it_cannot_use_are_one_line_errors(tmp_path, extra, complaint):
     """They were tracebacks (a state_dir that is a file, a store URL no driver takes, a GPU this

@@ -199,6 +199,8 @@ class RoundEngine:
             with self.lock:
                 self.held_before = None
                 self.held_s += time.monotonic() - held_from
+            if self.stop_event.is_set():  # stop() releases the hold too: the held phase is never sent
+                raise Stopped()
         self.seq += 1
         key = (self.epoch, self.seq)
         packets = {}
