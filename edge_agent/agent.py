@@ -58,6 +58,7 @@ CRASH_POINTS = ("after_journal", "after_publish", "next_task", "mid_snapshot")
 MAX_DEFERRED = 32  # tasks held until the run is joined (see Agent._defer)
 FINISHED_MARK = "instance"  # in final/: the run instance whose final model it holds
 FINAL_WRITE_FAILED = 75  # exit status (EX_TEMPFAIL) when the final model could not be written: the service restarts it
+FINAL_WRITE_REFUSED = 2  # final/ is a link or a file: not the agent's to write through (the service does not restart)
 
 
 class CrashHook:
@@ -104,8 +105,10 @@ def load_npz_dataset(path: Path, num_classes: int, name: str) -> ArrayDataset:
             if not isinstance(z, np.lib.npyio.NpzFile) or not {"x", "y"} <= set(z.files):
                 raise ValueError(f"it holds {', '.join(getattr(z, 'files', [])) or 'no arrays'}, not arrays x and y")
             x, y = np.ascontiguousarray(z["x"], np.float32), np.asarray(z["y"])
-    except (ValueError, TypeError, EOFError, OSError, zipfile.BadZipFile, zlib.error, pickle.UnpicklingError) as exc:
-        raise ValueError(f"{path} is not an .npz of rows x and labels y: {exc}") from None
+    except (ValueError, TypeError, EOFError, OSError, zipfile.BadZipFile, zlib.error, pickle.UnpicklingError,
+            MemoryError, NotImplementedError, RuntimeError) as exc:  # the last three: a size a damaged header
+        raise ValueError(f"{path} is not an .npz of rows x and labels y: {type(exc).__name__}: {exc}") from None  # claims,
+        # and zip's refusals (an unknown version or method, a member flagged as encrypted)
     if y.dtype == bool or not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)) \
             or (np.issubdtype(y.dtype, np.floating) and not np.array_equal(y, np.round(y))):
         raise ValueError(f"{path}: labels y must be integers, got {y.dtype}"
@@ -284,6 +287,7 @@ class Agent:
         try:
             self._setup(manifest)
         except Exception as exc:  # a bad file of any kind (a truncated .npz, one without y): retried with backoff
+            self._leave()  # nothing half-restored stays attached: the next try starts from the files again
             self.counters["setup_failures"] += 1
             self.join_backoff = min(30.0, self.join_backoff * 2)
             self.retry_at = time.monotonic() + self.join_backoff
@@ -557,12 +561,19 @@ class Agent:
             return
         if self._finished_instance() == manifest.instance:  # (the retained manifest again, after a reconnect)
             return
-        if self.config.durability != "phase" and self.session is not None:
-            self._context = (self.session.round_no, "finish")
-            self._save_checkpoint(round_start=None)  # the end state: a restart replays nothing
         out = self.workspace / "final"
-        logits = self.client.predict(self.test.x).numpy() if self.test is not None else None
+        if out.is_symlink() or (out.exists() and not out.is_dir()):  # written through, it would be another folder's
+            log.error("%s is not a folder of the agent's own (a link or a file): the final model is not written "
+                      "there; move it away and start the agent again", out)
+            self.counters["errors"] += 1
+            self.exit_status = FINAL_WRITE_REFUSED
+            self.stop_requested = True
+            return
         try:
+            if self.config.durability != "phase" and self.session is not None:
+                self._context = (self.session.round_no, "finish")
+                self._save_checkpoint(round_start=None)  # the end state: a restart replays nothing
+            logits = self.client.predict(self.test.x).numpy() if self.test is not None else None
             out.mkdir(parents=True, exist_ok=True)
             checkpoint.save_atomic(self.client.model.state_dict(), out / "model.pt")
             if logits is not None:

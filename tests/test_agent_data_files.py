@@ -258,3 +258,35 @@ def test_what_the_coordinator_refuses_to_serve_is_what_an_agent_would_refuse(tmp
         bad.close()
         good.close()
     np.testing.assert_array_equal(got, x)
+
+
+def declared_npz(descr: str, shape: tuple[int, ...]) -> bytes:
+    """An .npz whose x.npy header declares `descr` and `shape`, with no data behind it."""
+    import zipfile
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": descr, "fortran_order": False, "shape": shape})
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        z.writestr("x.npy", header.getvalue())
+        z.writestr("y.npy", npz_member(np.zeros(150, np.int64)))
+    return out.getvalue()
+
+
+def npz_member(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def test_a_string_dtype_is_no_public_set_nor_data_file(tmp_path):
+    """A 236-byte file declaring 150 strings of 2 GB each passed the element count and made numpy
+    allocate 279 GiB: a MemoryError escaped instead of the public set's error."""
+    from fedal.data.public import public_rows_from_npz
+
+    with pytest.raises(ValueError, match="not numbers"):
+        public_rows_from_npz(declared_npz("|S2000000000", (150,)), "f", 1000)
+    path = tmp_path / "data.npz"  # a private data file declaring as much is the loader's one error too
+    path.write_bytes(declared_npz("|S2000000000", (150,)))
+    with pytest.raises(ValueError, match=f"{path} is not an .npz of rows x and labels y"):
+        load_npz_dataset(path, 10, "train")

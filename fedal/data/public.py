@@ -81,7 +81,8 @@ def public_rows_from_npz(data: bytes, where: str, max_elements: int | None = Non
         _check_declared_size(data, where, max_elements)
     try:
         loaded = np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, EOFError, OSError, zipfile.BadZipFile, pickle.UnpicklingError, *ZIP_REFUSALS) as exc:
+    except (ValueError, EOFError, OSError, zipfile.BadZipFile, pickle.UnpicklingError, MemoryError,
+            *ZIP_REFUSALS) as exc:
         raise ValueError(f"{where} is not a readable .npz file: {exc}") from None
     if not isinstance(loaded, np.lib.npyio.NpzFile):
         raise ValueError(f"{where} is a single .npy array, not an .npz holding an array x")
@@ -90,7 +91,8 @@ def public_rows_from_npz(data: bytes, where: str, max_elements: int | None = Non
             raise ValueError(f"{where} holds no array x (it holds: {', '.join(z.files) or 'nothing'})")
         try:
             x = np.ascontiguousarray(z["x"], dtype=np.float32)
-        except (ValueError, TypeError, EOFError, OSError, zipfile.BadZipFile, zlib.error, *ZIP_REFUSALS) as exc:
+        except (ValueError, TypeError, EOFError, OSError, zipfile.BadZipFile, zlib.error, MemoryError,
+                *ZIP_REFUSALS) as exc:
             raise ValueError(f"{where}: its array x cannot be read as float32 rows: {exc}") from None
     if x.ndim < 2 or len(x) == 0:
         raise ValueError(f"{where}: x must hold at least one row of features (shape [rows, ...]), "
@@ -120,8 +122,11 @@ def _check_declared_size(data: bytes, where: str, max_elements: int) -> None:
                     shape, _, dtype = read_header(member)
     except (ValueError, EOFError, OSError, zipfile.BadZipFile, zlib.error, *ZIP_REFUSALS) as exc:
         raise ValueError(f"{where} is not a readable .npz file: {exc}") from None
+    if dtype is not None and (dtype.kind not in "biuf" or dtype.fields is not None or dtype.subdtype is not None):
+        raise ValueError(f"{where}: x declares dtype {dtype}, not numbers")  # (a string dtype may declare gigabytes a row)
     elements = 0 if shape is None else int(np.prod(shape, dtype=object))
-    if elements > max_elements or inflated > limit_bytes:
+    if elements > max_elements or elements * (dtype.itemsize if dtype is not None else 0) > limit_bytes \
+            or inflated > limit_bytes:
         what = f"x declares shape {list(shape)} of {dtype}" if shape is not None else "its entries"
         raise ValueError(f"{where}: {what} ({inflated} bytes inflated in all), more than the run's public set can "
                          f"hold ({max_elements} values)")

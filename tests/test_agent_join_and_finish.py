@@ -1,0 +1,76 @@
+"""The agent's join and finish when a file operation fails: a join that fails leaves nothing
+half-restored attached (the next try starts from the files again), a full card at the end
+checkpoint is the exit-75 failure a restart recovers from, and `final/` is never written through
+a link."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+import pytest
+
+from edge_agent import agent as agent_module
+from edge_agent.checkpoint import Journal
+from fedal.protocol import RunManifest
+from tests.test_agent_journal import fresh_client, make_agent, run_hosted
+
+
+def manifest(state: str = "finished") -> RunManifest:
+    return RunManifest(run_id="sim", strategy="fedal", strategy_params={}, num_classes=10, clients=["c0", "c1"],
+                       rounds=1, state=state, instance="sim")
+
+
+def test_a_join_whose_restore_fails_leaves_nothing_attached(tmp_path, monkeypatch, one_torch_thread):
+    """Before: the client stayed attached, half restored (its checkpoint without the journal's
+    tasks); the agent never tried again, and the next round's first task overwrote the
+    checkpoint and reset the journal: the journaled tasks were lost."""
+    live, _ = run_hosted("fedal", tmp_path / "live", rounds=1)
+    shutil.copytree(tmp_path / "live", tmp_path / "copy")
+    agent = make_agent(tmp_path / "copy")
+    monkeypatch.setattr(agent, "_setup", lambda m: agent.host(fresh_client("fedal"), m.instance))
+    real_read = Journal.read
+
+    def unreadable(self, *args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(Journal, "read", unreadable)
+    checkpoint_before = (tmp_path / "copy" / "checkpoint.pt").read_bytes()
+    assert agent._join(manifest("running")) is False
+    assert agent.client is None and agent.session is None  # so the worker tries again
+    assert (tmp_path / "copy" / "checkpoint.pt").read_bytes() == checkpoint_before
+    monkeypatch.setattr(Journal, "read", real_read)
+    assert agent._join(manifest("running")) is True
+    assert agent.session.last_key == live.session.last_key  # the journal's tasks replayed
+
+
+def test_a_full_card_at_the_end_checkpoint_exits_75(tmp_path, monkeypatch, one_torch_thread):
+    """Before: the error escaped before the handled block: logged, exit status 0, no final model,
+    and with exit_on_finish the service never started the agent again."""
+    agent, _ = run_hosted("fedal", tmp_path / "ws", rounds=1)
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(agent_module.checkpoint, "save_checkpoint", full)
+    agent._finish(manifest())
+    assert agent.exit_status == agent_module.FINAL_WRITE_FAILED and agent.stop_requested
+    assert not (tmp_path / "ws" / "final").exists()
+
+
+@pytest.mark.parametrize("kind", ["link", "file"])
+def test_final_is_never_written_through_a_link(tmp_path, one_torch_thread, kind):
+    agent, _ = run_hosted("fedal", tmp_path / "ws", rounds=1)
+    theirs = tmp_path / "users-models"
+    theirs.mkdir()
+    (theirs / "model.onnx").write_bytes(b"USER")
+    final = tmp_path / "ws" / "final"
+    if kind == "link":
+        final.symlink_to(theirs)
+    else:
+        final.write_bytes(b"USER")
+    agent._finish(manifest())
+    assert agent.exit_status == agent_module.FINAL_WRITE_REFUSED and agent.stop_requested
+    assert [p.name for p in theirs.iterdir()] == ["model.onnx"] and (theirs / "model.onnx").read_bytes() == b"USER"
+    assert final.is_symlink() if kind == "link" else final.read_bytes() == b"USER"
