@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import click
@@ -51,7 +51,8 @@ BROKER_PROBE_TIMEOUT_S = 10.0  # how long `--broker`'s host:port is given to acc
 DEFAULT_OUTPUTS = (("results.json", is_results), ("accuracy.png", is_our_plot))  # where a demo writes them in --workdir
 
 
-def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_port: int) -> tuple[Path, list[Path], dict]:
+def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_port: int,
+                      keep: Sequence[Path] = ()) -> tuple[Path, list[Path], dict]:
     """Partition files, agent configs and the coordinator config for `config` (resolved).
 
     workdir must be new, empty or a workspace of an earlier run (its marker file): only the
@@ -66,9 +67,10 @@ def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_por
         except ValueError as exc:
             raise ConfigError(f"{exc} (--models)") from None
     workspace.clear(workdir, ("coordinator", "agents"))
+    kept = {Path(p).resolve() for p in keep}  # the results file this run reads its config from stays
     for name, ours in DEFAULT_OUTPUTS:  # the earlier run's: never read beside this one's files as its
         earlier = workdir / name
-        if earlier.is_file() and not earlier.is_symlink() and ours(earlier):
+        if earlier.is_file() and not earlier.is_symlink() and ours(earlier) and earlier.resolve() not in kept:
             earlier.unlink()
     (workdir / "coordinator").mkdir()
     public_file = workdir / "coordinator" / "public.npz"
@@ -124,18 +126,20 @@ terminate = procs.terminate
 
 
 def run_demo(config: RunConfig, workdir: Path, broker: str | None = None, api_port: int = 0, linger_s: float = 0,
-             quiet: bool = False, timeout_s: float = 3600, on_results: Callable[[dict], None] | None = None) -> dict:
+             quiet: bool = False, timeout_s: float = 3600, on_results: Callable[[dict], None] | None = None,
+             keep: Sequence[Path] = ()) -> dict:
     """The run's results. on_results(results) is called as soon as the run has finished, before
     the linger: the results are on disk while the dashboard is still up. The workspace is this
-    run's alone until it returns: another demo on it is refused (workspace.WorkspaceError)."""
+    run's alone until it returns: another demo on it is refused (workspace.WorkspaceError).
+    keep: files not to remove as an earlier run's outputs (the results file given as --config)."""
     config = config.resolved()
     workspace.claim(workdir, "fedal demo")
     with workspace.held(workdir, "fedal demo"):
-        return _run_demo(config, workdir, broker, api_port, linger_s, quiet, timeout_s, on_results)
+        return _run_demo(config, workdir, broker, api_port, linger_s, quiet, timeout_s, on_results, keep)
 
 
 def _run_demo(config: RunConfig, workdir: Path, broker: str | None, api_port: int, linger_s: float, quiet: bool,
-              timeout_s: float, on_results: Callable[[dict], None] | None) -> dict:
+              timeout_s: float, on_results: Callable[[dict], None] | None, keep: Sequence[Path] = ()) -> dict:
     api_port = api_port or free_port()
     embedded = None
     if broker is None:
@@ -145,7 +149,7 @@ def _run_demo(config: RunConfig, workdir: Path, broker: str | None, api_port: in
         broker = embedded.url
     children: list[subprocess.Popen] = []
     try:
-        coord_path, agent_paths, data_info = prepare_workspace(config, workdir, broker, api_port)
+        coord_path, agent_paths, data_info = prepare_workspace(config, workdir, broker, api_port, keep)
         api = f"http://127.0.0.1:{api_port}"
         children.append(spawn("coordinator", coord_path, workdir / "coordinator" / "coordinator.log"))
         for path in agent_paths:
@@ -261,8 +265,8 @@ def deployable(config: RunConfig) -> RunConfig:
     if config.dropout or config.stragglers:
         raise click.UsageError("dropout and stragglers are faults of the simulation (fedal simulate); the demo's "
                                "clients are real processes, with real faults")
-    how = {"vectorize": None, "backend": "inprocess", "ray_address": None, "ray_actors": None,
-           "client_resources": None}
+    how = {"vectorize": False, "backend": "inprocess", "ray_address": None, "ray_actors": None,  # each client
+           "client_resources": None}  # steps on its own, as `--no-vectorize`: its results rerun so exactly
     said = ["backend"] if config.backend != "inprocess" else []
     said += [k for k in ("vectorize", "ray_address", "ray_actors", "client_resources") if getattr(config, k) not in (None, False)]
     if said:
@@ -289,7 +293,7 @@ def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, *
     config = config_from_flags(config_path, flags)
     out = out or str(Path(workdir) / "results.json")
     plot = plot or str(Path(workdir) / "accuracy.png")
-    check_outputs(out, plot, config_path, workspace_dir=Path(workdir))
+    check_outputs(out, plot, config_path)
     config = deployable(config)
     if broker is not None:
         from fedal.protocol import parse_broker_url
@@ -320,7 +324,8 @@ def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, *
 
     try:
         with procs.stop_signals_interrupt():  # SIGTERM/SIGHUP: the same orderly shutdown as Ctrl-C
-            run_demo(config, Path(workdir), broker, api_port, linger, quiet, on_results=_report)
+            run_demo(config, Path(workdir), broker, api_port, linger, quiet, on_results=_report,
+                     keep=[Path(config_path)] if config_path else [])
     except workspace.WorkspaceError as exc:  # e.g. another demo runs on it
         raise click.BadParameter(str(exc), param_hint="--workdir") from None
     except ConfigError as exc:  # what the flags ask that the data or the models cannot do

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from fedal import procs, workspace
+from fedal import procs
 from fedal.atomic import write_bytes_atomic
 from fedal.owned import MARKED_PLOT_FORMATS, ForeignFile, check_replaceable, is_our_plot, is_results, unwritable
 from fedal.progress import progress_bar
@@ -103,15 +103,10 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
         click.echo(global_model_line(final))
 
 
-WORKSPACE_OUTPUTS = ("results.json", "accuracy.png")  # `fedal demo`'s default --out and --plot in its --workdir
-
-
-def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | Path | None,
-                  workspace_dir: Path | None = None) -> None:
+def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | Path | None) -> None:
     """Usage errors, before the run, for outputs that could not be written after it (its results
     would be lost), that would overwrite the config file the run reads, or a file the toolkit did
-    not write. `workspace_dir`: the run's workspace (fedal.workspace), whose default outputs
-    (WORKSPACE_OUTPUTS at its top) are its own; any other file there is checked as anywhere."""
+    not write (in a demo's workspace too: its results.json or accuracy.png may be the user's)."""
     for option, path in (("--out", out), ("--plot", plot)):
         if path is None:
             continue
@@ -121,12 +116,9 @@ def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | P
                                      "overwrite it; give another path", param_hint=option)
         if target.is_dir():  # (before the ownership check: a directory is no file of anyone's to replace)
             raise click.BadParameter(f"{path} is a directory", param_hint=option)
-        in_workspace = workspace_dir is not None and workspace.is_workspace(workspace_dir) \
-            and target.resolve() in {(workspace_dir / name).resolve() for name in WORKSPACE_OUTPUTS}
-        try:  # a file of ours is rewritten (a run repeated); anything else is the user's
-            if not in_workspace:
-                check_replaceable(target, is_results if option == "--out" else is_our_plot,
-                                  "results file" if option == "--out" else "plot")
+        try:  # a file of ours is rewritten (a run repeated); anything else is the user's, in a workspace too
+            check_replaceable(target, is_results if option == "--out" else is_our_plot,
+                              "results file" if option == "--out" else "plot")
         except ForeignFile as exc:
             raise click.BadParameter(str(exc), param_hint=option) from None
         why = unwritable(target)

@@ -87,24 +87,26 @@ def test_what_is_not_a_file_of_ours_is_foreign(tmp_path):
             check_replaceable(tmp_path / path, is_results, "results file")
 
 
-def test_a_demos_outputs_inside_its_own_workspace_are_its_own(tmp_path):
-    """The demo's default outputs live in its workspace (the marker says the toolkit made it): a
-    plot an older version wrote there without the mark is replaced; outside, it would be refused."""
+def test_a_file_in_a_demos_workspace_is_replaced_only_if_the_toolkit_wrote_it(tmp_path):
+    """The demo's default outputs were taken as its own whatever they held: a results.json or an
+    accuracy.png of the user's in the workspace was overwritten. Only files the toolkit wrote are
+    replaced there, as anywhere (a plot from before plots carried the mark is refused once)."""
+    import json
+
     from fedal import workspace
     from fedal_cli.simulate import check_outputs
 
     ws = workspace.claim(tmp_path / "ws", "fedal demo")
-    (ws / "accuracy.png").write_bytes(b"\x89PNG\r\n\x1a\n written before plots carried the mark")
-    check_outputs(ws / "results.json", ws / "accuracy.png", None, workspace_dir=ws)
+    check_outputs(ws / "results.json", ws / "accuracy.png", None)  # nothing there yet
+    (ws / "results.json").write_text("my precious notes\n")
+    (ws / "accuracy.png").write_bytes(b"\x89PNG\r\n\x1a\n not the toolkit's")
     with pytest.raises(click.BadParameter, match="this toolkit wrote"):
-        check_outputs(tmp_path / "results.json", ws / "accuracy.png", None)
-    # a file of the user's dropped into the workspace is theirs: only the demo's defaults are its own
-    (ws / "mynotes.txt").write_text("notes")
-    (ws / "mynotes.png").write_bytes(b"\x89PNG\r\n\x1a\n mine")
-    for out, plot in ((ws / "mynotes.txt", ws / "accuracy.png"), (ws / "results.json", ws / "mynotes.png")):
-        with pytest.raises(click.BadParameter, match="this toolkit wrote"):
-            check_outputs(out, plot, None, workspace_dir=ws)
-    assert (ws / "mynotes.txt").read_text() == "notes"
+        check_outputs(ws / "results.json", tmp_path / "elsewhere.png", None)
+    with pytest.raises(click.BadParameter, match="this toolkit wrote"):
+        check_outputs(tmp_path / "elsewhere.json", ws / "accuracy.png", None)
+    assert (ws / "results.json").read_text() == "my precious notes\n"
+    (ws / "results.json").write_text(json.dumps({"config": {}, "rounds": [], "final": {}}))  # an earlier run's: replaced
+    check_outputs(ws / "results.json", tmp_path / "elsewhere.png", None)
 
 
 def test_plots_are_recognised_by_their_creator_not_by_the_letters_anywhere(tmp_path):

@@ -18,7 +18,7 @@ class PrivacyParams(NoCoercion):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # an infinite sigma hung the accountant
 
     noise_multiplier: float | None = Field(
-        None, ge=0, description="sigma: the Gaussian noise's std is sigma * max_grad_norm (unset: calibrated from "
+        None, ge=0, le=1e6, description="sigma: the Gaussian noise's std is sigma * max_grad_norm (unset: calibrated from "
         "target_epsilon)")
     max_grad_norm: float = Field(1.0, gt=0, description="C: every sample's gradient is clipped to this L2 norm")
     delta: float = Field(1e-5, gt=0, lt=1, description="the run-wide delta every client's epsilon is stated at")

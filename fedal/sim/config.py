@@ -287,6 +287,9 @@ class RunConfig(NoCoercion):
         notes = [note] if (note := self.default_model_note()) else []
         if self.dataset == "digits" and self.data_dir:  # else a user's files are believed read, and are not
             notes.append(f"data_dir {self.data_dir} is not read: dataset 'digits' comes with scikit-learn")
+        if self.dataset == "mnist1d" and self.data_dir:  # it makes the folder and writes there: say so
+            notes.append(f"data_dir {self.data_dir} keeps the generated MNIST-1D cache: dataset 'mnist1d' is "
+                         "generated, not read from files")
         if self.backend == "ray":
             notes += resource_name_notes(self.client_resources)
         return notes
@@ -338,6 +341,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         data = lift_privacy(data)
     except ValueError as exc:
         raise ConfigError(f"invalid config: {exc}") from None
+    params_given = data.get("strategy_params")
+    if params_given is not None and not isinstance(params_given, dict):  # the flags below would write into it
+        raise ConfigError(f"invalid config: strategy_params must be a table of strategy parameters, got "
+                          f"{type(params_given).__name__}")
+    privacy_given = (params_given or {}).get("privacy")
+    if privacy_given is not None and not isinstance(privacy_given, dict):  # else a --dp-* flag replaced it unread
+        raise ConfigError(f"invalid config: strategy_params.privacy ([privacy]) must be a table, got "
+                          f"{type(privacy_given).__name__}")
     for key, value in (overrides or {}).items():
         if value is None:
             continue

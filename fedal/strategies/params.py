@@ -17,6 +17,9 @@ from fedal.protocol.wire_dtype import FLOAT16_MAX
 from fedal.strict_fields import NoCoercion
 
 # what every strategy uses; each strategy module names its own further knobs (`PARAMS`)
+# bounds far past any useful value, so that a typo (1e20 epochs, lr 1e300) is refused when the config is read
+# instead of running for ever or failing mid-run (an integer too large for the wire's MessagePack)
+MAX_STEPS, MAX_EPOCHS, MAX_BATCH, MAX_LR = 1_000_000, 100_000, 1_000_000, 1e3
 COMMON_PARAMS = ("tau", "optimizer", "lr", "momentum", "batch_size", "max_abs_value")
 # fields with a default of their own that a strategy's preset may still set (FedHKD: the paper's batch 64)
 PRESET_OVER_DEFAULT = ("batch_size",)
@@ -29,15 +32,16 @@ DISTILLATION_PARAMS = ("public_batch_size", "lambda_kd", "lambda_adv", "lambda_l
 class StrategyParams(NoCoercion):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    tau: int | None = Field(None, ge=1, description="local steps and transfer iterations per round")
+    tau: int | None = Field(None, ge=1, le=MAX_STEPS, description="local steps and transfer iterations per round")
     optimizer: Literal["adam", "sgd"] = "adam"
-    lr: float = Field(1e-3, gt=0, description="client learning rate (paper: Adam 1e-3)")
+    lr: float = Field(1e-3, gt=0, le=MAX_LR, description="client learning rate (paper: Adam 1e-3)")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (SGD only)")
-    batch_size: int = Field(32, ge=1, description="local minibatch size")
+    batch_size: int = Field(32, ge=1, le=MAX_BATCH, description="local minibatch size")
     local_epochs: int | None = Field(
-        None, ge=0, description="local, fedavg, fedakd, fedhkd: passes over the private data per local training (0: tau steps)"
+        None, ge=0, le=MAX_EPOCHS,
+        description="local, fedavg, fedakd, fedhkd: passes over the private data per local training (0: tau steps)"
     )
-    public_batch_size: int = Field(32, ge=1, description="public minibatch size B per transfer iteration")
+    public_batch_size: int = Field(32, ge=1, le=MAX_BATCH, description="public minibatch size B per transfer iteration")
     rows_seed: int | None = Field(
         None, ge=0, lt=2**63, description="key of the public rows each transfer iteration uses, computed by both ends "
         "(docs/protocol.md); unset: the run's seed"
@@ -69,7 +73,7 @@ class StrategyParams(NoCoercion):
 
     disc_hidden: list[Annotated[int, Field(ge=1, le=65536)]] = Field(
         default_factory=lambda: [32, 256], max_length=16, description="discriminator hidden widths")
-    disc_lr: float = Field(1e-4, gt=0, description="discriminator Adam learning rate")
+    disc_lr: float = Field(1e-4, gt=0, le=MAX_LR, description="discriminator Adam learning rate")
 
     # FedDF-AL and FedDF (ALGORITHMS.md section 1, variants)
     feddf_ref_glo: Literal["local_train", "average"] = Field(
@@ -123,13 +127,14 @@ class StrategyParams(NoCoercion):
         "(unset: the whole public set)"
     )
     mhat_server_model: str = Field("mlp", description="MHAT: the zoo model the server distils the soft labels into")
-    mhat_server_epochs: int = Field(1, ge=1, description="MHAT: passes over the rows per round training the server model")
-    mhat_server_lr: float = Field(1e-3, gt=0, description="MHAT: the server model's Adam learning rate")
+    mhat_server_epochs: int = Field(1, ge=1, le=MAX_EPOCHS,
+                                    description="MHAT: passes over the rows per round training the server model")
+    mhat_server_lr: float = Field(1e-3, gt=0, le=MAX_LR, description="MHAT: the server model's Adam learning rate")
 
     # FCCL and FCCL+ (docs/algorithms.md, FCCL)
     fccl_pretrain_epochs: int | None = Field(
-        None, ge=0, description="fccl: passes of plain CE over the private data before round 0's collaboration; the "
-        "result is the intra-domain teacher (authors' code: 40)"
+        None, ge=0, le=MAX_EPOCHS, description="fccl: passes of plain CE over the private data before round 0's "
+        "collaboration; the result is the intra-domain teacher (authors' code: 40)"
     )
     fccl_col_weight: float = Field(1.0, ge=0, description="FCCL: weight of the cross-correlation loss on the public rows")
     fccl_offdiag_weight: float = Field(
