@@ -121,6 +121,11 @@ def _frames(data: bytes) -> Iterator[tuple[int, dict[str, Any], bytes]]:
         pos = end
 
 
+def first_record_header(data: bytes) -> dict[str, Any] | None:
+    """The header of the first intact record of a journal's bytes; None: not a journal's."""
+    return next((header for _end, header, _payload in _frames(data)), None)
+
+
 class Journal:
     """The append-only task journal of one checkpoint (see the module docstring for the format)."""
 

@@ -3,14 +3,18 @@
 The agent replaces its checkpoint, journal, public set cache and final model in place, so a
 `workspace` pointed at a user's folder (`.`, `~`) would overwrite files named like those. A new
 or empty directory is claimed (marked), a marked one reused. An unmarked one is adopted only if it
-holds nothing but the agent's own files and the files its config names (an agent workspace from
+holds nothing but the agent's own files (judged by what they hold, not by name alone) and the
+files its config names (an agent workspace from
 before the marker existed, or a state directory the installer filled with the private data), or
 if it is the service's own state directory (systemd's $STATE_DIRECTORY).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
 from pathlib import Path
 
 from fedal import workspace
@@ -19,7 +23,7 @@ from fedal.workspace import WorkspaceError
 
 from .config import AgentConfig
 
-__all__ = ["claim_workspace", "foreign_entries", "OWN_NAMES"]
+__all__ = ["claim_workspace", "foreign_entries", "holds_agent_content", "OWN_NAMES"]
 
 # what an agent writes into its workspace (edge_agent.agent, public_set, inference)
 OWN_NAMES = frozenset({"checkpoint.pt", "round-start.pt", "journal.bin", "public.npz", "agent-status.json",
@@ -36,12 +40,59 @@ def _named_files(config: AgentConfig) -> set[Path]:
     return {Path(os.path.abspath(p)) for p in named if p is not None}
 
 
+# what the agent writes inside its folders (edge_agent.agent's final model, inference's snapshots,
+# the dataset cache of fedal.data.embedded)
+FOLDER_FILES = {"final": re.compile(r"model\.pt|test_logits\.npy|model\.onnx|model\.int8\.onnx|instance"),
+                "snapshots": re.compile(r"snapshot-[01]\.onnx"),
+                "cache": re.compile(r"(mnist1d|digits)-[0-9a-f]+(\.npz|\.[^.]+\.tmp)")}
+CHECKPOINT_KEYS = {"checkpoint.pt": {"run_id", "instance", "id", "client"}, "round-start.pt": {"round", "client"}}
+
+
+def holds_agent_content(entry: Path) -> bool:
+    """Whether an entry named like one of the agent's holds what the agent writes there: an
+    unmarked folder is adopted on what it holds, not on names alone (`checkpoint.pt` and `final/`
+    are common names; a user's would be overwritten)."""
+    if entry.is_symlink():
+        return False
+    name = entry.name
+    if name in FOLDER_FILES:
+        return entry.is_dir() and all(
+            (FOLDER_FILES[name].fullmatch(child.name) or TEMPORARY_NAME.match(child.name)) and not child.is_symlink()
+            for child in entry.iterdir())
+    if not entry.is_file():
+        return False
+    if name in CHECKPOINT_KEYS:
+        try:
+            import torch
+
+            state = torch.load(entry, map_location="cpu", weights_only=True)
+        except Exception:  # noqa: BLE001 (whatever it is, it is no checkpoint of the agent's)
+            return False
+        return isinstance(state, dict) and CHECKPOINT_KEYS[name] <= set(state)
+    if name == "journal.bin":
+        from .checkpoint import first_record_header  # (torch: imported only for an unmarked folder's journal)
+
+        with contextlib.suppress(OSError):
+            return "checkpoint" in (first_record_header(entry.read_bytes()[:1 << 16]) or {})
+        return False
+    if name == "agent-status.json":
+        with contextlib.suppress(OSError, ValueError):
+            status = json.loads(entry.read_text())
+            return isinstance(status, dict) and "client_id" in status
+        return False
+    return True  # public.npz (a public set, checked against the run's hash before use), the markers
+
+
 def foreign_entries(config: AgentConfig, entries: list[Path]) -> list[Path]:
-    """Entries of the workspace that neither the agent writes nor its config names."""
+    """Entries of the workspace that neither the agent writes nor its config names, and those
+    named like the agent's that hold something else (holds_agent_content)."""
     named = _named_files(config)
     out = []
     for entry in entries:
         torn = TEMPORARY_NAME.match(entry.name)  # our own writes, torn by a crash
+        if entry.name in OWN_NAMES and not holds_agent_content(entry):
+            out.append(entry)
+            continue
         if entry.name in OWN_NAMES or (torn and torn["name"] in OWN_NAMES):
             continue
         if entry.name.startswith(f"checkpoint.pt{KEPT_UNREADABLE}"):

@@ -58,12 +58,55 @@ def test_a_new_or_empty_directory_is_claimed(tmp_path):
     assert workspace.is_workspace(tmp_path / "empty")
 
 
+def agent_files(folder):
+    """What an agent from before the marker left in its workspace, as it writes each file."""
+    import json
+
+    import torch
+
+    from edge_agent.checkpoint import Journal
+
+    (folder / "final").mkdir(parents=True)
+    torch.save({"run_id": "lab", "instance": "i", "id": "c1", "client": {}, "round": 3}, folder / "checkpoint.pt")
+    Journal(folder / "journal.bin").reset("c1")
+    (folder / "agent-status.json").write_text(json.dumps({"client_id": "c00", "counters": {}}))
+    (folder / "public.npz").write_bytes(b"x")
+    (folder / ".checkpoint.pt.k3j2.tmp").write_bytes(b"x")
+    (folder / "final" / "model.pt").write_bytes(b"x")
+    (folder / "final" / "instance").write_text("i\n")
+    (folder / "snapshots").mkdir()
+    (folder / "snapshots" / "snapshot-1.onnx").write_bytes(b"x")
+
+
+@pytest.mark.parametrize("theirs", ["checkpoint", "final", "journal", "status", "cache"])
+def test_files_named_like_the_agents_that_hold_something_else_are_not_adopted(tmp_path, theirs):
+    """An unmarked folder was adopted on names alone: a user's `checkpoint.pt` (the commonest
+    PyTorch file name) was loaded and then overwritten, their final/model.onnx deleted."""
+    import torch
+
+    ws = tmp_path / "my-experiment"
+    agent_files(ws)
+    if theirs == "checkpoint":
+        torch.save({"epoch": 41, "weights": torch.zeros(3)}, ws / "checkpoint.pt")
+    elif theirs == "final":
+        (ws / "final" / "model.onnx.bak").write_bytes(b"USER")
+    elif theirs == "journal":
+        (ws / "journal.bin").write_text("day 1: ...\n")
+    elif theirs == "status":
+        (ws / "agent-status.json").write_text('{"mine": true}')
+    else:
+        (ws / "cache").mkdir()
+        (ws / "cache" / "thesis.tex").write_text("...")
+    before = {p: p.read_bytes() for p in ws.rglob("*") if p.is_file()}
+    with pytest.raises(WorkspaceError, match="not the agent's"):
+        claim_workspace(_config(ws))
+    assert not workspace.is_workspace(ws)
+    assert {p: p.read_bytes() for p in ws.rglob("*") if p.is_file()} == before
+
+
 def test_an_unmarked_agent_workspace_and_the_installers_state_dir_are_adopted(tmp_path):
     old = tmp_path / "old"  # written by an agent from before the marker
-    (old / "final").mkdir(parents=True)
-    for name in ("checkpoint.pt", "journal.bin", "public.npz", "agent-status.json", ".checkpoint.pt.k3j2.tmp"):
-        (old / name).write_bytes(b"x")
-    (old / "snapshots").mkdir()
+    agent_files(old)
     claim_workspace(_config(old))
     assert workspace.is_workspace(old)
 
@@ -80,8 +123,7 @@ def test_an_unmarked_agent_workspace_and_the_installers_state_dir_are_adopted(tm
 
 def test_a_file_the_config_does_not_name_is_not_adopted_even_among_the_agents_own(tmp_path):
     ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "checkpoint.pt").write_bytes(b"x")
+    agent_files(ws)
     (ws / "other.npz").write_bytes(b"x")
     with pytest.raises(WorkspaceError, match="other.npz is not the agent's"):
         claim_workspace(_config(ws))
