@@ -11,7 +11,9 @@ import json
 import math
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -156,8 +158,9 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
     except OSError as exc:
         raise click.ClickException(_one_line(f"cannot write beside {out}: {exc.strerror or exc}")) from None
     try:
-        staged = _export_staged(model, model_name, shape, classes, checkpoint, dataset, out, stage, opset, check, quantize,
-                                mode, threads, channel_multiple, random_x, train, test)
+        job = ExportJob(model, model_name, shape, classes, checkpoint, dataset, out, opset, check, quantize, mode,
+                        threads, channel_multiple, random_x, train, test)
+        staged = _export_staged(job, stage)
         for path, final in staged:
             os.replace(path, final)
     finally:
@@ -168,9 +171,29 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
     click.echo(f"wrote {out} ({out.stat().st_size} bytes) and {report_path}")
 
 
-def _export_staged(model, model_name, shape, classes, checkpoint, dataset, out: Path, stage: Path, opset: int,
-                   check: bool, quantize: str | None, mode: str, threads: int | None, channel_multiple: int | None,
-                   random_x, train, test) -> list[tuple[Path, Path]]:
+@dataclass(frozen=True)
+class ExportJob:
+    """What one `fedal export` writes and checks, as its options and the built model say."""
+
+    model: Any
+    model_name: str
+    shape: tuple[int, ...]
+    classes: int
+    checkpoint: str | None
+    dataset: str | None
+    out: Path
+    opset: int
+    check: bool
+    quantize: str | None
+    mode: str
+    threads: int | None
+    channel_multiple: int | None
+    random_x: Any  # the parity check's random rows (their first two: the export's example)
+    train: Any  # the dataset's splits (None without --dataset): calibration, real parity rows, int8 accuracy
+    test: Any
+
+
+def _export_staged(job: ExportJob, stage: Path) -> list[tuple[Path, Path]]:
     """The model, its int8 copy and the report written into `stage` and checked: (staged, final) pairs."""
     import torch
 
@@ -179,51 +202,51 @@ def _export_staged(model, model_name, shape, classes, checkpoint, dataset, out: 
     from export.parity import ParityError, check_parity
     from export.quantize import accuracy_delta, quantize_int8
 
-    report_path = Path(os.fspath(out) + ".json")
-    int8_path = out.with_name(out.stem + ".int8.onnx")
-    onnx_file, int8_file, report_file = stage / out.name, stage / int8_path.name, stage / report_path.name
+    report_path = Path(os.fspath(job.out) + ".json")
+    int8_path = job.out.with_name(job.out.stem + ".int8.onnx")
+    onnx_file, int8_file, report_file = stage / job.out.name, stage / int8_path.name, stage / report_path.name
     try:
-        export_onnx(model, random_x[:2], onnx_file, opset=opset, channel_multiple=channel_multiple)
+        export_onnx(job.model, job.random_x[:2], onnx_file, opset=job.opset, channel_multiple=job.channel_multiple)
     except Exception as exc:
-        raise click.ClickException(_one_line(f"ONNX export of {model_name} failed: {exc}")) from None
-    report: dict = {"model": model_name, "input_shape": list(shape), "num_classes": classes,
-                    "checkpoint": checkpoint, "dataset": dataset,
+        raise click.ClickException(_one_line(f"ONNX export of {job.model_name} failed: {exc}")) from None
+    report: dict = {"model": job.model_name, "input_shape": list(job.shape), "num_classes": job.classes,
+                    "checkpoint": job.checkpoint, "dataset": job.dataset,
                     # read back from the file, so the report cannot disagree with it
-                    "opset": written_opset(onnx_file), "onnx": str(out),
+                    "opset": written_opset(onnx_file), "onnx": str(job.out),
                     "onnx_bytes": onnx_file.stat().st_size, "parity_max_diff": None, "int8": None,
                     # 1-D conv stacks are exported as 2-D; null: the model has none
-                    "conv1d_channel_multiple": channel_multiple if has_1d_layers(model) else None}
+                    "conv1d_channel_multiple": job.channel_multiple if has_1d_layers(job.model) else None}
 
-    if check:
+    if job.check:
         try:
-            diffs = [check_parity(model, onnx_file, random_x, atol=PARITY_ATOL, threads=threads)]
-            if test is not None:
-                diffs.append(check_parity(model, onnx_file, torch.from_numpy(test.x[:PARITY_REAL_ROWS]),
-                                          atol=PARITY_ATOL, threads=threads))
+            diffs = [check_parity(job.model, onnx_file, job.random_x, atol=PARITY_ATOL, threads=job.threads)]
+            if job.test is not None:
+                diffs.append(check_parity(job.model, onnx_file, torch.from_numpy(job.test.x[:PARITY_REAL_ROWS]),
+                                          atol=PARITY_ATOL, threads=job.threads))
         except ParityError as exc:
-            raise click.ClickException(_one_line(f"parity check failed: {exc}".replace(str(stage / out.name),
-                                                                                       str(out)))) from None
+            raise click.ClickException(_one_line(f"parity check failed: {exc}".replace(str(stage / job.out.name),
+                                                                                       str(job.out)))) from None
         report["parity_max_diff"] = max(diffs)
         click.echo(f"parity ok: max |onnx - torch| = {max(diffs):.2e} (atol {PARITY_ATOL:g})")
 
-    staged = [(onnx_file, out)]
-    if quantize:
+    staged = [(onnx_file, job.out)]
+    if job.quantize:
         try:
-            quantize_int8(onnx_file, int8_file, mode=mode, calibration=None if train is None else train.x)
+            quantize_int8(onnx_file, int8_file, mode=job.mode, calibration=None if job.train is None else job.train.x)
         except Exception as exc:
             raise click.ClickException(_one_line(f"int8 quantization failed: {exc}")) from None
-        report["int8"] = {"path": str(int8_path), "mode": mode, "bytes": int8_file.stat().st_size,
+        report["int8"] = {"path": str(int8_path), "mode": job.mode, "bytes": int8_file.stat().st_size,
                           "opset": written_opset(int8_file), "accuracy": None}
-        if test is not None:
+        if job.test is not None:
             try:
-                acc = accuracy_delta(onnx_file, int8_file, test.x, test.y, threads=threads)
+                acc = accuracy_delta(onnx_file, int8_file, job.test.x, job.test.y, threads=job.threads)
             except Exception as exc:
                 raise click.ClickException(_one_line(f"int8 accuracy check failed: {exc}")) from None
             report["int8"]["accuracy"] = acc
-        click.echo(f"wrote {int8_path} ({mode}, {int8_file.stat().st_size} bytes)")
-        if test is not None:
+        click.echo(f"wrote {int8_path} ({job.mode}, {int8_file.stat().st_size} bytes)")
+        if job.test is not None:
             acc = report["int8"]["accuracy"]
-            click.echo(f"{dataset} test accuracy: fp32 {acc['fp32_acc']:.4f}, int8 {acc['int8_acc']:.4f} "
+            click.echo(f"{job.dataset} test accuracy: fp32 {acc['fp32_acc']:.4f}, int8 {acc['int8_acc']:.4f} "
                        f"({acc['delta_points']:+.2f} points)")
         staged.append((int8_file, int8_path))
     report_file.write_text(json.dumps(report, indent=2) + "\n")
