@@ -104,6 +104,17 @@ fi
 if [ ! -r "$IMAGE" ] || [ ! -w "$IMAGE" ]; then die "cannot read and write $IMAGE (an SD card needs root: sudo)"; fi
 case "$MODE" in auto|firstrun|cloud-init) ;; *) die "--mode must be auto, firstrun or cloud-init (got $MODE)" ;; esac
 case "$BOOT_MOUNT" in /*) BOOT_MOUNT="${BOOT_MOUNT%/}" ;; *) die "--boot-mount must be an absolute path" ;; esac
+case "$BOOT_MOUNT" in  # it goes into cmdline.txt's systemd.run=, which the kernel splits at spaces
+  *[!A-Za-z0-9/._-]*) die "--boot-mount '$BOOT_MOUNT' may hold only letters, digits, '/', '.', '_' and '-' (it goes on the kernel's command line)" ;;
+esac
+if [ -n "$TORCH_VERSION" ] && ! printf '%s' "$TORCH_VERSION" | grep -Eq '^[0-9]+\.[0-9]+(\.[0-9]+)?(\+[A-Za-z0-9.]+)?$'; then
+  die "--torch-version '$TORCH_VERSION' is not a version like 2.13.0 (or 2.13.0+cpu)"
+fi
+seen_data=" "
+for f in ${DATA[@]+"${DATA[@]}"}; do  # they all go into one folder on the card: two of one name would be one file
+  case "$seen_data" in *" $(basename "$f") "*) die "two --data files are named $(basename "$f"): the card keeps them in one folder" ;; esac
+  seen_data+="$(basename "$f") "
+done
 
 if [ -n "$HOST" ] && ! printf '%s' "$HOST" | grep -Eq '^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$'; then
   die "invalid --hostname '$HOST': letters, digits and '-', 1-63 characters, no '-' at either end"
@@ -471,8 +482,12 @@ else
     printf -- '- [bash, %s, --start]\n' "$(json "$BOOT_MOUNT/fedal/stage.sh")"
   } >"$TMP/user-data"
   put "$TMP/user-data" ::/user-data
-  if ! has meta-data; then
-    printf 'instance-id: fedal-%s-%s\n' "$CLIENT" "$(date +%s)" >"$TMP/meta-data"
+  ours_meta=""  # a flash.sh's own meta-data gets a new instance-id: cloud-init runs runcmd once per instance,
+  if has meta-data; then  # so a card flashed again (a new config) would never stage its new payload
+    mcopy -n -i "$FAT" ::/meta-data "$TMP/meta-data.old" && grep -q '^instance-id: fedal-' "$TMP/meta-data.old" && ours_meta=1
+  fi
+  if ! has meta-data || [ -n "$ours_meta" ]; then
+    printf 'instance-id: fedal-%s-%s\n' "$CLIENT" "$(date +%s%N)" >"$TMP/meta-data"
     put "$TMP/meta-data" ::/meta-data
   fi
   if [ -n "$SSID" ]; then

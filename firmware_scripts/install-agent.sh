@@ -103,6 +103,14 @@ CONSTRAINTS_FILE="$SCRIPT_DIR/constraints/$ARCH.txt"
 for helper in prune-venv.py fix-meta.py; do
   [ -f "$SCRIPT_DIR/$helper" ] || die "missing $SCRIPT_DIR/$helper (it ships next to install-agent.sh)"
 done
+if [ -n "${TORCH_VERSION:-}" ] && ! printf '%s' "$TORCH_VERSION" | grep -Eq '^[0-9]+\.[0-9]+(\.[0-9]+)?(\+[A-Za-z0-9.]+)?$'; then
+  die "--torch-version '$TORCH_VERSION' is not a version like 2.13.0 (or 2.13.0+cpu)"
+fi
+seen_data=" "
+for f in ${DATA[@]+"${DATA[@]}"}; do  # they all go into the state directory: two of one name would be one file
+  case "$seen_data" in *" $(basename "$f") "*) die "two --data files are named $(basename "$f"): they would be one file in the state directory" ;; esac
+  seen_data+="$(basename "$f") "
+done
 PINNED_TORCH="$(sed -n 's/^torch==\([^ ;#]*\).*/\1/p' "$CONSTRAINTS_FILE")"
 [ -n "$PINNED_TORCH" ] || die "$CONSTRAINTS_FILE pins no torch version"
 TORCH_VERSION="${TORCH_VERSION:-$PINNED_TORCH}"
@@ -301,7 +309,9 @@ put_file() {
   if [ -L "$dest" ] && cmp -s "$src" "$dest"; then
     return 0  # a link with this content (a CA in the system's store): the system's file, left as it is
   elif [ ! -L "$dest" ] && [ -f "$dest" ] && cmp -s "$src" "$dest"; then
-    fix_meta "$dest" "$mode" "$who"
+    if [ "${2#"$ETC"/}" != "$2" ]; then  # ours: its mode and owner as they must be; a file elsewhere
+      fix_meta "$dest" "$mode" "$who"  # with this content (a CA the config names) is the user's, left as it is
+    fi
     return 0
   fi
   run install -D -T -m "$mode" "$src" "$dest"
@@ -414,6 +424,9 @@ else
   if [ -f "$stamp" ] && cmp -s "$TMP/stamp" "$stamp"; then
     :  # this exact agent with these constraints is installed already
   else
+    # from here the virtualenv changes: the stamp of what was there goes first, so that a run that
+    # fails midway is never taken for the install before it (the next run installs again)
+    [ "$DRY" -eq 1 ] || rm -f "$stamp"
     pip=("$VPY" -m pip)
     [ -z "$PIP_CMD" ] || read -r -a pip <<<"$PIP_CMD"
     # no second copy of torch on the SD card (cache); no bytecode for the thousands of modules a

@@ -411,6 +411,10 @@ def bad_image(kind: str, tmp_path: Path) -> Path:
     ("ok", ["--ssh-key", "PRIVATE"], "is a private key"),
     ("ok", ["--mode", "auto-magic"], "--mode must be"),
     ("ok", ["--wheel", "missing.whl"], "wheel not found"),
+    # a card that cannot boot (the kernel splits systemd.run= at the space), a pin pip cannot take
+    ("ok", ["--boot-mount", "/boot/my fw"], "may hold only letters, digits"),
+    ("ok", ["--torch-version", "latest"], "is not a version like 2.13.0"),
+    ("ok", ["--data", "a/train.npz", "--data", "b/train.npz"], "two --data files are named train.npz"),
 ])
 def test_bad_inputs_are_refused_and_leave_the_image_alone(tmp_path, device, kind, extra, message):
     img = tmp_path / "missing.img" if kind == "missing" else bad_image(kind, tmp_path)
@@ -420,7 +424,11 @@ def test_bad_inputs_are_refused_and_leave_the_image_alone(tmp_path, device, kind
         extra = ["--ssh-key", str(tmp_path / "id")]
     (tmp_path / "short.psk").write_text("short\n")
     (tmp_path / "empty.psk").write_text("")
-    extra = [str(tmp_path / e) if e in ("missing.whl", "short.psk", "missing.psk", "empty.psk") else e for e in extra]
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "train.npz").write_bytes(folder.encode())
+    extra = [str(tmp_path / e) if e in ("missing.whl", "short.psk", "missing.psk", "empty.psk", "a/train.npz",
+                                        "b/train.npz") else e for e in extra]
     r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--wheel",
               str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"), *extra)
     assert r.returncode == 1, r.stdout
@@ -484,3 +492,31 @@ def test_a_mounted_card_is_refused_under_any_of_its_names(tmp_path, device):
     r = flash("--image", str(alias), "--config", str(device / "agent.toml"), "--mode", "not-a-mode")
     assert r.returncode == 1
     assert f"has mounted partitions ({os.path.realpath(mounted)})" in r.stderr, r.stderr
+
+
+def test_staging_a_new_payload_clears_the_marker_of_the_install_before(tmp_path):
+    """A card flashed again after its agent was installed (a reissued password, a new config):
+    the earlier install's marker kept fedal-firstboot from ever running (ConditionPathExists), so
+    the new config with its password stayed on the FAT partition and was never installed."""
+    root = tmp_path / "root"
+    for marker in ("var/lib/fedal-firstboot/done", "var/lib/fedal-agent/.firstboot-done"):
+        (root / marker).parent.mkdir(parents=True, exist_ok=True)
+        (root / marker).write_text("")
+    r = subprocess.run(["bash", str(REPO / "firmware_scripts" / "boot" / "stage.sh")],
+                       env={**os.environ, "FEDAL_TARGET_ROOT": str(root)}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert not (root / "var/lib/fedal-firstboot/done").exists()
+    assert not (root / "var/lib/fedal-agent/.firstboot-done").exists()
+    assert (root / "etc/systemd/system/multi-user.target.wants/fedal-firstboot.service").is_symlink()
+
+
+def test_a_cloud_init_card_flashed_again_gets_a_new_instance_id(tmp_path, device):
+    """cloud-init runs runcmd once per instance-id: a card flash.sh prepared before kept its
+    meta-data, so flashed again (a new config) it never staged the new payload."""
+    before = "instance-id: fedal-pi-1-1700000000\n"
+    img = rpi_image(tmp_path, **{"user-data": "#cloud-config\n", "meta-data": before})
+    r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--hostname", "pi-7",
+              "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"))
+    assert r.returncode == 0, r.stderr
+    after = fat_read(img, "meta-data", tmp_path).decode()
+    assert after.startswith("instance-id: fedal-") and after != before

@@ -258,6 +258,15 @@ def test_bad_inputs_fail_with_clear_messages(tmp_path, inputs):
     assert r.returncode == 1 and "needs a .whl file" in r.stderr
     r = install("--root", root, "--config", cfg, "--bogus")
     assert r.returncode == 1 and "unknown argument: --bogus" in r.stderr
+    r = install("--root", root, "--config", cfg, "--torch-version", "latest", "--print-constraints")
+    assert r.returncode == 1 and "'latest' is not a version like 2.13.0" in r.stderr and "torch==" not in r.stdout
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "train.npz").write_bytes(folder.encode())
+    r = install("--root", root, "--config", cfg, "--skip-pip", "--data", str(tmp_path / "a" / "train.npz"),
+                "--data", str(tmp_path / "b" / "train.npz"))
+    assert r.returncode == 1 and "two --data files are named train.npz" in r.stderr
+    assert not (tmp_path / "root" / "var").exists()
     old = tmp_path / "python3.9"  # an interpreter that reports an old version
     old.write_text("#!/bin/sh\ncase \"$2\" in *version_info*) exit 1 ;; *python_version*) echo 3.9.2 ;; esac\n")
     old.chmod(0o755)
@@ -532,3 +541,38 @@ def test_fix_meta_install_fixes_an_identical_file_in_place_and_refuses_a_directo
     path.mkdir()
     r = subprocess.run(run, capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "is a directory where the installer puts a file" in r.stderr
+
+
+def test_a_failed_install_is_not_taken_for_the_one_before(tmp_path, inputs):
+    """The stamp of the last good install stayed while pip changed the virtualenv: after a run
+    that failed midway, a run with the first run's arguments found the stamp equal, skipped pip
+    and reported success over the virtualenv the failed run had left."""
+    root = tmp_path / "root"
+    base_root(root)
+    failing = inputs / "failing-pip"
+    failing.write_text(f"#!/bin/sh\n{inputs / 'fake-pip'} \"$@\"\ncase \"$*\" in *2.99.0*) exit 1 ;; esac\n")
+    failing.chmod(0o755)
+    args = ["--root", str(root), "--config", str(inputs / "agent.toml"), "--arch", "x86_64",
+            "--wheel", str(inputs / "fedal_edge-0.1.0-py3-none-any.whl"), "--pip", str(failing)]
+    assert install(*args).returncode == 0
+    assert install(*args, "--torch-version", "2.99.0").returncode != 0
+    calls = len(pip_calls(inputs))
+    again = install(*args)
+    assert again.returncode == 0, again.stderr
+    assert len(pip_calls(inputs)) > calls and "installed the agent" in again.stdout  # installed again, not skipped
+
+
+def test_a_ca_the_config_names_outside_the_agents_folder_is_left_as_it_is(tmp_path, inputs):
+    """A user's own CA file with the --ca certificate's content (broker.ca_file pointing at it)
+    was chmod-ed 0644 and chown-ed to root: the installer replaces files only in /etc/fedal-agent."""
+    root = tmp_path / "root"
+    base_root(root)
+    theirs = root / "home" / "alice" / "ca.pem"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_bytes((inputs / "ca.crt").read_bytes())
+    theirs.chmod(0o600)
+    cfg = inputs / "alice.toml"
+    cfg.write_text(AGENT_TOML.replace('ca_file = "/etc/fedal-agent/ca.crt"', 'ca_file = "/home/alice/ca.pem"'))
+    r = install("--root", str(root), "--config", str(cfg), "--ca", str(inputs / "ca.crt"), "--skip-pip")
+    assert r.returncode == 0, r.stderr
+    assert stat.S_IMODE(theirs.stat().st_mode) == 0o600

@@ -6,6 +6,9 @@
 set -eu
 HERE="$(cd "$(dirname "$(readlink -f "$0")")" && pwd)"
 R="${FEDAL_TARGET_ROOT:-}"
+# a card flashed again after an install: this payload is new (its config, its password), so the
+# marker of the install before must not keep fedal-firstboot from running (ConditionPathExists)
+rm -f "$R/var/lib/fedal-firstboot/done" "$R/var/lib/fedal-agent/.firstboot-done"
 install -D -m 0644 "$HERE/fedal-firstboot.service" "$R/etc/systemd/system/fedal-firstboot.service"
 install -D -m 0755 "$HERE/firstboot.sh" "$R/usr/local/sbin/fedal-firstboot"
 install -d "$R/etc/default"
