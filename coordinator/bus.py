@@ -17,6 +17,7 @@ from mqtt_link import connect_failure, new_client
 
 log = logging.getLogger("coordinator.mqtt")
 CLEAR_EVERY_S = 1.0  # at most one clearing publish per topic this often: a junk flood is not echoed 1:1
+CLEARS_KEPT = 1024  # past this many topics remembered, those not cleared within CLEAR_EVERY_S are forgotten
 
 
 class CoordinatorBus:
@@ -90,6 +91,9 @@ class CoordinatorBus:
                 timer.start()
                 return
             self._clears[topic] = time.monotonic()
+            if len(self._clears) > CLEARS_KEPT:  # only the last second's matter: retained junk under
+                since = time.monotonic() - CLEAR_EVERY_S  # ever-new topics must not grow it for ever
+                self._clears = {t: at for t, at in self._clears.items() if at >= since}
         self.client.publish(topic, b"", qos=1, retain=True)
 
     def _clear_now(self, topic: str) -> None:
@@ -119,6 +123,6 @@ class CoordinatorBus:
         log.warning("disconnected from the broker (%s); reconnecting", reason_code)
 
     def _on_message(self, _client, _userdata, message) -> None:
-        if message.retain and message.payload and "/up/" in message.topic:
+        if message.retain and message.payload and message.topic.split("/")[3:4] == ["up"]:  # fedal/v1/<run>/up/<id>
             self.clear_retained(message.topic)  # results are never retained: whatever it is, the broker drops it
         self.inbox.put((message.topic, bytes(message.payload), bool(message.retain)))

@@ -11,6 +11,8 @@ import numpy as np
 from fedal.protocol import Message, Packet
 from fedal.strategies import PhaseTasks
 
+REFUSED_KEPT = 64  # refused answers remembered per client and phase (PhaseState.refuse)
+
 
 @dataclass
 class ClientInfo:
@@ -40,7 +42,16 @@ class PhaseState:
     started: float  # on the transport's clock
     wall_started: float  # epoch seconds, to compare with the timestamps clients put in their status
     results: dict[str, Message] = field(default_factory=dict)
-    refused: dict[str, set[bytes]] = field(default_factory=dict)  # digests of each client's refused answers
+    refused: dict[str, dict[bytes, None]] = field(default_factory=dict)  # digests of each client's refused answers
+
+    def refuse(self, cid: str, digest: bytes) -> None:
+        """Remember a refused answer (its re-send is then a duplicate), at most REFUSED_KEPT of a
+        client's: re-sends repeat its latest answers, and a client sending ever-new bad answers
+        must not grow the phase's memory."""
+        kept = self.refused.setdefault(cid, {})
+        kept[digest] = None
+        if len(kept) > REFUSED_KEPT:
+            del kept[next(iter(kept))]
     declined: dict[str, str] = field(default_factory=dict)  # clients that declined their task: why
     latencies: list[float] = field(default_factory=list)  # from sending to each accepted result
     reconnect_sent: dict[str, float] = field(default_factory=dict)  # a task re-sent on a client's reconnect, when

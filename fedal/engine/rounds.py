@@ -371,7 +371,7 @@ class RoundEngine:
             return
         if "declined" in meta:
             if cid not in cur.phase.tasks:  # only a task sent in this phase can be declined
-                cur.refused.setdefault(cid, set()).add(fingerprint or hashlib.sha256(encode(msg)).digest())
+                cur.refuse(cid, fingerprint or hashlib.sha256(encode(msg)).digest())
                 self.reject(cid, "declined a task it was not sent in this phase", "result")
                 return
             self._on_decline(cid, cur, msg)
@@ -387,7 +387,7 @@ class RoundEngine:
                 self.server.validate(cur.phase, cid, msg)
         except InvalidResult as exc:
             # it stays pending: a valid answer may still come (the phase's deadline decides)
-            cur.refused.setdefault(cid, set()).add(fingerprint or hashlib.sha256(encode(sent)).digest())
+            cur.refuse(cid, fingerprint or hashlib.sha256(encode(sent)).digest())
             self.reject(cid, str(exc), exc.kind)
             return
         except Exception as exc:
@@ -411,7 +411,7 @@ class RoundEngine:
         answered instead of at its deadline (docs/protocol.md section 8)."""
         why = msg.meta["declined"]
         if not (isinstance(why, str) and 0 < len(why) <= MAX_DECLINE_REASON and why.isprintable()) or msg.tensors:
-            cur.refused.setdefault(cid, set()).add(hashlib.sha256(encode(msg)).digest())  # its re-send: a duplicate
+            cur.refuse(cid, hashlib.sha256(encode(msg)).digest())  # its re-send: a duplicate
             self.reject(cid, f"a declined task's reason must be 1 to {MAX_DECLINE_REASON} printable characters "
                              f"and come without tensors (got {str(why)[:MAX_DECLINE_REASON]!r}, "
                              f"{len(msg.tensors)} tensors)", "result")
