@@ -35,7 +35,6 @@ class MqttTransport(Transport):
         self.reassembler = Reassembler(max_size=settings.max_message_bytes,
                                        max_sender_bytes=settings.reassembly_bytes_per_client,
                                        max_total_bytes=settings.reassembly_bytes_total)
-        self._partial_bytes: Counter[str] = Counter()  # chunk bytes of a client's unfinished message
         self._dropped: Counter[str] = Counter()  # messages the inbox dropped, not yet reported to the engine
 
     def start(self, should_stop) -> bool:
@@ -95,10 +94,9 @@ class MqttTransport(Transport):
             log.debug("unusable envelope from %s", t.client, exc_info=True)  # the engine logs the reason (rate-limited)
             return Arrival("invalid", t.client, t.run, reason=f"unusable envelope: {type(exc).__name__}: {exc}",
                            reject_kind="envelope", topic=topic)
-        self._partial_bytes[t.client] += len(payload)
         if msg is None:
             return None  # a chunk of a larger result
-        return Arrival("result", t.client, t.run, wire_bytes=self._partial_bytes.pop(t.client), topic=topic, message=msg)
+        return Arrival("result", t.client, t.run, wire_bytes=self.reassembler.last_wire_bytes, topic=topic, message=msg)
 
     def refused(self, arrival: Arrival) -> None:
         """A rejected message on a device's result or status topic may have been published

@@ -48,3 +48,26 @@ def test_a_client_sending_ever_new_bad_answers_is_remembered_within_a_bound():
     kept = state.refused["c0"]
     assert len(kept) == REFUSED_KEPT
     assert (10 * REFUSED_KEPT - 1).to_bytes(8, "big") in kept  # the latest: what a re-send repeats
+
+
+def test_a_results_bytes_are_its_own_chunks_not_an_abandoned_messages():
+    """The chunk bytes of a client's message it never finished were charged to its next result:
+    a 10-byte answer counted the 40 KB of chunks before it."""
+    import numpy as np
+
+    from coordinator.config import CoordinatorBrokerSettings
+    from coordinator.transport import MqttTransport
+    from fedal.protocol import Message, encode, split
+
+    transport = MqttTransport(CoordinatorBrokerSettings(url="mqtt://127.0.0.1:1"), "r1", ["c0"])
+    big = encode(Message({"phase": "p"}, {"x": np.zeros(10_000, np.float32)}))
+    chunks = split(big, 8192)
+    assert len(chunks) > 2
+    for chunk in chunks[:-1]:  # all but its last: never finished
+        assert transport.arrival("fedal/v1/r1/up/c0", chunk) is None
+    small = encode(Message({"phase": "p"}, {}))
+    arrival = transport.arrival("fedal/v1/r1/up/c0", small)
+    assert arrival is not None and arrival.wire_bytes == len(small)
+    for chunk in split(big, 8192):  # a whole chunked result: the bytes of all its chunks
+        arrival = transport.arrival("fedal/v1/r1/up/c0", chunk)
+    assert arrival is not None and arrival.wire_bytes == sum(len(c) for c in split(big, 8192))

@@ -69,6 +69,7 @@ class _Partial:
     started: float
     parts: dict[int, bytes] = field(default_factory=dict)
     body: int | None = None  # the length of every chunk but the last, once one chunk told it
+    wire: int = 0  # bytes of the payloads that carried its chunks (redeliveries too): what it cost on the wire
 
     def expected_length(self, index: int) -> int:
         assert self.body is not None
@@ -115,9 +116,11 @@ class Reassembler:
         self._open: dict[tuple[str, str], _Partial] = {}
         self.evicted: Counter[str] = Counter()  # per sender: unfinished messages dropped for its newer ones
         self.expired = 0
+        self.last_wire_bytes = 0  # bytes on the wire of the message the last feed() returned
 
     def feed(self, sender: str, payload: bytes) -> Message | None:
         """Decode one received payload; returns the whole Message when it is complete."""
+        self.last_wire_bytes = len(payload)  # what the message completed by this payload cost, all its chunks
         msg = decode(payload)
         if not is_chunk(msg):
             return msg
@@ -149,9 +152,11 @@ class Reassembler:
             del self._open[key]
             raise ChunkError(f"chunk {index} of {count} holds {len(data)} bytes, its message's layout says {want}")
         part.parts[index] = data.tobytes()  # a repeated index (QoS 1 redelivery) replaces its copy
+        part.wire += len(payload)
         if len(part.parts) < count:
             return None
         del self._open[key]
+        self.last_wire_bytes = part.wire  # its own chunks only: an abandoned message's are never charged to it
         whole = b"".join(part.parts[i] for i in range(count))
         inner = decode(whole)
         if is_chunk(inner):
