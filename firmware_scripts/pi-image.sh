@@ -54,6 +54,10 @@ IMG_STAMP="pi-image.sh"  # in the image's config.txt: an image this script made 
 if [ -e "$OUT" ]; then
   MTOOLS_SKIP_CHECK=1 MTOOLSRC=/dev/null mtype -i "$OUT@@$((8192 * 512))" ::/config.txt 2>/dev/null | grep -q "$IMG_STAMP" \
     || die "$OUT exists and is not an image pi-image.sh made: refusing to overwrite it"
+else  # the kernel and initramfs go beside the image: without it, files of those names are someone else's
+  for f in "$OUT.vmlinuz" "$OUT.initrd"; do
+    if [ -e "$f" ] || [ -L "$f" ]; then die "$f exists and $OUT does not: it is no file pi-image.sh made; refusing to overwrite it"; fi
+  done
 fi
 
 for tool in debootstrap sfdisk mkfs.vfat mke2fs mcopy mtype chroot; do
@@ -143,8 +147,9 @@ BOOT_SECTORS=$((BOOT_MB * 2048))
 ROOT_START=$((BOOT_START + BOOT_SECTORS))
 ROOT_SECTORS=$((ROOT_MB * 2048))
 TOTAL=$(((ROOT_START + ROOT_SECTORS) * 512))
-tmp_img="$OUT.partial"
-rm -f "$tmp_img"
+work="$(mktemp -d)"
+tmp_img="$(mktemp "$OUT.partial.XXXXXX")"  # its own: no file of that name beside --out is replaced
+trap 'rm -rf "$work"; rm -f "$tmp_img"' EXIT
 truncate -s "$TOTAL" "$tmp_img"
 printf 'label: dos\nlabel-id: 0x%s\nstart=%s, size=%s, type=c\nstart=%s, size=%s, type=83\n' \
   "$disk_id" "$BOOT_START" "$BOOT_SECTORS" "$ROOT_START" "$ROOT_SECTORS" | sfdisk -q "$tmp_img"
@@ -153,8 +158,6 @@ mkfs.vfat -F 32 -s "$(( BOOT_MB >= 256 ? 4 : 1 ))" -n bootfs --offset "$BOOT_STA
   || die "mkfs.vfat failed"
 export MTOOLS_SKIP_CHECK=1 MTOOLSRC=/dev/null
 FAT="$tmp_img@@$((BOOT_START * 512))"
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
 # Raspberry Pi OS's cmdline.txt, with the serial console of qemu's virt machine
 echo "console=ttyAMA0,115200 root=PARTUUID=$disk_id-02 rootfstype=ext4 fsck.repair=yes rootwait" >"$work/cmdline.txt"
 printf '# Written by FedAL Edge firmware_scripts/%s (a Raspberry Pi OS layout for qemu)\narm_64bit=1\nkernel=kernel8.img\ninitramfs initramfs8 followkernel\n' \

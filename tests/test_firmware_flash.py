@@ -520,3 +520,15 @@ def test_a_cloud_init_card_flashed_again_gets_a_new_instance_id(tmp_path, device
     assert r.returncode == 0, r.stderr
     after = fat_read(img, "meta-data", tmp_path).decode()
     assert after.startswith("instance-id: fedal-") and after != before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="pi-image.sh runs as root (debootstrap, chroot)")
+@pytest.mark.parametrize("name", ["card.img.vmlinuz", "card.img.initrd"])
+def test_pi_image_refuses_a_kernel_file_beside_its_out_that_it_did_not_make(tmp_path, name):
+    """Only --out was checked: a file named --out.vmlinuz or --out.initrd was overwritten with the
+    image's kernel, and --out.partial deleted (the image is now built in a file of its own)."""
+    (tmp_path / name).write_text("mine\n")
+    r = subprocess.run(["bash", str(REPO / "firmware_scripts" / "pi-image.sh"), "--out", str(tmp_path / "card.img"),
+                        "--cache", str(tmp_path / "rootfs")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"{tmp_path / name} exists and {tmp_path / 'card.img'} does not" in r.stderr, r.stderr
+    assert (tmp_path / name).read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == [name]
