@@ -83,21 +83,22 @@ def test_an_agent_that_cannot_write_its_final_model_exits_and_its_restart_writes
     config = load_config(None, dict(strategy="fedmd", dataset="digits", clients=2, rounds=1, tau=1, public_size=60, seed=2))
     dep = Deployment(config, tmp_path / "dep", mosquitto)
     workspace = tomllib.loads(dep.agent_path("c01").read_text())["workspace"]
-    blocker = tmp_path / "dep" / "agents" / "c01" / "final"  # where final/ goes: a file, as a full card fails it
-    assert str(blocker.parent) == workspace
-    blocker.write_text("not a directory")
+    final = tmp_path / "dep" / "agents" / "c01" / "final"
+    assert str(final.parent) == workspace
+    blocker = final / "model.pt"  # where the final weights go: a folder, as a full card fails the write
+    blocker.mkdir(parents=True)
     try:
         dep.start_all()
         dep.finish()
         c01 = dep.agents["c01"]
         assert c01.wait(timeout=120) == 75
         assert dep.agents["c00"].wait(timeout=120) == 0
-        log = "".join(p.read_text() for p in blocker.parent.glob("agent-*.log"))
+        log = "".join(p.read_text() for p in final.parent.glob("agent-*.log"))
         assert "cannot write the final model to" in log and "exiting with status 75" in log
-        blocker.unlink()
+        blocker.rmdir()
         restarted = dep.start_agent("c01")
         assert restarted.wait(timeout=120) == 0
-        assert (blocker / "model.pt").is_file() and (blocker / "instance").is_file()
+        assert (final / "model.pt").is_file() and (final / "instance").is_file()
     finally:
         dep.close()
 
