@@ -105,10 +105,11 @@ def load_npz_dataset(path: Path, num_classes: int, name: str) -> ArrayDataset:
             if not isinstance(z, np.lib.npyio.NpzFile) or not {"x", "y"} <= set(z.files):
                 raise ValueError(f"it holds {', '.join(getattr(z, 'files', [])) or 'no arrays'}, not arrays x and y")
             x, y = np.ascontiguousarray(z["x"], np.float32), np.asarray(z["y"])
+    # the last three: a size a damaged header claims, and zip's refusals (an unknown version or
+    # method, a member flagged as encrypted)
     except (ValueError, TypeError, EOFError, OSError, zipfile.BadZipFile, zlib.error, pickle.UnpicklingError,
-            MemoryError, NotImplementedError, RuntimeError) as exc:  # the last three: a size a damaged header
-        raise ValueError(f"{path} is not an .npz of rows x and labels y: {type(exc).__name__}: {exc}") from None  # claims,
-        # and zip's refusals (an unknown version or method, a member flagged as encrypted)
+            MemoryError, NotImplementedError, RuntimeError) as exc:
+        raise ValueError(f"{path} is not an .npz of rows x and labels y: {type(exc).__name__}: {exc}") from None
     if y.dtype == bool or not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)) \
             or (np.issubdtype(y.dtype, np.floating) and not np.array_equal(y, np.round(y))):
         raise ValueError(f"{path}: labels y must be integers, got {y.dtype}"
