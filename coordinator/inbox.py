@@ -1,12 +1,14 @@
-"""What paho's network thread hands the engine's thread: messages in arrival order, each sender
-within a byte budget.
+"""What paho's network thread hands the engine's thread: each sender's messages in their arrival
+order, the senders taking turns, each within a byte budget.
 
 paho reads every message off the socket at once; an unbounded queue would hold a flooding
-device's backlog in the coordinator's memory and make every other client's results wait behind
-it. A sender (the last topic level: a client id) may have at most `per_sender_bytes` waiting;
-what comes beyond is dropped unread and counted against that sender alone. Senders that are not
-the run's clients share one budget: on a broker without the fleet's ACL anyone may publish under
-any number of made-up ids, and each must not get a budget of its own.
+device's backlog in the coordinator's memory. A sender (the last topic level: a client id) may
+have at most `per_sender_bytes` waiting; what comes beyond is dropped unread and counted against
+that sender alone. Senders that are not the run's clients share one budget: on a broker without
+the fleet's ACL anyone may publish under any number of made-up ids, and each must not get a
+budget of its own. And the senders take turns (one message each, round robin): in one queue a
+device's backlog of small messages (a budget's worth is a few hundred thousand) went ahead of
+every other client's results and statuses, tens of seconds against a phase's deadline.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class Inbox:
         """known: the run's client ids (None: every sender has a budget of its own)."""
         self.per_sender_bytes = per_sender_bytes
         self.known = None if known is None else frozenset(known)
-        self._items: deque[tuple] = deque()
+        self._queues: dict[str, deque[tuple]] = {}  # per sender ("" for the bus itself), oldest first
+        self._turns: deque[str] = deque()  # the senders with messages waiting, in the order they are served
         self._ready = threading.Condition()
         self._waiting: Counter[str] = Counter()  # bytes waiting, per sender
         self._dropped: Counter[str] = Counter()  # messages dropped since take_dropped(), per sender
@@ -42,19 +45,31 @@ class Inbox:
                     self._dropped[sender] += 1
                     return
                 self._waiting[sender] += cost
-            self._items.append(item)
+            key = sender or ""
+            waiting = self._queues.get(key)
+            if waiting is None:
+                waiting = self._queues[key] = deque()
+                self._turns.append(key)
+            waiting.append(item)
             self._ready.notify()
 
     def get(self, timeout: float) -> tuple:
-        """The oldest item; queue.Empty after `timeout` seconds without one."""
+        """The next sender's oldest item (senders take turns); queue.Empty after `timeout`
+        seconds without one."""
         deadline = time.monotonic() + timeout
         with self._ready:
-            while not self._items:
+            while not self._turns:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._ready.wait(left):
-                    if not self._items:
+                    if not self._turns:
                         raise queue.Empty
-            item = self._items.popleft()
+            key = self._turns.popleft()
+            waiting = self._queues[key]
+            item = waiting.popleft()
+            if waiting:
+                self._turns.append(key)  # its next message after every other sender's
+            else:
+                del self._queues[key]
             sender = self._sender(item[0])
             if sender is not None:
                 self._waiting[sender] -= len(item[1]) + OVERHEAD_BYTES

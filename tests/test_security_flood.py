@@ -29,8 +29,11 @@ def test_the_inbox_keeps_each_sender_within_its_budget_and_in_order():
     inbox.put((topics.status(RUN, "pi-1"), b"x" * 1000))
     inbox.put(("$connected", b""))
     got = [inbox.get(timeout=1) for _ in range(5)]
-    assert [g[0] for g in got] == [topics.status(RUN, "pi-3")] * 3 + [topics.status(RUN, "pi-1"), "$connected"]
-    assert [g[1][0] for g in got[:3]] == [0, 1, 2]
+    # the senders take turns, each one's messages in their order: pi-3's backlog waits behind
+    # no one, and no one waits behind it
+    assert [g[0] for g in got] == [topics.status(RUN, "pi-3"), topics.status(RUN, "pi-1"), "$connected",
+                                   topics.status(RUN, "pi-3"), topics.status(RUN, "pi-3")]
+    assert [g[1][0] for g in got if g[0] == topics.status(RUN, "pi-3")] == [0, 1, 2]
     assert inbox.take_dropped() == {"pi-3": 2} and inbox.take_dropped() == {}
     inbox.put((topics.status(RUN, "pi-3"), b"y" * 1000))  # room again once handled
     assert inbox.get(timeout=1)[1] == b"y" * 1000 and inbox.waiting_bytes("pi-3") == 0
@@ -40,6 +43,18 @@ def test_the_inbox_keeps_each_sender_within_its_budget_and_in_order():
         raise AssertionError("an empty inbox returned an item")
     except queue.Empty:
         assert time.monotonic() - t0 >= 0.15
+
+
+def test_a_senders_backlog_does_not_hold_back_the_others():
+    """In one queue a device's budget of small messages (a few hundred thousand) went ahead of
+    every other client's: another client's status waited tens of seconds behind it."""
+    inbox = Inbox(per_sender_bytes=100_000 * (1 + OVERHEAD_BYTES))
+    for _ in range(100_000):
+        inbox.put((topics.result(RUN, "pi-3"), b"j"))
+    inbox.put((topics.status(RUN, "pi-1"), b"online"))
+    assert [inbox.get(timeout=1)[0] for _ in range(2)] == [topics.result(RUN, "pi-3"), topics.status(RUN, "pi-1")]
+    assert all(inbox.get(timeout=1)[0] == topics.result(RUN, "pi-3") for _ in range(99_999))
+    assert inbox.waiting_bytes("pi-3") == 0
 
 
 def test_made_up_sender_ids_share_one_budget():
@@ -52,7 +67,7 @@ def test_made_up_sender_ids_share_one_budget():
     assert inbox.waiting_bytes(UNKNOWN_SENDERS) == 2 * (1000 + OVERHEAD_BYTES)
     assert inbox.take_dropped() == {UNKNOWN_SENDERS: 98}
     got = [inbox.get(timeout=1) for _ in range(3)]
-    assert [g[1] for g in got] == [b"z" * 1000, b"z" * 1000, b"real"]  # the client's own budget untouched
+    assert [g[1] for g in got] == [b"z" * 1000, b"real", b"z" * 1000]  # the client's own budget untouched
 
 
 def test_a_device_flooding_its_status_topic_is_cut_off_and_counted_while_others_get_through(tmp_path):
