@@ -45,6 +45,7 @@ from edge_agent.own_workspace import KEPT_UNREADABLE, claim_workspace
 from edge_agent.public_set import load_public_set
 from fedal.atomic import write_atomic, write_bytes_atomic
 from fedal.data import ArrayDataset
+from fedal.data.public import ZIP_REFUSALS
 from fedal.models import build_model
 from fedal.protocol import EnvelopeError, ManifestError, Message, Packet, Reassembler, RunManifest, decode, encode
 from fedal.protocol.chunking import is_chunk
@@ -105,10 +106,8 @@ def load_npz_dataset(path: Path, num_classes: int, name: str) -> ArrayDataset:
             if not isinstance(z, np.lib.npyio.NpzFile) or not {"x", "y"} <= set(z.files):
                 raise ValueError(f"it holds {', '.join(getattr(z, 'files', [])) or 'no arrays'}, not arrays x and y")
             x, y = np.ascontiguousarray(z["x"], np.float32), np.asarray(z["y"])
-    # the last three: a size a damaged header claims, and zip's refusals (an unknown version or
-    # method, a member flagged as encrypted)
     except (ValueError, TypeError, EOFError, OSError, zipfile.BadZipFile, zlib.error, pickle.UnpicklingError,
-            MemoryError, NotImplementedError, RuntimeError) as exc:
+            MemoryError, *ZIP_REFUSALS) as exc:  # MemoryError: a size a damaged header claims
         raise ValueError(f"{path} is not an .npz of rows x and labels y: {type(exc).__name__}: {exc}") from None
     if y.dtype == bool or not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)) \
             or (np.issubdtype(y.dtype, np.floating) and not np.array_equal(y, np.round(y))):

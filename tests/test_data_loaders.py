@@ -1,5 +1,6 @@
 """Loaders read the official file formats (written here in miniature) and the embedded datasets."""
 
+import contextlib
 import gzip
 import io
 import pickle
@@ -274,10 +275,8 @@ def test_damaged_cifar_batches_are_refused_without_crashing_or_filling_memory(tm
         for at in rng.integers(0, len(damaged), rng.integers(1, 3)):
             damaged[at] = int(rng.integers(0, 256))
         target.write_bytes(bytes(damaged))
-        try:
+        with contextlib.suppress(ValueError):  # a batch, or its one error: never a crash or another error
             load_cifar10_dir(tmp_path)
-        except ValueError:
-            pass
 
 
 # ---------------------------------------------------------------- SVHN .mat

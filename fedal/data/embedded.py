@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from fedal.data.arrays import ArrayDataset
+from fedal.data.public import ZIP_REFUSALS
 
 log = logging.getLogger("fedal.data")
 __all__ = ["MNIST1D_SAMPLES", "load_mnist1d", "load_digits", "default_cache_dir"]
@@ -97,8 +98,8 @@ def _read_cache(path: Path, key_json: str) -> dict[str, np.ndarray] | None:
             if str(z["key"]) != key_json:
                 return None
             return {k: z[k] for k in ("x", "y", "x_test", "y_test")}
-    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError):
-        return None  # the last two: zipfile refusing a damaged archive (an unknown version or method, "encrypted")
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, *ZIP_REFUSALS):
+        return None
 
 
 def _write_atomic(path: Path, arrays: dict[str, np.ndarray], key_json: str) -> None:

@@ -66,8 +66,9 @@ def content_hash(x: np.ndarray) -> str:
     return h.hexdigest()
 
 
-# what zipfile raises for an archive it will not read (a damaged "version needed" or compression
-# method field: NotImplementedError; a member flagged as encrypted: RuntimeError)
+# Besides BadZipFile, what zipfile raises for an archive it refuses to read: a damaged "version
+# needed" or compression-method field (zipfile raises NotImplementedError for those), a member
+# flagged as encrypted (RuntimeError). Every .npz reader catches these as a damaged file.
 ZIP_REFUSALS = (NotImplementedError, RuntimeError)
 
 
