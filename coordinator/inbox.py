@@ -9,6 +9,8 @@ the fleet's ACL anyone may publish under any number of made-up ids, and each mus
 budget of its own. And the senders take turns (one message each, round robin): in one queue a
 device's backlog of small messages (a budget's worth is a few hundred thousand) went ahead of
 every other client's results and statuses, tens of seconds against a phase's deadline.
+Each message keeps the moment it arrived, so that a phase closing at its deadline still takes
+what its clients had sent in time (`get_received_by`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Collection
+from collections.abc import Collection, Set
 
 __all__ = ["Inbox", "OVERHEAD_BYTES", "UNKNOWN_SENDERS"]
 
@@ -30,7 +32,8 @@ class Inbox:
         """known: the run's client ids (None: every sender has a budget of its own)."""
         self.per_sender_bytes = per_sender_bytes
         self.known = None if known is None else frozenset(known)
-        self._queues: dict[str, deque[tuple]] = {}  # per sender ("" for the bus itself), oldest first
+        # per sender ("" for the bus itself), oldest first: (time.monotonic() at arrival, item)
+        self._queues: dict[str, deque[tuple[float, tuple]]] = {}
         self._turns: deque[str] = deque()  # the senders with messages waiting, in the order they are served
         self._ready = threading.Condition()
         self._waiting: Counter[str] = Counter()  # bytes waiting, per sender
@@ -50,7 +53,7 @@ class Inbox:
             if waiting is None:
                 waiting = self._queues[key] = deque()
                 self._turns.append(key)
-            waiting.append(item)
+            waiting.append((time.monotonic(), item))
             self._ready.notify()
 
     def get(self, timeout: float) -> tuple:
@@ -63,19 +66,33 @@ class Inbox:
                 if left <= 0 or not self._ready.wait(left):
                     if not self._turns:
                         raise queue.Empty
-            key = self._turns.popleft()
-            waiting = self._queues[key]
-            item = waiting.popleft()
-            if waiting:
-                self._turns.append(key)  # its next message after every other sender's
-            else:
-                del self._queues[key]
-            sender = self._sender(item[0])
-            if sender is not None:
-                self._waiting[sender] -= len(item[1]) + OVERHEAD_BYTES
-                if self._waiting[sender] <= 0:
-                    del self._waiting[sender]
-            return item
+            return self._take(self._turns.popleft())
+
+    def get_received_by(self, by: float, senders: Set[str]) -> tuple | None:
+        """The oldest item of the first of `senders` (in their turns) that arrived at or before
+        `by` (time.monotonic()); None at once if there is none. A phase closing at its deadline
+        takes its clients' answers that came in time but still wait here behind other work."""
+        with self._ready:
+            for key in self._turns:
+                if key in senders and self._queues[key][0][0] <= by:
+                    self._turns.remove(key)
+                    return self._take(key)
+            return None
+
+    def _take(self, key: str) -> tuple:
+        """The oldest item of sender `key`, whose turn it is (taken off the turns); the lock is held."""
+        waiting = self._queues[key]
+        item = waiting.popleft()[1]
+        if waiting:
+            self._turns.append(key)  # its next message after every other sender's
+        else:
+            del self._queues[key]
+        sender = self._sender(item[0])
+        if sender is not None:
+            self._waiting[sender] -= len(item[1]) + OVERHEAD_BYTES
+            if self._waiting[sender] <= 0:
+                del self._waiting[sender]
+        return item
 
     def _sender(self, topic: str) -> str | None:
         if not topic.startswith("fedal/"):

@@ -12,6 +12,7 @@ import logging
 import queue
 import time
 from collections import Counter
+from collections.abc import Set
 
 from coordinator.bus import CoordinatorBus
 from coordinator.config import CoordinatorBrokerSettings
@@ -68,6 +69,16 @@ class MqttTransport(Transport):
         except queue.Empty:
             return None
         return self.arrival(topic, payload, bool(retain and retain[0]))
+
+    def arrived_by(self, t: float, clients: Set[str]) -> Arrival | None:
+        """What the inbox holds from those clients since before `t` (time.monotonic(), as now()):
+        the next of it that is an arrival (a chunk of a larger result is only fed on)."""
+        while (item := self.inbox.get_received_by(t, clients)) is not None:
+            topic, payload, *retain = item
+            arrival = self.arrival(topic, payload, bool(retain and retain[0]))
+            if arrival is not None:
+                return arrival
+        return None
 
     def arrival(self, topic: str, payload: bytes, retained: bool = False) -> Arrival | None:
         """What the engine gets for one MQTT message; None for nothing to handle."""

@@ -224,6 +224,9 @@ class RoundEngine:
             self.pump()
             now = self.transport.now()
             if now >= deadline:
+                self._take_arrived(state, deadline)  # answers that came in time, still waiting behind others
+                if not state.pending:
+                    break
                 # the quorum counts the clients that did not decline: the others will not answer
                 need = math.ceil(self.settings.quorum * (len(phase.tasks) - len(state.declined)))
                 if len(state.results) >= need or self.transport.exhausted():
@@ -244,6 +247,18 @@ class RoundEngine:
             log.info("phase %s of round %d (iteration %d) closed at its deadline without %s", phase.phase,
                      phase.round + 1, phase.iteration, sorted(state.pending))
         return state
+
+    def _take_arrived(self, state: PhaseState, by: float) -> None:
+        """Handle what the phase's pending clients had sent by `by` and still waits in the
+        transport: an answer is late when it came after the deadline, not when the engine was
+        busy with other messages until then."""
+        while state.pending:
+            if self.stop_event.is_set():
+                raise Stopped()
+            arrival = self.transport.arrived_by(by, frozenset(state.pending))
+            if arrival is None:
+                return
+            self.handle(arrival)
 
     def pump(self) -> None:
         """Handle the next arrival, if one comes within the poll interval."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,6 +45,13 @@ class Transport(ABC):
     @abstractmethod
     def receive(self, timeout_s: float) -> Arrival | None:
         """The next arrival within timeout_s of the transport's clock, else None."""
+
+    def arrived_by(self, t: float, clients: Set[str]) -> Arrival | None:
+        """An arrival from one of `clients` that reached this side at or before `t` (the
+        transport's clock) and still waits to be handled; None at once if there is none. A phase
+        closing at its deadline takes these first: an answer that came in time is not late for
+        having waited behind others. The default is for a transport that keeps nothing waiting."""
+        return None
 
     @abstractmethod
     def now(self) -> float:
