@@ -348,6 +348,31 @@ self_check() {
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 
+# -- 0. one install at a time on a system ---------------------------------------------------------
+# The first-boot service retries every minute, and an install run by hand meanwhile would have two
+# pips rebuild one virtualenv. The lock: a staging root's directory itself (nothing created in
+# it); on the system, a file under /run/lock (gone at reboot, as any holder is).
+if [ "$DRY" -eq 0 ]; then
+  if ! command -v flock >/dev/null 2>&1; then
+    say "warning: flock (util-linux) is missing: another install running at the same time is not waited for"
+  else
+    if [ -n "$ROOT" ]; then
+      exec 8<"$ROOT"
+      lock_name="$ROOT"
+    else
+      lock_dir=/run/lock
+      [ -d "$lock_dir" ] || lock_dir=/var/lock
+      [ -d "$lock_dir" ] || lock_dir=/tmp
+      lock_name="$lock_dir/fedal-agent-install.lock"
+      exec 8>>"$lock_name" || die "cannot open the install lock $lock_name"
+    fi
+    if ! flock -n 8; then
+      say "another install-agent.sh is installing here (lock: $lock_name): waiting for it to finish"
+      flock 8
+    fi
+  fi
+fi
+
 # -- 1. system user --------------------------------------------------------------------------
 if [ -n "$(ids_of "$SVC_USER")" ]; then
   :

@@ -10,6 +10,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -576,3 +577,33 @@ def test_a_ca_the_config_names_outside_the_agents_folder_is_left_as_it_is(tmp_pa
     r = install("--root", str(root), "--config", str(cfg), "--ca", str(inputs / "ca.crt"), "--skip-pip")
     assert r.returncode == 0, r.stderr
     assert stat.S_IMODE(theirs.stat().st_mode) == 0o600
+
+
+def test_two_installs_at_once_take_turns(tmp_path, inputs):
+    """The first-boot service retries every minute: an install run by hand meanwhile had two pips
+    rebuilding one virtualenv at once. The second waits for the first (and, its inputs being the
+    same, then finds nothing to do)."""
+    root = tmp_path / "root"
+    base_root(root)
+    log = inputs / "slow-pip.log"
+    slow = inputs / "slow-pip"
+    slow.write_text(f"#!/bin/sh\necho start >> {log}\nsleep 1.5\necho end >> {log}\n{inputs / 'fake-pip'} \"$@\"\n")
+    slow.chmod(0o755)
+    args = ["--root", str(root), "--config", str(inputs / "agent.toml"), "--arch", "x86_64", "--no-start",
+            "--wheel", str(inputs / "fedal_edge-0.1.0-py3-none-any.whl"), "--pip", str(slow)]
+    env = {k: v for k, v in os.environ.items() if k not in ("FEDAL_ARCH", "DESTDIR")}
+    first = subprocess.Popen(["bash", str(INSTALL), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the first one's pip is under way
+        second = install(*args, arch=None)
+        out_first = first.communicate(timeout=60)[0]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0 and second.returncode == 0, out_first + second.stdout + second.stderr
+    assert "waiting for it to finish" in second.stdout
+    assert log.read_text().split() == ["start", "end", "start", "end"]  # torch, then the agent: never two at once
+    assert "nothing changed" in second.stdout
