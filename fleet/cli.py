@@ -113,7 +113,7 @@ def revoke_cmd(out: Path, reissue: bool, devices: tuple[str, ...]) -> None:
     done = info.done
     for cid, what in done.items():
         click.echo(f"{cid}: {what}")
-    if any(what == "reissued" for what in done.values()):
+    if any(what.startswith("reissued") for what in done.values()):
         click.echo(f"  flash or install {out / 'devices'}/<id>/agent.toml on each reissued device")
     if any(what != "already revoked" for what in done.values()):
         click.echo(f"  next: copy {out / 'broker'}/passwd and acl to the broker's directory and reload Mosquitto "

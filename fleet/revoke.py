@@ -5,8 +5,8 @@ A device whose SD card left your hands carries its broker password. Revoking rem
 from the broker's `passwd` and its block from `acl` (Mosquitto re-reads both on a reload and
 drops a connected client they no longer admit), its config from `devices/`, and its id from the
 coordinator's `client_ids`. `--reissue` instead gives it a new password (and its ACL block back,
-if it was revoked) and writes a new config to flash: the old card is locked out, the device stays
-in the fleet. `fleet init --force` would change every device's password.
+if it was revoked) and writes its config to flash again, with only what the fleet owns changed: the
+old card is locked out, the device stays in the fleet. `fleet init --force` would change every device's password.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from edge_agent.config import AgentConfig
 from fedal.protocol import topics
 from fleet import acl, passwords
 from fleet.generate import _PLAN, MARKER, FleetError, _generated_before, _marker_text, _toml, _write, write_device
@@ -27,7 +28,7 @@ __all__ = ["Revoked", "revoke_devices"]
 
 @dataclass(frozen=True)
 class Revoked:
-    done: dict[str, str]  # device id -> "revoked", "reissued" or "already revoked"
+    done: dict[str, str]  # device id -> "revoked", "reissued" (and how its config was kept) or "already revoked"
     devices: list[str]  # the fleet's devices afterwards (the coordinator's client_ids)
     revoked: list[str]  # every device revoked so far
 
@@ -134,6 +135,34 @@ def _ca_cert(out: Path) -> bytes:
                      "its broker's certificate was issued by")
 
 
+def _kept_config(path: Path, cid: str, password: str, planned: dict[Path, tuple[str, int]]) -> str | None:
+    """A reissued device's config with its identity, run id and password the fleet's: the other
+    settings edited into the one there (a data file, a model of its own, broker options) stay. Changes `planned` (the config
+    `write_device` planned) to that; says what happened, None where there was no config."""
+    if path.is_symlink() or not path.is_file():
+        return None
+    fresh = tomllib.loads(planned[path][0])
+    try:
+        text = path.read_text()
+        config = tomllib.loads(text)
+        broker = config.get("broker")
+        if not isinstance(broker, dict):
+            raise ValueError("it has no [broker] table")
+        # the fleet's own: who the device is, the run its ACL admits, its new credentials
+        config.update(client_id=cid, run_id=fresh["run_id"])
+        config["broker"] = {**broker, "username": cid, "password": password}
+        if "ca_file" in fresh["broker"]:
+            config["broker"].setdefault("ca_file", fresh["broker"]["ca_file"])
+        AgentConfig.model_validate(config)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"a new config: the one there was not a valid agent config ({reason})"
+    header = "\n".join(line[2:] if line.startswith("# ") else line.lstrip("#")
+                       for line in text.splitlines() if line.startswith("#"))
+    planned[path] = (_toml(header, config), planned[path][1])
+    return "its config's other settings kept"
+
+
 def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
     """Revoke (or, with reissue, re-key) each device of `ids` in the fleet under `out`."""
     summary = _summary(out)
@@ -194,6 +223,10 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
         raise FleetError(f"cannot write a new config for the fleet's devices: {exc}") from None
     finally:
         _PLAN.reset(token)
+    for cid, password in new_passwords.items():
+        kept = _kept_config(out / "devices" / cid / "agent.toml", cid, password, device_files)
+        if kept is not None:
+            done[cid] = f"reissued ({kept})"
     # the accounts first: once these two are on the broker, a revoked card is locked out
     _write(passwd_path, "".join(f"{user}:{hashed}\n" for user, hashed in entries.items()), 0o600)
     _write(acl_path, _acl_text(acl_items, blocks), 0o644)
