@@ -213,6 +213,19 @@ if has fedal; then
   ours || { sleep 1; ours; } \
     || die "the boot partition of $IMAGE holds a fedal/ folder that flash.sh did not write (no fedal/firstboot.sh; mdir lists: $(printf '%s\n' "$fedal_listing" | sed 's|^::/fedal/||' | head -5 | tr '\n' ' ')): move it away first"
 fi
+# A new payload is written into fedal.new/ (its marker first) and swapped in by renames, the old one
+# going as fedal.old/ (firstboot.sh last): a flash.sh interrupted anywhere leaves these, empty or
+# with their marker, and the next one removes them. Folders of these names without are someone else's.
+staged_ours() {  # NAME MARKER: the folder is empty or holds MARKER
+  local names
+  names="$(mdir -b -i "$FAT" "::/$1" 2>&1)" || return 1
+  [ -z "$names" ] || printf '%s\n' "$names" | grep -qix "::/$1/$2"
+}
+for staged in fedal.new:flash-staging.txt fedal.old:firstboot.sh; do
+  if has "${staged%%:*}" && ! staged_ours "${staged%%:*}" "${staged#*:}"; then
+    die "the boot partition of $IMAGE holds a ${staged%%:*}/ folder that flash.sh did not write (not empty, no ${staged#*:}): move it away first"
+  fi
+done
 if [ "$MODE" = auto ]; then
   MODE=firstrun
   if has user-data || has meta-data || has network-config; then MODE=cloud-init; fi
@@ -393,23 +406,72 @@ if [ "$MODE" = firstrun ]; then
   fi
 fi
 
-if has fedal; then
-  # what an earlier flash.sh kept of the card's own first-boot settings (Raspberry Pi Imager's
-  # firstrun.sh, the image's user-data) moves into the new fedal/: the card's hook is flash.sh's
-  # own since then, so they could not be saved again below
+fat_has() { mdir -b -i "$FAT" ::/ 2>/dev/null | sed -e 's|^::/||' -e 's|/$||' | grep -qix "$1"; }
+# remove_staged NAME MARKER: what the folder holds, then its marker, then the folder (staged_ours
+# still knows it for flash.sh's own should this be interrupted)
+remove_staged() {
+  local entry
+  while IFS= read -r entry; do
+    case "$entry" in
+      "") ;;
+      */) mdeltree -i "$FAT" "${entry%/}" >/dev/null || die "cannot remove ${entry#::/} from the boot partition" ;;
+      *) if [ "$(printf '%s' "${entry##*/}" | tr '[:upper:]' '[:lower:]')" != "$2" ]; then
+           mdel -i "$FAT" "$entry" || die "cannot remove ${entry#::/} from the boot partition"
+         fi ;;
+    esac
+  done < <(mdir -b -i "$FAT" "::/$1" 2>/dev/null)
+  if mdir -b -i "$FAT" "::/$1" 2>/dev/null | grep -qix "::/$1/$2"; then
+    mdel -i "$FAT" "::/$1/$2" || die "cannot remove $1/$2 from the boot partition"
+  fi
+  mrd -i "$FAT" "::/$1" || die "cannot remove $1/ from the boot partition"
+}
+
+# what an earlier flash.sh kept of the card's own first-boot settings (Raspberry Pi Imager's
+# firstrun.sh, the image's user-data) moves into the new fedal/: the card's hook is flash.sh's own
+# since then, so they could not be saved again below (from fedal.old/ if a flash.sh stopped between
+# its renames)
+kept_from=""
+if has fedal; then kept_from=fedal; elif has fedal.old; then kept_from=fedal.old; fi
+if [ -n "$kept_from" ]; then
+  kept_listing="$(mdir -b -i "$FAT" "::/$kept_from" 2>&1)"
   for kept in firstrun-previous.sh user-data.orig network-config.orig; do
-    if printf '%s\n' "$fedal_listing" | grep -qix "::/fedal/$kept"; then
-      mcopy -n -i "$FAT" "::/fedal/$kept" "$P/$kept" || die "cannot read fedal/$kept from the boot partition"
+    if printf '%s\n' "$kept_listing" | grep -qix "::/$kept_from/$kept"; then
+      mcopy -n -i "$FAT" "::/$kept_from/$kept" "$P/$kept" || die "cannot read $kept_from/$kept from the boot partition"
     fi
   done
-  mdeltree -i "$FAT" ::/fedal >/dev/null || die "cannot replace the old fedal/ on the boot partition"
 fi
-mcopy -s -i "$FAT" "$P" ::/ || die "writing fedal/ to the boot partition failed (is it full?)"
+if has fedal.new; then remove_staged fedal.new flash-staging.txt; fi
+if has fedal.old; then remove_staged fedal.old firstboot.sh; fi
+if has fedal; then
+  # room for the new payload beside the old one? Else the old goes first (as it had to before)
+  free="$(mdir -i "$FAT" ::/ 2>/dev/null | sed -n 's/ bytes free.*//p' | tr -dc '0-9')"
+  info="$(minfo -i "$FAT" :: 2>/dev/null)" || die "cannot read the boot partition's size (minfo)"
+  cbytes=$(( $(printf '%s\n' "$info" | sed -n 's/^cluster size: *\([0-9]*\) sectors.*/\1/p') \
+    * $(printf '%s\n' "$info" | sed -n 's/^sector size: *\([0-9]*\) bytes.*/\1/p') ))
+  new_bytes=$(( $(du -sb "$P" | cut -f1) + ($(find "$P" -type f | wc -l) + 1) * cbytes + 1048576 ))
+  if [ "$WH_WHERE" = boot ]; then new_bytes=$((new_bytes + WH_BYTES + (${#WH_FILES[@]} + 1) * cbytes)); fi
+  if [ -z "$free" ] || [ "$new_bytes" -gt "$free" ]; then
+    say "note: the new payload fits the boot partition only without the old one, which goes first: should this flash.sh be interrupted, run it again"
+    mmove -i "$FAT" ::/fedal ::/fedal.old || die "cannot move the old fedal/ aside on the boot partition"
+    remove_staged fedal.old firstboot.sh
+  fi
+fi
+mmd -i "$FAT" ::/fedal.new || die "cannot create fedal.new/ on the boot partition"
+echo "flash.sh writes this folder; it becomes fedal/ once complete" >"$TMP/flash-staging.txt"
+put "$TMP/flash-staging.txt" ::/fedal.new/flash-staging.txt
+mcopy -s -i "$FAT" "$P"/* ::/fedal.new/ || die "writing fedal/ to the boot partition failed (is it full?)"
 if [ "$WH_WHERE" = boot ]; then
-  mmd -i "$FAT" ::/fedal/wheelhouse || die "cannot create fedal/wheelhouse on the boot partition"
+  mmd -i "$FAT" ::/fedal.new/wheelhouse || die "cannot create fedal/wheelhouse on the boot partition"
   for name in "$WH_MANIFEST" "${WH_FILES[@]}"; do
-    put "$WHEELHOUSE/$name" "::/fedal/wheelhouse/$name"
+    put "$WHEELHOUSE/$name" "::/fedal.new/wheelhouse/$name"
   done
+fi
+# the swap: the old payload aside, the new one in its place, the old one gone, the marker last
+if fat_has fedal; then mmove -i "$FAT" ::/fedal ::/fedal.old || die "cannot move the old fedal/ aside on the boot partition"; fi
+mmove -i "$FAT" ::/fedal.new ::/fedal || die "cannot rename fedal.new/ to fedal/ on the boot partition"
+if fat_has fedal.old; then remove_staged fedal.old firstboot.sh; fi
+mdel -i "$FAT" ::/fedal/flash-staging.txt || die "cannot remove fedal/flash-staging.txt from the boot partition"
+if [ "$WH_WHERE" = boot ]; then
   if [ -z "$ROOT_FS" ]; then ROOT_FS="$(root_fs)"; fi
   if [ -n "$ROOT_FS" ] && command -v debugfs >/dev/null 2>&1 && dbg -R stats "$ROOT_FS" | grep -q '^Block size:'; then
     root_wh_remove  # one from an earlier flash would never be used

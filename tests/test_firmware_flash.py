@@ -532,3 +532,59 @@ def test_pi_image_refuses_a_kernel_file_beside_its_out_that_it_did_not_make(tmp_
                         "--cache", str(tmp_path / "rootfs")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and f"{tmp_path / name} exists and {tmp_path / 'card.img'} does not" in r.stderr, r.stderr
     assert (tmp_path / name).read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def interrupting(tmp_path: Path, tool_name: str, when: str) -> dict:
+    """An env whose `tool_name` (an mtools command) kills flash.sh outright (a pulled card, a power
+    cut) instead of running when its arguments hold `when`."""
+    bin_dir = tmp_path / "interrupting-bin"
+    bin_dir.mkdir(exist_ok=True)
+    real = tool(tool_name)
+    wrapper = bin_dir / tool_name
+    wrapper.write_text(f'#!/bin/bash\ncase "$*" in *"{when}"*) kill -9 "$PPID"; exit 1 ;; esac\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize("tool_name, when", [("mcopy", "-s -i"), ("mmove", "::/fedal.new ::/fedal")],
+                         ids=["writing_the_new_payload", "between_the_renames"])
+def test_a_flash_interrupted_anywhere_leaves_a_card_that_boots_and_flashes_again(tmp_path, device, tool_name, when):
+    """flash.sh deleted the old fedal/ and then copied the new one: a flash stopped in between left
+    a card whose boot hook pointed at a missing or half-written installer, and a folder the next
+    flash.sh refused as someone else's. The new payload is staged beside the old one and swapped in."""
+    imager = "#!/bin/bash\n# Raspberry Pi Imager: user, locale, Wi-Fi\necho imager-settings\n"
+    img = rpi_image(tmp_path, **{"firstrun.sh": imager})
+    wheel = ["--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl")]
+    first = flash("--image", str(img), "--config", str(device / "agent.toml"), *wheel)
+    assert first.returncode == 0, first.stderr
+    first_payload = {name: fat_read(img, name, tmp_path) for name in fat_files(img) if name.startswith("fedal/")
+                     and not name.endswith("/")}
+    assert "fedal/firstboot.sh" in first_payload
+    (device / "agent.toml").write_text(AGENT_TOML.replace('model = "cnn1d"', 'model = "mlp"'))
+    cut = flash("--image", str(img), "--config", str(device / "agent.toml"), *wheel,
+                env=interrupting(tmp_path, tool_name, when))
+    assert cut.returncode != 0
+    files = fat_files(img)
+    if tool_name == "mcopy":  # stopped while writing the new one: the old payload is whole, where it was
+        assert {name: fat_read(img, name, tmp_path) for name in first_payload} == first_payload
+    else:  # stopped between the renames: the old one aside, the new one complete beside it
+        assert "fedal/" not in files and "fedal.old/firstboot.sh" in files and "fedal.new/firstboot.sh" in files
+    again = flash("--image", str(img), "--config", str(device / "agent.toml"), *wheel)
+    assert again.returncode == 0, again.stderr
+    files = fat_files(img)
+    assert not any(name.startswith(("fedal.new", "fedal.old")) for name in files), sorted(files)
+    assert "fedal/flash-staging.txt" not in files and "fedal/firstboot.sh" in files
+    assert 'model = "mlp"' in fat_read(img, "fedal/agent.toml", tmp_path).decode()
+    assert fat_read(img, "fedal/firstrun-previous.sh", tmp_path).decode() == imager  # the Imager's settings kept
+
+
+def test_folders_named_like_flash_sh_s_staging_but_not_its_own_are_refused(tmp_path, device):
+    img = rpi_image(tmp_path)
+    sh("mmd", "-i", f"{img}@@{OFFSET}", "::/fedal.new")
+    (tmp_path / "mine.txt").write_text("someone's file")
+    sh("mcopy", "-i", f"{img}@@{OFFSET}", str(tmp_path / "mine.txt"), "::/fedal.new/mine.txt")
+    before = file_hash(img)
+    r = flash("--image", str(img), "--config", str(device / "agent.toml"),
+              "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"))
+    assert r.returncode != 0 and "fedal.new/ folder that flash.sh did not write" in r.stderr
+    assert file_hash(img) == before
