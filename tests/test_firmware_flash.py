@@ -250,6 +250,11 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     # done for good: the credentials left the FAT partition, the installer will not run again
     assert not (boot / "fedal").exists() and not kept.parent.exists()
     assert (root / "var/lib/fedal-firstboot/done").exists()  # in root's directory, not the agent's
+    # the Imager's firstrun.sh that flash.sh replaced is the card owner's: kept, root's only
+    originals = root / "var/lib/fedal-firstboot/card-originals"
+    assert (originals / "firstrun-previous.sh").read_text() == previous
+    assert stat.S_IMODE(originals.stat().st_mode) == 0o700
+    assert stat.S_IMODE((originals / "firstrun-previous.sh").stat().st_mode) == 0o600
     assert not (root / "var/lib/fedal-agent/.firstboot-done").exists()
     assert not (root / "etc/systemd/system/multi-user.target.wants/fedal-firstboot.service").exists()
 

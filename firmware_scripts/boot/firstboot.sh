@@ -83,6 +83,19 @@ fi
 # Installed: the private data leaves the FAT partition (anyone holding the card could read it),
 # and this service is done for good.
 for f in "$P"/data/*; do if [ -f "$f" ]; then wipe "$f"; fi; done
+# the card's own first-boot settings that flash.sh replaced and kept in the payload (Raspberry Pi
+# Imager's firstrun.sh, the image's user-data and network-config) are the card owner's: they stay,
+# on the root partition and readable by root only (they may hold a Wi-Fi passphrase)
+ORIGINALS="$R/var/lib/fedal-firstboot/card-originals"
+for f in firstrun-previous.sh user-data.orig network-config.orig; do
+  [ -f "$P/$f" ] || continue
+  install -d -m 0700 "$ORIGINALS"
+  dest="$ORIGINALS/$f"  # one kept by an install before (a card flashed again) stays too
+  if [ -e "$dest" ] && ! cmp -s "$P/$f" "$dest"; then dest="$dest.$(date +%Y%m%d-%H%M%S)"; fi
+  install -m 0600 "$P/$f" "$dest"
+  wipe "$P/$f"
+  log "the card's own ${f%.orig} that flash.sh had replaced is kept as ${dest#"$R"}"
+done
 rm -rf "$P" "$KEPT"
 # a wheelhouse flash.sh put on the root partition (too big for the boot one): its manifest says it is ours
 case "$WH" in /?*) if [ -f "$WH/fedal-wheelhouse.json" ]; then rm -rf -- "$WH"; fi ;; esac
