@@ -198,15 +198,16 @@ OFFSET=$(( ${part#* } * sector ))
 FAT="$IMAGE@@$OFFSET"
 export MTOOLS_SKIP_CHECK=1 MTOOLS_NO_VFAT=0 MTOOLSRC=/dev/null
 mdir -b -i "$FAT" ::/ >/dev/null 2>&1 || die "partition ${part%% *} of $IMAGE is marked FAT but holds no FAT file system"
-listing="$(mdir -b -i "$FAT" ::/ 2>/dev/null | sed 's|^::/||')"
-has() { printf '%s\n' "$listing" | sed 's|/$||' | grep -qix "$1"; }
+# -a: hidden and system files too (a card looked at on Windows or a Mac gets some)
+listing="$(mdir -a -b -i "$FAT" ::/ 2>/dev/null | sed 's|^::/||')" || true
+has() { printf '%s\n' "$listing" | sed 's|/$||' | grep -qixF -- "$1"; }
 has cmdline.txt || die "the FAT partition of $IMAGE has no cmdline.txt: not a Raspberry Pi OS boot partition"
 has config.txt || die "the FAT partition of $IMAGE has no config.txt: not a Raspberry Pi OS boot partition"
 # fedal/ is replaced below only if an earlier flash.sh wrote it (its first-boot installer is in it):
 # a folder of that name that someone else put on the card is never deleted.
 ours() {  # fedal/ holds the first-boot installer an earlier flash.sh wrote; fedal_listing keeps what mdir said
-  fedal_listing="$(mdir -b -i "$FAT" ::/fedal 2>&1)"
-  printf '%s\n' "$fedal_listing" | grep -qix '::/fedal/firstboot.sh'
+  fedal_listing="$(mdir -a -b -i "$FAT" ::/fedal 2>&1)" || return 1
+  printf '%s\n' "$fedal_listing" | grep -qixF '::/fedal/firstboot.sh'
 }
 if has fedal; then
   # looked at twice at most: a card reader's hiccup is not taken for a folder someone else wrote
@@ -218,8 +219,8 @@ fi
 # with their marker, and the next one removes them. Folders of these names without are someone else's.
 staged_ours() {  # NAME MARKER: the folder is empty or holds MARKER
   local names
-  names="$(mdir -b -i "$FAT" "::/$1" 2>&1)" || return 1
-  [ -z "$names" ] || printf '%s\n' "$names" | grep -qix "::/$1/$2"
+  names="$(mdir -a -b -i "$FAT" "::/$1" 2>&1)" || return 1
+  [ -z "$names" ] || printf '%s\n' "$names" | grep -qixF -- "::/$1/$2"
 }
 for staged in fedal.new:flash-staging.txt fedal.old:firstboot.sh; do
   if has "${staged%%:*}" && ! staged_ours "${staged%%:*}" "${staged#*:}"; then
@@ -361,7 +362,9 @@ if [ -n "$WHEELHOUSE" ]; then
   if [ -z "$cluster" ] || [ -z "$ssize" ] || [ -z "$free" ]; then die "cannot read the boot partition's free space (minfo, mdir)"; fi
   cbytes=$((cluster * ssize))
   reclaim=0  # the payload of an earlier flash.sh is replaced (mdu counts clusters)
-  if has fedal; then reclaim="$(mdu -s -i "$FAT" ::/fedal 2>/dev/null | awk '{ print $NF }')"; fi
+  for staged in fedal fedal.new fedal.old; do  # an interrupted flash's leftovers go too
+    if has "$staged"; then reclaim=$((reclaim + $(mdu -s -i "$FAT" "::/$staged" 2>/dev/null | awk '{ print $NF }' || true) + 0)); fi
+  done
   avail=$((free + ${reclaim:-0} * cbytes))
   payload=$(du -sb "$P" | cut -f1)
   files=$(find "$P" -type f | wc -l)
@@ -406,60 +409,91 @@ if [ "$MODE" = firstrun ]; then
   fi
 fi
 
-fat_has() { mdir -b -i "$FAT" ::/ 2>/dev/null | sed -e 's|^::/||' -e 's|/$||' | grep -qix "$1"; }
+# -- the staging folder: the card owner's kept settings first, then an interrupted flash's leftovers go --
+fat_list() { mdir -a -b -i "$FAT" "::/$1" 2>/dev/null || true; }
+fat_has() { mdir -a -b -i "$FAT" ::/ 2>/dev/null | sed -e 's|^::/||' -e 's|/$||' | grep -qixF -- "$1"; }
+# empty_staged NAME [KEEP...]: remove what folder NAME holds, but the files named KEEP (lower case)
+empty_staged() {
+  local name="$1" entry base k skip
+  shift
+  while IFS= read -r entry; do
+    [ -n "$entry" ] || continue
+    if [ "${entry%/}" != "$entry" ]; then
+      mdeltree -i "$FAT" "${entry%/}" >/dev/null || die "cannot remove ${entry#::/} from the boot partition"
+      continue
+    fi
+    base="$(printf '%s' "${entry##*/}" | tr '[:upper:]' '[:lower:]')"
+    skip=0
+    for k in "$@"; do if [ "$base" = "$k" ]; then skip=1; fi; done
+    [ "$skip" -eq 1 ] || mdel -i "$FAT" "$entry" || die "cannot remove ${entry#::/} from the boot partition"
+  done < <(fat_list "$name")
+}
 # remove_staged NAME MARKER: what the folder holds, then its marker, then the folder (staged_ours
 # still knows it for flash.sh's own should this be interrupted)
 remove_staged() {
-  local entry
-  while IFS= read -r entry; do
-    case "$entry" in
-      "") ;;
-      */) mdeltree -i "$FAT" "${entry%/}" >/dev/null || die "cannot remove ${entry#::/} from the boot partition" ;;
-      *) if [ "$(printf '%s' "${entry##*/}" | tr '[:upper:]' '[:lower:]')" != "$2" ]; then
-           mdel -i "$FAT" "$entry" || die "cannot remove ${entry#::/} from the boot partition"
-         fi ;;
-    esac
-  done < <(mdir -b -i "$FAT" "::/$1" 2>/dev/null)
-  if mdir -b -i "$FAT" "::/$1" 2>/dev/null | grep -qix "::/$1/$2"; then
-    mdel -i "$FAT" "::/$1/$2" || die "cannot remove $1/$2 from the boot partition"
-  fi
+  empty_staged "$1" "$2"
+  empty_staged "$1"
   mrd -i "$FAT" "::/$1" || die "cannot remove $1/ from the boot partition"
 }
-
 # what an earlier flash.sh kept of the card's own first-boot settings (Raspberry Pi Imager's
-# firstrun.sh, the image's user-data) moves into the new fedal/: the card's hook is flash.sh's own
-# since then, so they could not be saved again below (from fedal.old/ if a flash.sh stopped between
-# its renames)
-kept_from=""
-if has fedal; then kept_from=fedal; elif has fedal.old; then kept_from=fedal.old; fi
-if [ -n "$kept_from" ]; then
-  kept_listing="$(mdir -b -i "$FAT" "::/$kept_from" 2>&1)"
-  for kept in firstrun-previous.sh user-data.orig network-config.orig; do
-    if printf '%s\n' "$kept_listing" | grep -qix "::/$kept_from/$kept"; then
-      mcopy -n -i "$FAT" "::/$kept_from/$kept" "$P/$kept" || die "cannot read $kept_from/$kept from the boot partition"
+# firstrun.sh, the image's user-data) moves into the new payload: the card's hook is flash.sh's own
+# since then, so they could not be saved again below. They are on the card at every moment: in
+# fedal/, or in an interrupted flash's fedal.new/ or fedal.old/, and written into the new fedal.new/
+# before any of these goes.
+KEPT_FILES=(firstrun-previous.sh user-data.orig network-config.orig)
+for kept in "${KEPT_FILES[@]}"; do
+  for from in fedal fedal.new fedal.old; do
+    if has "$from" && fat_list "$from" | grep -qixF -- "::/$from/$kept"; then
+      mcopy -n -i "$FAT" "::/$from/$kept" "$P/$kept" || die "cannot read $from/$kept from the boot partition"
+      break
     fi
   done
+done
+if has fedal.new; then
+  empty_staged fedal.new flash-staging.txt "${KEPT_FILES[@]}"  # an interrupted flash's: filled again
+else
+  mmd -i "$FAT" ::/fedal.new || die "cannot create fedal.new/ on the boot partition"
 fi
-if has fedal.new; then remove_staged fedal.new flash-staging.txt; fi
+echo "flash.sh writes this folder; it becomes fedal/ once complete" >"$TMP/flash-staging.txt"
+put "$TMP/flash-staging.txt" ::/fedal.new/flash-staging.txt
+for kept in "${KEPT_FILES[@]}"; do
+  if [ -f "$P/$kept" ]; then put "$P/$kept" "::/fedal.new/$kept"; fi
+done
 if has fedal.old; then remove_staged fedal.old firstboot.sh; fi
-if has fedal; then
+# while no whole fedal/ is on the card, its boot hook (flash.sh's firstrun.sh, which starts
+# fedal/stage.sh) is off the kernel command line: a card booted then starts as the image would;
+# the hook is written again at the end
+unhook() {
+  local now bare
+  mcopy -n -i "$FAT" ::/cmdline.txt "$TMP/cmdline.now" || die "cannot read cmdline.txt"
+  now="$(head -n 1 "$TMP/cmdline.now" | tr -d '\r')"
+  bare="$(printf '%s\n' "$now" | sed -e 's/ systemd\.run[^ ]*//g' -e 's/ systemd\.unit=kernel-command-line\.target//g')"
+  if [ "$bare" != "$now" ]; then
+    printf '%s\n' "$bare" >"$TMP/cmdline.bare"
+    put "$TMP/cmdline.bare" ::/cmdline.txt
+  fi
+}
+
+if fat_has fedal; then
   # room for the new payload beside the old one? Else the old goes first (as it had to before)
-  free="$(mdir -i "$FAT" ::/ 2>/dev/null | sed -n 's/ bytes free.*//p' | tr -dc '0-9')"
-  info="$(minfo -i "$FAT" :: 2>/dev/null)" || die "cannot read the boot partition's size (minfo)"
-  cbytes=$(( $(printf '%s\n' "$info" | sed -n 's/^cluster size: *\([0-9]*\) sectors.*/\1/p') \
-    * $(printf '%s\n' "$info" | sed -n 's/^sector size: *\([0-9]*\) bytes.*/\1/p') ))
-  new_bytes=$(( $(du -sb "$P" | cut -f1) + ($(find "$P" -type f | wc -l) + 1) * cbytes + 1048576 ))
-  if [ "$WH_WHERE" = boot ]; then new_bytes=$((new_bytes + WH_BYTES + (${#WH_FILES[@]} + 1) * cbytes)); fi
-  if [ -z "$free" ] || [ "$new_bytes" -gt "$free" ]; then
+  free="$(mdir -i "$FAT" ::/ 2>/dev/null | sed -n 's/ bytes free.*//p' | tr -dc '0-9')" || free=""
+  info="$(minfo -i "$FAT" :: 2>/dev/null)" || info=""
+  cluster="$(printf '%s\n' "$info" | sed -n 's/^cluster size: *\([0-9]*\) sectors.*/\1/p')"
+  ssize="$(printf '%s\n' "$info" | sed -n 's/^sector size: *\([0-9]*\) bytes.*/\1/p')"
+  new_bytes=""  # unknown: taken as no room
+  if [ -n "$free" ] && [ -n "$cluster" ] && [ -n "$ssize" ]; then
+    cbytes=$((cluster * ssize))
+    new_bytes=$(( $(du -sb "$P" | cut -f1) + ($(find "$P" -type f | wc -l) + 1) * cbytes + 1048576 ))
+    if [ "$WH_WHERE" = boot ]; then new_bytes=$((new_bytes + WH_BYTES + (${#WH_FILES[@]} + 1) * cbytes)); fi
+  fi
+  if [ -z "$new_bytes" ] || [ "$new_bytes" -gt "$free" ]; then
     say "note: the new payload fits the boot partition only without the old one, which goes first: should this flash.sh be interrupted, run it again"
+    unhook
     mmove -i "$FAT" ::/fedal ::/fedal.old || die "cannot move the old fedal/ aside on the boot partition"
     remove_staged fedal.old firstboot.sh
   fi
 fi
-mmd -i "$FAT" ::/fedal.new || die "cannot create fedal.new/ on the boot partition"
-echo "flash.sh writes this folder; it becomes fedal/ once complete" >"$TMP/flash-staging.txt"
-put "$TMP/flash-staging.txt" ::/fedal.new/flash-staging.txt
-mcopy -s -i "$FAT" "$P"/* ::/fedal.new/ || die "writing fedal/ to the boot partition failed (is it full?)"
+mcopy -s -o -i "$FAT" "$P"/* ::/fedal.new/ || die "writing fedal/ to the boot partition failed (is it full?)"
 if [ "$WH_WHERE" = boot ]; then
   mmd -i "$FAT" ::/fedal.new/wheelhouse || die "cannot create fedal/wheelhouse on the boot partition"
   for name in "$WH_MANIFEST" "${WH_FILES[@]}"; do
@@ -467,7 +501,10 @@ if [ "$WH_WHERE" = boot ]; then
   done
 fi
 # the swap: the old payload aside, the new one in its place, the old one gone, the marker last
-if fat_has fedal; then mmove -i "$FAT" ::/fedal ::/fedal.old || die "cannot move the old fedal/ aside on the boot partition"; fi
+if fat_has fedal; then
+  unhook
+  mmove -i "$FAT" ::/fedal ::/fedal.old || die "cannot move the old fedal/ aside on the boot partition"
+fi
 mmove -i "$FAT" ::/fedal.new ::/fedal || die "cannot rename fedal.new/ to fedal/ on the boot partition"
 if fat_has fedal.old; then remove_staged fedal.old firstboot.sh; fi
 mdel -i "$FAT" ::/fedal/flash-staging.txt || die "cannot remove fedal/flash-staging.txt from the boot partition"
@@ -492,9 +529,9 @@ elif [ "$WH_WHERE" = root ]; then
   } >"$TMP/debugfs-write"
   dbg -w -f "$TMP/debugfs-write" "$ROOT_FS" >"$TMP/debugfs-write.log"
   # debugfs exits 0 whatever its commands did: read the sizes back
-  listing="$(dbg -R "ls -p $WH_ROOT_DIR" "$ROOT_FS")"
+  wh_listing="$(dbg -R "ls -p $WH_ROOT_DIR" "$ROOT_FS")"
   for name in "$WH_MANIFEST" "${WH_FILES[@]}"; do
-    size="$(printf '%s\n' "$listing" | awk -F/ -v n="$name" '$6 == n { print $7 }')"
+    size="$(printf '%s\n' "$wh_listing" | awk -F/ -v n="$name" '$6 == n { print $7 }')"
     [ "$size" = "$(stat -c %s "$WHEELHOUSE/$name")" ] \
       || die "writing $name to $WH_ROOT_DIR on the root partition failed: $(grep -v '^debugfs' "$TMP/debugfs-write.log" | tail -3)"
   done

@@ -551,7 +551,7 @@ def interrupting(tmp_path: Path, tool_name: str, when: str) -> dict:
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
-@pytest.mark.parametrize("tool_name, when", [("mcopy", "-s -i"), ("mmove", "::/fedal.new ::/fedal")],
+@pytest.mark.parametrize("tool_name, when", [("mcopy", "-s -o -i"), ("mmove", "::/fedal.new ::/fedal")],
                          ids=["writing_the_new_payload", "between_the_renames"])
 def test_a_flash_interrupted_anywhere_leaves_a_card_that_boots_and_flashes_again(tmp_path, device, tool_name, when):
     """flash.sh deleted the old fedal/ and then copied the new one: a flash stopped in between left
@@ -593,3 +593,24 @@ def test_folders_named_like_flash_sh_s_staging_but_not_its_own_are_refused(tmp_p
               "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"))
     assert r.returncode != 0 and "fedal.new/ folder that flash.sh did not write" in r.stderr
     assert file_hash(img) == before
+
+
+def test_hidden_files_in_the_old_payload_and_look_alike_names_do_not_stop_a_flash(tmp_path, device):
+    """A card looked at on Windows or a Mac gets hidden files (Thumbs.db, .DS_Store) in fedal/:
+    the old payload must still go whole. A folder the user named fedal_old (moving a foreign fedal/
+    away, as flash.sh asks) is not taken for flash.sh's fedal.old/, and stays."""
+    img = rpi_image(tmp_path)
+    fat = f"{img}@@{OFFSET}"
+    wheel = ["--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl")]
+    assert flash("--image", str(img), "--config", str(device / "agent.toml"), *wheel).returncode == 0
+    (tmp_path / "ds").write_bytes(b"\0\0\0\1Bud1")
+    sh("mcopy", "-i", fat, str(tmp_path / "ds"), "::/fedal/.DS_Store")
+    sh("mattrib", "-i", fat, "+h", "::/fedal/.DS_Store")
+    sh("mmd", "-i", fat, "::/fedal_old")
+    sh("mcopy", "-i", fat, str(tmp_path / "ds"), "::/fedal_old/mine")
+    for attempt in (1, 2):
+        r = flash("--image", str(img), "--config", str(device / "agent.toml"), *wheel)
+        assert r.returncode == 0, (attempt, r.stderr)
+        files = fat_files(img)
+        assert "fedal/firstboot.sh" in files and not any(f.startswith(("fedal.new", "fedal.old")) for f in files)
+        assert fat_read(img, "fedal_old/mine", tmp_path) == b"\0\0\0\1Bud1"
