@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Collection, Set
+from collections.abc import Callable, Collection, Set
 
 __all__ = ["Inbox", "OVERHEAD_BYTES", "UNKNOWN_SENDERS"]
 
@@ -66,26 +66,37 @@ class Inbox:
                 if left <= 0 or not self._ready.wait(left):
                     if not self._turns:
                         raise queue.Empty
-            return self._take(self._turns.popleft())
+            return self._take(self._turns[0])
 
-    def get_received_by(self, by: float, senders: Set[str]) -> tuple | None:
-        """The oldest item of the first of `senders` (in their turns) that arrived at or before
-        `by` (time.monotonic()); None at once if there is none. A phase closing at its deadline
-        takes its clients' answers that came in time but still wait here behind other work."""
+    def get_received_by(self, by: float, senders: Set[str], accept: Callable[[str], bool]) -> tuple | None:
+        """The oldest item of the first of `senders` (in their turns) whose topic `accept`s and
+        that arrived at or before `by` (time.monotonic()); None at once if there is none. A phase
+        closing at its deadline takes its clients' answers that came in time but still wait here
+        behind other work; their other messages keep their place."""
         with self._ready:
             for key in self._turns:
-                if key in senders and self._queues[key][0][0] <= by:
-                    self._turns.remove(key)
-                    return self._take(key)
+                if key not in senders:
+                    continue
+                for i, (at, item) in enumerate(self._queues[key]):
+                    if at > by:
+                        break
+                    if accept(item[0]):
+                        return self._take(key, i)
             return None
 
-    def _take(self, key: str) -> tuple:
-        """The oldest item of sender `key`, whose turn it is (taken off the turns); the lock is held."""
+    def _take(self, key: str, index: int = 0) -> tuple:
+        """Item `index` of sender `key`'s queue; the lock is held. The oldest (index 0) is taken
+        in the sender's turn, which then goes to the back; another leaves the turns as they are."""
         waiting = self._queues[key]
-        item = waiting.popleft()[1]
-        if waiting:
-            self._turns.append(key)  # its next message after every other sender's
-        else:
+        item = waiting[index][1]
+        del waiting[index]
+        if index == 0:
+            self._turns.remove(key)
+            if waiting:
+                self._turns.append(key)  # its next message after every other sender's
+        if not waiting:
+            if key in self._turns:
+                self._turns.remove(key)
             del self._queues[key]
         sender = self._sender(item[0])
         if sender is not None:

@@ -6,6 +6,7 @@ phase. An answer that comes after the deadline is still late."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from types import SimpleNamespace
@@ -15,11 +16,13 @@ import pytest
 
 from coordinator.config import CoordinatorBrokerSettings, CoordinatorConfig
 from coordinator.inbox import OVERHEAD_BYTES, Inbox
-from coordinator.transport import MqttTransport
+from coordinator.transport import MqttTransport, _is_result_topic
+from fedal.engine import rounds
 from fedal.engine.inprocess import SimulatedTransport
 from fedal.engine.rounds import RoundEngine
 from fedal.engine.transport import Arrival
 from fedal.protocol import Message, decode, encode, parse_broker_url, topics
+from fedal.strategies import InvalidResult
 from fedal.strategies.base import PhaseTasks
 
 RUN = "drain"
@@ -100,21 +103,76 @@ def test_answers_that_came_in_time_are_taken_before_the_phase_closes(mosquitto, 
 
 def test_the_inbox_gives_what_came_by_a_time_from_the_senders_asked_only():
     inbox = Inbox(per_sender_bytes=10 * (100 + OVERHEAD_BYTES))
+    results = _is_result_topic
     inbox.put((topics.result(RUN, "pi-1"), b"a" * 100))
+    inbox.put((topics.status(RUN, "pi-2"), b"s" * 100))  # not a result: keeps its place
     inbox.put((topics.result(RUN, "pi-2"), b"b" * 100))
     inbox.put((topics.result(RUN, "pi-2"), b"c" * 100))
     cut = time.monotonic()
     time.sleep(0.01)
     inbox.put((topics.result(RUN, "pi-3"), b"d" * 100))  # after the cut
     inbox.put((topics.result(RUN, "pi-2"), b"e" * 100))  # after the cut
-    assert inbox.get_received_by(cut, {"pi-3"}) is None  # its only message came later
-    assert inbox.get_received_by(cut, {"pi-2", "pi-3"})[1] == b"b" * 100
-    assert inbox.get_received_by(cut, {"pi-2", "pi-3"})[1] == b"c" * 100
-    assert inbox.get_received_by(cut, {"pi-2", "pi-3"}) is None
-    assert inbox.waiting_bytes("pi-2") == 100 + OVERHEAD_BYTES  # the taken ones are off its budget
-    # the rest in the senders' turns as before: pi-1 was never asked for; pi-2 went to the back
-    assert [inbox.get(timeout=1)[1][:1] for _ in range(3)] == [b"a", b"d", b"e"]
+    assert inbox.get_received_by(cut, {"pi-3"}, results) is None  # its only message came later
+    assert inbox.get_received_by(cut, {"pi-2", "pi-3"}, results)[1] == b"b" * 100
+    assert inbox.get_received_by(cut, {"pi-2", "pi-3"}, results)[1] == b"c" * 100
+    assert inbox.get_received_by(cut, {"pi-2", "pi-3"}, results) is None
+    assert inbox.waiting_bytes("pi-2") == 2 * (100 + OVERHEAD_BYTES)  # the taken ones are off its budget
+    # the rest in the senders' turns as before: pi-1 was never asked for, pi-2's status kept its turn
+    assert [inbox.get(timeout=1)[1][:1] for _ in range(4)] == [b"a", b"s", b"d", b"e"]
     assert inbox.waiting_bytes("pi-2") == 0
+
+
+def _offline_engine(validate, deadline_s: float):
+    """The coordinator's engine and MQTT transport without a broker: what arrives is put into the
+    inbox as paho's thread would; the tasks sent are recorded."""
+    transport = MqttTransport(CoordinatorBrokerSettings(url="mqtt://127.0.0.1:1"), RUN, CLIENTS)
+    sent: list[str] = []
+    transport.send = lambda cid, packet: sent.append(cid) or packet.size  # type: ignore[method-assign]
+    phases = CoordinatorConfig().phases.model_copy(update={"deadline_s": deadline_s, "quorum": 0.5, "resend_s": 1e9})
+    engine = RoundEngine(SimpleNamespace(client_ids=CLIENTS, validate=validate), transport, run_id=RUN, phases=phases,
+                         phase_kinds={}, rounds=1)
+    return engine, transport, sent
+
+
+def _answer(cid: str, **meta) -> tuple[str, bytes]:
+    return topics.result(RUN, cid), encode(Message({"epoch": 0, "seq": 1, **meta}))
+
+
+def _phase() -> PhaseTasks:
+    return PhaseTasks("transfer", 0, 0, {c: Message({"phase": "transfer", "round": 0, "iteration": 0}) for c in CLIENTS})
+
+
+def test_a_pending_clients_status_waits_for_its_turn_and_re_sends_nothing():
+    """A status taken at the deadline ("online" after a reconnect) re-sent the whole task of a
+    phase about to close: the device computed it for nothing, ahead of the next phase's task."""
+    engine, transport, sent = _offline_engine(lambda phase, cid, msg: time.sleep(0.2), deadline_s=0.3)
+    for item in (_answer("pi-1"), _answer("pi-2"),
+                 (topics.status(RUN, "pi-3"), json.dumps({"state": "online", "ts": time.time() + 60}).encode())):
+        transport.inbox.put(item)
+    state = engine.run_phase(_phase())
+    assert set(state.results) == {"pi-1", "pi-2"} and state.pending == {"pi-3"}
+    assert sorted(sent) == CLIENTS  # each task once
+    assert transport.inbox.waiting_bytes("pi-3") > 0  # the status is still there, for the next turn
+
+
+def test_a_pending_clients_backlog_of_bad_results_holds_the_phase_open_only_so_long(monkeypatch):
+    monkeypatch.setattr(rounds, "DRAIN_MIN_S", 0.3)
+
+    def validate(phase, cid, msg) -> None:
+        time.sleep(0.1)
+        if cid == "pi-3":
+            raise InvalidResult("not an answer")
+
+    engine, transport, _ = _offline_engine(validate, deadline_s=0.25)
+    transport.inbox.put(_answer("pi-1"))
+    transport.inbox.put(_answer("pi-2"))
+    for i in range(30):  # 3 s of checks, all of them sent in time
+        transport.inbox.put(_answer("pi-3", n=i))
+    opened = time.monotonic()
+    state = engine.run_phase(_phase())
+    took = time.monotonic() - opened
+    assert set(state.results) == {"pi-1", "pi-2"} and engine.clients["pi-3"].late == 1
+    assert 2 <= engine.clients["pi-3"].rejected < 12 and took < 1.5  # not the 3 s the whole backlog takes
 
 
 class _Queued(SimulatedTransport):
@@ -126,6 +184,7 @@ def test_a_simulated_transport_gives_the_earliest_due_arrival_of_the_clients_ask
     transport = _Queued(RUN, CLIENTS, CoordinatorConfig().phases, {})
     for at, cid in [(5.0, "pi-1"), (2.0, "pi-2"), (9.0, "pi-2"), (1.0, "pi-3")]:
         transport._arrive(at, Arrival("result", cid, RUN))
+    transport._arrive(0.5, Arrival("status", "pi-1", RUN))  # not a result: never taken here
     transport.clock = 6.0
     first = transport.arrived_by(6.0, {"pi-1", "pi-2"})
     assert first is not None and first.client == "pi-2"
@@ -133,4 +192,5 @@ def test_a_simulated_transport_gives_the_earliest_due_arrival_of_the_clients_ask
     assert second is not None and second.client == "pi-1"
     assert transport.arrived_by(6.0, {"pi-1", "pi-2"}) is None  # pi-2's next is due at 9
     assert transport.clock == 6.0  # taking what was due does not move the clock
-    assert [transport.receive(0.0).client for _ in range(1)] == ["pi-3"]  # the others' left in order
+    assert [(a.kind, a.client) for a in (transport.receive(0.0), transport.receive(0.0))] == [
+        ("status", "pi-1"), ("result", "pi-3")]  # the others left in their order

@@ -164,11 +164,12 @@ class SimulatedTransport(Transport):
         return None
 
     def arrived_by(self, t: float, clients: Set[str]) -> Arrival | None:
-        """The earliest queued arrival from one of `clients` due at or before `t`. receive() takes
+        """The earliest queued result from one of `clients` due at or before `t`. receive() takes
         every due arrival before the clock moves on, so at a deadline there is none unless a
         subclass computes results late; kept exact all the same."""
         self._flush()
-        due = [entry for entry in self._queue if entry[0] <= t and entry[2].client in clients]
+        due = [entry for entry in self._queue
+               if entry[0] <= t and entry[2].kind == "result" and entry[2].client in clients]
         if not due:
             return None
         entry = min(due)

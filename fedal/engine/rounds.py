@@ -33,6 +33,7 @@ from fedal.strategies import InvalidResult, PhaseTasks, ServerHalf
 
 log = logging.getLogger("fedal.engine")
 POLL_S = 0.05
+DRAIN_MIN_S = 2.0  # at a deadline, the least time given to answers that came in time (see _take_arrived)
 MAX_STATUS_BYTES = 16 * 1024  # a client's status with its health report is well under 2 KiB
 MAX_DECLINE_REASON = 64  # characters of a declined task's reason ("sat_out")
 MAX_REJECT_REASONS = 200  # the latest reasons a round keeps (all are counted)
@@ -224,7 +225,9 @@ class RoundEngine:
             self.pump()
             now = self.transport.now()
             if now >= deadline:
-                self._take_arrived(state, deadline)  # answers that came in time, still waiting behind others
+                # answers that came in time, still waiting behind others (for at most a tenth of
+                # the phase's time, two seconds at least)
+                self._take_arrived(state, deadline, max(DRAIN_MIN_S, 0.1 * (deadline - state.started)))
                 if not state.pending:
                     break
                 # the quorum counts the clients that did not decline: the others will not answer
@@ -248,11 +251,13 @@ class RoundEngine:
                      phase.round + 1, phase.iteration, sorted(state.pending))
         return state
 
-    def _take_arrived(self, state: PhaseState, by: float) -> None:
-        """Handle what the phase's pending clients had sent by `by` and still waits in the
-        transport: an answer is late when it came after the deadline, not when the engine was
-        busy with other messages until then."""
-        while state.pending:
+    def _take_arrived(self, state: PhaseState, by: float, limit_s: float) -> None:
+        """Handle the results the phase's pending clients had sent by `by` that still wait in
+        the transport: an answer is late when it came after the deadline, not when the engine was
+        busy with other messages until then. For at most `limit_s` seconds of work: a pending
+        client's backlog of junk results must not hold the phase open."""
+        stop_at = time.monotonic() + limit_s
+        while state.pending and time.monotonic() < stop_at:
             if self.stop_event.is_set():
                 raise Stopped()
             arrival = self.transport.arrived_by(by, frozenset(state.pending))

@@ -47,10 +47,11 @@ class Transport(ABC):
         """The next arrival within timeout_s of the transport's clock, else None."""
 
     def arrived_by(self, t: float, clients: Set[str]) -> Arrival | None:
-        """An arrival from one of `clients` that reached this side at or before `t` (the
+        """A result from one of `clients` that reached this side at or before `t` (the
         transport's clock) and still waits to be handled; None at once if there is none. A phase
         closing at its deadline takes these first: an answer that came in time is not late for
-        having waited behind others. The default is for a transport that keeps nothing waiting."""
+        having waited behind others. Only results: a status taken here could re-send the task of
+        a phase about to close. The default is for a transport that keeps nothing waiting."""
         return None
 
     @abstractmethod
