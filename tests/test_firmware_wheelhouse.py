@@ -132,9 +132,18 @@ def test_a_private_device_gets_the_privacy_extra_from_the_wheelhouse(tmp_path, d
 def test_too_big_for_the_boot_partition_goes_to_the_root_partition(tmp_path, device):
     wh = build_wheelhouse(tmp_path, pad=6 * 1024 * 1024)
     img, fs = small_boot_image(tmp_path / "small.img")
+    boot = f"{img}@@{SMALL_BOOT * SECTOR}"
+    imager = tmp_path / "firstrun.sh"  # Raspberry Pi Imager's settings on the card
+    imager.write_text("#!/bin/bash\necho imager-settings\n")
+    subprocess.run([tool("mcopy"), "-i", boot, str(imager), "::/firstrun.sh"], env=MTOOLS, check=True)
     r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--wheelhouse", str(wh))
     assert r.returncode == 0, r.stderr
     assert "in /opt/fedal-wheelhouse on the root partition" in r.stdout
+    # kept, not overwritten: writing the root partition's wheelhouse once made flash.sh forget the
+    # boot partition's listing
+    kept = tmp_path / "kept-firstrun.sh"
+    subprocess.run([tool("mcopy"), "-n", "-i", boot, "::/fedal/firstrun-previous.sh", str(kept)], env=MTOOLS, check=True)
+    assert kept.read_text() == imager.read_text()
     manifest = json.loads((wh / "fedal-wheelhouse.json").read_text())
     listing = root_listing(fs, "/opt/fedal-wheelhouse")
     assert set(listing) == {*manifest["files"], "fedal-wheelhouse.json"}
