@@ -200,6 +200,34 @@ elif [ "$(id -u)" -ne 0 ] && [ "$DRY" -eq 0 ]; then
   die "run as root (sudo $0 ...), or stage the install into a directory with --root DIR"
 fi
 
+# -- one install at a time on a system ------------------------------------------------------------
+# The first-boot service retries every minute, and an install run by hand meanwhile would have two
+# pips rebuild one virtualenv. Taken before the checks of what is installed. The lock: a staging
+# root's directory itself (nothing created in it); on the system, a file in /run, which only root
+# writes (gone at reboot, as any holder is).
+if [ "$DRY" -eq 0 ]; then
+  if ! command -v flock >/dev/null 2>&1; then
+    say "warning: flock (util-linux) is missing: another install running at the same time is not waited for"
+  else
+    if [ -n "$ROOT" ]; then
+      exec 8<"$ROOT"
+      lock_name="$ROOT"
+    else
+      lock_name=/run/fedal-agent-install.lock
+      [ -d /run ] || lock_name=/var/lib/fedal-agent-install.lock
+      exec 8>>"$lock_name" || die "cannot open the install lock $lock_name"
+    fi
+    lock_rc=0
+    flock -n -E 75 8 || lock_rc=$?
+    if [ "$lock_rc" -eq 75 ]; then
+      say "another install-agent.sh is installing here (lock: $lock_name): waiting for it to finish"
+      flock 8
+    elif [ "$lock_rc" -ne 0 ]; then  # e.g. a file system without locks: as before there was one
+      say "warning: cannot lock $lock_name (flock exit $lock_rc): another install running at the same time is not waited for"
+    fi
+  fi
+fi
+
 # The config must be TOML; where it expects the CA and its data decides where --ca and --data go.
 # Its model is checked here, before pip, against the zoo's names of the agent to be installed
 # (fedal/model_names.py, plain Python); the whole config after pip, with the agent's config model.
@@ -347,31 +375,6 @@ self_check() {
 
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
-
-# -- 0. one install at a time on a system ---------------------------------------------------------
-# The first-boot service retries every minute, and an install run by hand meanwhile would have two
-# pips rebuild one virtualenv. The lock: a staging root's directory itself (nothing created in
-# it); on the system, a file under /run/lock (gone at reboot, as any holder is).
-if [ "$DRY" -eq 0 ]; then
-  if ! command -v flock >/dev/null 2>&1; then
-    say "warning: flock (util-linux) is missing: another install running at the same time is not waited for"
-  else
-    if [ -n "$ROOT" ]; then
-      exec 8<"$ROOT"
-      lock_name="$ROOT"
-    else
-      lock_dir=/run/lock
-      [ -d "$lock_dir" ] || lock_dir=/var/lock
-      [ -d "$lock_dir" ] || lock_dir=/tmp
-      lock_name="$lock_dir/fedal-agent-install.lock"
-      exec 8>>"$lock_name" || die "cannot open the install lock $lock_name"
-    fi
-    if ! flock -n 8; then
-      say "another install-agent.sh is installing here (lock: $lock_name): waiting for it to finish"
-      flock 8
-    fi
-  fi
-fi
 
 # -- 1. system user --------------------------------------------------------------------------
 if [ -n "$(ids_of "$SVC_USER")" ]; then

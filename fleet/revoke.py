@@ -137,9 +137,14 @@ def _ca_cert(out: Path) -> bytes:
 
 def _kept_config(path: Path, cid: str, password: str, planned: dict[Path, tuple[str, int]]) -> str | None:
     """A reissued device's config with its identity, run id and password the fleet's: the other
-    settings edited into the one there (a data file, a model of its own, broker options) stay. Changes `planned` (the config
-    `write_device` planned) to that; says what happened, None where there was no config."""
-    if path.is_symlink() or not path.is_file():
+    settings edited into the one there (a data file, a model of its own, broker options) stay.
+    Changes `planned` (the config `write_device` planned) to that; says what happened, None where
+    there was no config. One it cannot keep is an error before anything is written: the user's
+    edits are not dropped for a fresh file without a word."""
+    if path.is_symlink():
+        raise FleetError(f"{path} is a symbolic link: reissue writes the device's config there. Replace the link with "
+                         f"the file (to keep its settings), or remove it for a new config")
+    if not path.is_file():
         return None
     fresh = tomllib.loads(planned[path][0])
     try:
@@ -155,12 +160,16 @@ def _kept_config(path: Path, cid: str, password: str, planned: dict[Path, tuple[
             config["broker"].setdefault("ca_file", fresh["broker"]["ca_file"])
         AgentConfig.model_validate(config)
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return f"a new config: the one there was not a valid agent config ({reason})"
+        raise FleetError(f"{path} is not a valid agent config, so its settings cannot be kept: {exc}\n"
+                         f"Fix it, or remove it for a new config") from None
     header = "\n".join(line[2:] if line.startswith("# ") else line.lstrip("#")
                        for line in text.splitlines() if line.startswith("#"))
     planned[path] = (_toml(header, config), planned[path][1])
-    return "its config's other settings kept"
+    note = "its config's other settings kept"
+    if "ca_file" in fresh["broker"] and config["broker"]["ca_file"] != fresh["broker"]["ca_file"]:
+        note += (f"; its ca_file stays {config['broker']['ca_file']}, not the fleet's "
+                 f"{fresh['broker']['ca_file']} (flash it without --ca, or point ca_file there)")
+    return note
 
 
 def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:

@@ -481,23 +481,22 @@ def test_revoke_works_with_the_ca_kept_offline_and_reissue_follows_the_acls_run_
 def test_reissue_keeps_the_settings_edited_into_a_devices_config(tmp_path):
     """`--reissue` wrote a fresh agent.toml: a device's own model, data file or broker options,
     edited in after `fleet init`, were gone from the config to flash. Only what the fleet owns
-    changes (identity, run id, password); a config that is no agent config is replaced, and said."""
+    changes (identity, run id, password); a config that cannot be kept (not valid, a link) is an
+    error before anything is written, not silently replaced."""
+    import tomli_w
+
     out = tmp_path / "fleet"
-    code, output = fleet_init("--devices", "2", "--broker", "mqtt://broker.lan:1883", "--out", str(out))
+    code, output = fleet_init("--devices", "3", "--broker", "mqtt://broker.lan:1883", "--out", str(out))
     assert code == 0, output
     path = out / "devices" / "pi-1" / "agent.toml"
     edited = tomllib.loads(path.read_text())
     old = edited["broker"]["password"]
     edited.update(model="lenet5", data_file="/srv/data/pi-1.npz", durability="round")
     edited["broker"]["keepalive"] = 17
-    import tomli_w
-
     path.write_text("# my own note\n" + tomli_w.dumps(edited))
-    (out / "devices" / "pi-2" / "agent.toml").write_text("not = [toml")
-    result = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "--reissue", "pi-1", "pi-2"])
+    result = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "--reissue", "pi-1"])
     assert result.exit_code == 0, result.output
     assert "pi-1: reissued (its config's other settings kept)" in result.output
-    assert "pi-2: reissued (a new config: the one there was not a valid agent config" in result.output
     cfg = load_agent_config(path)
     assert cfg.broker.password != old and cfg.client_id == "pi-1" and cfg.run_id == "fleet"
     assert (cfg.model, str(cfg.data_file), cfg.durability, cfg.broker.keepalive) == ("lenet5", "/srv/data/pi-1.npz",
@@ -505,5 +504,19 @@ def test_reissue_keeps_the_settings_edited_into_a_devices_config(tmp_path):
     assert path.read_text().startswith("# my own note\n") and oct(path.stat().st_mode & 0o777) == "0o600"
     line = next(x for x in (out / "broker" / "passwd").read_text().splitlines() if x.startswith("pi-1:"))
     assert passwords.verify(cfg.broker.password, line.split(":", 1)[1])
-    fresh = load_agent_config(out / "devices" / "pi-2" / "agent.toml")
-    assert fresh.client_id == "pi-2" and fresh.model == "cnn1d"
+
+    (out / "devices" / "pi-2" / "agent.toml").write_text("model = 'cnn1d'\nkeepalive = [")
+    elsewhere = tmp_path / "pi-3.toml"
+    elsewhere.write_text((out / "devices" / "pi-3" / "agent.toml").read_text())
+    (out / "devices" / "pi-3" / "agent.toml").unlink()
+    (out / "devices" / "pi-3" / "agent.toml").symlink_to(elsewhere)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for cid, message in (("pi-2", "is not a valid agent config, so its settings cannot be kept"),
+                         ("pi-3", "is a symbolic link")):
+        refused = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "--reissue", cid])
+        assert refused.exit_code == 2 and message in refused.output, refused.output
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing written
+    (out / "devices" / "pi-2" / "agent.toml").unlink()  # removed: a new config, as the message says
+    fresh = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "--reissue", "pi-2"])
+    assert fresh.exit_code == 0 and "pi-2: reissued\n" in fresh.output, fresh.output
+    assert load_agent_config(out / "devices" / "pi-2" / "agent.toml").model == "cnn1d"
