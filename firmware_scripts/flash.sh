@@ -217,9 +217,10 @@ fi
 # A new payload is written into fedal.new/ (its marker first) and swapped in by renames, the old one
 # going as fedal.old/ (firstboot.sh last): a flash.sh interrupted anywhere leaves these, empty or
 # with their marker, and the next one removes them. Folders of these names without are someone else's.
-staged_ours() {  # NAME MARKER: the folder is empty or holds MARKER
+staged_ours() {  # NAME MARKER: the folder is empty (but for what a desktop leaves) or holds MARKER
   local names
   names="$(mdir -a -b -i "$FAT" "::/$1" 2>&1)" || return 1
+  names="$(printf '%s\n' "$names" | grep -viE '/(\.DS_Store|\._[^/]*|desktop\.ini|Thumbs\.db)$' || true)"
   [ -z "$names" ] || printf '%s\n' "$names" | grep -qixF -- "::/$1/$2"
 }
 for staged in fedal.new:flash-staging.txt fedal.old:firstboot.sh; do
@@ -378,8 +379,10 @@ if [ -n "$WHEELHOUSE" ]; then
     [ -n "$ROOT_FS" ] || die "the wheelhouse ($((WH_BYTES / 1048576)) MiB) does not fit the boot partition ($((avail / 1048576)) MiB free) and $IMAGE has no Linux root partition"
     command -v debugfs >/dev/null 2>&1 || die "debugfs is missing, needed to put the wheelhouse on the root partition (Debian: apt-get install e2fsprogs)"
     stats="$(dbg -R stats "$ROOT_FS")"
-    printf '%s\n' "$stats" | grep -q '^Block size:' || die "the root partition of $IMAGE is not an ext4 file system debugfs can read"
-    if printf '%s\n' "$stats" | grep -q '^Filesystem features:.*needs_recovery'; then
+    # here-strings, not pipes: grep -q stops reading early, and under pipefail the writer's SIGPIPE
+    # (debugfs's stats of a large root partition are some 100 KB) would read as no match
+    grep -q '^Block size:' <<<"$stats" || die "the root partition of $IMAGE is not an ext4 file system debugfs can read"
+    if grep -q '^Filesystem features:.*needs_recovery' <<<"$stats"; then
       die "the root file system of $IMAGE was not cleanly unmounted (journal to replay): run e2fsck on it first"
     fi
     bsize="$(printf '%s\n' "$stats" | sed -n 's/^Block size: *//p')"
@@ -407,6 +410,28 @@ if [ "$MODE" = firstrun ]; then
     grep -E '^(ssh-|ecdsa-|sk-)' "$SSH_KEY" >"$P/settings/authorized_keys"
     printf '%s\n' "$LOGIN" >"$P/settings/ssh-user"
   fi
+fi
+
+# -- room: the new payload beside the old one, or only in its place (the old then goes first), or not
+# at all (refused here, before anything is written)
+fat_free="$(mdir -i "$FAT" ::/ 2>/dev/null | sed -n 's/ bytes free.*//p' | tr -dc '0-9')" || fat_free=""
+fat_info="$(minfo -i "$FAT" :: 2>/dev/null)" || fat_info=""
+fat_cluster="$(printf '%s\n' "$fat_info" | sed -n 's/^cluster size: *\([0-9]*\) sectors.*/\1/p')"
+fat_ssize="$(printf '%s\n' "$fat_info" | sed -n 's/^sector size: *\([0-9]*\) bytes.*/\1/p')"
+OLD_FIRST=0
+if [ -n "$fat_free" ] && [ -n "$fat_cluster" ] && [ -n "$fat_ssize" ]; then
+  cbytes=$((fat_cluster * fat_ssize))
+  new_bytes=$(( $(du -sb "$P" | cut -f1) + ($(find "$P" -type f | wc -l) + 4) * cbytes + 1048576 ))
+  if [ "$WH_WHERE" = boot ]; then new_bytes=$((new_bytes + WH_BYTES + (${#WH_FILES[@]} + 1) * cbytes)); fi
+  staged_clusters() { if has "$1"; then mdu -s -i "$FAT" "::/$1" 2>/dev/null | awk '{ print $NF }' || true; fi; }
+  room=$((fat_free + ($(staged_clusters fedal.new) + $(staged_clusters fedal.old) + 0) * cbytes))
+  old_clusters=$(( $(staged_clusters fedal) + 0 ))
+  if [ "$new_bytes" -gt "$((room + old_clusters * cbytes))" ]; then
+    die "the payload ($((new_bytes / 1048576)) MiB) does not fit the boot partition of $IMAGE ($(((room + old_clusters * cbytes) / 1048576)) MiB free with an earlier payload's room): fewer or smaller --data files"
+  fi
+  if [ "$new_bytes" -gt "$room" ]; then OLD_FIRST=1; fi
+elif has fedal; then
+  OLD_FIRST=1  # the room is unknown: the old payload goes first, as it had to before
 fi
 
 # -- the staging folder: the card owner's kept settings first, then an interrupted flash's leftovers go --
@@ -474,24 +499,11 @@ unhook() {
   fi
 }
 
-if fat_has fedal; then
-  # room for the new payload beside the old one? Else the old goes first (as it had to before)
-  free="$(mdir -i "$FAT" ::/ 2>/dev/null | sed -n 's/ bytes free.*//p' | tr -dc '0-9')" || free=""
-  info="$(minfo -i "$FAT" :: 2>/dev/null)" || info=""
-  cluster="$(printf '%s\n' "$info" | sed -n 's/^cluster size: *\([0-9]*\) sectors.*/\1/p')"
-  ssize="$(printf '%s\n' "$info" | sed -n 's/^sector size: *\([0-9]*\) bytes.*/\1/p')"
-  new_bytes=""  # unknown: taken as no room
-  if [ -n "$free" ] && [ -n "$cluster" ] && [ -n "$ssize" ]; then
-    cbytes=$((cluster * ssize))
-    new_bytes=$(( $(du -sb "$P" | cut -f1) + ($(find "$P" -type f | wc -l) + 1) * cbytes + 1048576 ))
-    if [ "$WH_WHERE" = boot ]; then new_bytes=$((new_bytes + WH_BYTES + (${#WH_FILES[@]} + 1) * cbytes)); fi
-  fi
-  if [ -z "$new_bytes" ] || [ "$new_bytes" -gt "$free" ]; then
-    say "note: the new payload fits the boot partition only without the old one, which goes first: should this flash.sh be interrupted, run it again"
-    unhook
-    mmove -i "$FAT" ::/fedal ::/fedal.old || die "cannot move the old fedal/ aside on the boot partition"
-    remove_staged fedal.old firstboot.sh
-  fi
+if [ "$OLD_FIRST" -eq 1 ] && fat_has fedal; then
+  say "note: the new payload fits the boot partition only without the old one, which goes first: should this flash.sh be interrupted, run it again"
+  unhook
+  mmove -i "$FAT" ::/fedal ::/fedal.old || die "cannot move the old fedal/ aside on the boot partition"
+  remove_staged fedal.old firstboot.sh
 fi
 mcopy -s -o -i "$FAT" "$P"/* ::/fedal.new/ || die "writing fedal/ to the boot partition failed (is it full?)"
 if [ "$WH_WHERE" = boot ]; then
@@ -510,7 +522,7 @@ if fat_has fedal.old; then remove_staged fedal.old firstboot.sh; fi
 mdel -i "$FAT" ::/fedal/flash-staging.txt || die "cannot remove fedal/flash-staging.txt from the boot partition"
 if [ "$WH_WHERE" = boot ]; then
   if [ -z "$ROOT_FS" ]; then ROOT_FS="$(root_fs)"; fi
-  if [ -n "$ROOT_FS" ] && command -v debugfs >/dev/null 2>&1 && dbg -R stats "$ROOT_FS" | grep -q '^Block size:'; then
+  if [ -n "$ROOT_FS" ] && command -v debugfs >/dev/null 2>&1 && grep -q '^Block size:' <<<"$(dbg -R stats "$ROOT_FS")"; then
     root_wh_remove  # one from an earlier flash would never be used
   fi
 elif [ "$WH_WHERE" = root ]; then
@@ -545,7 +557,7 @@ if [ -n "$COUNTRY" ]; then cmdline="$cmdline cfg80211.ieee80211_regdom=$COUNTRY"
 
 if [ "$MODE" = firstrun ]; then
   if has firstrun.sh; then
-    mcopy -n -i "$FAT" ::/firstrun.sh "$TMP/firstrun.prev"
+    mcopy -n -i "$FAT" ::/firstrun.sh "$TMP/firstrun.prev" || die "cannot read firstrun.sh from the boot partition"
     if ! grep -q "flash.sh" "$TMP/firstrun.prev"; then
       put "$TMP/firstrun.prev" ::/fedal/firstrun-previous.sh
       say "kept the card's previous firstrun.sh: it runs first (fedal/firstrun-previous.sh)"
@@ -557,7 +569,7 @@ else
   # the value on standard input, not in argv (a process's arguments are readable by every user)
   json() { printf '%s' "$1" | "$PY" -c 'import json, sys; print(json.dumps(sys.stdin.read()))'; }
   if has user-data; then
-    mcopy -n -i "$FAT" ::/user-data "$TMP/user-data.orig"
+    mcopy -n -i "$FAT" ::/user-data "$TMP/user-data.orig" || die "cannot read user-data from the boot partition"
     if ! grep -q "flash.sh" "$TMP/user-data.orig"; then put "$TMP/user-data.orig" ::/fedal/user-data.orig; fi
   fi
   {
@@ -591,7 +603,7 @@ else
   fi
   if [ -n "$SSID" ]; then
     if has network-config; then  # the image's own network settings are kept, as its user-data is
-      mcopy -n -i "$FAT" ::/network-config "$TMP/network-config.orig"
+      mcopy -n -i "$FAT" ::/network-config "$TMP/network-config.orig" || die "cannot read network-config from the boot partition"
       if ! grep -q "flash.sh" "$TMP/network-config.orig"; then put "$TMP/network-config.orig" ::/fedal/network-config.orig; fi
     fi
     {

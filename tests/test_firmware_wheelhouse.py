@@ -5,6 +5,7 @@ no network at all, and an offline failure is not retried."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -272,3 +273,23 @@ def test_first_boot_installs_offline_from_the_root_partition_wheelhouse(tmp_path
 def test_the_unit_does_not_restart_a_failed_offline_install():
     unit = (SCRIPTS / "boot" / "fedal-firstboot.service").read_text().splitlines()
     assert "RestartPreventExitStatus=3" in unit and "Restart=on-failure" in unit
+
+
+def test_a_payload_that_cannot_fit_is_refused_before_the_card_is_touched(tmp_path, device):
+    """It fits only in the old payload's place: the old goes first (said). It does not fit at
+    all: refused before anything is written (the old payload and the boot hook were gone before
+    the copy failed with a full disk)."""
+    img, _ = small_boot_image(tmp_path / "small.img")
+    small, big = tmp_path / "small" / "train.npz", tmp_path / "big" / "train.npz"
+    small.parent.mkdir()
+    big.parent.mkdir()
+    small.write_bytes(os.urandom(1_500_000))
+    big.write_bytes(os.urandom(4_500_000))
+    args = ["--image", str(img), "--config", str(device / "agent.toml")]
+    assert flash(*args, "--data", str(small)).returncode == 0
+    again = flash(*args, "--data", str(small))  # the 4 MiB partition holds one copy, not two
+    assert again.returncode == 0 and "fits the boot partition only without the old one" in again.stdout, again.stderr
+    before = hashlib.sha256(img.read_bytes()).hexdigest()
+    r = flash(*args, "--data", str(big))
+    assert r.returncode != 0 and "does not fit the boot partition" in r.stderr, r.stderr
+    assert hashlib.sha256(img.read_bytes()).hexdigest() == before
