@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Set
+from collections.abc import Collection, Set
 
 __all__ = ["Inbox", "OVERHEAD_BYTES", "UNKNOWN_SENDERS"]
 
@@ -68,11 +68,12 @@ class Inbox:
                         raise queue.Empty
             return self._take(self._turns[0])
 
-    def get_received_by(self, by: float, senders: Set[str], accept: Callable[[str], bool]) -> tuple | None:
-        """The oldest item of the first of `senders` (in their turns) whose topic `accept`s and
-        that arrived at or before `by` (time.monotonic()); None at once if there is none. A phase
-        closing at its deadline takes its clients' answers that came in time but still wait here
-        behind other work; their other messages keep their place."""
+    def get_received_by(self, by: float, topics: Set[str]) -> tuple | None:
+        """The oldest item on one of `topics` (in its sender's turn) that arrived at or before
+        `by` (time.monotonic()); None at once if there is none. A phase closing at its deadline
+        takes its clients' answers that came in time but still wait here behind other work; their
+        other messages keep their place. A set lookup per item: paho's thread waits for the lock."""
+        senders = {topic.rsplit("/", 1)[-1] for topic in topics}
         with self._ready:
             for key in self._turns:
                 if key not in senders:
@@ -80,7 +81,7 @@ class Inbox:
                 for i, (at, item) in enumerate(self._queues[key]):
                     if at > by:
                         break
-                    if accept(item[0]):
+                    if item[0] in topics:
                         return self._take(key, i)
             return None
 

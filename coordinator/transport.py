@@ -73,7 +73,8 @@ class MqttTransport(Transport):
     def arrived_by(self, t: float, clients: Set[str]) -> Arrival | None:
         """The next result (or a chunk of one: fed on) from those clients that the inbox holds
         since before `t` (time.monotonic(), as now()); their statuses wait for their turn."""
-        while (item := self.inbox.get_received_by(t, clients, _is_result_topic)) is not None:
+        answers = {topics.result(self.run_id, cid) for cid in clients}
+        while (item := self.inbox.get_received_by(t, answers)) is not None:
             topic, payload, *retain = item
             arrival = self.arrival(topic, payload, bool(retain and retain[0]))
             if arrival is not None:
@@ -127,10 +128,3 @@ class MqttTransport(Transport):
         evicted, expired = sum(self.reassembler.evicted.values()), self.reassembler.expired
         return {k: v for k, v in (("evicted", evicted), ("expired", expired), ("held_offline", self.bus.tasks_held)) if v}
 
-
-def _is_result_topic(topic: str) -> bool:
-    """The topic a client answers its tasks on (docs/protocol.md)."""
-    try:
-        return topics.parse(topic).kind == "up"
-    except topics.TopicError:
-        return False

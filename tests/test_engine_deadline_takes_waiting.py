@@ -16,7 +16,7 @@ import pytest
 
 from coordinator.config import CoordinatorBrokerSettings, CoordinatorConfig
 from coordinator.inbox import OVERHEAD_BYTES, Inbox
-from coordinator.transport import MqttTransport, _is_result_topic
+from coordinator.transport import MqttTransport
 from fedal.engine import rounds
 from fedal.engine.inprocess import SimulatedTransport
 from fedal.engine.rounds import RoundEngine
@@ -103,7 +103,6 @@ def test_answers_that_came_in_time_are_taken_before_the_phase_closes(mosquitto, 
 
 def test_the_inbox_gives_what_came_by_a_time_from_the_senders_asked_only():
     inbox = Inbox(per_sender_bytes=10 * (100 + OVERHEAD_BYTES))
-    results = _is_result_topic
     inbox.put((topics.result(RUN, "pi-1"), b"a" * 100))
     inbox.put((topics.status(RUN, "pi-2"), b"s" * 100))  # not a result: keeps its place
     inbox.put((topics.result(RUN, "pi-2"), b"b" * 100))
@@ -112,10 +111,11 @@ def test_the_inbox_gives_what_came_by_a_time_from_the_senders_asked_only():
     time.sleep(0.01)
     inbox.put((topics.result(RUN, "pi-3"), b"d" * 100))  # after the cut
     inbox.put((topics.result(RUN, "pi-2"), b"e" * 100))  # after the cut
-    assert inbox.get_received_by(cut, {"pi-3"}, results) is None  # its only message came later
-    assert inbox.get_received_by(cut, {"pi-2", "pi-3"}, results)[1] == b"b" * 100
-    assert inbox.get_received_by(cut, {"pi-2", "pi-3"}, results)[1] == b"c" * 100
-    assert inbox.get_received_by(cut, {"pi-2", "pi-3"}, results) is None
+    pi3, pi23 = {topics.result(RUN, "pi-3")}, {topics.result(RUN, "pi-2"), topics.result(RUN, "pi-3")}
+    assert inbox.get_received_by(cut, pi3) is None  # its only message came later
+    assert inbox.get_received_by(cut, pi23)[1] == b"b" * 100
+    assert inbox.get_received_by(cut, pi23)[1] == b"c" * 100
+    assert inbox.get_received_by(cut, pi23) is None
     assert inbox.waiting_bytes("pi-2") == 2 * (100 + OVERHEAD_BYTES)  # the taken ones are off its budget
     # the rest in the senders' turns as before: pi-1 was never asked for, pi-2's status kept its turn
     assert [inbox.get(timeout=1)[1][:1] for _ in range(4)] == [b"a", b"s", b"d", b"e"]
