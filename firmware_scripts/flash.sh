@@ -352,25 +352,35 @@ if [ -n "$TORCH_INDEX" ]; then printf -- '--torch-index\n%s\n' "$TORCH_INDEX" >>
 if [ -n "$TORCH_VERSION" ]; then printf -- '--torch-version\n%s\n' "$TORCH_VERSION" >>"$P/install-args"; fi
 if [ "$PRIVACY" -eq 1 ]; then printf -- '--privacy\n' >>"$P/install-args"; fi
 
+# -- the boot partition's room: free bytes, and what an earlier flash.sh's folders hold (fedal/, and
+# an interrupted one's fedal.new/ and fedal.old/: they go; mdu counts clusters) ----------------------
+fat_info="$(minfo -i "$FAT" :: 2>/dev/null)" || fat_info=""
+fat_cluster="$(printf '%s\n' "$fat_info" | sed -n 's/^cluster size: *\([0-9]*\) sectors.*/\1/p')"
+fat_ssize="$(printf '%s\n' "$fat_info" | sed -n 's/^sector size: *\([0-9]*\) bytes.*/\1/p')"
+# "N bytes free", digits grouped with spaces (FAT16 has no free-cluster count in minfo)
+fat_free="$(mdir -i "$FAT" ::/ 2>/dev/null | sed -n 's/ bytes free.*//p' | tr -dc '0-9')" || fat_free=""
+ROOM_KNOWN=0
+if [ -n "$fat_free" ] && [ -n "$fat_cluster" ] && [ -n "$fat_ssize" ]; then
+  ROOM_KNOWN=1
+  cbytes=$((fat_cluster * fat_ssize))
+  staged_bytes() {
+    local clusters=""
+    if has "$1"; then clusters="$(mdu -s -i "$FAT" "::/$1" 2>/dev/null | awk '{ print $NF }')" || clusters=""; fi
+    echo $(( ${clusters:-0} * cbytes ))
+  }
+  old_bytes="$(staged_bytes fedal)"
+  left_bytes=$(( $(staged_bytes fedal.new) + $(staged_bytes fedal.old) ))
+fi
+# what the payload in $P takes there, plus extra files: every file rounds up to whole clusters;
+# 1 MiB for directories and what cmdline.txt grows by
+payload_bytes() { echo $(( $(du -sb "$P" | cut -f1) + ($(find "$P" -type f | wc -l) + $1) * cbytes + 1048576 )); }
+
 # -- the wheelhouse: on the boot partition if it fits there, else on the root partition ----------
 WH_WHERE=""
 if [ -n "$WHEELHOUSE" ]; then
-  info="$(minfo -i "$FAT" :: 2>/dev/null)" || die "cannot read the boot partition's size (minfo)"
-  cluster="$(printf '%s\n' "$info" | sed -n 's/^cluster size: *\([0-9]*\) sectors.*/\1/p')"
-  ssize="$(printf '%s\n' "$info" | sed -n 's/^sector size: *\([0-9]*\) bytes.*/\1/p')"
-  # "N bytes free", digits grouped with spaces (FAT16 has no free-cluster count in minfo)
-  free="$(mdir -i "$FAT" ::/ 2>/dev/null | sed -n 's/ bytes free.*//p' | tr -dc '0-9')"
-  if [ -z "$cluster" ] || [ -z "$ssize" ] || [ -z "$free" ]; then die "cannot read the boot partition's free space (minfo, mdir)"; fi
-  cbytes=$((cluster * ssize))
-  reclaim=0  # the payload of an earlier flash.sh is replaced (mdu counts clusters)
-  for staged in fedal fedal.new fedal.old; do  # an interrupted flash's leftovers go too
-    if has "$staged"; then reclaim=$((reclaim + $(mdu -s -i "$FAT" "::/$staged" 2>/dev/null | awk '{ print $NF }' || true) + 0)); fi
-  done
-  avail=$((free + ${reclaim:-0} * cbytes))
-  payload=$(du -sb "$P" | cut -f1)
-  files=$(find "$P" -type f | wc -l)
-  # every file rounds up to whole clusters; 1 MiB for directories and what cmdline.txt grows by
-  need=$((WH_BYTES + payload + (files + ${#WH_FILES[@]} + 1) * cbytes + 1048576))
+  [ "$ROOM_KNOWN" -eq 1 ] || die "cannot read the boot partition's free space (minfo, mdir)"
+  avail=$((fat_free + old_bytes + left_bytes))
+  need=$((WH_BYTES + $(payload_bytes $((${#WH_FILES[@]} + 1)))))
   if [ "$need" -le "$avail" ]; then
     WH_WHERE=boot
     printf -- '--wheelhouse\n%s\n' "$BOOT_MOUNT/fedal/wheelhouse" >>"$P/install-args"
@@ -414,20 +424,13 @@ fi
 
 # -- room: the new payload beside the old one, or only in its place (the old then goes first), or not
 # at all (refused here, before anything is written)
-fat_free="$(mdir -i "$FAT" ::/ 2>/dev/null | sed -n 's/ bytes free.*//p' | tr -dc '0-9')" || fat_free=""
-fat_info="$(minfo -i "$FAT" :: 2>/dev/null)" || fat_info=""
-fat_cluster="$(printf '%s\n' "$fat_info" | sed -n 's/^cluster size: *\([0-9]*\) sectors.*/\1/p')"
-fat_ssize="$(printf '%s\n' "$fat_info" | sed -n 's/^sector size: *\([0-9]*\) bytes.*/\1/p')"
 OLD_FIRST=0
-if [ -n "$fat_free" ] && [ -n "$fat_cluster" ] && [ -n "$fat_ssize" ]; then
-  cbytes=$((fat_cluster * fat_ssize))
-  new_bytes=$(( $(du -sb "$P" | cut -f1) + ($(find "$P" -type f | wc -l) + 4) * cbytes + 1048576 ))
+if [ "$ROOM_KNOWN" -eq 1 ]; then
+  new_bytes="$(payload_bytes 4)"
   if [ "$WH_WHERE" = boot ]; then new_bytes=$((new_bytes + WH_BYTES + (${#WH_FILES[@]} + 1) * cbytes)); fi
-  staged_clusters() { if has "$1"; then mdu -s -i "$FAT" "::/$1" 2>/dev/null | awk '{ print $NF }' || true; fi; }
-  room=$((fat_free + ($(staged_clusters fedal.new) + $(staged_clusters fedal.old) + 0) * cbytes))
-  old_clusters=$(( $(staged_clusters fedal) + 0 ))
-  if [ "$new_bytes" -gt "$((room + old_clusters * cbytes))" ]; then
-    die "the payload ($((new_bytes / 1048576)) MiB) does not fit the boot partition of $IMAGE ($(((room + old_clusters * cbytes) / 1048576)) MiB free with an earlier payload's room): fewer or smaller --data files"
+  room=$((fat_free + left_bytes))
+  if [ "$new_bytes" -gt "$((room + old_bytes))" ]; then
+    die "the payload ($((new_bytes / 1048576)) MiB) does not fit the boot partition of $IMAGE ($(((room + old_bytes) / 1048576)) MiB free with an earlier payload's room): fewer or smaller --data files"
   fi
   if [ "$new_bytes" -gt "$room" ]; then OLD_FIRST=1; fi
 elif has fedal; then
