@@ -94,7 +94,7 @@ for f in firstrun-previous.sh user-data.orig network-config.orig; do
   if [ -e "$dest" ] && ! cmp -s "$P/$f" "$dest"; then dest="$dest.$(date +%Y%m%d-%H%M%S)"; fi
   install -m 0600 "$P/$f" "$dest"
   wipe "$P/$f"
-  log "the card's own ${f%.orig} that flash.sh had replaced is kept as ${dest#"$R"}"
+  log "a first-boot file of the card's own that flash.sh had replaced ($f) is kept as ${dest#"$R"}"
 done
 rm -rf "$P" "$KEPT"
 # a wheelhouse flash.sh put on the root partition (too big for the boot one): its manifest says it is ours
