@@ -38,6 +38,7 @@ class Inbox:
         self._ready = threading.Condition()
         self._waiting: Counter[str] = Counter()  # bytes waiting, per sender
         self._dropped: Counter[str] = Counter()  # messages dropped since take_dropped(), per sender
+        self.taken_at = 0.0  # when the item last taken arrived (time.monotonic()); read by the taking thread
 
     def put(self, item: tuple) -> None:
         """item: (topic, payload[, retained]); from paho's network thread."""
@@ -89,7 +90,7 @@ class Inbox:
         """Item `index` of sender `key`'s queue; the lock is held. The oldest (index 0) is taken
         in the sender's turn, which then goes to the back; another leaves the turns as they are."""
         waiting = self._queues[key]
-        item = waiting[index][1]
+        self.taken_at, item = waiting[index]
         del waiting[index]
         if index == 0:
             self._turns.remove(key)

@@ -68,7 +68,7 @@ class MqttTransport(Transport):
             topic, payload, *retain = self.inbox.get(timeout=timeout_s)  # (topic, payload[, retained])
         except queue.Empty:
             return None
-        return self.arrival(topic, payload, bool(retain and retain[0]))
+        return self.arrival(topic, payload, bool(retain and retain[0]), self.inbox.taken_at)
 
     def arrived_by(self, t: float, clients: Set[str]) -> Arrival | None:
         """The next result (or a chunk of one: fed on) from those clients that the inbox holds
@@ -76,13 +76,15 @@ class MqttTransport(Transport):
         answers = {topics.result(self.run_id, cid) for cid in clients}
         while (item := self.inbox.get_received_by(t, answers)) is not None:
             topic, payload, *retain = item
-            arrival = self.arrival(topic, payload, bool(retain and retain[0]))
+            arrival = self.arrival(topic, payload, bool(retain and retain[0]), self.inbox.taken_at)
             if arrival is not None:
                 return arrival
         return None
 
-    def arrival(self, topic: str, payload: bytes, retained: bool = False) -> Arrival | None:
-        """What the engine gets for one MQTT message; None for nothing to handle."""
+    def arrival(self, topic: str, payload: bytes, retained: bool = False,
+                received_at: float | None = None) -> Arrival | None:
+        """What the engine gets for one MQTT message; None for nothing to handle. received_at:
+        when it reached the inbox (now()'s clock)."""
         if topic == "$connected":
             return Arrival("connected")
         try:
@@ -108,7 +110,8 @@ class MqttTransport(Transport):
                            reject_kind="envelope", topic=topic)
         if msg is None:
             return None  # a chunk of a larger result
-        return Arrival("result", t.client, t.run, wire_bytes=self.reassembler.last_wire_bytes, topic=topic, message=msg)
+        return Arrival("result", t.client, t.run, wire_bytes=self.reassembler.last_wire_bytes, topic=topic, message=msg,
+                       received_at=received_at)
 
     def refused(self, arrival: Arrival) -> None:
         """A rejected message on a device's result or status topic may have been published

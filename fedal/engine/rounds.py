@@ -313,7 +313,7 @@ class RoundEngine:
         if arrival.kind == "status":
             self._on_status(arrival.client, arrival.payload, arrival.retained)
         elif arrival.kind == "result":
-            self._on_result(arrival.client, arrival.payload, arrival.wire_bytes, arrival.message)
+            self._on_result(arrival.client, arrival.payload, arrival.wire_bytes, arrival.message, arrival.received_at)
 
     def _on_status(self, cid: str, payload: bytes, retained: bool = False) -> None:
         if len(payload) > MAX_STATUS_BYTES:  # before parsing: a status is a few hundred bytes of JSON
@@ -359,7 +359,8 @@ class RoundEngine:
             log.log(logging.DEBUG if repeated else logging.WARNING, "ignored in %s's health report: %s", cid, why)
         return health
 
-    def _on_result(self, cid: str, payload: bytes, wire_bytes: int, decoded: Message | None) -> None:
+    def _on_result(self, cid: str, payload: bytes, wire_bytes: int, decoded: Message | None,
+                   received_at: float | None = None) -> None:
         info = self.clients[cid]
         with self.lock:
             info.bytes_up += wire_bytes
@@ -416,7 +417,8 @@ class RoundEngine:
         with self.lock:
             self._record_privacy(info, msg)  # validated above
             cur.results[cid] = msg
-            cur.latencies.append(self.transport.now() - cur.started)
+            # to its arrival: an answer that waited behind others' checks was not that slow
+            cur.latencies.append(max(0.0, (self.transport.now() if received_at is None else received_at) - cur.started))
             cur.pending.discard(cid)
             info.answered += 1
             info.last_seen = time.time()

@@ -31,6 +31,9 @@ class Arrival:
     message: Message | None = None  # kind "result": already decoded by the transport (else payload is decoded)
     retained: bool = False  # kind "status": the broker's retained copy (sent at subscribing), not a live message
     count: int = 1  # kind "invalid": how many messages it stands for (dropped unread, counted as one arrival)
+    # kind "result": when it reached this side, on the transport's clock (its last chunk's); None:
+    # when the engine handles it. A phase's latencies are measured to it, not to the handling.
+    received_at: float | None = None
 
 
 class Transport(ABC):
