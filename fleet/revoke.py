@@ -18,10 +18,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import tomlkit
+from tomlkit.exceptions import TOMLKitError
+
 from edge_agent.config import AgentConfig
 from fedal.protocol import topics
 from fleet import acl, passwords
-from fleet.generate import _PLAN, MARKER, FleetError, _generated_before, _marker_text, _toml, _write, write_device
+from fleet.generate import _PLAN, MARKER, FleetError, _generated_before, _marker_text, _write, write_device
 
 __all__ = ["Revoked", "revoke_devices"]
 
@@ -137,10 +140,11 @@ def _ca_cert(out: Path) -> bytes:
 
 def _kept_config(path: Path, cid: str, password: str, planned: dict[Path, tuple[str, int]]) -> str | None:
     """A reissued device's config with its identity, run id and password the fleet's: the other
-    settings edited into the one there (a data file, a model of its own, broker options) stay.
-    Changes `planned` (the config `write_device` planned) to that; says what happened, None where
-    there was no config. One it cannot keep is an error before anything is written: the user's
-    edits are not dropped for a fresh file without a word."""
+    settings edited into the one there (a data file, a model of its own, broker options), its
+    comments and its layout stay (tomlkit edits the file's own document in place). Changes
+    `planned` (the config `write_device` planned) to that; says what happened, None where there
+    was no config. One it cannot keep is an error before anything is written: the user's edits
+    are not dropped for a fresh file without a word."""
     if path.is_symlink():
         raise FleetError(f"{path} is a symbolic link: reissue writes the device's config there. Replace the link with "
                          f"the file (to keep its settings), or remove it for a new config")
@@ -149,22 +153,25 @@ def _kept_config(path: Path, cid: str, password: str, planned: dict[Path, tuple[
     fresh = tomllib.loads(planned[path][0])
     try:
         text = path.read_text()
-        config = tomllib.loads(text)
-        broker = config.get("broker")
+        tomllib.loads(text)  # the standard reader's verdict and message first
+        document = tomlkit.parse(text)
+        broker = document.get("broker")
         if not isinstance(broker, dict):
             raise ValueError("it has no [broker] table")
         # the fleet's own: who the device is, the run its ACL admits, its new credentials
-        config.update(client_id=cid, run_id=fresh["run_id"])
-        config["broker"] = {**broker, "username": cid, "password": password}
-        if "ca_file" in fresh["broker"]:
-            config["broker"].setdefault("ca_file", fresh["broker"]["ca_file"])
+        document["client_id"], document["run_id"] = cid, fresh["run_id"]
+        broker["username"], broker["password"] = cid, password
+        if "ca_file" in fresh["broker"] and "ca_file" not in broker:
+            broker["ca_file"] = fresh["broker"]["ca_file"]
+        config = document.unwrap()
         AgentConfig.model_validate(config)
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ValueError) as exc:
+        kept = tomlkit.dumps(document)
+        if tomllib.loads(kept) != config:  # what is written reads back as what was checked
+            raise ValueError("its layout cannot be kept by the edit (rewrite it as plain tables)")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, TOMLKitError, ValueError) as exc:
         raise FleetError(f"{path} is not a valid agent config, so its settings cannot be kept: {exc}\n"
                          f"Fix it, or remove it for a new config") from None
-    header = "\n".join(line[2:] if line.startswith("# ") else line.lstrip("#")
-                       for line in text.splitlines() if line.startswith("#"))
-    planned[path] = (_toml(header, config), planned[path][1])
+    planned[path] = (kept, planned[path][1])
     note = "its config's other settings kept"
     if "ca_file" in fresh["broker"] and config["broker"]["ca_file"] != fresh["broker"]["ca_file"]:
         note += (f"; its ca_file stays {config['broker']['ca_file']}, not the fleet's "
@@ -189,8 +196,9 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
     coordinator_toml = out / "coordinator" / "broker.toml"
     coordinator_text = _read(coordinator_toml)
     try:
-        coordinator = tomllib.loads(coordinator_text)
-    except tomllib.TOMLDecodeError as exc:
+        tomllib.loads(coordinator_text)
+        coordinator = tomlkit.parse(coordinator_text)  # edited in place: its comments and layout stay
+    except (tomllib.TOMLDecodeError, TOMLKitError) as exc:
         raise FleetError(f"{coordinator_toml} is not TOML: {exc}") from None
     files = _generated_before(out)
     acl_run = _acl_run(blocks, summary)
@@ -251,10 +259,10 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
         folder = out / "devices" / cid
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
-    header = "\n".join(line[2:] if line.startswith("# ") else line.lstrip("#")
-                       for line in coordinator_text.splitlines() if line.startswith("#"))
-    coordinator["client_ids"] = devices
-    _write(coordinator_toml, _toml(header, coordinator), 0o600)
+    ids = tomlkit.array()
+    ids.extend(devices)
+    coordinator["client_ids"] = ids.multiline(True)  # one per line, as `fleet init` writes them
+    _write(coordinator_toml, tomlkit.dumps(coordinator), 0o600)
     summary["devices"] = devices
     summary["revoked"] = dict(sorted(revoked.items(), key=lambda kv: _natural(kv[0])))
     _write(out / "fleet.json", json.dumps(summary, indent=2) + "\n", 0o644)

@@ -471,11 +471,15 @@ def test_revoke_works_with_the_ca_kept_offline_and_reissue_follows_the_acls_run_
     line = next(x for x in (out / "broker" / "passwd").read_text().splitlines() if x.startswith("pi-1:"))
     assert verify(cfg.broker.password, line.split(":", 1)[1]) and not verify(old, line.split(":", 1)[1])
     assert "topic write fedal/v1/lab2/up/pi-1" in acl_path.read_text()
+    merged = out / "coordinator" / "broker.toml"  # the operator's notes in it stay where they are
+    merged.write_text(merged.read_text().replace("[broker]", "# lab 2 since May\n[broker]")
+                      .replace('"coordinator"', '"coordinator"  # its own account'))
     everyone = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "pi-1", "pi-2", "pi-3"])
     assert everyone.exit_code == 0 and "0 device(s) left" in everyone.output, everyone.output
     assert [x.split(":")[0] for x in (out / "broker" / "passwd").read_text().splitlines()] == ["coordinator"]
     assert "user pi-" not in acl_path.read_text() and "user coordinator" in acl_path.read_text()
-    assert tomllib.loads((out / "coordinator" / "broker.toml").read_text())["client_ids"] == []
+    assert tomllib.loads(merged.read_text())["client_ids"] == []
+    assert "# lab 2 since May\n[broker]" in merged.read_text() and '"coordinator"  # its own account' in merged.read_text()
 
 
 def test_reissue_keeps_the_settings_edited_into_a_devices_config(tmp_path):
@@ -493,7 +497,9 @@ def test_reissue_keeps_the_settings_edited_into_a_devices_config(tmp_path):
     old = edited["broker"]["password"]
     edited.update(model="lenet5", data_file="/srv/data/pi-1.npz", durability="round")
     edited["broker"]["keepalive"] = 17
-    path.write_text("# my own note\n" + tomli_w.dumps(edited))
+    text = "# my own note\n" + tomli_w.dumps(edited).replace('keepalive = 17', 'keepalive = 17  # a slow link')
+    text = text.replace("[broker]", "# the lab's broker\n[broker]")
+    path.write_text(text)
     result = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "--reissue", "pi-1"])
     assert result.exit_code == 0, result.output
     assert "pi-1: reissued (its config's other settings kept)" in result.output
@@ -502,6 +508,10 @@ def test_reissue_keeps_the_settings_edited_into_a_devices_config(tmp_path):
     assert (cfg.model, str(cfg.data_file), cfg.durability, cfg.broker.keepalive) == ("lenet5", "/srv/data/pi-1.npz",
                                                                                     "round", 17)
     assert path.read_text().startswith("# my own note\n") and oct(path.stat().st_mode & 0o777) == "0o600"
+    # comments stay where they were, end-of-line ones too; only the fleet's values change
+    kept = path.read_text()
+    assert "# the lab's broker\n[broker]" in kept and "keepalive = 17  # a slow link" in kept
+    assert kept.replace(cfg.broker.password, "PW") == text.replace(old, "PW")
     line = next(x for x in (out / "broker" / "passwd").read_text().splitlines() if x.startswith("pi-1:"))
     assert passwords.verify(cfg.broker.password, line.split(":", 1)[1])
 
