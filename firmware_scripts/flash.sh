@@ -468,7 +468,7 @@ remove_staged() {
 # since then, so they could not be saved again below. They are on the card at every moment: in
 # fedal/, or in an interrupted flash's fedal.new/ or fedal.old/, and written into the new fedal.new/
 # before any of these goes.
-KEPT_FILES=(firstrun-previous.sh user-data.orig network-config.orig)
+KEPT_FILES=(firstrun-previous.sh user-data.orig network-config.orig meta-data.orig)
 for kept in "${KEPT_FILES[@]}"; do
   for from in fedal fedal.new fedal.old; do
     if has "$from" && fat_list "$from" | grep -qixF -- "::/$from/$kept"; then
@@ -596,14 +596,17 @@ else
     printf -- '- [bash, %s, --start]\n' "$(json "$BOOT_MOUNT/fedal/stage.sh")"
   } >"$TMP/user-data"
   put "$TMP/user-data" ::/user-data
-  ours_meta=""  # a flash.sh's own meta-data gets a new instance-id: cloud-init runs runcmd once per instance,
-  if has meta-data; then  # so a card flashed again (a new config) would never stage its new payload
-    mcopy -n -i "$FAT" ::/meta-data "$TMP/meta-data.old" && grep -q '^instance-id: fedal-' "$TMP/meta-data.old" && ours_meta=1
+  # a new instance-id at every flash: cloud-init runs runcmd once per instance, so a card booted
+  # before (flashed again for a new config, or an image's card used before this first flash) would
+  # never stage its payload. The image's own meta-data is kept in fedal/meta-data.orig, its other
+  # keys carried over.
+  printf 'instance-id: fedal-%s-%s\n' "$CLIENT" "$(date +%s%N)" >"$TMP/meta-data"
+  if has meta-data; then
+    mcopy -n -i "$FAT" ::/meta-data "$TMP/meta-data.orig" || die "cannot read meta-data from the boot partition"
+    if ! grep -q '^instance-id: fedal-' "$TMP/meta-data.orig"; then put "$TMP/meta-data.orig" ::/fedal/meta-data.orig; fi
+    tr -d '\r' <"$TMP/meta-data.orig" | grep -v '^[[:space:]]*instance-id[[:space:]]*:' >>"$TMP/meta-data" || true
   fi
-  if ! has meta-data || [ -n "$ours_meta" ]; then
-    printf 'instance-id: fedal-%s-%s\n' "$CLIENT" "$(date +%s%N)" >"$TMP/meta-data"
-    put "$TMP/meta-data" ::/meta-data
-  fi
+  put "$TMP/meta-data" ::/meta-data
   if [ -n "$SSID" ]; then
     if has network-config; then  # the image's own network settings are kept, as its user-data is
       mcopy -n -i "$FAT" ::/network-config "$TMP/network-config.orig" || die "cannot read network-config from the boot partition"

@@ -219,6 +219,7 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     with open(boot / "fedal" / "install-args", "a") as f:
         f.write(f"--pip\n{fake_pip}\n")
     env2 = {**env, "FEDAL_PAYLOAD": str(boot / "fedal"), "FEDAL_ARCH": "aarch64"}
+    (boot / "fedal" / "meta-data.orig").write_text("instance-id: iid-1\n")  # as a cloud-init flash keeps it
     fail_once.write_text("")
     run = subprocess.run([str(root / "usr/local/sbin/fedal-firstboot")], env=env2, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "retrying in a minute" in run.stdout + run.stderr, run.stdout + run.stderr
@@ -253,6 +254,7 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     # the Imager's firstrun.sh that flash.sh replaced is the card owner's: kept, root's only
     originals = root / "var/lib/fedal-firstboot/card-originals"
     assert (originals / "firstrun-previous.sh").read_text() == previous
+    assert (originals / "meta-data.orig").read_text() == "instance-id: iid-1\n"
     assert stat.S_IMODE(originals.stat().st_mode) == 0o700
     assert stat.S_IMODE((originals / "firstrun-previous.sh").stat().st_mode) == 0o600
     assert not (root / "var/lib/fedal-agent/.firstboot-done").exists()
@@ -320,7 +322,8 @@ def test_a_setting_that_fails_is_named_and_the_others_still_apply(tmp_path, devi
 
 def test_cloud_init_image_is_prepared_the_cloud_init_way(tmp_path, device):
     original_user_data = "#cloud-config\n# Raspberry Pi OS default: no changes\n"
-    img = rpi_image(tmp_path, **{"user-data": original_user_data, "meta-data": "instance-id: rpios-image\n",
+    original_meta = "instance-id: rpios-image\r\nlocal-hostname: raspberrypi\r\n"
+    img = rpi_image(tmp_path, **{"user-data": original_user_data, "meta-data": original_meta,
                                  "network-config": "network:\n  version: 2\n"})
     (tmp_path / "psk").write_text("correct horse\n")
     # every Python flash.sh starts logs its arguments: the passphrase must never be one of them
@@ -353,7 +356,11 @@ def test_cloud_init_image_is_prepared_the_cloud_init_way(tmp_path, device):
     wlan = net["wifis"]["wlan0"]
     assert wlan["access-points"] == {'Lab "5G"': {"password": "correct horse"}} and wlan["regulatory-domain"] == "FR"
     assert net["ethernets"]["eth0"]["dhcp4"] is True
-    assert fat_read(img, "meta-data", tmp_path) == b"instance-id: rpios-image\n"
+    # a new instance-id (a card booted with the image's before would never run runcmd), the
+    # image's other keys carried over, its meta-data kept
+    meta = yaml.safe_load(fat_read(img, "meta-data", tmp_path))
+    assert meta["instance-id"].startswith("fedal-") and meta["local-hostname"] == "raspberrypi" and len(meta) == 2
+    assert fat_read(img, "fedal/meta-data.orig", tmp_path).decode() == original_meta
     assert fat_read(img, "fedal/user-data.orig", tmp_path).decode() == original_user_data
     assert fat_read(img, "fedal/network-config.orig", tmp_path) == b"network:\n  version: 2\n"  # kept, as user-data
     assert fat_read(img, "fedal/install-args", tmp_path) == \
@@ -370,6 +377,7 @@ def test_cloud_init_image_is_prepared_the_cloud_init_way(tmp_path, device):
     # the image's own user-data and network-config, kept by the first flash, survive the second (the card's are ours now)
     assert fat_read(img, "fedal/user-data.orig", tmp_path).decode() == original_user_data
     assert fat_read(img, "fedal/network-config.orig", tmp_path) == b"network:\n  version: 2\n"
+    assert fat_read(img, "fedal/meta-data.orig", tmp_path).decode() == original_meta
 
 
 def test_flashing_twice_keeps_the_imager_settings_the_first_flash_saved(tmp_path, device):
@@ -517,14 +525,20 @@ def test_staging_a_new_payload_clears_the_marker_of_the_install_before(tmp_path)
 
 def test_a_cloud_init_card_flashed_again_gets_a_new_instance_id(tmp_path, device):
     """cloud-init runs runcmd once per instance-id: a card flash.sh prepared before kept its
-    meta-data, so flashed again (a new config) it never staged the new payload."""
-    before = "instance-id: fedal-pi-1-1700000000\n"
-    img = rpi_image(tmp_path, **{"user-data": "#cloud-config\n", "meta-data": before})
-    r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--hostname", "pi-7",
-              "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"))
-    assert r.returncode == 0, r.stderr
-    after = fat_read(img, "meta-data", tmp_path).decode()
-    assert after.startswith("instance-id: fedal-") and after != before
+    meta-data, so flashed again (a new config) it never staged the new payload; nor did a card
+    booted with the image's own meta-data before its first flash."""
+    image_meta = "instance-id: iid-raspberrypi\n"
+    img = rpi_image(tmp_path, **{"user-data": "#cloud-config\n", "meta-data": image_meta})
+    ids = []
+    for _ in range(2):
+        r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--hostname", "pi-7",
+                  "--wheel", str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"))
+        assert r.returncode == 0, r.stderr
+        ids.append(fat_read(img, "meta-data", tmp_path).decode())
+        # the image's own, kept by the first flash, survives the second (the card's is flash.sh's then)
+        assert fat_read(img, "fedal/meta-data.orig", tmp_path).decode() == image_meta
+    assert all(x.startswith("instance-id: fedal-") and x.count("instance-id") == 1 for x in ids)
+    assert len({image_meta, *ids}) == 3
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="pi-image.sh runs as root (debootstrap, chroot)")

@@ -84,10 +84,10 @@ fi
 # and this service is done for good.
 for f in "$P"/data/*; do if [ -f "$f" ]; then wipe "$f"; fi; done
 # the card's own first-boot settings that flash.sh replaced and kept in the payload (Raspberry Pi
-# Imager's firstrun.sh, the image's user-data and network-config) are the card owner's: they stay,
+# Imager's firstrun.sh, the image's user-data, network-config and meta-data) are the card owner's: they stay,
 # on the root partition and readable by root only (they may hold a Wi-Fi passphrase)
 ORIGINALS="$R/var/lib/fedal-firstboot/card-originals"
-for f in firstrun-previous.sh user-data.orig network-config.orig; do
+for f in firstrun-previous.sh user-data.orig network-config.orig meta-data.orig; do
   [ -f "$P/$f" ] || continue
   install -d -m 0700 "$ORIGINALS"
   dest="$ORIGINALS/$f"  # one kept by an install before (a card flashed again) stays too
