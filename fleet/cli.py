@@ -104,8 +104,13 @@ def revoke_cmd(out: Path, reissue: bool, devices: tuple[str, ...]) -> None:
     """Lock DEVICES out of the broker (a lost or stolen card), or re-key them with --reissue; the other
     accounts keep their passwords."""
     from fleet.generate import FleetError
-    from fleet.revoke import revoke_devices
 
+    try:
+        from fleet.revoke import revoke_devices
+    except ImportError as exc:  # an install from before the fleet extra needed it (tomlkit)
+        raise click.ClickException(f"`fedal fleet revoke` needs {exc.name}, which this install lacks: "
+                                   "install the fleet extra again (pip install 'fedal-edge[fleet]', or "
+                                   "scripts/install.sh)") from None
     try:
         info = revoke_devices(out, list(devices), reissue=reissue)
     except FleetError as exc:

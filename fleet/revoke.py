@@ -20,6 +20,7 @@ from pathlib import Path
 
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
+from tomlkit.items import Array
 
 from edge_agent.config import AgentConfig
 from fedal.protocol import topics
@@ -179,6 +180,30 @@ def _kept_config(path: Path, cid: str, password: str, planned: dict[Path, tuple[
     return note
 
 
+def _set_client_ids(document: tomlkit.TOMLDocument, devices: list[str]) -> None:
+    """broker.toml's client_ids made `devices`: the array there edited in place (the comments on
+    its lines stay), ids taken out and new ones put where `devices` orders them; replaced by a new
+    one (one per line, as `fleet init` writes it) only where it is missing or not a list of ids."""
+    ids = document.get("client_ids")
+    if isinstance(ids, Array) and all(isinstance(x, str) for x in ids):
+        for i in reversed(range(len(ids))):
+            if ids[i] not in devices:
+                del ids[i]
+        rank = {cid: i for i, cid in enumerate(devices)}
+        for cid in devices:
+            if cid not in ids:
+                later = [j for j, x in enumerate(ids) if rank[x] > rank[cid]]
+                if later:
+                    ids.insert(later[0], cid)
+                else:
+                    ids.append(cid)
+        if list(ids) == devices:
+            return
+    fresh = tomlkit.array()
+    fresh.extend(devices)
+    document["client_ids"] = fresh.multiline(True)
+
+
 def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
     """Revoke (or, with reissue, re-key) each device of `ids` in the fleet under `out`."""
     summary = _summary(out)
@@ -259,9 +284,7 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
         folder = out / "devices" / cid
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
-    ids = tomlkit.array()
-    ids.extend(devices)
-    coordinator["client_ids"] = ids.multiline(True)  # one per line, as `fleet init` writes them
+    _set_client_ids(coordinator, devices)
     _write(coordinator_toml, tomlkit.dumps(coordinator), 0o600)
     summary["devices"] = devices
     summary["revoked"] = dict(sorted(revoked.items(), key=lambda kv: _natural(kv[0])))

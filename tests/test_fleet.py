@@ -473,7 +473,11 @@ def test_revoke_works_with_the_ca_kept_offline_and_reissue_follows_the_acls_run_
     assert "topic write fedal/v1/lab2/up/pi-1" in acl_path.read_text()
     merged = out / "coordinator" / "broker.toml"  # the operator's notes in it stay where they are
     merged.write_text(merged.read_text().replace("[broker]", "# lab 2 since May\n[broker]")
-                      .replace('"coordinator"', '"coordinator"  # its own account'))
+                      .replace('"coordinator"', '"coordinator"  # its own account')
+                      .replace('"pi-3",', '"pi-3",  # by the door'))
+    partly = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "pi-2"])
+    assert partly.exit_code == 0 and '"pi-3",  # by the door' in merged.read_text(), partly.output
+    assert tomllib.loads(merged.read_text())["client_ids"] == ["pi-1", "pi-3"]
     everyone = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "pi-1", "pi-2", "pi-3"])
     assert everyone.exit_code == 0 and "0 device(s) left" in everyone.output, everyone.output
     assert [x.split(":")[0] for x in (out / "broker" / "passwd").read_text().splitlines()] == ["coordinator"]
@@ -500,6 +504,9 @@ def test_reissue_keeps_the_settings_edited_into_a_devices_config(tmp_path):
     text = "# my own note\n" + tomli_w.dumps(edited).replace('keepalive = 17', 'keepalive = 17  # a slow link')
     text = text.replace("[broker]", "# the lab's broker\n[broker]")
     path.write_text(text)
+    merged = out / "coordinator" / "broker.toml"  # notes on the fleet's device list stay too
+    listed = merged.read_text().replace('"pi-1",', '"pi-1",  # kitchen').replace('    "pi-3",', '    # row 2\n    "pi-3",')
+    merged.write_text(listed)
     result = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "--reissue", "pi-1"])
     assert result.exit_code == 0, result.output
     assert "pi-1: reissued (its config's other settings kept)" in result.output
@@ -512,6 +519,7 @@ def test_reissue_keeps_the_settings_edited_into_a_devices_config(tmp_path):
     kept = path.read_text()
     assert "# the lab's broker\n[broker]" in kept and "keepalive = 17  # a slow link" in kept
     assert kept.replace(cfg.broker.password, "PW") == text.replace(old, "PW")
+    assert merged.read_text() == listed  # pi-1 was listed: nothing to change there
     line = next(x for x in (out / "broker" / "passwd").read_text().splitlines() if x.startswith("pi-1:"))
     assert passwords.verify(cfg.broker.password, line.split(":", 1)[1])
 
@@ -530,3 +538,14 @@ def test_reissue_keeps_the_settings_edited_into_a_devices_config(tmp_path):
     fresh = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "--reissue", "pi-2"])
     assert fresh.exit_code == 0 and "pi-2: reissued\n" in fresh.output, fresh.output
     assert load_agent_config(out / "devices" / "pi-2" / "agent.toml").model == "cnn1d"
+
+
+def test_revoke_without_tomlkit_names_what_to_install(tmp_path, monkeypatch):
+    """An install of the fleet extra from before it needed tomlkit: a clear message, not a traceback."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tomlkit", None)  # import tomlkit then raises ImportError
+    monkeypatch.delitem(sys.modules, "fleet.revoke", raising=False)
+    result = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(tmp_path / "fleet"), "pi-1"])
+    assert result.exit_code == 1 and "needs tomlkit" in result.output and "fleet extra" in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
