@@ -599,12 +599,18 @@ else
   # a new instance-id at every flash: cloud-init runs runcmd once per instance, so a card booted
   # before (flashed again for a new config, or an image's card used before this first flash) would
   # never stage its payload. The image's own meta-data is kept in fedal/meta-data.orig, its other
-  # keys carried over.
-  printf 'instance-id: fedal-%s-%s\n' "$CLIENT" "$(date +%s%N)" >"$TMP/meta-data"
+  # keys carried over where its shape allows (firmware_scripts/cloud-init-meta.py).
+  iid="fedal-$CLIENT-$(date +%s%N)"
   if has meta-data; then
     mcopy -n -i "$FAT" ::/meta-data "$TMP/meta-data.orig" || die "cannot read meta-data from the boot partition"
-    if ! grep -q '^instance-id: fedal-' "$TMP/meta-data.orig"; then put "$TMP/meta-data.orig" ::/fedal/meta-data.orig; fi
-    tr -d '\r' <"$TMP/meta-data.orig" | grep -v '^[[:space:]]*instance-id[[:space:]]*:' >>"$TMP/meta-data" || true
+    if ! grep -Eq '^[[:space:]]*"?instance-id"?[[:space:]]*:[[:space:]]*"?fedal-' "$TMP/meta-data.orig"; then
+      put "$TMP/meta-data.orig" ::/fedal/meta-data.orig
+    fi
+    why="$("$PY" "$SCRIPT_DIR/cloud-init-meta.py" "$TMP/meta-data.orig" "$iid" "$TMP/meta-data")" \
+      || die "cannot write the card's meta-data (firmware_scripts/cloud-init-meta.py failed)"
+    if [ -n "$why" ]; then say "$why"; fi
+  else
+    printf 'instance-id: %s\n' "$iid" >"$TMP/meta-data"
   fi
   put "$TMP/meta-data" ::/meta-data
   if [ -n "$SSID" ]; then
