@@ -15,5 +15,6 @@ export PATH
 lint-imports --no-cache
 "$PYTHON" -m ruff check --quiet .
 "$PYTHON" -m mypy
-# two workers (pytest-xdist), one per core; a test file's tests stay on one worker
-exec "$PYTHON" -m pytest -q -n "${FEDAL_TEST_WORKERS:-2}" --dist loadfile "$@"
+# two workers (pytest-xdist), one per core; a test file's tests stay on one worker, the files
+# taken in the order tests/conftest.py gives them (the longest first: the workers finish together)
+exec "$PYTHON" -m pytest -q -n "${FEDAL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

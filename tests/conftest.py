@@ -16,6 +16,35 @@ def _share_ports_between_workers() -> None:
 
 _share_ports_between_workers()
 
+# Seconds the longest test files take in a run of the whole suite on two busy cores (pytest's
+# junit times; most of them start real processes). scripts/test.sh runs xdist with
+# --no-loadscope-reorder: the workers take the files in collection order, and the order below puts
+# the longest first, so that the two finish together. xdist's own order, by number of tests, left
+# files of a few long tests (a crashed agent, the real install) for the end, one worker idle meanwhile.
+LONG_FILES = {
+    "test_strategy_contract.py": 154, "test_agent_crash.py": 119, "test_sim_ray.py": 114,
+    "test_process_signals.py": 76, "test_privacy.py": 71, "test_simulate.py": 51,
+    "test_firmware_install_real.py": 45, "test_sim_stop_signals.py": 45, "test_hil_emulated_strategies.py": 44,
+    "test_setup_venv.py": 44, "test_wire_dtype.py": 40, "test_hil_proxy_mosquitto.py": 39,
+    "test_coordinator_api.py": 36, "test_firmware_flash.py": 35, "test_hil_chaos_lossy.py": 29,
+    "test_firmware_wheelhouse.py": 29, "test_hil_fleet.py": 29, "test_runtime_dropout.py": 29,
+    "test_default_models.py": 28, "test_sim_ray_errors.py": 26, "test_dashboard_browser.py": 24,
+    "test_vectorized_clients.py": 24, "test_agent_service_restarts.py": 23, "test_cli_outputs.py": 21,
+    "test_coordinator_pause_kept.py": 20, "test_export_cli.py": 19, "test_hil_proxy_wifi_lossy.py": 19,
+    "test_hil_proxy_backlog.py": 18, "test_firmware_install.py": 17, "test_crash_consistency.py": 17,
+    "test_runtime_tls_auth.py": 17, "test_security_device_attack.py": 15, "test_bench_usage_errors.py": 15,
+    "test_demo_linger.py": 15, "test_security_fleet_acl.py": 14, "test_fuzz_envelopes.py": 14,
+    "test_device_health.py": 14, "test_fleet_wheelhouse.py": 13, "test_coordinator_create_run.py": 13,
+    "test_runtime_coordinator_restart.py": 13, "test_export_cli_errors.py": 13, "test_round_numbering.py": 13,
+    "test_agent_inference.py": 12,
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The longest files first (LONG_FILES), the rest after them as collected; a file's tests stay
+    together and in their order (a stable sort), as every xdist worker must collect alike."""
+    items.sort(key=lambda item: -LONG_FILES.get(item.path.name, 0))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _fedal_cache(tmp_path_factory):
