@@ -40,11 +40,11 @@ READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 def auth_failure(header: str | bytes | None, token: str | None) -> tuple[int, str] | None:
     """(status, detail) unless `header` is "Bearer <token>"; compared in constant time, as bytes
     (a header may hold any latin-1 character, which compare_digest refuses in a str)."""
+    if token is None:  # no token could be right: a 401's challenge would send the client looking for one
+        return 403, "no token is configured: writes are off"
     raw = header.encode("latin-1") if isinstance(header, str) else (header or b"")
     if raw[:7].lower() != b"bearer ":
         return 401, "a bearer token is required"
-    if token is None:
-        return 403, "no token is configured: writes are off"
     if not secrets.compare_digest(raw[7:].strip(), token.encode()):
         return 403, "wrong token"
     return None

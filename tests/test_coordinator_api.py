@@ -142,6 +142,9 @@ def test_write_endpoints_need_the_token(guarded, engine):
     # without a configured token, writes are off altogether
     open_client = local_client(engine)
     assert open_client.post("/api/v1/runs/unit/stop", headers={"Authorization": "Bearer anything"}).status_code == 403
+    # and so without credentials: a 403, not a 401 whose challenge asks for a token that cannot exist
+    bare = open_client.post("/api/v1/runs/unit/stop")
+    assert bare.status_code == 403 and "www-authenticate" not in bare.headers and "writes are off" in bare.text
     assert open_client.get("/api/v1/runs").status_code == 200
 
 
