@@ -175,7 +175,10 @@ class Run:
             if not self.transport.start(self.engine.stop_event) or self.engine.stop_event.is_set():
                 raise Stopped()  # (stopped while it connected: never announced as running)
             with self.lock:
-                self.started_at = self.started_at or time.time()
+                first_start = self.started_at is None
+                started = self.started_at = self.started_at or time.time()
+            if first_start:
+                self.store.set_started(self.cfg.run_id, started)
             if start >= self.run_config.rounds:  # found finished in the store: it just finishes
                 self._finish("finished", at=self.finished_before)  # (again: as it finished then)
                 return

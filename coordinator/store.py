@@ -226,6 +226,13 @@ class RunStore:
                 conn.execute(delete(run_counters).where(run_counters.c.run_id == run_id))
                 conn.execute(insert(run_counters).values(run_id=run_id, counters=json.dumps(counters)))
 
+    def set_started(self, run_id: str, started_at: float) -> None:
+        """When the run first reached the broker: stored at once, not with its first round (a
+        restart before that round would take a new start time)."""
+        with self.engine.begin() as conn:
+            conn.execute(update(runs).where(runs.c.run_id == run_id, runs.c.started_at.is_(None))
+                         .values(started_at=started_at))
+
     def set_state(self, run_id: str, state: str, finished_at: float | None = None) -> None:
         with self.engine.begin() as conn:
             conn.execute(update(runs).where(runs.c.run_id == run_id).values(state=state, finished_at=finished_at))

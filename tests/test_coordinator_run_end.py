@@ -306,3 +306,29 @@ def test_a_store_that_fails_as_a_run_stops_still_ends_it(unstarted_run, monkeypa
     snap = run.snapshot()
     assert snap["state"] == "stopped" and snap["finished_at"] is not None
     assert "database or disk is full" in snap["error"]
+
+
+def test_a_run_restarted_before_its_first_round_keeps_its_start_time(mosquitto, tmp_path):
+    """Before: `started_at` reached the store with the first completed round, so a coordinator
+    restarted while the run waited for its clients gave it a new start time at every restart."""
+    np.savez(tmp_path / "public.npz", x=np.zeros((20, 64), np.float32))
+    cfg = load_coordinator_config(None, run_id="wait", client_ids=["c00", "c01"], num_classes=10,
+                                  state_dir=tmp_path / "state", broker={"url": mosquitto},
+                                  run={"strategy": "fedmd", "dataset": "digits", "rounds": 1, "public_size": 50},
+                                  phases={"start_timeout_s": 600})
+    starts = []
+    for _ in range(2):
+        run = Run(load_coordinator_config(None, **json.loads(cfg.model_dump_json())))
+        thread = threading.Thread(target=run.run, daemon=True)
+        thread.start()
+        try:
+            wait(lambda: run.snapshot()["state"] == "running", 60, "the run to reach the broker")  # noqa: B023
+            starts.append(run.snapshot()["started_at"])
+        finally:
+            run.stop()
+            thread.join(30)
+            run.transport.stop()
+            run.store.close()
+        assert not thread.is_alive()
+        time.sleep(0.05)  # a new start time would differ
+    assert starts[0] is not None and starts[1] == starts[0]
