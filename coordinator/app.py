@@ -197,6 +197,11 @@ def create_app(runs: RunManager | Run) -> FastAPI:
             raise HTTPException(status_code=404, detail=f"no run {run_id!r}")
         return engine
 
+    def _snapshot(run_id: str) -> dict[str, Any]:
+        """A run's snapshot, or what the store kept of one a restart could not bring back."""
+        unrestored = runs.unrestored_snapshot(run_id) if runs.get(run_id) is None else None
+        return unrestored if unrestored is not None else _run(run_id).snapshot()
+
     def _unrestored() -> list[dict[str, Any]]:
         return [snap for run_id in list(runs.unrestored) if (snap := runs.unrestored_snapshot(run_id)) is not None]
 
@@ -234,8 +239,7 @@ def create_app(runs: RunManager | Run) -> FastAPI:
 
     @app.get("/api/v1/runs/{run_id}", dependencies=reads)
     def get_run(run_id: str) -> dict[str, Any]:
-        unrestored = runs.unrestored_snapshot(run_id) if runs.get(run_id) is None else None
-        return unrestored if unrestored is not None else _run(run_id).snapshot()
+        return _snapshot(run_id)
 
     @app.get("/api/v1/runs/{run_id}/results", dependencies=reads)
     def get_results(run_id: str) -> dict[str, Any]:
@@ -245,13 +249,14 @@ def create_app(runs: RunManager | Run) -> FastAPI:
     def get_rounds(run_id: str) -> list[dict[str, Any]]:
         """Per round: participation and p50/p95 response latency per phase, bytes, the strategy's
         diagnostics (FedAL: discriminator loss and accuracy, output discrepancy), accuracies."""
-        return _run(run_id).rounds()
+        kept = runs.unrestored_rounds(run_id) if runs.get(run_id) is None else None
+        return kept if kept is not None else _run(run_id).rounds()
 
     @app.get("/api/v1/clients", dependencies=reads)
     def list_clients(run_id: str | None = None) -> list[dict[str, Any]]:
         """Every enrolled client of every run (or of `run_id`)."""
-        engines = [_run(run_id)] if run_id else runs.list()
-        return [{"id": cid, "run_id": e.cfg.run_id, **info} for e in engines for cid, info in e.snapshot()["clients"].items()]
+        snaps = [_snapshot(run_id)] if run_id else [e.snapshot() for e in runs.list()]
+        return [{"id": cid, "run_id": snap["run_id"], **info} for snap in snaps for cid, info in snap["clients"].items()]
 
     @app.get("/api/v1/clients/{client_id}", dependencies=reads)
     def get_client(client_id: str) -> dict[str, Any]:
@@ -295,7 +300,8 @@ def create_app(runs: RunManager | Run) -> FastAPI:
 
         async def stream():
             try:
-                yield sse_format({"id": 0, "type": "hello", "runs": {e.cfg.run_id: e.state for e in runs.list()}})
+                yield sse_format({"id": 0, "type": "hello", "runs": {**{e.cfg.run_id: e.state for e in runs.list()},
+                                                                      **dict.fromkeys(runs.unrestored, "failed")}})
                 while not await request.is_disconnected():
                     event = await next_event(subscription, KEEP_ALIVE_S)
                     if event is None:

@@ -105,6 +105,9 @@ class RunCollector(Collector):
                 for q, key in (("0.5", "p50_s"), ("0.95", "p95_s")):
                     if stats.get(key) is not None:
                         lat.add_metric([run, phase, q], stats[key])
+        for run in sorted(self.runs.unrestored):  # stored runs a restart could not bring back
+            for s in STATES:
+                state.add_metric([run, s], 1.0 if s == "failed" else 0.0)
         yield state
         yield from (g for g in gauges.values() if g.samples)
         yield from per_client.values()

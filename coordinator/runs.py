@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from coordinator.config import CoordinatorConfig, RunSpec
 from coordinator.events import EventHub
-from coordinator.run import Run
+from coordinator.run import ALWAYS_COUNTED, Run
 from coordinator.store import RunStore, default_store_url
 from fedal.log_limit import RateLimitedLog
 from fedal.sim.config import format_validation_error
@@ -56,7 +56,7 @@ class RunManager:
         # stored runs a restart could not bring back (their spec no longer loads, a file moved):
         # run id -> why. They stay visible as failed and keep their ids; the store keeps their history.
         self.unrestored: dict[str, str] = {}
-        self._unrestored_views: dict[str, dict[str, Any]] = {}
+        self._unrestored_views: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
         self.creating: set[str] = set()  # ids of runs being built by create(), outside the lock
         self.refused_requests: Counter[int] = Counter()  # API requests refused, by HTTP status (400, 401, 403, 413, 422, 503)
         self.refusal_log = RateLimitedLog(log, "refused requests")
@@ -166,24 +166,42 @@ class RunManager:
             raise RunConflict(f"run {run_id!r} exists already (in the store)")
 
     def unrestored_snapshot(self, run_id: str) -> dict[str, Any] | None:
-        """What the API shows of a stored run a restart could not bring back: failed, and why
-        (read from the store once: such a run no longer changes, and the dashboard polls)."""
+        """What the API shows of a stored run a restart could not bring back: failed, and why,
+        with what the store kept of it in the shape of a live run's snapshot (read once: such a
+        run no longer changes, and the dashboard polls)."""
+        view = self._unrestored_view(run_id)
+        return None if view is None else view[0]
+
+    def unrestored_rounds(self, run_id: str) -> list[dict[str, Any]] | None:
+        """The rounds the store kept of such a run."""
+        view = self._unrestored_view(run_id)
+        return None if view is None else list(view[1])
+
+    def _unrestored_view(self, run_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
         reason = self.unrestored.get(run_id)
         if reason is None:
             return None
         if run_id not in self._unrestored_views:
-            self._unrestored_views[run_id] = self._unrestored_view(run_id, reason)
+            self._unrestored_views[run_id] = self._read_unrestored(run_id, reason)
         return self._unrestored_views[run_id]
 
-    def _unrestored_view(self, run_id: str, reason: str) -> dict[str, Any]:
+    def _read_unrestored(self, run_id: str, reason: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         stored = self.store.load(run_id)
         spec = stored.spec if stored is not None and isinstance(stored.spec, dict) else {}
         run = spec.get("run") if isinstance(spec.get("run"), dict) else {}  # (a spec that failed to load may be any shape)
-        return {"run_id": run_id, "strategy": run.get("strategy"), "state": "failed",
-                "error": f"cannot restore the run from the store: {reason}", "round": stored.completed_rounds if stored else 0,
-                "rounds": run.get("rounds"), "completed_rounds": stored.completed_rounds if stored else 0,
-                "phase": None, "iteration": None, "started_at": stored.started_at if stored else None,
-                "finished_at": stored.finished_at if stored else None}
+        records = stored.records[: stored.completed_rounds] if stored else []
+        kept = stored.counters if stored else {}
+        counters = {**dict.fromkeys(ALWAYS_COUNTED, 0), **(kept.get("counters") or {}), **(kept.get("transport") or {})}
+        clients = {cid: {**info, "online": False, "health_flags": []}
+                   for cid, info in (stored.clients if stored else {}).items() if isinstance(info, dict)}
+        view = {"run_id": run_id, "strategy": run.get("strategy"), "state": "failed",
+                "error": f"cannot restore the run from the store: {reason}", "round": len(records),
+                "rounds": run.get("rounds"), "completed_rounds": len(records), "phase": None, "iteration": None,
+                "held_before": None, "pause_at": [], "started_at": stored.started_at if stored else None,
+                "finished_at": stored.finished_at if stored else None, "counters": counters,
+                "rejects": dict(kept.get("rejects") or {}), "clients": clients, "config": run,
+                "last_round": records[-1] if records else None}
+        return view, records
 
     def _new_run(self, spec: RunSpec, origin: str) -> Run:
         results = None if origin == "config" else self.config.state_dir / "runs" / spec.run_id / "results.json"

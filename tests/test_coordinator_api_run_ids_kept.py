@@ -61,7 +61,9 @@ def test_a_stored_run_a_restart_cannot_bring_back_stays_failed_and_keeps_its_id_
     api = local_client(runs, raise_server_exceptions=False)
     assert api.post("/api/v1/runs", json=spec("r2", public_file=str(state / "public.npz")), headers=AUTH).status_code == 201
     records = [{"round": r, "mean_acc": 0.5} for r in (1, 2, 3)]
-    runs.store.save("r2", {"completed_rounds": 3, "state": "stopped"}, records, {})
+    runs.store.save("r2", {"completed_rounds": 3, "state": "stopped"}, records,
+                    {"c00": {"answered": 7, "online": True}, "c01": {"answered": 6, "online": False}},
+                    counters={"counters": {"stale": 2}, "rejects": {"shape": 1}, "transport": {"expired": 1}})
     runs.store.close()
     (state / "public.npz").rename(tmp_path / "moved.npz")  # the operator moved the file
 
@@ -73,6 +75,26 @@ def test_a_stored_run_a_restart_cannot_bring_back_stays_failed_and_keeps_its_id_
         assert run["state"] == "failed" and "public.npz" in run["error"] and run["completed_rounds"] == 3
         assert [r["run_id"] for r in api.get("/api/v1/runs").json()] == ["r2"]
         assert api.get("/healthz").json()["runs"] == {"r2": "failed"}
+        # what the store kept, in a live run's shape: the dashboard and scripts read it alike
+        assert set(run) >= {"counters", "rejects", "clients", "config", "last_round", "held_before", "pause_at"}
+        assert run["counters"] == {"rejected": 0, "stale": 2, "duplicates": 0, "quorum_missed": 0, "expired": 1}
+        assert run["rejects"] == {"shape": 1} and run["config"]["strategy"] == "fedmd" and run["last_round"] == records[-1]
+        assert {cid: (c["answered"], c["online"]) for cid, c in run["clients"].items()} == {"c00": (7, False),
+                                                                                           "c01": (6, False)}
+        assert api.get("/api/v1/runs/r2/rounds").json() == records
+        assert [(c["id"], c["run_id"]) for c in api.get("/api/v1/clients", params={"run_id": "r2"}).json()] == \
+            [("c00", "r2"), ("c01", "r2")]
+        failed = [line for line in api.get("/metrics").text.splitlines() if line.startswith('fedal_run_state{run="r2"')]
+        assert 'fedal_run_state{run="r2",state="failed"} 1.0' in failed and len(failed) == 6
+        box: dict = {}
+        listener = threading.Thread(target=lambda: box.setdefault("resp", api.get("/api/v1/events")), daemon=True)
+        listener.start()
+        deadline = time.monotonic() + 30
+        while not runs.events._subscribers and time.monotonic() < deadline:
+            time.sleep(0.02)
+        runs.events.close()  # the stream ends: its hello is read
+        listener.join(15)
+        assert '"runs": {"r2": "failed"}' in box["resp"].text.split("\n\n")[0]
         again = api.post("/api/v1/runs", json=spec("r2"), headers=AUTH)
         assert again.status_code == 409 and "could not bring it back" in again.text, again.text
         control = api.post("/api/v1/runs/r2/resume", headers=AUTH)

@@ -96,7 +96,9 @@ async function refresh() {
                                          dataset: { run: r.run_id } })));
   if (!runs.length) { setText("run-id", "none yet (POST /api/v1/runs)"); return; }
   if (!state.runId || !runs.some((r) => r.run_id === state.runId)) {
-    state.runId = (runs.find((r) => r.state === "running") || runs[runs.length - 1]).run_id;
+    // a running run, else the newest that did not fail, else the newest
+    state.runId = (runs.find((r) => r.state === "running") || [...runs].reverse().find((r) => r.state !== "failed")
+                   || runs[runs.length - 1]).run_id;
   }
   const select = document.getElementById("run-select");
   select.replaceChildren(...runs.map((r) => new Option(`${r.run_id} (${r.state})`, r.run_id, false, r.run_id === state.runId)));
@@ -114,7 +116,7 @@ async function refresh() {
   setText("mean-acc", fmt.acc(last.mean_acc));
   setText("local-acc", fmt.acc(last.local_mean_acc));
 
-  const clients = Object.entries(run.clients);
+  const clients = Object.entries(run.clients || {});
   const flagged = clients.filter(([, c]) => (c.health_flags || []).length).length;
   setText("client-count", `(${clients.filter(([, c]) => c.online).length} of ${clients.length} online`
                           + (flagged ? `, ${flagged} flagged)` : ")"));
