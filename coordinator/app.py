@@ -14,11 +14,13 @@ from typing import Any
 from fastapi import Body, Depends, FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.config import RunSpec
 from coordinator.dashboard import STATIC_DIR
@@ -35,6 +37,7 @@ RUN_SUMMARY = ("run_id", "strategy", "state", "round", "rounds", "completed_roun
 
 
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+BODY_PARSE_ERROR = "There was an error parsing the body"  # FastAPI's 400 for a body it cannot parse at all
 
 
 def auth_failure(header: str | bytes | None, token: str | None) -> tuple[int, str] | None:
@@ -179,6 +182,17 @@ def create_app(runs: RunManager | Run) -> FastAPI:
 
     reads = [Depends(require_read)]
     writes = [Depends(require_token)]
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """A body FastAPI could not even parse (bytes that are not UTF-8, JSON nested past what the
+        parser takes) is refused as a malformed one is: counted and logged, and said."""
+        if exc.status_code == 400 and exc.detail == BODY_PARSE_ERROR:
+            cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else "an error"
+            detail = f"the body could not be read as JSON ({cause})"
+            runs.refused(400, request.method, request.url.path, _client_host(request), detail)
+            return JSONResponse(status_code=400, content={"detail": detail})
+        return await http_exception_handler(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:

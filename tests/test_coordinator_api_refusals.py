@@ -28,11 +28,17 @@ def test_refused_requests_are_logged_and_counted(tmp_path, caplog):
     assert api.post("/api/v1/runs", json={"run_id": "r"}, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 422
     assert api.post("/api/v1/runs", json={"run_id": "r", "client_ids": ["a", "b"], "run": {"public_size": 10**6}},
                     headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 422  # refused by the run's own checks
+    # bodies FastAPI cannot parse at all (not UTF-8; nested past its parser): refused as malformed ones are
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    for body in (b"\xff\xfe{", b"[" * 1000 + b"]" * 1000):
+        unread = api.post("/api/v1/runs", content=body, headers=auth)
+        assert unread.status_code == 400 and "could not be read as JSON" in unread.json()["detail"], unread.text
+    assert api.post("/api/v1/runs/nope/stop", headers=auth).status_code == 404  # other errors as they were
     metrics = api.get("/metrics").text
-    for status, count in (("401", 1), ("403", 1), ("413", 1), ("422", 2)):
+    for status, count in (("400", 2), ("401", 1), ("403", 1), ("413", 1), ("422", 2)):
         assert f'fedal_api_refused_requests_total{{status="{status}"}} {count}.0' in metrics, metrics[-800:]
     logged = [r.getMessage() for r in caplog.records if "API: refused" in r.getMessage()]
-    assert len(logged) == 5
+    assert len(logged) == 7
     assert "POST '/api/v1/runs/x/stop' from testclient: 403 wrong token" in logged[1]
     runs.store.close()
 
