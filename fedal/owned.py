@@ -119,6 +119,6 @@ def _json_with(path: Path, keys: set[str]) -> bool:
         if path.stat().st_size > _MAX_SCAN:
             return False
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # unreadable, not JSON, nested past the parser: not ours
         return False
     return isinstance(data, dict) and keys <= set(data)

@@ -34,6 +34,8 @@ def load_settings(cls: type[S], path: str | Path | None = None, **overrides) -> 
             tomllib.loads(path.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
+        except RecursionError:  # nested past what the parser takes
+            raise SettingsError(f"config file {path} is not valid TOML: nested too deep") from None
         except OSError as exc:  # a device's 0600 config read by another user (flash.sh without sudo)
             raise SettingsError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
 

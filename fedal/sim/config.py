@@ -420,12 +420,16 @@ def _read_config_file(path: Path) -> dict[str, Any]:
             data = json.loads(raw)
         except ValueError as exc:
             raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
+        except RecursionError:  # nested past what the parser takes: no config is
+            raise ConfigError(f"config file {path} is not valid JSON: nested too deep") from None
         data = data.get("config", data) if isinstance(data, dict) else data
     else:
         try:
             data = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        except RecursionError:
+            raise ConfigError(f"config file {path} is not valid TOML: nested too deep") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a table of settings")
     return data
