@@ -21,6 +21,7 @@ import contextlib
 import io
 import logging
 import os
+import stat
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from fedal.atomic import write_bytes_atomic
+from fedal.atomic import current_umask, write_bytes_atomic
 from fedal.owned import MARK
 
 from .layout import CHANNEL_MULTIPLE, has_1d_layers, lift_1d_to_2d, nchwc_available
@@ -100,6 +101,13 @@ def export_onnx(
     tmp = Path(tmp_name)  # written, marked and checked here; `path` is replaced only by a file that passed
     try:
         _export_checked(model, example_input, tmp, opset, conv1d_as_2d, channel_multiple, mark)
+        # the mode of the file it replaces, or of a plain write: not mkstemp's 0600 (an agent's
+        # service account, a web server, a container reads the model that is shipped)
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except OSError:
+            mode = 0o666 & ~current_umask()
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -165,3 +165,21 @@ def test_the_agents_final_onnx_files_are_this_runs_or_none(tmp_path, monkeypatch
     with pytest.raises(OSError):  # the agent exits 75 and its restart writes them
         write_final_onnx(model, example, final, int8=False)
     assert list(final.iterdir()) == []  # neither the earlier run's model nor a torn one
+
+
+def test_an_exported_model_gets_a_plain_writes_mode_or_keeps_the_one_it_replaces(tmp_path):
+    """It was always 0600 (the temporary file's), beside an int8 copy and a report of 0644: the
+    model shipped to devices was unreadable to an agent's service account or a web server, and a
+    re-export made a 0644 model 0600."""
+    from export import export_onnx
+
+    model, example = build_model("mlp", (40,), 10), torch.zeros(2, 40)
+    old = os.umask(0o022)
+    try:
+        path = export_onnx(model, example, tmp_path / "m.onnx")
+        assert oct(path.stat().st_mode & 0o777) == "0o644"
+        path.chmod(0o640)
+        export_onnx(model, example, path)
+        assert oct(path.stat().st_mode & 0o777) == "0o640"
+    finally:
+        os.umask(old)
