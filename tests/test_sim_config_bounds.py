@@ -77,3 +77,11 @@ def test_the_demo_keeps_the_results_file_it_reads_its_config_from(tmp_path):
     assert json.loads((ws / "results.json").read_text()) == earlier
     prepare_workspace(config, ws, "mqtt://127.0.0.1:1", 1)  # another config: the earlier run's output goes
     assert not (ws / "results.json").exists()
+
+
+def test_an_empty_models_list_is_refused_as_the_flag_is(tmp_path):
+    """`models = []` silently meant the dataset's defaults, where `--models ","` is refused."""
+    path = tmp_path / "run.toml"
+    path.write_text("models = []\n")
+    with pytest.raises(ConfigError, match="models: List should have at least 1 item"):
+        load_config(path, SMALL)

@@ -148,7 +148,7 @@ class RunConfig(NoCoercion):
     public_size: int = Field(1000, ge=1)
     local_test_fraction: float = Field(0.0, ge=0.0, lt=1.0,
                                        description="share of each client's data held out as its local test split")
-    models: list[str] | None = Field(None, description="assigned round-robin; default per dataset "
+    models: list[str] | None = Field(None, min_length=1, description="assigned round-robin; default per dataset "
                                        "(its first model alone for strategies that average parameters)")
     rounds: int = Field(20, ge=1)
     seed: int = Field(0, ge=0, lt=2**63, description="0 <= seed < 2^63 (torch's seeds are 64-bit)")
