@@ -55,6 +55,16 @@ def test_another_seed_or_dataset_derives_what_they_decide(tmp_path):
         None, {"strategy": "fedal", **{**FIELDS, "dataset": "digits"}}).resolved().models
 
 
+def test_a_chosen_option_of_the_saved_dataset_does_not_follow_another_dataset(tmp_path):
+    """A results file of a run with a chosen --mnist1d-samples could not be run on digits: the
+    option applies to mnist1d only, and no flag clears it."""
+    path = saved(tmp_path, strategy="fedal", mnist1d_samples=600, **FIELDS)
+    assert load_config(path).resolved().mnist1d_samples == 600  # unchanged: the run as saved
+    digits = load_config(path, {"dataset": "digits"}).resolved()
+    assert digits.mnist1d_samples is None
+    assert load_config(path, {"dataset": "mnist1d", "seed": 1}).resolved().mnist1d_samples == 600  # its own dataset: kept
+
+
 def test_values_the_saved_run_chose_stay(tmp_path):
     path = saved(tmp_path, strategy="fedal", models=["mlp"], tau=3, **FIELDS)
     switched = load_config(path, {"strategy": "fedmd"}).resolved()

@@ -333,6 +333,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         # writes FedAL's out: `--strategy fedmd` ran FedAL's settings labelled fedmd)
         if changed if _is_json(Path(path), None) else "strategy" in changed:
             data = _without_derived(data)
+        if "dataset" in changed:  # the file's dataset's own options do not carry over to another
+            from fedal.data.federated import VALID_SPLIT_DATASETS
+
+            only = {"mnist1d_samples": ("mnist1d",), "celeba_attribute": ("celeba",),
+                    "train_splits": VALID_SPLIT_DATASETS}
+            for key, datasets in only.items():
+                if key not in given and given["dataset"] not in datasets:
+                    data.pop(key, None)
     if (overrides or {}).get("backend") not in (None, "ray"):  # where a saved Ray run computed: not asked now
         for key in RAY_KEYS:
             if (overrides or {}).get(key) is None:
