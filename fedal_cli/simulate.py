@@ -30,6 +30,8 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
     from fedal.sim.runner import simulate
 
     config = config_from_flags(config_path, flags)
+    if config.data_dir and not Path(config.data_dir).is_absolute():  # the saved config finds the same files
+        config = config.model_copy(update={"data_dir": str(Path(config.data_dir).absolute())})  # from anywhere
     check_outputs(out, plot, config_path)
     bars = [progress_bar(total=config.rounds, desc=f"{config.strategy} (preparing the data and clients)", unit="round",
                  disable=quiet)]
@@ -70,6 +72,7 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
         raise click.ClickException(str(exc)) from None
     finally:
         bars[-1].close()
+    warn_if_other_data(config_path, flags, results)
     try:
         write_results(results, out)
     except OSError as exc:  # a full disk: the run's hours are not thrown away, they go to stdout
@@ -133,6 +136,26 @@ def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | P
         if suffix not in MARKED_PLOT_FORMATS:
             raise click.BadParameter(f"{plot}: a plot is written as {', '.join('.' + f for f in MARKED_PLOT_FORMATS)}, "
                                      f"not {'.' + suffix if suffix else 'a file without an extension'}", param_hint="--plot")
+
+
+# the flags that choose the public set (and so its hash): given, a different set is what was asked
+PUBLIC_SET_FLAGS = ("dataset", "data_dir", "seed", "public_size", "mnist1d_samples", "train_splits", "celeba_attribute")
+
+
+def warn_if_other_data(config_path: str | None, flags: dict, results: dict) -> None:
+    """A results file repeated (--config results.json) on data that is not the same: its
+    data_dir's files changed or are other files. The run is what the data gave; this says so."""
+    if config_path is None or any(flags.get(k) is not None for k in PUBLIC_SET_FLAGS):
+        return
+    try:
+        saved = json.loads(Path(config_path).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return  # a TOML config (or one gone meanwhile): no hash to compare
+    data = saved.get("data") if isinstance(saved, dict) else None
+    before, now = (data or {}).get("public_hash") if isinstance(data, dict) else None, results["data"]["public_hash"]
+    if isinstance(before, str) and before != now:
+        click.echo(f"warning: this run's public set is not the one {config_path} ran on (public_hash {now[:12]}..., "
+                   f"there {before[:12]}...): the files under data_dir changed, so the numbers need not match", err=True)
 
 
 def write_results(results: dict, out: str | Path, plot: str | Path | None = None) -> None:

@@ -449,3 +449,34 @@ def test_coordinator_serves_the_public_rows_simulate_holds_out(tmp_path):
     both = build_federated("cinic10", 2, public_size=8, seed=3, data_dir=data, train_splits="train+valid")
     assert served == both.public_hash == content_hash(public_set("cinic10", 8, 3, data, train_splits="train+valid"))
     assert served != content_hash(public_set("cinic10", 8, 3, data))  # train/ alone: another pool, other rows
+
+
+def test_a_results_files_data_dir_finds_its_files_from_anywhere_and_other_files_are_said(tmp_path, monkeypatch):
+    """A relative --data-dir was saved as given: the results' config, repeated from another
+    folder, found no files there, or other files of the same names, and said nothing."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from fedal_cli.main import cli
+
+    monkeypatch.chdir(tmp_path)
+    write_cinic(tmp_path / "cinic", {"train": 3, "valid": 1, "test": 1})
+    args = ["--dataset", "cinic10", "--clients", "2", "--rounds", "1", "--tau", "1", "--quiet", "--public-size", "10",
+            "--models", "smallcnn"]
+    first = CliRunner().invoke(cli, ["simulate", "--data-dir", "cinic", *args, "--out", "r.json"])
+    assert first.exit_code == 0, first.output
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["config"]["data_dir"] == str(tmp_path / "cinic")  # absolute: as read
+
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    again = CliRunner().invoke(cli, ["simulate", "--config", "../r.json", "--quiet", "--out", "again.json"])
+    assert again.exit_code == 0 and "warning" not in again.output, again.output
+    repeated = json.loads((tmp_path / "elsewhere" / "again.json").read_text())
+    assert repeated["data"] == saved["data"] and repeated["final"] == saved["final"]
+
+    shutil.rmtree(tmp_path / "cinic")
+    write_cinic(tmp_path / "cinic", {"train": 3, "valid": 1, "test": 1}, seed=1)  # other files, the same names' shape
+    other = CliRunner().invoke(cli, ["simulate", "--config", "../r.json", "--quiet", "--out", "other.json"])
+    assert other.exit_code == 0 and "is not the one ../r.json ran on" in other.output, other.output
