@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from fedal.engine.health import HealthLimits
 from fedal.engine.settings import PhaseSettings
 from fedal.hosts import check_host_pattern
+from fedal.model_names import MAX_NUM_CLASSES
 from fedal.protocol import MAX_MESSAGE_BYTES, BrokerSettings, topics
 from fedal.settings import load_settings
 from fedal.sim.config import RunConfig
@@ -125,7 +126,6 @@ def _check_no_simulated_faults(v: RunConfig) -> RunConfig:
     return v
 
 
-MAX_NUM_CLASSES = 10_000  # the output width of every model and of the discriminator's input
 
 
 def _check_server_sizes(run: RunConfig, num_classes: int, client_ids: list[str] | None) -> None:

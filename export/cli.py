@@ -19,6 +19,7 @@ import click
 
 from export.onnx_export import MAX_OPSET, MIN_OPSET
 from fedal import procs
+from fedal.model_names import MAX_NUM_CLASSES
 from fedal.models import MODEL_NAMES
 from fedal.owned import ForeignFile, check_replaceable, is_export_report, is_our_onnx
 
@@ -92,8 +93,8 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
         raise click.UsageError("--threads must be >= 1")
     if quantize_mode and not quantize:  # else it was ignored without a word
         raise click.UsageError("--quantize-mode applies to --quantize int8 only")
-    if num_classes is not None and num_classes < 2:
-        raise click.UsageError(f"--num-classes must be at least 2, got {num_classes}")
+    if num_classes is not None and not 2 <= num_classes <= MAX_NUM_CLASSES:
+        raise click.UsageError(f"--num-classes must be 2 to {MAX_NUM_CLASSES}, got {num_classes}")
     mode = quantize_mode or ("static" if dataset else "dynamic")
     if quantize and mode == "static" and not dataset:
         raise click.UsageError("--quantize-mode static needs --dataset for calibration samples")
@@ -132,8 +133,6 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
             load_checkpoint(model, checkpoint)
         except (ValueError, FileNotFoundError) as exc:
             raise click.ClickException(_one_line(str(exc))) from None
-    else:
-        click.echo("note: no --checkpoint, exporting untrained weights", err=True)
     model.eval()
 
     out = Path(out)
@@ -146,6 +145,8 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
             check_replaceable(int8_path, is_our_onnx, "model")
     except ForeignFile as exc:
         raise click.UsageError(str(exc)) from None
+    if not checkpoint:  # (after the refusals: a refused command exports nothing)
+        click.echo("note: no --checkpoint, exporting untrained weights", err=True)
     gen = torch.Generator().manual_seed(0)
     random_x = torch.randn(PARITY_RANDOM_ROWS, *shape, generator=gen)
     if channel_multiple is not None and not has_1d_layers(model):  # else it was ignored without a word

@@ -183,3 +183,15 @@ def test_an_exported_model_gets_a_plain_writes_mode_or_keeps_the_one_it_replaces
         assert oct(path.stat().st_mode & 0o777) == "0o640"
     finally:
         os.umask(old)
+
+
+def test_a_refused_out_says_only_why(tmp_path):
+    """A refused --out printed "note: no --checkpoint, exporting untrained weights" first, for an
+    export that was not going to happen."""
+    mine = tmp_path / "mine.onnx"
+    mine.write_bytes(b"a user's file")
+    refused = export(*MLP, "--out", str(mine))
+    assert refused.exit_code == 2 and "untrained" not in refused.output, refused.output
+    assert mine.read_bytes() == b"a user's file"
+    made = export(*MLP, "--out", str(tmp_path / "m.onnx"))
+    assert made.exit_code == 0 and "note: no --checkpoint, exporting untrained weights" in made.output, made.output
