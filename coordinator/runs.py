@@ -88,7 +88,7 @@ class RunManager:
                 continue
             stored = self.store.load(run_id)
             try:
-                spec = RunSpec.model_validate(stored.spec)
+                spec = RunSpec.model_validate(_as_stored_then(stored.spec))
                 where = self._outside_reach(spec)
                 if where:
                     raise ValueError(where)
@@ -256,3 +256,13 @@ class RunManager:
             thread.join(timeout=timeout_s)
         for run in self.list():
             run.transport.stop()
+
+
+def _as_stored_then(spec: Any) -> Any:
+    """A stored run spec read as it was accepted when it was stored: `run.models = []` meant the
+    dataset's default models before an empty list was refused (the resolved run, and so the
+    run's config hash, is the same)."""
+    run = spec.get("run") if isinstance(spec, dict) else None
+    if isinstance(run, dict) and run.get("models") == []:
+        return {**spec, "run": {k: v for k, v in run.items() if k != "models"}}
+    return spec

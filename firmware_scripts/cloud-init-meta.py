@@ -21,10 +21,43 @@ import sys
 KEY = re.compile(r"""^(?P<q>["']?)(?P<name>[A-Za-z0-9_][A-Za-z0-9_.-]*)(?P=q)[ \t]*:(?:[ \t]|$)""")
 
 
+# YAML's node properties and references: an anchor whose key is dropped would leave its alias
+# unresolved, and a tag can make a value what a plain reading does not see
+PROPERTY = re.compile(r"(?:^|[\s\[{,:-])[&*!]\S")
+OTHER_BREAKS = ("\x85", "\u2028", "\u2029")  # line breaks to YAML 1.1 (PyYAML, cloud-init's reader) too
+
+
 def edited(text: str, instance_id: str) -> tuple[str, str]:
-    """(the new meta-data, why the image's keys were not kept: "" when they were)."""
+    """(the new meta-data, why the image's keys were not kept: "" when they were). Where PyYAML
+    is at hand (cloud-init's own reader), the result is read back: the image's keys must come
+    out as they went in, beside the new instance-id alone; else the new instance-id alone."""
     text = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
     ours = f"instance-id: {instance_id}\n"  # flash.sh's: fedal-<client id>-<ns>, plain characters
+    written, why = _merged(text, instance_id, ours)
+    if not why and not _reads_back(text, written, instance_id):
+        return ours, "the image's meta-data reads differently once edited (YAML beyond plain keys)"
+    return written, why
+
+
+def _reads_back(text: str, written: str, instance_id: str) -> bool:
+    try:
+        import yaml
+    except ImportError:  # the shapes _merged takes are plain enough without the check
+        return True
+    try:
+        before, after = yaml.safe_load(text), yaml.safe_load(written)
+    except yaml.YAMLError:
+        return False
+    before = {} if before is None else before
+    if not isinstance(before, dict) or not isinstance(after, dict) or after.get("instance-id") != instance_id:
+        return False
+    return {k: v for k, v in after.items() if k != "instance-id"} == \
+        {k: v for k, v in before.items() if k != "instance-id"}
+
+
+def _merged(text: str, instance_id: str, ours: str) -> tuple[str, str]:
+    if any(mark in text for mark in OTHER_BREAKS):
+        return ours, "the image's meta-data holds line breaks other than newlines"
     if text.lstrip().startswith("{"):
         try:
             data = json.loads(text)
@@ -33,7 +66,7 @@ def edited(text: str, instance_id: str) -> tuple[str, str]:
         if not isinstance(data, dict):
             return ours, "the image's meta-data is not a mapping"
         data.pop("instance-id", None)
-        return json.dumps({"instance-id": instance_id, **data}, indent=2) + "\n", ""
+        return json.dumps({"instance-id": instance_id, **data}, indent=2, ensure_ascii=False) + "\n", ""
     kept: list[str] = []
     dropping = False  # inside the image's instance-id (its value may go on over indented lines)
     started = False  # a key came: a `---` after it starts a second document
@@ -49,6 +82,8 @@ def edited(text: str, instance_id: str) -> tuple[str, str]:
         if line[0] in " \t":  # the value of the key above goes on
             if not started:
                 return ours, "the image's meta-data is an indented mapping"
+            if PROPERTY.search(bare):
+                return ours, "the image's meta-data uses YAML anchors, aliases or tags"
             if not dropping:
                 kept.append(line)
             continue
@@ -62,6 +97,8 @@ def edited(text: str, instance_id: str) -> tuple[str, str]:
         key = KEY.match(line)
         if key is None:
             return ours, "the image's meta-data is not plain YAML keys (flow style, a list, ...)"
+        if PROPERTY.search(line[key.end():]):
+            return ours, "the image's meta-data uses YAML anchors, aliases or tags"
         started = True
         dropping = key.group("name") == "instance-id"
         if not dropping:

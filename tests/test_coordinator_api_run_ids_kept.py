@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from coordinator.config import load_coordinator_config
 from coordinator.runs import RunManager
+from fedal.sim.config import load_config
 from tests.local_api import local_client
 
 TOKEN = "tok"
@@ -225,5 +226,31 @@ def test_a_stored_run_whose_data_dir_the_rules_now_refuse_is_not_restored(tmp_pa
         run = api.get("/api/v1/runs/old").json()
         assert run["state"] == "failed" and "run.data_dir must lie inside" in run["error"]
         assert "old" not in runs.by_id
+    finally:
+        runs.store.close()
+
+
+def test_a_run_stored_with_an_empty_models_list_is_restored_as_it_ran(tmp_path):
+    """`run.models = []` was accepted (the dataset's defaults) until an empty list was refused: a
+    run stored with it must still come back after an upgrade, not stay failed for good."""
+    state = tmp_path / "state"
+    state.mkdir()
+    np.savez(state / "public.npz", x=np.random.default_rng(0).random((40, 64), dtype=np.float32))
+    runs = manager(state)
+    api = local_client(runs, raise_server_exceptions=False)
+    assert api.post("/api/v1/runs", json=spec("old", public_file=str(state / "public.npz")), headers=AUTH).status_code == 201
+    stored = runs.store.load("old").spec
+    runs.store.register("old", {**stored, "run": {**stored["run"], "models": []}}, "api")  # as an older version stored it
+    runs.store.close()
+
+    runs = manager(state)
+    runs.restore()
+    try:
+        assert runs.unrestored == {} and runs.get("old") is not None
+        defaults = load_config(None, {**spec("old")["run"], "clients": 2}).resolved().models
+        assert runs.get("old").run_config.models == defaults  # what [] meant
+        new = {**spec("new"), "run": {**spec("new")["run"], "models": []}}
+        refused = local_client(runs, raise_server_exceptions=False).post("/api/v1/runs", json=new, headers=AUTH)
+        assert refused.status_code == 422 and "models" in refused.text  # new input: refused
     finally:
         runs.store.close()

@@ -5,6 +5,7 @@ its only one (a second, which YAML readers take last, brought the old id back, a
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,12 @@ REPLACED = None  # the image's file of a shape this cannot edit: the new instanc
     ("instance-id: a\n---\ninstance-id: b\n", REPLACED),  # two documents: replaced
     ("- instance-id\n", REPLACED),  # not a mapping: replaced
     ("[1, 2]", REPLACED),
+    ("local-hostname: pi\u2028instance-id: iid-old\n", REPLACED),  # a line break to YAML 1.1: the old id again
+    ("local-hostname: pi\x85dsmode: local\n", REPLACED),
+    ("instance-id: &iid iid-local01\nlocal-hostname: *iid\n", REPLACED),  # the anchor goes with the id
+    ("local-hostname: !!str pi\n", REPLACED),  # a tag
+    ("public-keys:\n  - &k ssh-ed25519 AAAA\nother: *k\n", REPLACED),
+    ('{"instance-id": "iid", "local-hostname": "pi-\u00e9t\u00e9"}', {"local-hostname": "pi-\u00e9t\u00e9"}),  # as UTF-8
     ("", {}),
     ("# nothing but a comment\n", {}),
 ])
@@ -45,6 +52,29 @@ def test_the_card_gets_one_new_instance_id_and_the_images_other_keys(tmp_path, i
     assert yaml.safe_load(text) == {"instance-id": NEW, **(kept or {})}, text
     assert text.count("instance-id") == 1 and text.startswith(("instance-id: fedal-", '{\n  "instance-id": "fedal-'))
     assert ("replaced by one holding the new instance-id alone" in r.stdout) == (kept is REPLACED), r.stdout
+
+
+@pytest.mark.parametrize("image", [
+    '{"instance-id": "iid", "size": 1e3}',  # a string to YAML 1.1, a float to JSON: not written back as 1000.0
+    "local-hostname: pi # a comment\nsize: 0x1F\n",
+])
+def test_without_pyyaml_the_plain_shapes_are_merged_and_with_it_checked(tmp_path, image):
+    """Where PyYAML is at hand the result is read back as cloud-init reads it; without it (a host
+    with only the fleet extra) the same plain shapes are merged."""
+    source, out = tmp_path / "meta-data.orig", tmp_path / "meta-data"
+    source.write_text(image)
+    no_yaml = tmp_path / "no-yaml"
+    no_yaml.mkdir()
+    (no_yaml / "yaml.py").write_text("raise ImportError('not installed')\n")
+    checked = subprocess.run([sys.executable, str(SCRIPT), str(source), NEW, str(out)], capture_output=True, text=True,
+                             timeout=30)
+    assert checked.returncode == 0 and yaml.safe_load(out.read_text())["instance-id"] == NEW
+    expected = {k: v for k, v in yaml.safe_load(image).items() if k != "instance-id"}
+    kept = {k: v for k, v in yaml.safe_load(out.read_text()).items() if k != "instance-id"}
+    assert kept == expected or (kept == {} and "replaced" in checked.stdout), (out.read_text(), checked.stdout)
+    unchecked = subprocess.run([sys.executable, str(SCRIPT), str(source), NEW, str(out)], capture_output=True,
+                               text=True, timeout=30, env={**os.environ, "PYTHONPATH": str(no_yaml)})
+    assert unchecked.returncode == 0 and yaml.safe_load(out.read_text())["instance-id"] == NEW
 
 
 def test_usage_errors_exit_2():
