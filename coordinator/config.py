@@ -44,6 +44,12 @@ class ApiSettings(NoCoercion):
         "besides the API's own (loopback names, its host, public_base_url's, the machine's names) and IP addresses: "
         "other names are refused (400), a guard against DNS rebinding")
 
+    @model_validator(mode="after")
+    def _reads_can_pass(self) -> ApiSettings:
+        if self.read_requires_token and self.token is None:  # no read could pass: the dashboard, /metrics refused
+            raise ValueError("read_requires_token needs a token (api.token): without one every read would be refused")
+        return self
+
     @field_validator("host")
     @classmethod
     def _listenable(cls, v: str) -> str:

@@ -70,7 +70,8 @@ def test_reads_open_beyond_loopback_are_warned_of_at_start(tmp_path, caplog, hos
 
     caplog.set_level(logging.WARNING, logger="coordinator")
     warn_if_reads_open(load_coordinator_config(None, state_dir=tmp_path / "state",
-                                               api={"host": host, "port": 8123, "read_requires_token": reads_token}))
+                                               api={"host": host, "port": 8123, "read_requires_token": reads_token,
+                                                    **({"token": "a-long-enough-token-0123"} if reads_token else {})}))
     said = f"the API listens on {host} and its reads are open"
     assert (said in caplog.text) is warned, caplog.text
     if warned:
@@ -109,3 +110,10 @@ def test_head_answers_where_get_does(tmp_path):
         assert head.status_code == get.status_code == 200 and head.content == b"", (path, head.status_code)
         assert head.headers["content-type"] == get.headers["content-type"]
     runs.store.close()
+
+
+def test_reads_that_need_a_token_need_one_configured(tmp_path):
+    """read_requires_token without a token refused every read (the dashboard, /metrics), with a
+    message about writes: a config error now."""
+    with pytest.raises(SettingsError, match="read_requires_token needs a token"):
+        load_coordinator_config(None, state_dir=tmp_path / "state", api={"read_requires_token": True})
