@@ -183,6 +183,8 @@ def wheelhouse_cmd(**options) -> None:
         raise click.UsageError("--no-index needs --find-links (where the wheels are)")
     if options["no_index"] and options["index_url"]:
         raise click.UsageError("--no-index and --index-url contradict each other")
+    if options["no_index"] and options.get("torch_index"):  # pip would go to that index all the same
+        raise click.UsageError("--no-index and --torch-index contradict each other (put torch's wheel in --find-links)")
     spec = WheelhouseSpec(**options)
     try:
         with procs.stop_signals_interrupt():  # SIGTERM/SIGHUP as Ctrl-C: pip ended, the work directory removed

@@ -150,6 +150,10 @@ def _check(spec: FleetSpec) -> tuple[list[str], BrokerAddress]:
         raise FleetError(f"--coordinator-port {cport} must be a port (1-65535) other than the devices' {addr.port}")
     if spec.tls and not addr.tls:
         raise FleetError(f"--tls needs an mqtts:// broker URL (got {spec.broker}); the default TLS port is 8883")
+    if not spec.broker_dir.startswith("/") or any(c.isspace() or not c.isprintable() for c in spec.broker_dir) \
+            or "#" in spec.broker_dir:  # written into fedal.conf, which Mosquitto reads from its own directory
+        raise FleetError(f"--broker-dir {spec.broker_dir!r} must be an absolute path without spaces, control "
+                         "characters or '#' (Mosquitto's config names the password and ACL files there)")
     if spec.bind is not None and not _host_or_address(spec.bind):
         raise FleetError(f"--bind {spec.bind!r} is not an IP address or host name (Mosquitto's listener would not start)")
     for name in spec.server_names:

@@ -35,7 +35,15 @@ class FaultSettings(NoCoercion):
 
     latency_ms: float | None = Field(None, ge=0, le=60_000, description="added one-way delay per packet")
     jitter_ms: float | None = Field(None, ge=0, le=60_000, description="extra delay, uniform in [0, jitter_ms]")
-    bandwidth_kbps: float | None = Field(None, ge=0, description="link rate in kbit/s; 0 = unlimited")
+    bandwidth_kbps: float | None = Field(None, ge=0, le=10_000_000, description="link rate in kbit/s (0 = unlimited, "
+                                         "else at least 1: a slower link held a packet for years)")
+
+    @field_validator("bandwidth_kbps")
+    @classmethod
+    def _a_rate(cls, v: float | None) -> float | None:
+        if v is not None and 0 < v < 1:
+            raise ValueError(f"bandwidth_kbps must be 0 (unlimited) or at least 1 kbit/s, got {v:g}")
+        return v
     drop: float | None = Field(None, ge=0, le=1, description="probability a PUBLISH is dropped")
     drop_mode: DropMode | None = Field(None, description="how a dropped PUBLISH is lost (docs/hil.md)")
     duplicate: float | None = Field(None, ge=0, le=1, description="probability a PUBLISH is delivered twice")

@@ -121,6 +121,12 @@ def test_sizes_no_machine_can_allocate_are_usage_errors_not_tracebacks(tmp_path,
     (["export", "--model", "mlp", "--out", "{tmp}/m.onnx", "--input-shape", "4", "--num-classes", "100000000"],
      "--num-classes must be 2 to 10000, got 100000000"),  # an allocator's message before
     (["fleet", "wheelhouse", "--out", "{tmp}/wh", "--no-index"], "--no-index needs --find-links"),
+    (["fleet", "wheelhouse", "--out", "{tmp}/wh", "--no-index", "--find-links", "{tmp}", "--torch-index", "http://x/"],
+     "--no-index and --torch-index contradict each other"),  # it went online for torch all the same
+    (["fleet", "init", "--devices", "2", "--broker", "mqtt://h:1883", "--out", "{tmp}/f", "--broker-dir", "rel/broker"],
+     "must be an absolute path"),  # Mosquitto reads its config's paths from its own directory
+    (["fleet", "init", "--devices", "2", "--broker", "mqtt://h:1883", "--out", "{tmp}/f", "--broker-dir",
+      "/etc/m\nlistener 1 0.0.0.0"], "must be an absolute path without spaces, control characters"),
     (["fleet", "wheelhouse", "--out", "{tmp}/wh", "--no-index", "--find-links", "{tmp}", "--index-url", "http://x/"],
      "contradict"),
     (["hil", "fleet", "--clients", "2", "--run-id", "r", "--ids", "a,a"], "lists a client more than once: ['a']"),

@@ -34,6 +34,7 @@ def test_builtin_profiles_load_and_describe_themselves():
     ("[default]\ntopics = ['a/#/b']", "not an MQTT topic filter"),
     ("[clients.x.up]\njitter_ms = -1", "clients.x.up.jitter_ms"),
     ("default = [", "not valid TOML"),
+    ("[default]\nbandwidth_kbps = 1e-9", "0 (unlimited) or at least 1 kbit/s"),  # a packet due in years wedged its link
 ])
 def test_bad_profiles_are_refused_with_the_field_named(text, complaint):
     with pytest.raises(ProfileError) as info:
