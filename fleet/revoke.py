@@ -44,10 +44,13 @@ def _natural(cid: str) -> list[object]:
 
 def _read(path: Path) -> str:
     try:
-        return path.read_text()
+        return path.read_text(encoding="utf-8")
     except OSError as exc:
         raise FleetError(f"cannot read {path}: {exc.strerror or exc} (revoke needs the fleet `fedal fleet init` "
                          f"wrote there)") from None
+    except UnicodeDecodeError as exc:
+        raise FleetError(f"{path} is not UTF-8 text (byte {exc.start}): not a file `fedal fleet init` wrote, "
+                         "or damaged") from None
 
 
 def _summary(out: Path) -> dict:
@@ -58,6 +61,14 @@ def _summary(out: Path) -> dict:
         for key in ("run_id", "broker", "coordinator_user", "model", "tls"):
             if key not in summary:
                 raise ValueError(f"no {key}")
+        if not all(isinstance(cid, str) and cid for cid in summary["devices"]):
+            raise ValueError("a device id that is not a name")
+        revoked = summary.get("revoked")
+        if revoked is not None and not (isinstance(revoked, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in revoked.items())):
+            raise ValueError("`revoked` is not a table of device ids and times")
+        if not all(isinstance(summary[key], str) for key in ("run_id", "broker", "coordinator_user", "model")):
+            raise ValueError("run_id, broker, coordinator_user and model must be text")
     except ValueError as exc:
         raise FleetError(f"{out / 'fleet.json'} is not a fleet summary `fedal fleet init` writes ({exc})") from None
     return summary
@@ -73,6 +84,22 @@ def _passwd_entries(text: str, path: Path) -> dict[str, str]:
             raise FleetError(f"{path}:{n} is not a `user:hash` line")
         entries[user] = hashed
     return entries
+
+
+def _passwd_text(text: str, entries: dict[str, str]) -> str:
+    """The password file with `entries`' accounts: the lines there in their order (an operator's
+    comments and accounts included), a changed account's hash in its own line, a removed one's
+    line gone, new ones at the end."""
+    lines, written = [], set()
+    for line in text.splitlines():
+        user, sep, _ = line.partition(":")
+        if not line.strip() or line.startswith("#") or not sep:
+            lines.append(line)
+        elif user in entries and user not in written:
+            lines.append(f"{user}:{entries[user]}")
+            written.add(user)
+    lines += [f"{user}:{hashed}" for user, hashed in entries.items() if user not in written]
+    return "".join(f"{line}\n" for line in lines)
 
 
 def _acl_blocks(text: str) -> tuple[list[str | tuple[str, list[str]]], dict[str, list[str]]]:
@@ -216,7 +243,8 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
         if cid not in devices and cid not in revoked:
             raise FleetError(f"{cid!r} is not a device of the fleet in {out} (its devices: {', '.join(devices) or 'none'})")
     passwd_path, acl_path = out / "broker" / "passwd", out / "broker" / "acl"
-    entries = _passwd_entries(_read(passwd_path), passwd_path)
+    passwd_text = _read(passwd_path)
+    entries = _passwd_entries(passwd_text, passwd_path)
     acl_items, blocks = _acl_blocks(_read(acl_path))
     coordinator_toml = out / "coordinator" / "broker.toml"
     coordinator_text = _read(coordinator_toml)
@@ -270,7 +298,7 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
         if kept is not None:
             done[cid] = f"reissued ({kept})"
     # the accounts first: once these two are on the broker, a revoked card is locked out
-    _write(passwd_path, "".join(f"{user}:{hashed}\n" for user, hashed in entries.items()), 0o600)
+    _write(passwd_path, _passwd_text(passwd_text, entries), 0o600)
     _write(acl_path, _acl_text(acl_items, blocks), 0o644)
     for path, (text, mode) in device_files.items():
         _write(path, text, mode)

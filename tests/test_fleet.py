@@ -549,3 +549,41 @@ def test_revoke_without_tomlkit_names_what_to_install(tmp_path, monkeypatch):
     result = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(tmp_path / "fleet"), "pi-1"])
     assert result.exit_code == 1 and "needs tomlkit" in result.output and "fleet extra" in result.output, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_revoke_keeps_the_operators_lines_in_passwd_and_refuses_damaged_files_in_a_line(tmp_path):
+    """passwd was rebuilt from its accounts: an operator's comment lines were dropped. And a
+    damaged fleet.json or a passwd that is not UTF-8 ended in a traceback."""
+    import json
+
+    out = tmp_path / "fleet"
+    code, output = fleet_init("--devices", "3", "--broker", "mqtt://broker.lan:1883", "--out", str(out))
+    assert code == 0, output
+    passwd = out / "broker" / "passwd"
+    monitor = "monitor:$7$101$c2FsdA==$aGFzaA=="
+    passwd.write_text("# monitor account added 2024-05-01, do not remove\n" + passwd.read_text() + monitor + "\n")
+    result = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "pi-3"])
+    assert result.exit_code == 0, result.output
+    lines = passwd.read_text().splitlines()
+    assert lines[0] == "# monitor account added 2024-05-01, do not remove" and lines[-1] == monitor
+    assert not any(line.startswith("pi-3:") for line in lines)
+    before = {line.split(":")[0]: line for line in lines}
+    result = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "--reissue", "pi-1", "pi-3"])
+    assert result.exit_code == 0, result.output
+    after = passwd.read_text().splitlines()
+    assert after[0] == lines[0] and after[-2:] == [monitor, next(x for x in after if x.startswith("pi-3:"))]
+    assert after.index(next(x for x in after if x.startswith("pi-1:"))) == lines.index(before["pi-1"])  # in its place
+    assert next(x for x in after if x.startswith("pi-1:")) != before["pi-1"]  # a new hash
+
+    summary_path = out / "fleet.json"
+    summary = json.loads(summary_path.read_text())
+    for damaged, needle in (({**summary, "revoked": "pi-9"}, "`revoked` is not a table"),
+                            ({**summary, "devices": ["pi-1", 3]}, "a device id that is not a name")):
+        summary_path.write_text(json.dumps(damaged))
+        refused = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "pi-1"])
+        assert refused.exit_code == 2 and needle in refused.output and refused.exception is not None \
+            and isinstance(refused.exception, SystemExit), refused.output
+    summary_path.write_text(json.dumps(summary))
+    passwd.write_bytes(passwd.read_bytes() + b"\xff\xfe\n")
+    refused = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "pi-1"])
+    assert refused.exit_code == 2 and "is not UTF-8 text" in refused.output, refused.output
