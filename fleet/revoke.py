@@ -149,11 +149,9 @@ def _acl_text(items: list[str | tuple[str, list[str]]], blocks: dict[str, list[s
 def _acl_run(blocks: dict[str, list[str]], summary: dict) -> str:
     """The run level the broker's ACL gives devices now (the docs move a fleet to another run id
     by editing the ACL): read from a device's block, else what fleet init recorded."""
-    for rules in blocks.values():
-        for rule in rules:
-            m = re.fullmatch(rf"topic read {re.escape(topics.ROOT)}/([^/]+)/run", rule.strip())
-            if m:
-                return m.group(1)
+    level = topics.acl_run_level("\n".join(rule for rules in blocks.values() for rule in rules))
+    if level is not None:
+        return level
     return str(summary.get("acl_run_id", "+"))  # fleets from before the ACL named the run id had a +
 
 

@@ -383,12 +383,15 @@ def device_credentials(devices_dir: str | Path, ids: list[str]) -> dict[str, tup
     for cid in ids:
         path = Path(devices_dir) / cid / "agent.toml"
         try:
-            broker = tomllib.loads(path.read_text()).get("broker", {})
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ValueError(f"no credentials for {cid}: {exc}") from None
-        if not broker.get("username"):
+            broker = tomllib.loads(path.read_text(encoding="utf-8")).get("broker", {})
+        except (OSError, ValueError, RecursionError) as exc:  # (TOMLDecodeError, UnicodeDecodeError: ValueErrors)
+            raise ValueError(f"no credentials for {cid}: {path}: {exc}") from None
+        if not isinstance(broker, dict) or not isinstance(broker.get("username"), str) or not broker["username"]:
             raise ValueError(f"{path} has no [broker] username")
-        out[cid] = (broker["username"], broker.get("password"))
+        password = broker.get("password")
+        if password is not None and not isinstance(password, str):
+            raise ValueError(f"{path}: [broker] password is not text")
+        out[cid] = (broker["username"], password)
     return out
 
 

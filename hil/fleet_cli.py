@@ -134,7 +134,12 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
         if account is not None and account.exists():  # the coordinator's own account from `fedal fleet init`
             import tomllib
 
-            extra["broker"] = tomllib.loads(account.read_text()).get("broker", {})
+            try:
+                extra["broker"] = tomllib.loads(account.read_text(encoding="utf-8")).get("broker", {})
+                if not isinstance(extra["broker"], dict):
+                    raise ValueError("its [broker] is not a table")
+            except (OSError, ValueError, RecursionError) as exc:  # (TOMLDecodeError, UnicodeDecodeError: ValueErrors)
+                raise click.UsageError(f"{account} cannot give the coordinator its broker account: {exc}") from None
             if coordinator_broker is not None:  # asked for by name: over the account's own listener
                 extra["broker"]["url"] = coordinator_broker
         from fedal.workspace import WorkspaceError
@@ -231,11 +236,18 @@ def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file
 def check_acl_run_id(credentials_dir: Path, run_id: str) -> None:
     """ValueError if the fleet the credentials come from lets its devices write under another run id
     (`fleet init` writes it into the broker ACL): every connection would be refused, for ever."""
-    try:
-        summary = json.loads((credentials_dir.parent / "fleet.json").read_text())
+    from fedal.protocol.topics import acl_run_level
+
+    try:  # the ACL itself: the docs move a fleet to another run id by editing it
+        acl: str | None = acl_run_level((credentials_dir.parent / "broker" / "acl").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return  # not a `fleet init` output, or an older one (its ACL has `+`)
-    acl = summary.get("acl_run_id") if isinstance(summary, dict) else None
+        acl = None
+    if acl is None:  # no ACL beside the credentials (copied elsewhere): what fleet init recorded
+        try:
+            summary = json.loads((credentials_dir.parent / "fleet.json").read_text())
+        except (OSError, ValueError, RecursionError):
+            return  # not a `fleet init` output, or an older one (its ACL has `+`)
+        acl = summary.get("acl_run_id") if isinstance(summary, dict) else None
     if isinstance(acl, str) and acl not in ("+", run_id):
         raise ValueError(f"the fleet in {credentials_dir.parent} lets its devices write only under run id {acl!r} "
                          f"(its broker ACL): give --run-id {acl}, or provision it with `fleet init --any-run-id`")

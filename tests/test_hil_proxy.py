@@ -357,3 +357,31 @@ def test_fleet_refuses_credentials_of_a_fleet_pinned_to_another_run_id(tmp_path)
     result = CliRunner().invoke(cli, ["hil", "fleet", "--clients", "2", "--run-id", "other", "--ids", "pi-1,pi-2",
                                       "--credentials-dir", str(out / "devices"), "--broker", "mqtt://127.0.0.1:1"])
     assert result.exit_code == 2 and "only under run id 'lab'" in result.output, result.output
+    # moved to another run id as docs/deploy-raspberry-pi.md says (the ACL and the configs edited):
+    # the ACL's run id is the one asked for, not fleet.json's first one
+    acl = out / "broker" / "acl"
+    acl.write_text(acl.read_text().replace("fedal/v1/lab/", "fedal/v1/moved/"))
+    result = CliRunner().invoke(cli, ["hil", "fleet", "--clients", "2", "--run-id", "lab", "--ids", "pi-1,pi-2",
+                                      "--credentials-dir", str(out / "devices"), "--broker", "mqtt://127.0.0.1:1"])
+    assert result.exit_code == 2 and "only under run id 'moved'" in result.output, result.output
+
+
+def test_fleet_files_that_cannot_give_credentials_are_usage_errors(tmp_path):
+    """A damaged coordinator/broker.toml (with --start-coordinator) or a device config whose
+    [broker] is not a table ended `hil fleet` in a traceback."""
+    from click.testing import CliRunner
+
+    from fedal_cli.main import cli
+
+    out = tmp_path / "fleet"
+    assert CliRunner().invoke(cli, ["fleet", "init", "--devices", "2", "--broker", "mqtt://127.0.0.1:1",
+                                    "--out", str(out)]).exit_code == 0
+    args = ["hil", "fleet", "--clients", "2", "--run-id", "fleet", "--ids", "pi-1,pi-2", "--credentials-dir",
+            str(out / "devices"), "--broker", "mqtt://127.0.0.1:1", "--timeout", "5"]
+    account = out / "coordinator" / "broker.toml"
+    account.write_text(account.read_text() + "broken = [\n")
+    result = CliRunner().invoke(cli, [*args, "--start-coordinator", "--workdir", str(tmp_path / "wd")])
+    assert result.exit_code == 2 and "cannot give the coordinator its broker account" in result.output, result.output
+    (out / "devices" / "pi-2" / "agent.toml").write_text('client_id = "pi-2"\nbroker = "x"\n')
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and "has no [broker] username" in result.output, result.output

@@ -71,3 +71,15 @@ def parse(topic: str) -> Topic:
     if len(parts) != 5:
         raise TopicError(f"topic {topic!r}: expected {ROOT}/<run>/{kind}/<client>")
     return Topic(run, kind, check_id(parts[4], "client id"))
+
+
+def acl_run_level(acl_text: str) -> str | None:
+    """The run level a Mosquitto ACL written for these topics gives devices (a run id, or `+` for
+    any): from a device's `topic read fedal/v1/<run>/run` rule; None where it has none. The docs
+    move a fleet to another run id by editing the ACL, so the ACL, not what was first written
+    beside it, says which run a device may join."""
+    for line in acl_text.splitlines():
+        m = re.fullmatch(rf"topic read {re.escape(ROOT)}/([^/\s]+)/run", line.strip())
+        if m:
+            return m.group(1)
+    return None
