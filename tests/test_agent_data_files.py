@@ -290,3 +290,19 @@ def test_a_string_dtype_is_no_public_set_nor_data_file(tmp_path):
     path.write_bytes(declared_npz("|S2000000000", (150,)))
     with pytest.raises(ValueError, match=f"{path} is not an .npz of rows x and labels y"):
         load_npz_dataset(path, 10, "train")
+
+
+def test_a_manifest_past_what_a_run_can_be_is_refused_in_one_line():
+    """num_classes = 2,000,000 was joined: a model of gigabytes built and checkpointed on a Pi. And
+    a refused manifest was logged as pydantic's sixteen lines."""
+    from fedal.protocol import ManifestError, RunManifest
+
+    base = {"run_id": "r", "strategy": "fedmd", "strategy_params": {}, "num_classes": 10, "clients": ["a"], "rounds": 1}
+    for bad, why in (({"num_classes": 2_000_000}, "num_classes: Input should be less than or equal to 10000"),
+                     ({"rounds": 10**18}, "rounds: Input should be less than or equal to 1000000000")):
+        with pytest.raises(ManifestError, match=why) as info:
+            RunManifest.from_json(json.dumps({**base, **bad}).encode())
+        assert "\n" not in str(info.value)
+    with pytest.raises(ManifestError) as info:
+        RunManifest.from_json(b'{"run_id": "r1"}')
+    assert "\n" not in str(info.value) and "strategy: Field required" in str(info.value)

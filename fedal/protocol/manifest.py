@@ -8,7 +8,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fedal.model_names import MAX_NUM_CLASSES
 from fedal.protocol.envelope import PROTOCOL_VERSION
+from fedal.validation import describe
+
+MAX_ROUNDS = 10**9  # a run's rounds: far past any run, short of numbers a round counter cannot hold
 
 
 class ManifestError(ValueError):
@@ -22,9 +26,9 @@ class RunManifest(BaseModel):
     run_id: str
     strategy: str
     strategy_params: dict[str, Any]
-    num_classes: int = Field(ge=2)
+    num_classes: int = Field(ge=2, le=MAX_NUM_CLASSES)  # beyond: a model of gigabytes on a Pi
     clients: list[str]
-    rounds: int = Field(ge=1)
+    rounds: int = Field(ge=1, le=MAX_ROUNDS)
     eval_every: int = Field(1, ge=1)
     public_hash: str | None = None
     public_size: int | None = Field(None, ge=1)
@@ -55,7 +59,9 @@ class RunManifest(BaseModel):
         try:
             data = json.loads(payload)
             manifest = cls.model_validate(data)
-        except (ValueError, ValidationError, RecursionError) as exc:  # RecursionError: absurdly nested JSON
+        except ValidationError as exc:  # its fields on one line, as a config's
+            raise ManifestError(f"invalid run manifest: {describe(exc)}") from None
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly nested JSON
             raise ManifestError(f"invalid run manifest: {type(exc).__name__}: {exc}") from None
         if manifest.protocol != PROTOCOL_VERSION:
             raise ManifestError(f"run manifest has protocol {manifest.protocol}, this build speaks {PROTOCOL_VERSION}")

@@ -18,6 +18,7 @@ from pydantic import (
     model_validator,
 )
 
+from fedal.protocol.manifest import MAX_ROUNDS
 from fedal.strategies import STRATEGIES, STRATEGY_NAMES, StrategyParams, get_strategy
 from fedal.strategies.params import COMMON_PARAMS, MAX_DISCRIMINATOR_PARAMS, discriminator_params
 from fedal.strict_fields import NoCoercion
@@ -150,7 +151,7 @@ class RunConfig(NoCoercion):
                                        description="share of each client's data held out as its local test split")
     models: list[str] | None = Field(None, min_length=1, description="assigned round-robin; default per dataset "
                                        "(its first model alone for strategies that average parameters)")
-    rounds: int = Field(20, ge=1)
+    rounds: int = Field(20, ge=1, le=MAX_ROUNDS)
     seed: int = Field(0, ge=0, lt=2**63, description="0 <= seed < 2^63 (torch's seeds are 64-bit)")
     eval_every: int = Field(1, ge=1, description="evaluate every k rounds (and always after the last)")
     threads: int = Field(1, ge=1, le=1024, description="torch intra-op threads (1 is fastest for tiny models)")
