@@ -197,8 +197,10 @@ class Agent:
     # -- worker thread -----------------------------------------------------------------------
     def _work(self) -> None:
         while not self.stop_event.is_set():
+            self._report_dropped()
             try:
                 topic, payload = self.inbox.get(timeout=0.2)
+                self.link.taken(topic, payload)
             except queue.Empty:
                 m = self.manifest
                 if m is not None and m.state != "finished" and self.client is None and time.monotonic() >= self.retry_at:
@@ -599,10 +601,20 @@ class Agent:
             out[kind] += n
         return dict(out)
 
-    def _reject(self, reason: str, kind: str = "other") -> None:
-        self.counters["rejected"] += 1
-        self.rejects[kind] += 1
+    def _reject(self, reason: str, kind: str = "other", count: int = 1) -> None:
+        self.counters["rejected"] += count
+        self.rejects[kind] += count
         log.warning("rejected: %s", reason)
+
+    def _report_dropped(self) -> None:
+        """What the link dropped unread: one line and a count per reason, however many."""
+        for why, n in self.link.take_dropped().items():
+            if why == "size":
+                self._reject(f"{n} message(s) larger than broker.max_message_bytes "
+                             f"({self.link.max_message_bytes}) dropped unread", "size", n)
+            else:
+                self._reject(f"{n} message(s) dropped unread: more than {self.link.inbox_bytes} bytes of tasks were "
+                             "waiting (the coordinator sends an open task again)", "flood", n)
 
     def _write_status_file(self) -> None:
         status: dict[str, Any] = {"client_id": self.config.client_id, "counters": dict(self.counters),

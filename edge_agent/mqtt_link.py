@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 from edge_agent.config import AgentConfig
@@ -25,6 +26,7 @@ from fedal.protocol import parse_broker_url, split, topics
 from mqtt_link import connect_failure, new_client
 
 log = logging.getLogger("edge_agent.mqtt")
+INBOX_MESSAGES = 4  # tasks of the largest size that may wait for the worker at once
 
 
 def status_payload(state: str, health: dict[str, Any] | None = None) -> bytes:
@@ -64,6 +66,15 @@ class MqttLink:
         self.last_health: dict[str, Any] | None = None  # what a connect's `online` carries
         self.wake = threading.Event()  # a (re)connect or a stop: the health thread looks again
         self.health_thread = threading.Thread(target=self._report_health, name="fedal-health", daemon=True)
+        # what paho's thread lets into the inbox: no message above max_message_bytes (a whole
+        # envelope is at most that), and tasks waiting at most INBOX_MESSAGES of it (re-sends of a
+        # task pile up while one trains); the manifest always passes. Dropped ones are counted
+        # here and reported by the worker (take_dropped).
+        self.max_message_bytes = b.max_message_bytes
+        self.inbox_bytes = INBOX_MESSAGES * b.max_message_bytes
+        self._waiting = 0
+        self._dropped: Counter[str] = Counter()
+        self._inbox_lock = threading.Lock()
 
     def start(self) -> None:
         self.client.connect_async(self.address.host, self.address.port, keepalive=self.config.broker.keepalive)
@@ -147,4 +158,26 @@ class MqttLink:
             log.warning("disconnected (%s); paho reconnects with backoff", reason_code)
 
     def _on_message(self, _client, _userdata, message) -> None:
-        self.inbox.put((message.topic, bytes(message.payload)))
+        payload, topic = bytes(message.payload), message.topic
+        with self._inbox_lock:
+            if len(payload) > self.max_message_bytes:
+                self._dropped["size"] += 1
+                return
+            if topic != self.manifest_topic:
+                if self._waiting + len(payload) > self.inbox_bytes:
+                    self._dropped["flood"] += 1
+                    return
+                self._waiting += len(payload)
+        self.inbox.put((topic, payload))
+
+    def taken(self, topic: str, payload: bytes) -> None:
+        """The worker took this message from the inbox: its bytes no longer wait."""
+        if topic != self.manifest_topic:
+            with self._inbox_lock:
+                self._waiting -= len(payload)
+
+    def take_dropped(self) -> Counter[str]:
+        """Messages dropped unread since the last call, by why ("size", "flood")."""
+        with self._inbox_lock:
+            dropped, self._dropped = self._dropped, Counter()
+        return dropped
