@@ -22,14 +22,11 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import queue
 import signal
 import threading
 import time
 import uuid
-import zipfile
-import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -39,13 +36,13 @@ import torch
 
 from edge_agent import checkpoint
 from edge_agent.config import AgentConfig
+from edge_agent.data_files import read_rows
 from edge_agent.inference import OnnxInference, write_final_onnx
 from edge_agent.mqtt_link import MqttLink
 from edge_agent.own_workspace import KEPT_UNREADABLE, claim_workspace
 from edge_agent.public_set import load_public_set
 from fedal.atomic import write_atomic, write_bytes_atomic
 from fedal.data import ArrayDataset
-from fedal.data.public import ZIP_REFUSALS
 from fedal.models import build_model
 from fedal.protocol import EnvelopeError, ManifestError, Message, Packet, Reassembler, RunManifest, decode, encode
 from fedal.protocol.chunking import is_chunk
@@ -98,25 +95,11 @@ class ReplayDiverged(RuntimeError):
 
 
 def load_npz_dataset(path: Path, num_classes: int, name: str) -> ArrayDataset:
-    """A provisioned .npz of rows `x` and integer labels `y`. Anything else is a ValueError that
-    names the file: labels that are not whole numbers are refused, not truncated, and rows with
-    NaN or infinite values never reach training."""
+    """A provisioned .npz (edge_agent.data_files.read_rows) for a run of `num_classes`; a
+    ValueError names the file."""
+    x, y = read_rows(path)
     try:
-        with np.load(path, allow_pickle=False) as z:
-            if not isinstance(z, np.lib.npyio.NpzFile) or not {"x", "y"} <= set(z.files):
-                raise ValueError(f"it holds {', '.join(getattr(z, 'files', [])) or 'no arrays'}, not arrays x and y")
-            x, y = np.ascontiguousarray(z["x"], np.float32), np.asarray(z["y"])
-    except (ValueError, TypeError, EOFError, OSError, zipfile.BadZipFile, zlib.error, pickle.UnpicklingError,
-            MemoryError, *ZIP_REFUSALS) as exc:  # MemoryError: a size a damaged header claims
-        raise ValueError(f"{path} is not an .npz of rows x and labels y: {type(exc).__name__}: {exc}") from None
-    if y.dtype == bool or not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)) \
-            or (np.issubdtype(y.dtype, np.floating) and not np.array_equal(y, np.round(y))):
-        raise ValueError(f"{path}: labels y must be integers, got {y.dtype}"
-                         + (" with fractional values" if np.issubdtype(y.dtype, np.floating) else ""))
-    if not np.isfinite(x).all():
-        raise ValueError(f"{path}: x holds NaN or infinite values")
-    try:
-        return ArrayDataset(x, np.ascontiguousarray(y, np.int64), num_classes, name)
+        return ArrayDataset(x, y, num_classes, name)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
 

@@ -46,6 +46,15 @@ def agent_cmd(config_path: str | None, log_level: str, self_check: bool) -> None
                                "there; the service may write only below /var/lib/fedal-agent)") from None
     except WorkspaceError as exc:  # a user's directory: nothing in it is replaced
         raise click.UsageError(f"workspace {exc}") from None
+    from edge_agent.data_files import read_rows
+
+    for key in ("data_file", "test_file", "local_test_file"):  # what can never be trained on (numpy only: what
+        path = getattr(config, key)  # needs the run's number of classes waits for the run)
+        if path is not None:
+            try:
+                read_rows(Path(path))
+            except ValueError as exc:
+                raise click.UsageError(f"{key}: {exc}") from None
     from edge_agent.agent import Agent
 
     agent = Agent(config)

@@ -306,3 +306,28 @@ def test_a_manifest_past_what_a_run_can_be_is_refused_in_one_line():
     with pytest.raises(ManifestError) as info:
         RunManifest.from_json(b'{"run_id": "r1"}')
     assert "\n" not in str(info.value) and "strategy: Field required" in str(info.value)
+
+
+@pytest.mark.parametrize("content, needle", [
+    (lambda: npz_bytes(x=np.array([[np.nan, 1.0]], np.float32), y=np.array([0])), "x holds NaN or infinite values"),
+    (lambda: npz_bytes(x=np.zeros((6, 4), np.float32), y=np.zeros(5, np.int64)), "x has 6 rows but y has 5 labels"),
+    (lambda: npz_bytes(x=np.zeros((2, 4), np.float32)), "not arrays x and y"),
+    (lambda: b"not a zip at all", "not a zip archive (torn, or another kind of file)"),  # not numpy's pickle words
+])
+def test_a_data_file_that_can_never_be_trained_on_is_a_usage_error_at_start(tmp_path, content, needle):
+    """It was checked for existence only: the agent then retried joining the run for ever, with
+    backoff, while the service looked healthy."""
+    import subprocess
+    import sys
+
+    import tomli_w
+
+    data = tmp_path / "train.npz"
+    data.write_bytes(content())
+    config = tmp_path / "agent.toml"
+    config.write_text(tomli_w.dumps({"run_id": "r", "client_id": "c", "model": "mlp", "data_file": str(data),
+                                     "workspace": str(tmp_path / "ws"), "broker": {"url": "mqtt://127.0.0.1:1"}}))
+    r = subprocess.run([sys.executable, "-m", "edge_agent", "--config", str(config)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and f"Error: data_file: {data}" in r.stderr and needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
