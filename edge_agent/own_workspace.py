@@ -56,19 +56,29 @@ def holds_agent_content(entry: Path) -> bool:
         return False
     name = entry.name
     if name in FOLDER_FILES:
-        return entry.is_dir() and all(
-            (FOLDER_FILES[name].fullmatch(child.name) or TEMPORARY_NAME.match(child.name)) and not child.is_symlink()
-            for child in entry.iterdir())
+        if not (entry.is_dir() and all(
+                (FOLDER_FILES[name].fullmatch(child.name) or TEMPORARY_NAME.match(child.name)) and not child.is_symlink()
+                for child in entry.iterdir())):
+            return False
+        # final/: the model the agent writes there is a state dict, saved beside the others
+        # (a user's final/model.pt and model.onnx would otherwise be overwritten on names alone)
+        model = entry / "model.pt"
+        if name == "final" and (model.exists() or any(entry.glob("*.onnx"))):
+            return model.is_file() and _loads_as_dict(model)
+        return True
     if not entry.is_file():
         return False
     if name in CHECKPOINT_KEYS:
-        try:
-            import torch
-
-            state = torch.load(entry, map_location="cpu", weights_only=True)
-        except Exception:  # noqa: BLE001 (whatever it is, it is no checkpoint of the agent's)
-            return False
+        state = _load(entry)
         return isinstance(state, dict) and CHECKPOINT_KEYS[name] <= set(state)
+    if name == "public.npz":  # a public set (its hash is checked before use), not any file of that name
+        import numpy as np
+
+        try:
+            with np.load(entry, allow_pickle=False) as z:
+                return isinstance(z, np.lib.npyio.NpzFile) and "x" in z.files
+        except Exception:  # noqa: BLE001 (whatever it is, it is no public set the agent wrote)
+            return False
     if name == "journal.bin":
         from .checkpoint import first_record_header  # (torch: imported only for an unmarked folder's journal)
 
@@ -81,6 +91,20 @@ def holds_agent_content(entry: Path) -> bool:
             return isinstance(status, dict) and "client_id" in status
         return False
     return True  # public.npz (a public set, checked against the run's hash before use), the markers
+
+
+def _load(path: Path) -> object:
+    """torch.load of tensors alone (imported only for an unmarked folder's files); None if it is not that."""
+    try:
+        import torch
+
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 (whatever it is, it is nothing the agent wrote)
+        return None
+
+
+def _loads_as_dict(path: Path) -> bool:
+    return isinstance(_load(path), dict)
 
 
 def foreign_entries(config: AgentConfig, entries: list[Path]) -> list[Path]:

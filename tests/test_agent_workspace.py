@@ -70,15 +70,17 @@ def agent_files(folder):
     torch.save({"run_id": "lab", "instance": "i", "id": "c1", "client": {}, "round": 3}, folder / "checkpoint.pt")
     Journal(folder / "journal.bin").reset("c1")
     (folder / "agent-status.json").write_text(json.dumps({"client_id": "c00", "counters": {}}))
-    (folder / "public.npz").write_bytes(b"x")
+    import numpy as np
+
+    np.savez(folder / "public.npz", x=np.zeros((4, 2), np.float32))
     (folder / ".checkpoint.pt.k3j2.tmp").write_bytes(b"x")
-    (folder / "final" / "model.pt").write_bytes(b"x")
+    torch.save({"fc.weight": torch.zeros(2, 2)}, folder / "final" / "model.pt")
     (folder / "final" / "instance").write_text("i\n")
     (folder / "snapshots").mkdir()
     (folder / "snapshots" / "snapshot-1.onnx").write_bytes(b"x")
 
 
-@pytest.mark.parametrize("theirs", ["checkpoint", "final", "journal", "status", "cache"])
+@pytest.mark.parametrize("theirs", ["checkpoint", "final", "final-model", "public", "journal", "status", "cache"])
 def test_files_named_like_the_agents_that_hold_something_else_are_not_adopted(tmp_path, theirs):
     """An unmarked folder was adopted on names alone: a user's `checkpoint.pt` (the commonest
     PyTorch file name) was loaded and then overwritten, their final/model.onnx deleted."""
@@ -90,6 +92,11 @@ def test_files_named_like_the_agents_that_hold_something_else_are_not_adopted(tm
         torch.save({"epoch": 41, "weights": torch.zeros(3)}, ws / "checkpoint.pt")
     elif theirs == "final":
         (ws / "final" / "model.onnx.bak").write_bytes(b"USER")
+    elif theirs == "final-model":  # the agent's names, a user's files: adopted on names alone, then overwritten
+        (ws / "final" / "model.pt").write_text("my notes on the model\n")
+        (ws / "final" / "model.onnx").write_text("not a model\n")
+    elif theirs == "public":
+        (ws / "public.npz").write_text("a user's file of that name\n")
     elif theirs == "journal":
         (ws / "journal.bin").write_text("day 1: ...\n")
     elif theirs == "status":
