@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fedal.model_names import MODEL_NAMES
@@ -22,6 +22,13 @@ class AgentBrokerSettings(BrokerSettings):
     reconnect_max_s: float = Field(30.0, gt=0)
     max_message_bytes: int = Field(MAX_MESSAGE_BYTES, ge=4096, description="refuse chunked tasks larger than this; "
                                    "also what unfinished chunked tasks may hold, together")
+
+    @model_validator(mode="after")
+    def _backoff_grows(self) -> AgentBrokerSettings:
+        if self.reconnect_max_s < self.reconnect_min_s:  # paho would wait the larger first, then the smaller
+            raise ValueError(f"reconnect_max_s ({self.reconnect_max_s:g}) must be at least reconnect_min_s "
+                             f"({self.reconnect_min_s:g})")
+        return self
 
 
 class AgentConfig(BaseSettings, NoCoercion):

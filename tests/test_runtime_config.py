@@ -159,3 +159,13 @@ def test_the_example_configs_show_every_key_and_their_commented_values_load(tmp_
         load_agent_config(uncommented)
     else:
         load_coordinator_config(uncommented)
+
+
+def test_an_agents_reconnect_backoff_that_shrinks_is_refused(tmp_path):
+    """reconnect_min_s = 10 with reconnect_max_s = 1 was taken without a word (paho then waits the
+    larger first)."""
+    path = tmp_path / "agent.toml"
+    path.write_text('client_id = "c"\nrun_id = "r"\nmodel = "mlp"\ndata_file = "x.npz"\n'
+                    '[broker]\nreconnect_min_s = 10\nreconnect_max_s = 1\n')
+    with pytest.raises(SettingsError, match=r"reconnect_max_s \(1\) must be at least reconnect_min_s \(10\)"):
+        load_agent_config(path)
