@@ -164,7 +164,8 @@ def check_cmd(config: Path) -> None:
               help="The agent's wheel (default: built from this checkout).")
 @click.option("--index-url", help="Package index to download from (default: pip's, i.e. PyPI).")
 @click.option("--find-links", "find_links", multiple=True, help="Extra directory or URL of wheels for pip; repeatable.")
-@click.option("--no-index", is_flag=True, help="Only --find-links, no package index.")
+@click.option("--no-index", is_flag=True, help="Only --find-links, no package index (torch from --torch-index if given, "
+              "e.g. a mirror of PyTorch's CPU index in the lab).")
 @click.option("--torch-index", metavar="URL",
               help="Take torch alone from this index, e.g. PyTorch's CPU wheels https://download.pytorch.org/whl/cpu "
                    "(needed for a Pi 3B+, Pi 4 or Zero 2 W: docs/deploy-raspberry-pi.md).")
@@ -183,8 +184,6 @@ def wheelhouse_cmd(**options) -> None:
         raise click.UsageError("--no-index needs --find-links (where the wheels are)")
     if options["no_index"] and options["index_url"]:
         raise click.UsageError("--no-index and --index-url contradict each other")
-    if options["no_index"] and options.get("torch_index"):  # pip would go to that index all the same
-        raise click.UsageError("--no-index and --torch-index contradict each other (put torch's wheel in --find-links)")
     spec = WheelhouseSpec(**options)
     try:
         with procs.stop_signals_interrupt():  # SIGTERM/SIGHUP as Ctrl-C: pip ended, the work directory removed

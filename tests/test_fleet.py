@@ -13,6 +13,7 @@ import time
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 from click.testing import CliRunner
@@ -186,7 +187,7 @@ def test_agent_comes_online_over_tls_with_generated_credentials(tmp_path):
            "FEDAL_AGENT_BROKER__CA_FILE": str(out / "devices" / "pi-1" / "ca.crt"),
            "FEDAL_AGENT_WORKSPACE": str(tmp_path / "ws"), "FEDAL_AGENT_DATA_FILE": str(tmp_path / "ws" / "train.npz")}
     (tmp_path / "ws").mkdir(exist_ok=True)
-    (tmp_path / "ws" / "train.npz").write_bytes(b"")  # only joining a run reads it
+    np.savez(tmp_path / "ws" / "train.npz", x=np.zeros((4, 40), np.float32), y=np.zeros(4, np.int64))  # read at start
     watcher = Client(port, "coordinator", coordinator_password(out), ca=ca, name="watch")
     agent = None
     try:

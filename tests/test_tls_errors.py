@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 
+import numpy as np
+
 from coordinator.bus import CoordinatorBus
 from edge_agent.mqtt_link import MqttLink
 from fleet import tls
@@ -95,7 +97,7 @@ def test_agent_process_logs_the_certificate_error(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FEDAL_AGENT_BROKER__CA_FILE": str(foreign_ca(tmp_path)),
            "FEDAL_AGENT_WORKSPACE": str(tmp_path / "ws"), "FEDAL_AGENT_DATA_FILE": str(tmp_path / "ws" / "train.npz")}
     (tmp_path / "ws").mkdir(exist_ok=True)
-    (tmp_path / "ws" / "train.npz").write_bytes(b"")  # only joining a run reads it
+    np.savez(tmp_path / "ws" / "train.npz", x=np.zeros((4, 40), np.float32), y=np.zeros(4, np.int64))  # read at start
     with open(log_path, "wb") as log:
         agent = subprocess.Popen([sys.executable, "-m", "edge_agent", "--config",
                                   str(files.out / "devices" / "pi-1" / "agent.toml")],
