@@ -31,6 +31,16 @@ def spec(run_id: str, **fields) -> dict:
             "run": {"strategy": "fedmd", "dataset": "digits", "rounds": 5, "public_size": 50}, **fields}
 
 
+def manager_with_run(state, run_id: str) -> RunManager:
+    """A manager on `state` whose API created `run_id` on a public file of its own there."""
+    state.mkdir()
+    np.savez(state / "public.npz", x=np.random.default_rng(0).random((40, 64), dtype=np.float32))
+    runs = manager(state)
+    api = local_client(runs, raise_server_exceptions=False)
+    assert api.post("/api/v1/runs", json=spec(run_id, public_file=str(state / "public.npz")), headers=AUTH).status_code == 201
+    return runs
+
+
 def held_builds(monkeypatch) -> tuple[threading.Event, threading.Event]:
     """Every run build waits (as one deriving a large public set would) until `release` is set;
     `building` is set once one has started."""
@@ -56,11 +66,7 @@ def create_in_background(api: TestClient, run_id: str) -> tuple[threading.Thread
 
 def test_a_stored_run_a_restart_cannot_bring_back_stays_failed_and_keeps_its_id_and_history(tmp_path):
     state = tmp_path / "state"
-    state.mkdir()
-    np.savez(state / "public.npz", x=np.random.default_rng(0).random((40, 64), dtype=np.float32))
-    runs = manager(state)
-    api = local_client(runs, raise_server_exceptions=False)
-    assert api.post("/api/v1/runs", json=spec("r2", public_file=str(state / "public.npz")), headers=AUTH).status_code == 201
+    runs = manager_with_run(state, "r2")
     records = [{"round": r, "mean_acc": 0.5} for r in (1, 2, 3)]
     runs.store.save("r2", {"completed_rounds": 3, "state": "stopped"}, records,
                     {"c00": {"answered": 7, "online": True}, "c01": {"answered": 6, "online": False}},
@@ -234,11 +240,7 @@ def test_a_run_stored_with_an_empty_models_list_is_restored_as_it_ran(tmp_path):
     """`run.models = []` was accepted (the dataset's defaults) until an empty list was refused: a
     run stored with it must still come back after an upgrade, not stay failed for good."""
     state = tmp_path / "state"
-    state.mkdir()
-    np.savez(state / "public.npz", x=np.random.default_rng(0).random((40, 64), dtype=np.float32))
-    runs = manager(state)
-    api = local_client(runs, raise_server_exceptions=False)
-    assert api.post("/api/v1/runs", json=spec("old", public_file=str(state / "public.npz")), headers=AUTH).status_code == 201
+    runs = manager_with_run(state, "old")
     stored = runs.store.load("old").spec
     runs.store.register("old", {**stored, "run": {**stored["run"], "models": []}}, "api")  # as an older version stored it
     runs.store.close()
