@@ -180,7 +180,9 @@ def test_a_compromised_device_is_refused_counted_and_changes_nothing(fleet_files
     final, results, scraped = run_once(out, broker, tmp_path / "attacked", attack=True)
     assert final["state"] == "finished" and final["completed_rounds"] == ROUNDS
     rejects = final["rejects"]
-    assert rejects.get("chunk", 0) >= 24, rejects  # the flood, chunk by chunk
+    # the flood, chunk by chunk: each refused as a chunk, or dropped unread by dev-3's inbox budget
+    # while the coordinator was busy (counted under flood; which of the two depends on the machine)
+    assert rejects.get("chunk", 0) + rejects.get("flood", 0) >= 24, rejects
     assert rejects.get("chunk_budget", 0) == 1, rejects  # the message beyond dev-3's budget
     assert rejects.get("magnitude", 0) == 1, rejects
     assert rejects.get("status", 0) >= 1 and rejects.get("envelope", 0) >= 2, rejects  # the retained junk
