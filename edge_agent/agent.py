@@ -48,6 +48,7 @@ from fedal.protocol import EnvelopeError, ManifestError, Message, Packet, Reasse
 from fedal.protocol.chunking import is_chunk
 from fedal.session import ClientSession, TaskRefused, declining, evaluation_reply
 from fedal.strategies import StrategyParams, get_strategy
+from fedal.strategies.training import TrainingStopped, stoppable
 from fedal.workspace import WorkspaceError, held
 
 log = logging.getLogger("edge_agent")
@@ -164,6 +165,8 @@ class Agent:
             time.sleep(0.2)  # (not stop_event.wait: a signal handler interrupting it must find no lock held)
         self.stop_event.set()
         self.worker.join(timeout=30)
+        if self.worker.is_alive():  # one step or evaluation longer than that: the process ends without it
+            log.warning("the worker is still computing after 30 s; the agent ends without waiting for it")
         self.link.stop()
         self._write_status_file()
         return self.exit_status
@@ -179,6 +182,14 @@ class Agent:
 
     # -- worker thread -----------------------------------------------------------------------
     def _work(self) -> None:
+        with stoppable(lambda: self.stop_requested or self.stop_event.is_set()):
+            try:
+                self._work_until_stopped()
+            except TrainingStopped:  # asked to stop in a long task: its state was never made durable
+                log.info("stopped in the middle of a task; it is not answered (the coordinator sends it again, "
+                         "or the agent takes it up after its restart)")
+
+    def _work_until_stopped(self) -> None:
         while not self.stop_event.is_set():
             self._report_dropped()
             try:

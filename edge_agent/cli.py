@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -60,7 +61,12 @@ def agent_cmd(config_path: str | None, log_level: str, self_check: bool) -> None
     agent = Agent(config)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal closed
         signal.signal(sig, lambda *_: agent.request_stop())  # no lock in a handler (Agent.request_stop)
-    sys.exit(agent.run())
+    code = agent.run()
+    if agent.worker.is_alive():  # torch still computing in it: the interpreter's teardown would abort
+        logging.shutdown()  # (SIGABRT, "terminate called without an active exception")
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def run_self_check() -> None:

@@ -138,6 +138,8 @@ class ClientSession:
         if problem is not None:  # e.g. feedback of absurd magnitude: never trained on
             raise TaskRefused(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {problem[1]}",
                               problem[0])
+        if "steps" in meta:  # checked before the client half takes the task (it may load weights first)
+            self._refusing(task, lambda: self.client.task_steps(task))
         return NewTask()
 
     def prepare(self, task: Message) -> None:

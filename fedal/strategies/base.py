@@ -23,7 +23,7 @@ from fedal.protocol import Message, tensor_problem
 from fedal.protocol.message import Scalar
 from fedal.strategies import optim
 from fedal.strategies.frozen import TorchInference
-from fedal.strategies.params import StrategyParams
+from fedal.strategies.params import MAX_STEPS, StrategyParams
 
 
 class InvalidResult(ValueError):
@@ -184,6 +184,14 @@ class ClientHalf(ABC):
         if self.private is None:
             return {"loss": train()}
         return self.private.spend(self.client_id, train)[0]
+
+    def task_steps(self, task: Message) -> int:
+        """The local steps `task` asks for (default tau), within a run's bounds for tau: a negative
+        count was answered as a task of no steps, with loss 0, and a huge one trained on for days."""
+        steps = task.integer("steps", self.params.tau or 1)
+        if not 1 <= steps <= MAX_STEPS:
+            raise ValueError(f"steps must be between 1 and {MAX_STEPS}, got {steps}")
+        return steps
 
     def reply(self, task: Message, tensors: dict[str, np.ndarray] | None = None, **meta: Any) -> Message:
         base: dict[str, Scalar] = {k: task.meta[k] for k in ("phase", "round", "iteration") if k in task.meta}

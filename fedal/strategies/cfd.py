@@ -176,7 +176,7 @@ class CFDClient(ClientHalf):
 
     def handle(self, task: Message) -> Message:
         if task.phase == "local_train":
-            report = self.training_report(lambda: train_steps(self, task.integer("steps", self.params.tau)))
+            report = self.training_report(lambda: train_steps(self, self.task_steps(task)))
             tensors, ref = self.upload(task.integer("round"), task.integer("ref", NO_REF))
             return self.reply(task, tensors, ref=ref, **report)
         if task.phase == "distill":
@@ -214,7 +214,7 @@ class CFDClient(ClientHalf):
         target, has = soft_target(np.asarray(target_levels), bits)
         x = self.public[self.rows]
         n, b = len(self.rows), min(p.public_batch_size, len(self.rows))
-        batches = (torch.randperm(n, generator=self.generator)[:b] for _ in range(task.integer("steps", p.tau)))
+        batches = (torch.randperm(n, generator=self.generator)[:b] for _ in range(self.task_steps(task)))
 
         def step(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
             loss = p.lambda_kd * soft_cross_entropy(self.model(x[idx]), target[idx], has[idx], p.temperature_kd)

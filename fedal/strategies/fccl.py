@@ -257,7 +257,7 @@ class FCCLClient(ClientHalf):
             keys = ("loss_cc", "loss_isl") if self.PLUS else ("loss_cc",)
             diag = {k: float(np.mean(self.col_diag[k])) if self.col_diag.get(k) else float("nan") for k in keys}
             self.col_diag.clear()
-            report = self.training_report(lambda: self.local_update(task.integer("steps", self.params.tau)))
+            report = self.training_report(lambda: self.local_update(self.task_steps(task)))
             return self.reply(task, None, **report, **diag)
         raise ValueError(f"unknown phase {task.phase!r}")
 

@@ -111,7 +111,7 @@ class FDClient(ClientHalf):
         if task.phase != "local_train":
             raise ValueError(f"unknown phase {task.phase!r}")
         teacher = read_teacher(task.tensors, self.num_classes)
-        steps = task.integer("steps", self.params.tau)
+        steps = self.task_steps(task)
         if self.private is not None:
             stats, avg, counts = self.private_train(steps, teacher)
         else:

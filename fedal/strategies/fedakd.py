@@ -82,7 +82,7 @@ class FedAKDClient(ClientHalf):
             raise ValueError(f"unknown phase {task.phase!r}")
         self.load_task_weights(task)
         p = self.params
-        steps = task.integer("steps", p.tau)
+        steps = self.task_steps(task)
         if self.private is not None:
             return self.reply(task, model_to_numpy(self.global_model), num_samples=len(self.y_train),
                               **self.private_train(steps))

@@ -322,7 +322,7 @@ class FedALClient(ClientHalf):
         compute_kept_diagnostics([self])
 
     def _local_train(self, task: Message) -> dict[str, Any]:
-        diag = self.training_report(lambda: self.local_steps(task.integer("steps", self.params.tau)))
+        diag = self.training_report(lambda: self.local_steps(self.task_steps(task)))
         self.snapshot_ref_glo()
         return diag
 

@@ -125,7 +125,7 @@ class FedAvgClient(ClientHalf):
             return self.reply(task, model_to_numpy(self.model))
         if task.phase == "train":
             load_numpy_into(self.model, task.tensors)
-            report = self.training_report(lambda: train_steps(self, task.integer("steps", self.params.tau)))
+            report = self.training_report(lambda: train_steps(self, self.task_steps(task)))
             return self.reply(task, model_to_numpy(self.model), num_samples=len(self.y_train), **report)
         raise ValueError(f"unknown phase {task.phase!r}")
 

@@ -179,7 +179,7 @@ class FedDFClient(FedALClient):
         if task.phase == "local_train":
             self.load_group_weights(task)  # round 0: the group's common start
             # over the privacy budget: the weights as loaded
-            report = self.training_report(lambda: self.local_steps(task.integer("steps", self.params.tau)))
+            report = self.training_report(lambda: self.local_steps(self.task_steps(task)))
             if self.params.feddf_ref_glo == "local_train":  # ALGORITHMS.md: right after local training
                 self.snapshot_ref_glo()
             return self.reply(task, self.weights(), num_samples=len(self.y_train), arch=self.arch, **report)

@@ -164,7 +164,7 @@ class FedHKDClient(FedAvgClient):
         knowledge = Knowledge.from_tensors(task.tensors)
         if knowledge is not None and not knowledge.mask.any():
             knowledge = None
-        steps = task.integer("steps", self.params.tau)
+        steps = self.task_steps(task)
         if self.private is not None:
             stats, (h, q, counts) = self.private_train(steps, knowledge)
         else:

@@ -206,7 +206,7 @@ class FedProtoClient(ClientHalf):
         if task.phase != "local_train":
             raise ValueError(f"unknown phase {task.phase!r}")
         glob = self.global_prototypes(task)
-        steps = task.integer("steps", self.params.tau)
+        steps = self.task_steps(task)
         if self.private is not None:
             stats, protos, counts = self.private_train(steps, glob)
         else:
@@ -354,7 +354,7 @@ class FedProtoPublicClient(ClientHalf):
         tau = self.params.tau or 1
         if task.phase == "local_train":
             self.round_diag = []
-            diag: dict[str, Any] = self.training_report(lambda: self.local_steps(task.integer("steps", tau)))
+            diag: dict[str, Any] = self.training_report(lambda: self.local_steps(self.task_steps(task)))
         elif task.phase == "transfer":
             if AVERAGE_KEY in task.tensors:
                 self.round_diag.append(self.apply_average(task))

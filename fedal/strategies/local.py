@@ -39,7 +39,7 @@ class LocalClient(ClientHalf):
     def handle(self, task: Message) -> Message:
         if task.phase != "local_train":
             raise ValueError(f"unknown phase {task.phase!r}")
-        return self.reply(task, **self.training_report(lambda: train_steps(self, task.integer("steps", self.params.tau))))
+        return self.reply(task, **self.training_report(lambda: train_steps(self, self.task_steps(task))))
 
 
 def train_steps(client: ClientHalf, steps: int) -> float:

@@ -47,10 +47,13 @@ def same_params(clients: Sequence[Any]) -> StrategyParams:
 
 def step_count(clients: Sequence[Any], tasks: Sequence[Message]) -> int:
     """The one number of steps every task asks for (`steps`, default tau); NotStackable where
-    they differ or there are none (nothing to stack)."""
-    steps = {t.integer("steps", clients[0].params.tau) for t in tasks}
-    if len(steps) != 1 or 0 in steps:
-        raise NotStackable("the clients take different numbers of steps (or none)")
+    they differ or some client refuses its count."""
+    try:
+        steps = {c.task_steps(t) for c, t in zip(clients, tasks, strict=True)}
+    except ValueError as exc:  # each client refuses it on its own path
+        raise NotStackable(str(exc)) from None
+    if len(steps) != 1:
+        raise NotStackable("the clients take different numbers of steps")
     return steps.pop()
 
 

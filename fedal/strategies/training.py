@@ -9,6 +9,7 @@ and noise) would plug in, so strategies never implement either themselves.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -17,6 +18,34 @@ import torch
 from fedal.privacy import PrivateTraining
 
 StepLoss = Callable[[torch.Tensor], "tuple[torch.Tensor, dict[str, float]]"]
+
+
+class TrainingStopped(BaseException):
+    """Raised between two steps once the thread's stop is asked for (`stoppable`). A
+    BaseException: no handler of a task's errors takes it for a refused task or a failed durable
+    write; the task is left unanswered, its state never made durable."""
+
+
+_STOP = threading.local()
+
+
+@contextlib.contextmanager
+def stoppable(stop_asked: Callable[[], bool]):
+    """Within, on this thread: training stops between two steps (TrainingStopped) once
+    `stop_asked()` is true. An agent asked to stop in a long task then ends in a step's time,
+    instead of a process torn down with torch still computing in its worker thread."""
+    _STOP.asked = stop_asked
+    try:
+        yield
+    finally:
+        _STOP.asked = None
+
+
+def stop_point() -> None:
+    """TrainingStopped where this thread's stop is asked for (see `stoppable`)."""
+    asked = getattr(_STOP, "asked", None)
+    if asked is not None and asked():
+        raise TrainingStopped
 
 
 _MODULES: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
@@ -71,6 +100,7 @@ def minibatch_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ba
     steps = []
     with private.per_sample(model) if private is not None else contextlib.nullcontext():
         for idx in batches:
+            stop_point()
             optimizer.zero_grad()
             loss, stats = step_loss(idx) if len(idx) else (None, {})
             if loss is not None:
