@@ -347,11 +347,14 @@ def build_wheelhouse(spec: WheelhouseSpec, progress=lambda msg: None) -> dict:
     before = _claim(spec.out)
 
     out = spec.out
+    created = _missing_dirs(out)  # removed again (when empty) if the wheelhouse is not written
     try:
         out.mkdir(parents=True, exist_ok=True)
         work = Path(procs.pid_dir(out, WORK_PREFIX))  # inside out: no leftovers elsewhere
     except OSError as exc:
+        _remove_empty(created)
         raise UsageProblem(f"--out {out} cannot be used: {exc.strerror or exc}") from None
+    written = False
     try:
         progress(f"the agent's wheel{'' if spec.wheel else ' (built from ' + str(REPO) + ')'}")
         agent = _agent_wheel(spec, work)
@@ -399,6 +402,29 @@ def build_wheelhouse(spec: WheelhouseSpec, progress=lambda msg: None) -> dict:
             "files": dict(sorted(entries.items())),
         }
         _replace_files(out, before, manifest, files)
+        written = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if not written:
+            _remove_empty(created)
     return manifest
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """`path` and its parents that do not exist yet, deepest first."""
+    missing = []
+    for d in (path, *path.parents):
+        if d.exists() or d.is_symlink():
+            break
+        missing.append(d)
+    return missing
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """The directories this run created, deepest first, as long as each is empty (rmdir never
+    removes anything that was put in one meanwhile)."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return

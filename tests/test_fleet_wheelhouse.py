@@ -134,11 +134,14 @@ def test_pinned_aarch64_closure_without_x86_only_dependencies(tmp_path, inputs):
 def test_an_incomplete_closure_is_refused_naming_what_is_missing(tmp_path, inputs):
     idx, constraints, wheel = inputs
     constraints.write_text(CONSTRAINTS.replace("filelock==3.20.0\n", ""))
-    out = tmp_path / "wh"
+    out = tmp_path / "new" / "wh"
     r = wheelhouse("--out", str(out), *offline(idx, constraints, wheel))
     assert r.returncode == 1, r.stdout
     assert "lacks filelock (needed by torch)" in r.stderr and "nvidia" not in r.stderr
-    assert list(out.iterdir()) == []  # nothing half-written is left, nothing looks like a wheelhouse
+    assert not (tmp_path / "new").exists()  # the directories it made go again: nothing half-written is left
+    out.mkdir(parents=True)  # a directory the user made stays, empty
+    r = wheelhouse("--out", str(out), *offline(idx, constraints, wheel))
+    assert r.returncode == 1 and list(out.iterdir()) == []
 
 
 def test_the_privacy_extra_it_carries_is_checked_complete_too(tmp_path, inputs):
@@ -157,7 +160,7 @@ def test_the_privacy_extra_it_carries_is_checked_complete_too(tmp_path, inputs):
     r = wheelhouse("--out", str(out), *offline(idx, constraints, wheel))
     assert r.returncode == 1, r.stdout
     assert "lacks scipy>=1.2 (needed by opacus)" in r.stderr
-    assert list(out.iterdir()) == []
+    assert not out.exists()
 
     constraints.write_text(CONSTRAINTS + "opacus==1.6.0\nscipy==1.17.1\n")
     r = wheelhouse("--out", str(out), *offline(idx, constraints, wheel))
