@@ -3,7 +3,7 @@
     OUT/devices/<id>/agent.toml    one agent config per device, its own password (0600)
     OUT/devices/<id>/ca.crt        with TLS: the CA the agent verifies the broker with
     OUT/coordinator/broker.toml    run id, client ids and a [broker] table for coordinator.toml
-    OUT/broker/passwd              Mosquitto password file (PBKDF2-SHA512 hashes, no plain text)
+    OUT/broker/passwd              the devices' hashes (PBKDF2-SHA512, no plain text), for their listener
     OUT/broker/coordinator.passwd  the coordinator's hash alone, for the coordinator's listener
     OUT/broker/acl                 Mosquitto ACL: each device only its own topics
     OUT/broker/fedal.conf          Mosquitto listener snippet using the files above
@@ -325,7 +325,9 @@ def _plan_fleet(spec: FleetSpec) -> dict:
     _write(out / "coordinator" / "broker.toml",
            _toml(header, {"run_id": spec.run_id, "client_ids": ids, "broker": coord_broker}), 0o600)
 
-    _write(out / "broker" / "passwd", passwords.password_file({u: secrets[u] for u in [spec.coordinator_user, *ids]}), 0o600)
+    # the devices' listener takes the devices' accounts only: the coordinator's, with its rights over the
+    # whole tree, cannot be used there (where the network reaches) should its password leak
+    _write(out / "broker" / "passwd", passwords.password_file({u: secrets[u] for u in ids}), 0o600)
     _write(out / "broker" / "coordinator.passwd",
            passwords.password_file({spec.coordinator_user: secrets[spec.coordinator_user]}), 0o600)
     _write(out / "broker" / "acl", acl.acl_file(ids, spec.coordinator_user, None if spec.any_run_id else spec.run_id),

@@ -69,14 +69,17 @@ def provision(tmp_path: Path, devices: int = 3, *, prefix: str = "pi-", run_id: 
 
 def acl_only_broker(tmp_path: Path, run_id: str, extra: tuple[str, ...] = ()) -> tuple[Path, Mosquitto]:
     """Three `dev-` devices provisioned for run_id, and one Mosquitto listener enforcing only the
-    generated password and ACL files (what a hand-written broker config would reuse)."""
+    generated password and ACL files (what a hand-written broker config would reuse: `passwd` and
+    `coordinator.passwd` together)."""
     port = free_port()
     out = tmp_path / "fleet"
     result = CliRunner().invoke(cli, ["fleet", "init", "--devices", "3", "--prefix", "dev-", "--broker",
                                       f"mqtt://127.0.0.1:{port}", "--run-id", run_id, "--out", str(out), *extra])
     assert result.exit_code == 0, result.output
-    broker = Mosquitto(tmp_path / "mosquitto", port, password_file=out / "broker" / "passwd",
-                       acl_file=out / "broker" / "acl").start()
+    both = tmp_path / "one-listener.passwd"  # one listener for both: the devices' and the coordinator's accounts
+    both.write_text((out / "broker" / "passwd").read_text() + (out / "broker" / "coordinator.passwd").read_text())
+    both.chmod(0o600)
+    broker = Mosquitto(tmp_path / "mosquitto", port, password_file=both, acl_file=out / "broker" / "acl").start()
     return out, broker
 
 

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from edge_agent.config import load_agent_config
-from fedal.protocol import topics
+from fedal.protocol import parse_broker_url, topics
 from fedal_cli.main import cli
 from fleet import passwords
 from tests.waiting import free_port, wait_for_port
@@ -51,6 +51,13 @@ def password_of(out: Path, cid: str) -> str:
 
 def coordinator_password(out: Path) -> str:
     return tomllib.loads((out / "coordinator" / "broker.toml").read_text())["broker"]["password"]
+
+
+def coordinator_port(out: Path) -> int:
+    """The coordinator's own listener (the only one its account may log in to)."""
+    port = parse_broker_url(tomllib.loads((out / "coordinator" / "broker.toml").read_text())["broker"]["url"]).port
+    assert wait_for_port(port)
+    return port
 
 
 class Client:
@@ -129,7 +136,10 @@ def test_generated_fleet_holds_each_device_to_its_own_topics(tmp_path):
     broker = start_mosquitto(out, port)
     clients: list[Client] = []
     try:
-        coord = Client(port, "coordinator", coordinator_password(out), name="coord")
+        refused = Client(port, "coordinator", coordinator_password(out), name="coord-on-devices")
+        clients.append(refused)  # the coordinator's account, with its rights over the whole tree, only on its own listener
+        assert refused.rc != 0
+        coord = Client(coordinator_port(out), "coordinator", coordinator_password(out), name="coord")
         clients.append(coord)
         assert coord.rc == 0
         coord.subscribe(f"fedal/v1/{RUN}/#")
@@ -188,7 +198,7 @@ def test_agent_comes_online_over_tls_with_generated_credentials(tmp_path):
            "FEDAL_AGENT_WORKSPACE": str(tmp_path / "ws"), "FEDAL_AGENT_DATA_FILE": str(tmp_path / "ws" / "train.npz")}
     (tmp_path / "ws").mkdir(exist_ok=True)
     np.savez(tmp_path / "ws" / "train.npz", x=np.zeros((4, 40), np.float32), y=np.zeros(4, np.int64))  # read at start
-    watcher = Client(port, "coordinator", coordinator_password(out), ca=ca, name="watch")
+    watcher = Client(coordinator_port(out), "coordinator", coordinator_password(out), ca=ca, name="watch")
     agent = None
     try:
         assert watcher.rc == 0
@@ -371,7 +381,7 @@ def test_revoke_locks_one_device_out_and_reissue_rekeys_it(tmp_path):
     broker = start_mosquitto(out, port)
     clients: list[Client] = []
     try:
-        coord = Client(port, "coordinator", coordinator_password(out), name="coord")
+        coord = Client(coordinator_port(out), "coordinator", coordinator_password(out), name="coord")
         clients.append(coord)
         coord.subscribe(f"fedal/v1/{RUN}/#")
         lost = Client(port, "pi-2", old["pi-2"], name="lost")
@@ -481,7 +491,7 @@ def test_revoke_works_with_the_ca_kept_offline_and_reissue_follows_the_acls_run_
     assert tomllib.loads(merged.read_text())["client_ids"] == ["pi-1", "pi-3"]
     everyone = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "pi-1", "pi-2", "pi-3"])
     assert everyone.exit_code == 0 and "0 device(s) left" in everyone.output, everyone.output
-    assert [x.split(":")[0] for x in (out / "broker" / "passwd").read_text().splitlines()] == ["coordinator"]
+    assert (out / "broker" / "passwd").read_text() == ""  # the devices' listener: no account left
     assert "user pi-" not in acl_path.read_text() and "user coordinator" in acl_path.read_text()
     assert tomllib.loads(merged.read_text())["client_ids"] == []
     assert "# lab 2 since May\n[broker]" in merged.read_text() and '"coordinator"  # its own account' in merged.read_text()

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from fedal.data import ArrayDataset
 from fedal.protocol import TASK_CONTEXT, Message, Packet, tensor_problem
 from fedal.strategies import ClientHalf
+from fedal.strategies.base import task_steps
 
 log = logging.getLogger("fedal.session")
 
@@ -139,7 +140,7 @@ class ClientSession:
             raise TaskRefused(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {problem[1]}",
                               problem[0])
         if "steps" in meta:  # checked before the client half takes the task (it may load weights first)
-            self._refusing(task, lambda: self.client.task_steps(task))
+            self._refusing(task, lambda: task_steps(task, self.client.params.tau))
         return NewTask()
 
     def prepare(self, task: Message) -> None:

@@ -120,6 +120,15 @@ class ServerHalf(ABC):
         return Message({"phase": phase, "round": round_idx, "iteration": iteration, **meta})
 
 
+def task_steps(task: Message, tau: int | None) -> int:
+    """The local steps `task` asks for (default tau), within a run's bounds for tau: a negative
+    count was answered as a task of no steps, with loss 0, and a huge one trained on for days."""
+    steps = task.integer("steps", tau or 1)
+    if not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"steps must be between 1 and {MAX_STEPS}, got {steps}")
+    return steps
+
+
 class ClientHalf(ABC):
     """Runs on the device. Owns the private model, its optimizer and the private data.
 
@@ -186,12 +195,7 @@ class ClientHalf(ABC):
         return self.private.spend(self.client_id, train)[0]
 
     def task_steps(self, task: Message) -> int:
-        """The local steps `task` asks for (default tau), within a run's bounds for tau: a negative
-        count was answered as a task of no steps, with loss 0, and a huge one trained on for days."""
-        steps = task.integer("steps", self.params.tau or 1)
-        if not 1 <= steps <= MAX_STEPS:
-            raise ValueError(f"steps must be between 1 and {MAX_STEPS}, got {steps}")
-        return steps
+        return task_steps(task, self.params.tau)
 
     def reply(self, task: Message, tensors: dict[str, np.ndarray] | None = None, **meta: Any) -> Message:
         base: dict[str, Scalar] = {k: task.meta[k] for k in ("phase", "round", "iteration") if k in task.meta}
