@@ -6,9 +6,11 @@ import logging
 import socket
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
+from fedal.fast_exit import run_then_exit
 from fedal.hosts import is_loopback
 from fedal.owned import ForeignFile, check_replaceable, is_results, unwritable
 from fedal.settings import SettingsError, exposed_secrets
@@ -149,6 +151,5 @@ def warn_if_reads_open(config) -> None:
         "as `authorization: {credentials: TOKEN}`)", api.host, api.port)
 
 
-def main() -> int:
-    coordinator_cmd(prog_name="python -m coordinator")
-    return 0
+def main() -> NoReturn:
+    run_then_exit(coordinator_cmd, prog_name="python -m coordinator")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
+from fedal.fast_exit import run_then_exit
 from fedal.settings import SettingsError
 
 
@@ -61,12 +62,7 @@ def agent_cmd(config_path: str | None, log_level: str, self_check: bool) -> None
     agent = Agent(config)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal closed
         signal.signal(sig, lambda *_: agent.request_stop())  # no lock in a handler (Agent.request_stop)
-    code = agent.run()
-    if agent.worker.is_alive():  # torch still computing in it: the interpreter's teardown would abort
-        logging.shutdown()  # (SIGABRT, "terminate called without an active exception")
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    sys.exit(agent.run())  # main() ends the process without the teardown (a worker still computing made it abort)
 
 
 def run_self_check() -> None:
@@ -83,6 +79,5 @@ def run_self_check() -> None:
     sys.exit(0)
 
 
-def main() -> int:
-    agent_cmd(prog_name="python -m edge_agent")
-    return 0
+def main() -> NoReturn:
+    run_then_exit(agent_cmd, prog_name="python -m edge_agent")

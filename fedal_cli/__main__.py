@@ -1,5 +1,5 @@
 """`python -m fedal_cli`: the `fedal` command."""
 
-from fedal_cli.main import cli
+from fedal_cli.main import main
 
-cli()
+main()

@@ -8,10 +8,12 @@ never imports the runtime packages.
 from __future__ import annotations
 
 import importlib
+from typing import NoReturn
 
 import click
 
 from fedal import __version__
+from fedal.fast_exit import run_then_exit
 
 LAZY_COMMANDS = {
     "simulate": ("fedal_cli.simulate", "simulate_cmd", "Run a federated simulation in this process."),
@@ -49,5 +51,10 @@ def cli() -> None:
     """FedAL Edge: federated knowledge distillation on edge devices."""
 
 
+def main() -> NoReturn:
+    """The `fedal` command (console script, `python -m fedal_cli`)."""
+    run_then_exit(cli)
+
+
 if __name__ == "__main__":
-    cli()
+    main()

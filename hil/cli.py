@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from typing import NoReturn
 
 import click
+
+from fedal.fast_exit import run_then_exit
 
 
 @click.group("hil", context_settings={"help_option_names": ["-h", "--help"]})
@@ -66,6 +69,5 @@ from hil.fleet_cli import fleet_cmd  # noqa: E402 - its heavy imports happen whe
 hil_cmd.add_command(fleet_cmd)
 
 
-def main() -> int:
-    hil_cmd(prog_name="python -m hil")
-    return 0
+def main() -> NoReturn:
+    run_then_exit(hil_cmd, prog_name="python -m hil")
