@@ -21,18 +21,23 @@ from typing import Any, NoReturn
 
 def run_then_exit(command: Callable[..., Any], **kwargs: Any) -> NoReturn:
     """`command(**kwargs)` (a click command in standalone mode: it raises SystemExit), then
-    `exit_now` with its exit code. An exception other than SystemExit propagates as usual."""
+    `exit_now` with its exit code. An uncaught exception is reported as the interpreter would
+    (its traceback, exit status 1), also without the teardown: a daemon thread may still be
+    computing, whose teardown aborted the process."""
     try:
         command(**kwargs)
         code: object = 0
     except SystemExit as exc:
         code = exc.code
+    except Exception:
+        sys.excepthook(*sys.exc_info())
+        code = 1
     exit_now(code)
 
 
 def exit_now(code: object = 0) -> NoReturn:
     """End the process with `code`, as `sys.exit(code)` would, without the interpreter's teardown."""
-    if isinstance(code, bool) or not isinstance(code, int):
+    if not isinstance(code, int):  # (a bool is an int here, as for sys.exit)
         if code is not None:  # what SystemExit("message") does: the message to stderr, status 1
             print(code, file=sys.stderr)
         code = 0 if code is None else 1

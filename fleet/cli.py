@@ -122,8 +122,9 @@ def revoke_cmd(out: Path, reissue: bool, devices: tuple[str, ...]) -> None:
         click.echo(f"  flash or install {out / 'devices'}/<id>/agent.toml on each reissued device")
     if any(what != "already revoked" for what in done.values()):
         click.echo(f"  next: copy {out / 'broker'}/passwd and acl to the broker's directory and reload Mosquitto "
-                   "(`sudo systemctl reload mosquitto`): it re-reads both and drops a connected client they no longer "
-                   "admit")
+                   "(`sudo systemctl reload mosquitto`: it re-reads both and drops a connected client they no longer "
+                   "admit; a one-listener broker of your own: its password file made again from passwd and "
+                   "coordinator.passwd)")
         click.echo(f"  the fleet's devices are now {', '.join(info.devices) or 'none'} ({out / 'coordinator' / 'broker.toml'}'s "
                    "client_ids): use them for the next run. A run under way keeps its client_ids (changing them "
                    "starts it afresh): a revoked device stays offline and the phases close by their quorum")

@@ -35,7 +35,7 @@ PROGRAM = textwrap.dedent("""
             sys.exit("refused: a message")
         if how == "raise":
             raise RuntimeError("boom")
-        sys.exit({"code": 3, "thread": 0}[how])
+        sys.exit({"code": 3, "thread": 0, "false": False}[how])
 
     run_then_exit(command, args=sys.argv[2:])
 """)
@@ -48,7 +48,7 @@ def run(tmp_path: Path, how: str) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-@pytest.mark.parametrize(("how", "code"), [("code", 3), ("thread", 0), ("message", 1), ("raise", 1)])
+@pytest.mark.parametrize(("how", "code"), [("code", 3), ("thread", 0), ("message", 1), ("raise", 1), ("false", 0)])
 def test_a_command_ends_with_its_code_and_loses_nothing(tmp_path, how, code):
     done = run(tmp_path, how)
     assert done.returncode == code, done.stderr
@@ -61,6 +61,8 @@ def test_a_command_ends_with_its_code_and_loses_nothing(tmp_path, how, code):
         assert done.stderr.strip() == "refused: a message"
     if how == "raise":  # not a command's exit: the traceback, as before
         assert "RuntimeError: boom" in done.stderr
+    if how == "false":  # sys.exit(False): status 0, nothing said
+        assert done.stderr == ""
 
 
 def test_the_commands_use_it():
