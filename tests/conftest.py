@@ -22,21 +22,18 @@ _share_ports_between_workers()
 # the longest first, so that the two finish together. xdist's own order, by number of tests, left
 # files of a few long tests (a crashed agent, the real install) for the end, one worker idle meanwhile.
 LONG_FILES = {
-    "test_strategy_contract.py": 154, "test_agent_crash.py": 119, "test_sim_ray.py": 114,
-    "test_process_signals.py": 76, "test_privacy.py": 71, "test_simulate.py": 51,
-    "test_firmware_install_real.py": 45, "test_sim_stop_signals.py": 45, "test_hil_emulated_strategies.py": 44,
-    "test_setup_venv.py": 44, "test_wire_dtype.py": 40, "test_hil_proxy_mosquitto.py": 39,
-    "test_coordinator_api.py": 36, "test_firmware_flash.py": 35, "test_hil_chaos_lossy.py": 29,
-    "test_firmware_wheelhouse.py": 29, "test_hil_fleet.py": 29, "test_runtime_dropout.py": 29,
-    "test_default_models.py": 28, "test_sim_ray_errors.py": 26, "test_dashboard_browser.py": 24,
-    "test_vectorized_clients.py": 24, "test_agent_service_restarts.py": 23, "test_cli_outputs.py": 21,
-    "test_coordinator_pause_kept.py": 20, "test_export_cli.py": 19, "test_hil_proxy_wifi_lossy.py": 19,
-    "test_hil_proxy_backlog.py": 18, "test_firmware_install.py": 17, "test_crash_consistency.py": 17,
-    "test_runtime_tls_auth.py": 17, "test_security_device_attack.py": 15, "test_bench_usage_errors.py": 15,
-    "test_demo_linger.py": 15, "test_security_fleet_acl.py": 14, "test_fuzz_envelopes.py": 14,
-    "test_device_health.py": 14, "test_fleet_wheelhouse.py": 13, "test_coordinator_create_run.py": 13,
-    "test_runtime_coordinator_restart.py": 13, "test_export_cli_errors.py": 13, "test_round_numbering.py": 13,
-    "test_agent_inference.py": 12,
+    "test_agent_crash.py": 132, "test_strategy_contract.py": 131, "test_sim_ray.py": 113,
+    "test_process_signals.py": 59, "test_setup_venv.py": 59, "test_privacy.py": 51, "test_simulate.py": 41,
+    "test_sim_stop_signals.py": 39, "test_hil_proxy_mosquitto.py": 38, "test_sim_ray_errors.py": 36,
+    "test_firmware_flash.py": 36, "test_wire_dtype.py": 34, "test_firmware_install_real.py": 31,
+    "test_hil_fleet.py": 31, "test_coordinator_api.py": 29, "test_runtime_dropout.py": 29,
+    "test_default_models.py": 27, "test_firmware_wheelhouse.py": 27, "test_dashboard_browser.py": 26,
+    "test_hil_chaos_lossy.py": 25, "test_agent_service_restarts.py": 25, "test_hil_emulated_strategies.py": 21,
+    "test_crash_consistency.py": 19, "test_vectorized_clients.py": 19, "test_export_cli.py": 19,
+    "test_coordinator_pause_kept.py": 19, "test_firmware_install.py": 18, "test_cli_outputs.py": 17,
+    "test_fleet_wheelhouse.py": 16, "test_hil_proxy_backlog.py": 16, "test_hil_proxy_wifi_lossy.py": 16,
+    "test_bench_usage_errors.py": 16, "test_device_health.py": 16, "test_security_device_attack.py": 15,
+    "test_demo_linger.py": 15, "test_runtime_tls_auth.py": 13,
 }
 
 
