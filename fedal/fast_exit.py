@@ -12,6 +12,7 @@ interpreter would wait for still runs (a non-daemon thread), it exits normally i
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -47,9 +48,7 @@ def exit_now(code: object = 0) -> NoReturn:
     try:
         atexit._run_exitfuncs()  # noqa: SLF001 - what the teardown would run first (logging's shutdown, ...)
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError):  # closed, or its reader gone: nothing more reaches it
                 stream.flush()
-            except (OSError, ValueError):  # closed, or a reader gone: nothing more can be said there
-                pass
     finally:
         os._exit(code)
