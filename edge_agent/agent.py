@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +66,10 @@ class CrashHook:
     agent starts) makes the agent SIGKILL itself the n-th time it reaches <point>, so the crash
     tests kill it at an exact step however fast or slow the machine is. Points: after_journal
     (a task's journal record is fsync'd, its result not yet published), after_publish (its
-    result handed to the MQTT client), next_task (a new task arrived, before it is applied: the
-    previous result was received, or the coordinator would not have moved on), mid_snapshot
-    (half of a checkpoint written to its temporary file). Unset: never fires."""
+    result acknowledged by the broker, waited for up to 10 s), next_task (a new task arrived,
+    before it is applied: the previous result was received, or the coordinator would not have
+    moved on), mid_snapshot (half of a checkpoint written to its temporary file). Unset: never
+    fires."""
 
     def __init__(self, spec: str | None):
         self.point: str | None = None
@@ -81,11 +83,14 @@ class CrashHook:
                              f"{', '.join(CRASH_POINTS)} and n >= 1")
         self.point, self.n = point, int(n)
 
-    def reached(self, point: str) -> None:
+    def reached(self, point: str, settle: Callable[[], object] | None = None) -> None:
+        """`settle` runs before the kill (only then): what must have happened at this point."""
         if point != self.point:
             return
         self.seen += 1
         if self.seen == self.n:
+            if settle is not None:
+                settle()
             log.warning("test hook FEDAL_AGENT_CRASH_AT: SIGKILL at %s #%d", point, self.n)
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -419,7 +424,7 @@ class Agent:
         wire = self.apply_task(payload)
         if wire is not None:
             self.link.publish_result(wire.payload)
-            self.crash.reached("after_publish")
+            self.crash.reached("after_publish", settle=lambda: self.link.wait_result_delivered(10.0))
 
     def apply_task(self, payload: bytes) -> Packet | None:
         """The result to send for one received task payload (None: nothing to send), with the

@@ -12,6 +12,7 @@ with the last sample the agent has, and the health thread follows it with a fres
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -19,6 +20,8 @@ import threading
 import time
 from collections import Counter
 from typing import Any
+
+import paho.mqtt.client as mqtt
 
 from edge_agent.config import AgentConfig
 from edge_agent.health import HealthProbe
@@ -66,6 +69,7 @@ class MqttLink:
         self.last_health: dict[str, Any] | None = None  # what a connect's `online` carries
         self.wake = threading.Event()  # a (re)connect or a stop: the health thread looks again
         self.health_thread = threading.Thread(target=self._report_health, name="fedal-health", daemon=True)
+        self.last_result: mqtt.MQTTMessageInfo | None = None  # the last result part handed to paho
         # what paho's thread lets into the inbox: no message above max_message_bytes (a whole
         # envelope is at most that), and tasks waiting at most INBOX_MESSAGES of it (re-sends of a
         # task pile up while one trains); the manifest always passes. Dropped ones are counted
@@ -97,9 +101,20 @@ class MqttLink:
         """Publish one result envelope (chunked if large); returns the bytes sent."""
         sent = 0
         for part in split(payload, self.config.broker.max_payload):
-            self.client.publish(self.result_topic, part, qos=1)
+            self.last_result = self.client.publish(self.result_topic, part, qos=1)
             sent += len(part)
         return sent
+
+    def wait_result_delivered(self, timeout_s: float) -> bool:
+        """Whether the broker acknowledged the last result published (waiting up to `timeout_s`):
+        the crash test hook's after_publish point is then one exact step, not a race with the
+        network thread."""
+        info = self.last_result
+        if info is None:
+            return False
+        with contextlib.suppress(RuntimeError, ValueError):  # not queued (disconnected): not delivered
+            info.wait_for_publish(timeout_s)
+        return info.is_published()
 
     # -- paho callbacks: network thread, enqueue only ----------------------------------------
     def _on_connect(self, client, _userdata, _flags, reason_code, _properties) -> None:
