@@ -22,18 +22,18 @@ _share_ports_between_workers()
 # the longest first, so that the two finish together. xdist's own order, by number of tests, left
 # files of a few long tests (a crashed agent, the real install) for the end, one worker idle meanwhile.
 LONG_FILES = {
-    "test_agent_crash.py": 132, "test_strategy_contract.py": 131, "test_sim_ray.py": 113,
-    "test_process_signals.py": 59, "test_setup_venv.py": 59, "test_privacy.py": 51, "test_simulate.py": 41,
-    "test_sim_stop_signals.py": 39, "test_hil_proxy_mosquitto.py": 38, "test_sim_ray_errors.py": 36,
-    "test_firmware_flash.py": 36, "test_wire_dtype.py": 34, "test_firmware_install_real.py": 31,
-    "test_hil_fleet.py": 31, "test_coordinator_api.py": 29, "test_runtime_dropout.py": 29,
-    "test_default_models.py": 27, "test_firmware_wheelhouse.py": 27, "test_dashboard_browser.py": 26,
-    "test_hil_chaos_lossy.py": 25, "test_agent_service_restarts.py": 25, "test_hil_emulated_strategies.py": 21,
-    "test_crash_consistency.py": 19, "test_vectorized_clients.py": 19, "test_export_cli.py": 19,
-    "test_coordinator_pause_kept.py": 19, "test_firmware_install.py": 18, "test_cli_outputs.py": 17,
-    "test_fleet_wheelhouse.py": 16, "test_hil_proxy_backlog.py": 16, "test_hil_proxy_wifi_lossy.py": 16,
-    "test_bench_usage_errors.py": 16, "test_device_health.py": 16, "test_security_device_attack.py": 15,
-    "test_demo_linger.py": 15, "test_runtime_tls_auth.py": 13,
+    "test_strategy_contract.py": 154, "test_sim_ray.py": 116, "test_agent_crash.py": 109,
+    "test_process_signals.py": 66, "test_setup_venv.py": 58, "test_firmware_install_real.py": 57,
+    "test_privacy.py": 49, "test_wire_dtype.py": 43, "test_hil_proxy_mosquitto.py": 40,
+    "test_sim_stop_signals.py": 39, "test_firmware_flash.py": 38, "test_hil_fleet.py": 34,
+    "test_coordinator_api.py": 33, "test_simulate.py": 31, "test_sim_ray_errors.py": 30,
+    "test_firmware_wheelhouse.py": 30, "test_hil_chaos_lossy.py": 30, "test_runtime_dropout.py": 29,
+    "test_agent_service_restarts.py": 28, "test_default_models.py": 27, "test_dashboard_browser.py": 26,
+    "test_firmware_install.py": 22, "test_crash_consistency.py": 21, "test_coordinator_pause_kept.py": 19,
+    "test_hil_emulated_strategies.py": 18, "test_hil_proxy_backlog.py": 18, "test_vectorized_clients.py": 18,
+    "test_hil_proxy_wifi_lossy.py": 17, "test_security_device_attack.py": 16, "test_cli_outputs.py": 16,
+    "test_bench_usage_errors.py": 15, "test_export_cli_errors.py": 14, "test_demo_linger.py": 14,
+    "test_device_health.py": 14, "test_export_cli.py": 13, "test_runtime_tls_auth.py": 13,
 }
 
 
