@@ -137,8 +137,9 @@ def test_round_durability_loses_at_most_the_round_under_way(mosquitto, tmp_path)
 
 def test_an_unreadable_checkpoint_is_kept_aside_and_said(mosquitto, tmp_path):
     """A damaged card: the checkpoint of a killed agent cut in half. The restarted agent keeps the
-    damaged file (it wrote over it before), says so as an error, counts it, and takes part again;
-    a later start takes the kept file as the agent's own."""
+    damaged file (it wrote over it before), says so as an error, counts it, and takes part again:
+    the round's transfers, which build on logits it no longer has, it declines (so they close
+    without waiting out their deadline); a later start takes the kept file as the agent's own."""
     dep = Deployment(run_config("fedal"), tmp_path / "dep", mosquitto, phases={"quorum": 0.5, "deadline_s": 20.0})
     try:
         dep.start_coordinator()
@@ -150,12 +151,18 @@ def test_an_unreadable_checkpoint_is_kept_aside_and_said(mosquitto, tmp_path):
         ckpt.write_bytes(damaged)
         restarted = start_victim(dep, None)
         results = dep.finish()
+        run = dep.run()
         assert restarted.wait(timeout=60) == 0
         kept = list(ckpt.parent.glob("checkpoint.pt.unreadable-*"))
         assert len(kept) == 1 and kept[0].read_bytes() == damaged
         assert "the checkpoint is unreadable" in agent_logs(dep) and f"kept as {kept[0]}" in agent_logs(dep)
         status = json.loads((ckpt.parent / "agent-status.json").read_text())
         assert status["counters"]["checkpoint_unreadable"] == 1
+        # round 2's transfer: its logits of round 2 went with the state (declined, not refused and waited for)
+        assert status["counters"]["missed_step"] >= 1 and status["counters"].get("rejected", 0) == 0
+        assert run["clients"][VICTIM]["declined"] >= 1 and run["counters"]["quorum_missed"] == 0
+        assert "declining transfer" in agent_logs(dep)
+        assert results["rounds"][1]["phases"]["transfer"]["declined"] >= 1
         assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
         again = start_victim(dep, None)  # its workspace, kept file included, is its own: it waits for the next run
         wait_until(lambda: "finished here already" in agent_logs(dep) or again.poll() is not None, timeout_s=120,

@@ -27,7 +27,16 @@ from fedal.strategies import (
     stacked_fedhkd,
     stacked_fedproto,
 )
-from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
+from fedal.strategies.base import (
+    MISSED_STEP,
+    ClientHalf,
+    InvalidResult,
+    MissedStep,
+    PhaseTasks,
+    ServerContext,
+    ServerHalf,
+    StrategySpec,
+)
 from fedal.strategies.params import StrategyParams
 
 MODULES = (fedal, fedmd, local, fedavg, fedhkd, feddf, fedakd, fd, fedproto, cfd, fccl)  # one line per strategy module
@@ -60,6 +69,8 @@ __all__ = [
     "STRATEGY_NAMES",
     "ClientHalf",
     "InvalidResult",
+    "MISSED_STEP",
+    "MissedStep",
     "PhaseTasks",
     "ServerContext",
     "ServerHalf",

@@ -34,6 +34,17 @@ class InvalidResult(ValueError):
         self.kind = kind  # the reject reason the coordinator counts it under
 
 
+MISSED_STEP = "missed_step"
+
+
+class MissedStep(ValueError):
+    """A task that builds on an earlier step of its round that this client did not take (an agent
+    restarted without that state): it cannot be computed however often it is sent. Its session
+    refuses it under the kind "missed_step"; an agent declines it (docs/protocol.md section 8)."""
+
+    kind = MISSED_STEP
+
+
 @dataclass
 class PhaseTasks:
     phase: str

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from fedal.protocol import Message
 from fedal.protocol.wire_dtype import WireDtypeError, decode_tensor, encode_tensor, scale_name
-from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
+from fedal.strategies.base import ClientHalf, InvalidResult, MissedStep, PhaseTasks, ServerContext, ServerHalf, StrategySpec
 from fedal.strategies.fedal import rows_key
 from fedal.strategies.frozen import Frozen, frozen_copy
 from fedal.strategies.local import local_batches, local_step_count
@@ -318,7 +318,7 @@ class FCCLClient(ClientHalf):
         forward of the upload of (round, iteration); no step when both weights are 0."""
         p, pend = self.params, self.pending
         if pend is None or (pend["round"], pend["iteration"]) != (round_idx, iteration):
-            raise ValueError("an average for an iteration whose logits this client did not upload")
+            raise MissedStep("an average for an iteration whose logits this client did not upload")
         b = len(pend["indices"])
         zbar = self.received(task, ZBAR_KEY, None)  # before anything changes: a refused form leaves it as it was
         sbar = self.received(task, SBAR_KEY, (b, b - 1)) if self.PLUS else None

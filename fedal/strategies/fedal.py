@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from fedal.protocol import Message
 from fedal.protocol.wire_dtype import WireDtypeError, decode_tensor, encode_tensor, wire_round
 from fedal.strategies import optim
-from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
+from fedal.strategies.base import ClientHalf, InvalidResult, MissedStep, PhaseTasks, ServerContext, ServerHalf, StrategySpec
 from fedal.strategies.discriminator import Discriminator, discriminator_input, per_sample_adversarial_grad, row_chunks
 from fedal.strategies.frozen import Frozen, frozen_copy
 from fedal.strategies.losses import cross_entropy, kl_grad_norms, kl_to_student, mean_kl_to_mean
@@ -374,7 +374,7 @@ class FedALClient(ClientHalf):
         p = self.params
         pend = self.pending
         if pend is None or (pend["round"], pend["iteration"]) != (task.meta["round"], task.meta["iteration"]):
-            raise ValueError("feedback for an iteration whose logits this client did not upload")
+            raise MissedStep("feedback for an iteration whose logits this client did not upload")
         fbar = self.received(task, "fbar")  # before anything changes: a refused form leaves it as it was
         g = self.received(task, "grad") if "grad" in task.tensors and p.lambda_adv > 0 else None
         self.pending = None
