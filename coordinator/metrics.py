@@ -47,7 +47,7 @@ class RunCollector(Collector):
         per_client = {name: CounterMetricFamily(f"fedal_client_{name}", f"per client: {help_text}", labels=["run", "client"])
                       for name, help_text in (("answered", "results accepted"), ("late", "phases closed without the client"),
                                               ("rejected", "messages rejected"), ("duplicates", "duplicate results dropped"),
-                                              ("declined", "tasks it declined (sitting out a round it lost)"),
+                                              ("declined", "tasks it declined (a round or a step of it it lost)"),
                                               ("bytes_up", "payload bytes received"), ("bytes_down", "payload bytes sent"))}
         counters = CounterMetricFamily("fedal_messages", "messages by outcome (evicted, expired: unfinished chunked "
                                        "messages dropped)", labels=["run", "outcome"])

@@ -47,7 +47,7 @@ from fedal.data import ArrayDataset
 from fedal.models import build_model
 from fedal.protocol import EnvelopeError, ManifestError, Message, Packet, Reassembler, RunManifest, decode, encode
 from fedal.protocol.chunking import is_chunk
-from fedal.session import ClientSession, TaskRefused, declining, evaluation_reply
+from fedal.session import ClientSession, TaskRefused, declining, evaluation_reply, missed_step_decline
 from fedal.strategies import MISSED_STEP, StrategyParams, get_strategy
 from fedal.strategies.training import TrainingStopped, stoppable
 from fedal.workspace import WorkspaceError, held
@@ -449,10 +449,11 @@ class Agent:
         try:
             return self.session.on_task(task)
         except TaskRefused as exc:  # a task this client cannot apply is refused, not fatal
-            if exc.kind == MISSED_STEP:  # e.g. restarted without its checkpoint: no re-send would help
+            decline = missed_step_decline(task, exc)  # e.g. restarted without its checkpoint
+            if decline is not None:
                 self.counters[MISSED_STEP] += 1
                 log.warning("declining %s: %s", task.phase, exc)
-                return declining(task, MISSED_STEP)  # its phase need not wait out its deadline for this agent
+                return decline
             self._reject(str(exc), exc.kind)
             return None
         except Exception:  # its durable record failed (e.g. a full or failing SD card): never sent

@@ -12,7 +12,6 @@ with the last sample the agent has, and the health thread follows it with a fres
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import queue
@@ -112,9 +111,11 @@ class MqttLink:
         info = self.last_result
         if info is None:
             return False
-        with contextlib.suppress(RuntimeError, ValueError):  # not queued (disconnected): not delivered
+        try:
             info.wait_for_publish(timeout_s)
-        return info.is_published()
+            return info.is_published()
+        except (RuntimeError, ValueError):  # published while disconnected (sent after a reconnect) or refused
+            return False
 
     # -- paho callbacks: network thread, enqueue only ----------------------------------------
     def _on_connect(self, client, _userdata, _flags, reason_code, _properties) -> None:

@@ -45,8 +45,8 @@ from fedal.protocol import (
     topics,
 )
 from fedal.protocol.wire_dtype import decode_tensor, encode_tensor
-from fedal.session import ClientSession, TaskRefused
-from fedal.strategies import STRATEGIES, StrategyParams, StrategySpec, get_strategy
+from fedal.session import ClientSession, TaskRefused, missed_step_decline
+from fedal.strategies import MISSED_STEP, STRATEGIES, MissedStep, StrategyParams, StrategySpec, get_strategy
 from fedal.strategies.cfd import LEVELS_KEY as CFD_LEVELS_KEY
 from fedal.strategies.cfd import NO_REF as CFD_NO_REF
 from fedal.strategies.cfd import TARGET_KEY as CFD_TARGET_KEY
@@ -317,7 +317,7 @@ class DistillationEmulation(EmulatedClient):
         p = self.params
         pend = self.pending
         if pend is None or (pend["round"], pend["iteration"]) != (task.meta["round"], task.meta["iteration"]):
-            raise ValueError("feedback for an iteration whose logits this client did not upload")
+            raise MissedStep("feedback for an iteration whose logits this client did not upload")
         self.pending = None
         own = pend["logits"]
         fbar = np.asarray(task.tensors["fbar"], dtype=np.float32)
@@ -563,7 +563,7 @@ class FedProtoPublicEmulation(EmulatedClient):
         if PROTO_AVERAGE_KEY in task.tensors:
             key = (int(task.meta["round"]), int(task.meta["iteration"]))
             if self.pending != key:
-                raise ValueError("an average for an iteration whose features this client did not upload")
+                raise MissedStep("an average for an iteration whose features this client did not upload")
             hbar = task.tensors[PROTO_AVERAGE_KEY]
             want = (self.rows(*key).size, self.layout.feature_dim)
             if hbar.dtype != np.float32 or hbar.shape != want:
@@ -722,7 +722,7 @@ class FCCLEmulation(EmulatedClient):
 
     def apply_mean(self, task: Message, round_idx: int, iteration: int) -> None:
         if self.pending != (round_idx, iteration):
-            raise ValueError("an average for an iteration whose logits this client did not upload")
+            raise MissedStep("an average for an iteration whose logits this client did not upload")
         p, b = self.params, self.rows(round_idx, iteration)
         decode_tensor(task.tensors, FCCL_ZBAR_KEY, p.wire_dtype, p.wire_int8_scale, (b, self.num_classes),
                       p.max_abs_value)
@@ -986,8 +986,11 @@ class EmulatedAgent:
         try:
             wire = self.session.on_task(task)
         except TaskRefused as exc:
-            self._reject(str(exc))
-            return []
+            wire = missed_step_decline(task, exc)  # e.g. restarted afresh: its phase need not wait for it
+            if wire is None:
+                self._reject(str(exc))
+                return []
+            self.counters[MISSED_STEP] += 1
         return [] if wire is None else self._publish_result(wire.payload)
 
     def _publish_result(self, wire: bytes) -> list[Publish]:

@@ -140,16 +140,22 @@ def test_an_unreadable_checkpoint_is_kept_aside_and_said(mosquitto, tmp_path):
     damaged file (it wrote over it before), says so as an error, counts it, and takes part again:
     the round's transfers, which build on logits it no longer has, it declines (so they close
     without waiting out their deadline); a later start takes the kept file as the agent's own."""
-    dep = Deployment(run_config("fedal"), tmp_path / "dep", mosquitto, phases={"quorum": 0.5, "deadline_s": 20.0})
+    # held before round 2's first transfer: the restarted agent is online when its task comes
+    dep = Deployment(run_config("fedal"), tmp_path / "dep", mosquitto,
+                     phases={"quorum": 0.5, "deadline_s": 20.0,
+                             "pause_at": [{"round": 2, "phase": "transfer", "iteration": 0}]})
     try:
         dep.start_coordinator()
         dep.start_agent("c00")
-        victim = start_victim(dep, "after_publish:5")
+        victim = start_victim(dep, "after_publish:5")  # round 2's local_train delivered, then gone
         assert victim.wait(timeout=240) == -signal.SIGKILL
         ckpt = dep.agent_path(VICTIM).parent / "checkpoint.pt"
         damaged = ckpt.read_bytes()[: ckpt.stat().st_size // 2]
         ckpt.write_bytes(damaged)
+        dep.wait_held(2, "transfer", 0)
         restarted = start_victim(dep, None)
+        dep.wait_for(lambda r: r["clients"][VICTIM]["online"], what="the restarted agent online")
+        dep.control("resume")
         results = dep.finish()
         run = dep.run()
         assert restarted.wait(timeout=60) == 0

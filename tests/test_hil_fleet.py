@@ -118,12 +118,14 @@ def test_dedup_stale_instance_and_refusals_follow_the_agent():
     assert send(a, task, (0, 9), instance="earlier-run") == [] and a.counters["stale"] == 2
     assert send(a, Message({**task.meta, "seq": "x"}, task.tensors), (0, "6")) == [] and a.counters["rejected"] == 1
     bad = Message({"phase": "transfer", "round": 0, "iteration": 1, "n_avg": 2}, {"fbar": np.zeros((B, K), np.float32)})
-    assert send(a, bad, (0, 10)) == [] and a.counters["rejected"] == 2  # feedback for logits it never uploaded
-    assert a.last_key == (0, 5)  # a refused task leaves the last key alone
+    declined = send(a, bad, (0, 10))  # feedback for logits it never uploaded: declined, as an agent does
+    assert [decode(p.payload).meta for p in declined] == [{"declined": "missed_step", "epoch": 0, "seq": 10}]
+    assert a.counters["missed_step"] == 1 and a.counters["rejected"] == 1
+    assert a.last_key == (0, 5)  # a declined task leaves the last key alone
     wrong = {"phase": "nonsense", "instance": "i-1", "epoch": 0, "seq": 11}
-    assert a.on_message(a.task_topic, encode(Message(wrong))) == [] and a.counters["rejected"] == 3
-    assert a.on_message(a.task_topic, b"garbage") == [] and a.counters["rejected"] == 4
-    assert a.on_message("fedal/v1/unit/down/c9", b"") == [] and a.counters["rejected"] == 5
+    assert a.on_message(a.task_topic, encode(Message(wrong))) == [] and a.counters["rejected"] == 2
+    assert a.on_message(a.task_topic, b"garbage") == [] and a.counters["rejected"] == 3
+    assert a.on_message("fedal/v1/unit/down/c9", b"") == [] and a.counters["rejected"] == 4
 
 
 def test_chunked_tasks_are_reassembled_and_big_results_chunked():

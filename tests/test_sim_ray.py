@@ -177,9 +177,10 @@ def test_an_actor_killed_mid_round_misses_the_rest_of_it_and_the_round_closes_by
 
 
 def test_a_client_group_answers_refused_tasks_with_the_reason(tmp_path):
-    """What an actor does with a task its client cannot apply (feedback for logits it never
-    uploaded, as after a restart): no result, the reason, and the other tasks still answered."""
-    from fedal.protocol import Message
+    """What an actor does with a task its client cannot apply: feedback for logits it never
+    uploaded (as after a restart) it declines, as an agent does; any other refusal (non-finite
+    feedback) gets no result and the reason; the other tasks are still answered."""
+    from fedal.protocol import Message, decode
     from fedal.sim.build import build_data
     from fedal.sim.ray_backend import ClientGroup
 
@@ -188,11 +189,13 @@ def test_a_client_group_answers_refused_tasks_with_the_reason(tmp_path):
     public = [ray.put(build_data(config).public_x)]
     meta = {"instance": "sim", "epoch": 0, "seq": 1, "round": 0, "iteration": 0}
     fbar = np.zeros((config.strategy_params.public_batch_size, 10), dtype=np.float32)
-    bad = Message({**meta, "phase": "transfer", "n_avg": 2}, {"fbar": fbar})
+    missed = Message({**meta, "phase": "transfer", "n_avg": 2}, {"fbar": fbar})
+    nan = Message({**meta, "seq": 2, "phase": "transfer", "n_avg": 2}, {"fbar": np.full_like(fbar, np.nan)})
     good = Message({**meta, "phase": "local_train", "steps": 1})
-    out, _ = group.on_group(public, [("c00", bad), ("c02", good)])
-    assert out[0][0] is None and "did not upload" in out[0][1]
-    assert out[1][0] is not None and out[1][1] is None
+    out, _ = group.on_group(public, [("c00", missed), ("c00", nan), ("c02", good)])
+    assert out[0][1] is None and decode(out[0][0].payload).meta == {"declined": "missed_step", "epoch": 0, "seq": 1}
+    assert out[1][0] is None and "finite" in out[1][1]
+    assert out[2][0] is not None and out[2][1] is None
     assert (tmp_path / "c02.pt").exists()  # the round-start snapshot a restart resumes from
 
 

@@ -22,7 +22,7 @@ class ClientInfo:
     late: int = 0
     rejected: int = 0
     duplicates: int = 0
-    declined: int = 0  # tasks it declined (a restarted agent sitting out the rest of a round)
+    declined: int = 0  # tasks it declined (a restarted agent sitting out a round, or missing a step of it)
     bytes_up: int = 0
     bytes_down: int = 0
     last_acc: float | None = None

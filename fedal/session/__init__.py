@@ -1,6 +1,15 @@
 """The client side of a run without I/O: what a device does with a task, whichever transport
 brought it (the edge agent over MQTT, the in-process transport in simulation)."""
 
-from fedal.session.session import ClientSession, NewTask, SessionStore, TaskRefused, declining, evaluation_reply
+from fedal.session.session import (
+    ClientSession,
+    NewTask,
+    SessionStore,
+    TaskRefused,
+    declining,
+    evaluation_reply,
+    missed_step_decline,
+)
 
-__all__ = ["ClientSession", "NewTask", "SessionStore", "TaskRefused", "declining", "evaluation_reply"]
+__all__ = ["ClientSession", "NewTask", "SessionStore", "TaskRefused", "declining", "evaluation_reply",
+           "missed_step_decline"]

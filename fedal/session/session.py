@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from fedal.data import ArrayDataset
 from fedal.protocol import TASK_CONTEXT, Message, Packet, tensor_problem
 from fedal.strategies import ClientHalf
-from fedal.strategies.base import task_steps
+from fedal.strategies.base import MISSED_STEP, task_steps
 
 log = logging.getLogger("fedal.session")
 
@@ -79,6 +79,14 @@ def declining(task: Message, reason: str) -> Packet | None:
     if not all(type(v) is int for v in key):
         return None
     return Packet.of(wire_result(Message({"declined": reason}), key))  # type: ignore[arg-type]  # ints: checked
+
+
+def missed_step_decline(task: Message, refusal: TaskRefused) -> Packet | None:
+    """The decline answering a task refused because it builds on a step of its round that its
+    client no longer has (restarted without that state: no re-send could make it computable), so
+    that its phase need not wait for this client; None for any other refusal. Every host of a
+    session (the agent, an emulated agent, a Ray actor) answers such a task so."""
+    return declining(task, MISSED_STEP) if refusal.kind == MISSED_STEP else None
 
 
 class ClientSession:

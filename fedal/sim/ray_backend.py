@@ -50,7 +50,7 @@ from fedal.engine.settings import PhaseSettings
 from fedal.ports import unreachable
 from fedal.procs import pid_dir
 from fedal.protocol import Message, Packet
-from fedal.session import ClientSession, TaskRefused, evaluation_reply
+from fedal.session import ClientSession, TaskRefused, evaluation_reply, missed_step_decline
 from fedal.sim.build import build_clients, build_data, client_ids, client_tests
 from fedal.sim.config import ConfigError, RunConfig, parse_resources
 
@@ -167,8 +167,9 @@ class ClientGroup:
                 results, one = compute_tasks(self.sessions, [(cid, task)], self.vectorize)
                 stacking.add(one)
                 out.append((results[0], None))
-            except TaskRefused as exc:
-                out.append((None, f"{exc.kind}: {exc}"))
+            except TaskRefused as exc:  # a missed step (a client restored at its round start) is declined
+                decline = missed_step_decline(task, exc)
+                out.append((decline, None if decline is not None else f"{exc.kind}: {exc}"))
         return out, stacking
 
     def on_group(self, public: list[Any], items: list[tuple[str, Message]]

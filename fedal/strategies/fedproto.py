@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from fedal.protocol import Message
-from fedal.strategies.base import ClientHalf, InvalidResult, PhaseTasks, ServerContext, ServerHalf, StrategySpec
+from fedal.strategies.base import ClientHalf, InvalidResult, MissedStep, PhaseTasks, ServerContext, ServerHalf, StrategySpec
 from fedal.strategies.fedal import logits_iteration, rows_key
 from fedal.strategies.local import local_batches, local_step_count
 from fedal.strategies.params import StrategyParams
@@ -401,7 +401,7 @@ class FedProtoPublicClient(ClientHalf):
         leave_one_out, n_avg > 1) or the mean of all; returns the MSE."""
         p, pend = self.params, self.pending
         if pend is None or (pend["round"], pend["iteration"]) != (task.meta["round"], task.meta["iteration"]):
-            raise ValueError("an average for an iteration whose features this client did not upload")
+            raise MissedStep("an average for an iteration whose features this client did not upload")
         hbar = task.tensors[AVERAGE_KEY]
         h = pend.get("features")
         if h is None:  # restored from a checkpoint: recompute the uploaded features (same weights)
