@@ -41,6 +41,7 @@ EOF
 }
 
 die() { echo "flash: error: $*" >&2; exit 1; }
+usage_error() { echo "flash: error: $*" >&2; exit 2; }  # arguments no flash can use: the usage's exit status
 say() { echo "flash: $*"; }
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -71,13 +72,13 @@ while [ $# -gt 0 ]; do
     --mode) MODE="${2:?--mode needs a value}"; shift 2 ;;
     --boot-mount) BOOT_MOUNT="${2:?--boot-mount needs a path}"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
-    *) usage >&2; die "unknown argument: $1" ;;
+    *) usage >&2; usage_error "unknown argument: $1" ;;
   esac
 done
 
 # -- check everything before touching the image ---------------------------------------------
-[ -n "$IMAGE" ] || { usage >&2; die "--image is required"; }
-[ -n "$CONFIG" ] || { usage >&2; die "--config is required"; }
+[ -n "$IMAGE" ] || { usage >&2; usage_error "--image is required"; }
+[ -n "$CONFIG" ] || { usage >&2; usage_error "--config is required"; }
 for tool in sfdisk mcopy mdir mmd mdeltree; do
   command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] || [ -x "/sbin/$tool" ] \
     || die "$tool is missing (Debian/Ubuntu: apt-get install fdisk mtools)"
@@ -102,24 +103,24 @@ elif [ ! -f "$IMAGE" ]; then
   die "$IMAGE is neither an image file nor a block device"
 fi
 if [ ! -r "$IMAGE" ] || [ ! -w "$IMAGE" ]; then die "cannot read and write $IMAGE (an SD card needs root: sudo)"; fi
-case "$MODE" in auto|firstrun|cloud-init) ;; *) die "--mode must be auto, firstrun or cloud-init (got $MODE)" ;; esac
-case "$BOOT_MOUNT" in /*) BOOT_MOUNT="${BOOT_MOUNT%/}" ;; *) die "--boot-mount must be an absolute path" ;; esac
+case "$MODE" in auto|firstrun|cloud-init) ;; *) usage_error "--mode must be auto, firstrun or cloud-init (got $MODE)" ;; esac
+case "$BOOT_MOUNT" in /*) BOOT_MOUNT="${BOOT_MOUNT%/}" ;; *) usage_error "--boot-mount must be an absolute path" ;; esac
 case "$BOOT_MOUNT" in  # it goes into cmdline.txt's systemd.run=, which the kernel splits at spaces
-  *[!A-Za-z0-9/._-]*) die "--boot-mount '$BOOT_MOUNT' may hold only letters, digits, '/', '.', '_' and '-' (it goes on the kernel's command line)" ;;
+  *[!A-Za-z0-9/._-]*) usage_error "--boot-mount '$BOOT_MOUNT' may hold only letters, digits, '/', '.', '_' and '-' (it goes on the kernel's command line)" ;;
 esac
 if [ -n "$TORCH_VERSION" ] && ! printf '%s' "$TORCH_VERSION" | grep -Eq '^[0-9]+\.[0-9]+(\.[0-9]+)?(\+[A-Za-z0-9.]+)?$'; then
-  die "--torch-version '$TORCH_VERSION' is not a version like 2.13.0 (or 2.13.0+cpu)"
+  usage_error "--torch-version '$TORCH_VERSION' is not a version like 2.13.0 (or 2.13.0+cpu)"
 fi
 seen_data=" "
 for f in ${DATA[@]+"${DATA[@]}"}; do  # they all go into one folder on the card: two of one name would be one file
-  case "$seen_data" in *" $(basename "$f") "*) die "two --data files are named $(basename "$f"): the card keeps them in one folder" ;; esac
+  case "$seen_data" in *" $(basename "$f") "*) usage_error "two --data files are named $(basename "$f"): the card keeps them in one folder" ;; esac
   seen_data+="$(basename "$f") "
 done
 
 if [ -n "$HOST" ] && ! printf '%s' "$HOST" | grep -Eq '^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$'; then
-  die "invalid --hostname '$HOST': letters, digits and '-', 1-63 characters, no '-' at either end"
+  usage_error "invalid --hostname '$HOST': letters, digits and '-', 1-63 characters, no '-' at either end"
 fi
-[ "$PSK_SET" -le 1 ] || die "give the passphrase once: --wifi-psk or --wifi-psk-file"
+[ "$PSK_SET" -le 1 ] || usage_error "give the passphrase once: --wifi-psk or --wifi-psk-file"
 if [ -n "$PSK_FILE" ]; then
   if [ "$PSK_FILE" = - ]; then
     if [ -t 0 ]; then  # typed: not echoed
@@ -137,25 +138,25 @@ if [ -n "$PSK_FILE" ]; then
   [ -n "$PSK" ] || say "the passphrase from --wifi-psk-file is empty: the Wi-Fi network is taken to be open"
 fi
 if [ -n "$SSID" ]; then
-  [ "${#SSID}" -le 32 ] || die "--wifi-ssid is longer than 32 bytes"
-  [ -n "$COUNTRY" ] || die "--wifi-ssid needs --wifi-country (Raspberry Pi OS keeps Wi-Fi off until the country is set)"
-  [ "$PSK_SET" -eq 1 ] || die "--wifi-ssid needs --wifi-psk-file (or --wifi-psk; '' for an open network)"
+  [ "${#SSID}" -le 32 ] || usage_error "--wifi-ssid is longer than 32 bytes"
+  [ -n "$COUNTRY" ] || usage_error "--wifi-ssid needs --wifi-country (Raspberry Pi OS keeps Wi-Fi off until the country is set)"
+  [ "$PSK_SET" -eq 1 ] || usage_error "--wifi-ssid needs --wifi-psk-file (or --wifi-psk; '' for an open network)"
   if [ -n "$PSK" ] && ! { [ "${#PSK}" -ge 8 ] && [ "${#PSK}" -le 63 ]; } && ! printf '%s' "$PSK" | grep -Eq '^[0-9A-Fa-f]{64}$'; then
-    die "the Wi-Fi passphrase must be 8-63 characters (or 64 hex digits)"
+    usage_error "the Wi-Fi passphrase must be 8-63 characters (or 64 hex digits)"
   fi
-  case "$SSID$PSK" in *$'\n'*) die "--wifi-ssid and --wifi-psk cannot contain newlines" ;; esac
+  case "$SSID$PSK" in *$'\n'*) usage_error "--wifi-ssid and --wifi-psk cannot contain newlines" ;; esac
 elif [ "$PSK_SET" -eq 1 ]; then
-  die "--wifi-psk and --wifi-psk-file need --wifi-ssid"
+  usage_error "--wifi-psk and --wifi-psk-file need --wifi-ssid"
 fi
 if [ -n "$COUNTRY" ]; then
-  printf '%s' "$COUNTRY" | grep -Eq '^[A-Za-z]{2}$' || die "--wifi-country must be a two-letter code like GB or DE (got $COUNTRY)"
+  printf '%s' "$COUNTRY" | grep -Eq '^[A-Za-z]{2}$' || usage_error "--wifi-country must be a two-letter code like GB or DE (got $COUNTRY)"
   COUNTRY="$(printf '%s' "$COUNTRY" | tr '[:lower:]' '[:upper:]')"
 fi
 if [ -n "$SSH_KEY" ]; then
   [ -f "$SSH_KEY" ] || die "ssh key file not found: $SSH_KEY"
   if grep -q "PRIVATE KEY" "$SSH_KEY"; then die "$SSH_KEY is a private key: give the public one (.pub)"; fi
   grep -Eq '^(ssh-|ecdsa-|sk-)' "$SSH_KEY" || die "$SSH_KEY holds no SSH public key (ssh-ed25519 ..., ssh-rsa ...)"
-  printf '%s' "$LOGIN" | grep -Eq '^[a-z_][a-z0-9_-]{0,31}$' || die "invalid --user '$LOGIN'"
+  printf '%s' "$LOGIN" | grep -Eq '^[a-z_][a-z0-9_-]{0,31}$' || usage_error "invalid --user '$LOGIN'"
 fi
 for f in ${DATA[@]+"${DATA[@]}"}; do [ -f "$f" ] || die "data file not found: $f"; done
 if [ -n "$WHEEL" ]; then

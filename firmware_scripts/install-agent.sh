@@ -35,13 +35,19 @@ Usage: install-agent.sh --config agent.toml [options]
   --print-constraints   print the pip constraints for this machine and exit
   --dry-run             print what would change, change nothing
   -h, --help            this text
+
+Exit status: 0 installed; 1 failed where another attempt may succeed (no network, pip); 2 an
+argument it does not take; 3 refused for good (this device's CPU or OS, or a config, CA, data
+file, wheel or wheelhouse it cannot use). The first-boot installer retries only 1.
 EOF
 }
 
 die() { echo "install-agent: error: $*" >&2; exit 1; }
-# a refusal that another attempt on this device cannot change (its CPU, the torch asked for):
-# exit 3, which the first-boot installer does not retry
+# a refusal that another attempt on this device cannot change (its CPU, the torch asked for, the
+# config and files it was given): exit 3, which the first-boot installer does not retry
 refuse() { echo "install-agent: error: $*" >&2; exit 3; }
+# arguments this script does not take: exit 2 (not retried either)
+usage_error() { usage >&2; echo "install-agent: error: $*" >&2; exit 2; }
 say() { echo "install-agent: $*"; }
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -76,7 +82,7 @@ while [ $# -gt 0 ]; do
     --print-constraints) PRINT=1; shift ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) usage; exit 0 ;;
-    *) usage >&2; die "unknown argument: $1" ;;
+    *) usage_error "unknown argument: $1" ;;
   esac
 done
 
@@ -99,20 +105,20 @@ case "$raw_arch" in
 esac
 
 CONSTRAINTS_FILE="$SCRIPT_DIR/constraints/$ARCH.txt"
-[ -f "$CONSTRAINTS_FILE" ] || die "missing $CONSTRAINTS_FILE"
+[ -f "$CONSTRAINTS_FILE" ] || refuse "missing $CONSTRAINTS_FILE"
 for helper in prune-venv.py fix-meta.py; do
-  [ -f "$SCRIPT_DIR/$helper" ] || die "missing $SCRIPT_DIR/$helper (it ships next to install-agent.sh)"
+  [ -f "$SCRIPT_DIR/$helper" ] || refuse "missing $SCRIPT_DIR/$helper (it ships next to install-agent.sh)"
 done
 if [ -n "${TORCH_VERSION:-}" ] && ! printf '%s' "$TORCH_VERSION" | grep -Eq '^[0-9]+\.[0-9]+(\.[0-9]+)?(\+[A-Za-z0-9.]+)?$'; then
-  die "--torch-version '$TORCH_VERSION' is not a version like 2.13.0 (or 2.13.0+cpu)"
+  usage_error "--torch-version '$TORCH_VERSION' is not a version like 2.13.0 (or 2.13.0+cpu)"
 fi
 seen_data=" "
 for f in ${DATA[@]+"${DATA[@]}"}; do  # they all go into the state directory: two of one name would be one file
-  case "$seen_data" in *" $(basename "$f") "*) die "two --data files are named $(basename "$f"): they would be one file in the state directory" ;; esac
+  case "$seen_data" in *" $(basename "$f") "*) usage_error "two --data files are named $(basename "$f"): they would be one file in the state directory" ;; esac
   seen_data+="$(basename "$f") "
 done
 PINNED_TORCH="$(sed -n 's/^torch==\([^ ;#]*\).*/\1/p' "$CONSTRAINTS_FILE")"
-[ -n "$PINNED_TORCH" ] || die "$CONSTRAINTS_FILE pins no torch version"
+[ -n "$PINNED_TORCH" ] || refuse "$CONSTRAINTS_FILE pins no torch version"
 TORCH_VERSION="${TORCH_VERSION:-$PINNED_TORCH}"
 if [ "$TORCH_INDEX_SET" -eq 0 ] && [ "$ARCH" = x86_64 ]; then
   TORCH_INDEX="$CPU_INDEX"  # PyPI's x86-64 torch pulls the CUDA libraries (GBs) an agent never uses
@@ -142,15 +148,15 @@ command -v "$PY" >/dev/null 2>&1 || die "python interpreter '$PY' not found (Ras
 if [ -z "${FEDAL_ARCH:-}" ] && [ "$("$PY" -c 'import struct; print(struct.calcsize("P") * 8)')" != 64 ]; then
   refuse "$PY is a 32-bit interpreter: a 64-bit Python (64-bit OS) is required"
 fi
-[ -n "$CONFIG" ] || { usage >&2; die "--config is required"; }
-[ -f "$CONFIG" ] || die "config file not found: $CONFIG"
-[ -z "$CA" ] || [ -f "$CA" ] || die "CA file not found: $CA"
-for f in ${DATA[@]+"${DATA[@]}"}; do [ -f "$f" ] || die "data file not found: $f"; done
+[ -n "$CONFIG" ] || usage_error "--config is required"
+[ -f "$CONFIG" ] || refuse "config file not found: $CONFIG"
+[ -z "$CA" ] || [ -f "$CA" ] || refuse "CA file not found: $CA"
+for f in ${DATA[@]+"${DATA[@]}"}; do [ -f "$f" ] || refuse "data file not found: $f"; done
 if [ -n "$WHEELHOUSE" ]; then
   # what `fedal fleet wheelhouse` wrote: its manifest names the platform and the agent's wheel
   [ -f "$WHEELHOUSE/fedal-wheelhouse.json" ] \
-    || die "--wheelhouse $WHEELHOUSE is not a wheelhouse (no fedal-wheelhouse.json): build one with fedal fleet wheelhouse"
-  [ "$TORCH_INDEX_SET" -eq 0 ] || die "--torch-index and --wheelhouse exclude each other: the wheelhouse holds torch"
+    || refuse "--wheelhouse $WHEELHOUSE is not a wheelhouse (no fedal-wheelhouse.json): build one with fedal fleet wheelhouse"
+  [ "$TORCH_INDEX_SET" -eq 0 ] || usage_error "--torch-index and --wheelhouse exclude each other: the wheelhouse holds torch"
   WHEELHOUSE="$(cd "$WHEELHOUSE" && pwd)"
   wh_facts="$("$PY" - "$WHEELHOUSE/fedal-wheelhouse.json" <<'PYEOF'
 import json, sys
@@ -160,12 +166,12 @@ try:
 except (OSError, ValueError, KeyError, TypeError) as exc:
     sys.exit(f"install-agent: error: {sys.argv[1]} is not a wheelhouse manifest: {exc}")
 PYEOF
-)" || exit 1
+)" || exit 3
   read -r wh_arch wh_python wh_agent wh_torch <<<"$wh_facts"
-  [ "$wh_arch" = "$ARCH" ] || die "the wheelhouse $WHEELHOUSE is for $wh_arch, this machine is $ARCH: build it with --arch $ARCH"
+  [ "$wh_arch" = "$ARCH" ] || refuse "the wheelhouse $WHEELHOUSE is for $wh_arch, this machine is $ARCH: build it with --arch $ARCH"
   py_ver="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
   [ "$wh_python" = "$py_ver" ] \
-    || die "the wheelhouse $WHEELHOUSE is for Python $wh_python, $PY is $py_ver: build it with --python-version $py_ver"
+    || refuse "the wheelhouse $WHEELHOUSE is for Python $wh_python, $PY is $py_ver: build it with --python-version $py_ver"
   TORCH_INDEX=""  # torch comes from the wheelhouse too
   [ "$wh_torch" = "?" ] || TORCH_VERSION="$wh_torch"
   if [ -z "$WHEEL" ] && [ -z "$SOURCE" ]; then WHEEL="$WHEELHOUSE/$wh_agent"; fi
@@ -181,8 +187,8 @@ if [ "$ARCH" = aarch64 ] && { [ -n "${FEDAL_CPUINFO:-}" ] || { [ "$ARCH_DETECTED
   refuse "this CPU has no LSE atomics (ARMv8.0: Pi 3B+, Pi 4, Zero 2 W), on which torch $TORCH_VERSION dies with 'Illegal instruction' at import (pytorch/pytorch#176993, fixed in torch 2.11): install torch 2.11 or later from PyTorch's CPU index: --torch-index $CPU_INDEX --torch-version 2.13.0$([ -n "$WHEELHOUSE" ] && echo ' (not with --wheelhouse: build one with a newer torch)')"
 fi
 if [ -n "$WHEEL" ]; then
-  [ -f "$WHEEL" ] || die "wheel not found: $WHEEL"
-  case "$WHEEL" in *.whl) ;; *) die "--wheel needs a .whl file: $WHEEL" ;; esac
+  [ -f "$WHEEL" ] || refuse "wheel not found: $WHEEL"
+  case "$WHEEL" in *.whl) ;; *) refuse "--wheel needs a .whl file: $WHEEL" ;; esac
   WHEEL="$(cd "$(dirname "$WHEEL")" && pwd)/$(basename "$WHEEL")"
 elif [ -z "$SOURCE" ] && [ -f "$SCRIPT_DIR/../pyproject.toml" ]; then
   SOURCE="$(cd "$SCRIPT_DIR/.." && pwd)"
@@ -259,19 +265,19 @@ for value in (broker.get("ca_file"), cfg.get("data_file"), cfg.get("test_file"),
     print(value if isinstance(value, str) and "\n" not in value else "")
 print(".")  # the end: $(...) drops trailing empty lines
 PYEOF
-)" || exit 1
+)" || exit 3
 { IFS= read -r CA_PATH; IFS= read -r DATA_PATH; IFS= read -r TEST_PATH; IFS= read -r LOCAL_TEST_PATH
   IFS= read -r PUBLIC_PATH; } <<<"$config_paths"
 if [ -n "$CA" ] && [ -z "$CA_PATH" ]; then
   CA_PATH="$ETC/ca.crt"
   say "note: the config sets no broker.ca_file; installing the CA at $CA_PATH (set ca_file to use it)"
 fi
-case "$CA_PATH" in ""|/*) ;; *) die "broker.ca_file in $CONFIG must be an absolute path: $CA_PATH" ;; esac
-case "$CA_PATH/" in *"/../"*|*"/./"*) die "broker.ca_file in $CONFIG must not contain . or .. components: $CA_PATH" ;; esac
+case "$CA_PATH" in ""|/*) ;; *) refuse "broker.ca_file in $CONFIG must be an absolute path: $CA_PATH" ;; esac
+case "$CA_PATH/" in *"/../"*|*"/./"*) refuse "broker.ca_file in $CONFIG must not contain . or .. components: $CA_PATH" ;; esac
 # outside /etc/fedal-agent a CA file is the system's or the user's (e.g. the system CA bundle):
 # --ca never replaces one there, it only creates a missing one
 if [ -n "$CA" ] && [ "${CA_PATH#"$ETC"/}" = "$CA_PATH" ] && [ -e "$ROOT$CA_PATH" ] && ! cmp -s "$CA" "$ROOT$CA_PATH"; then
-  die "broker.ca_file is $CA_PATH, which exists and is not the --ca certificate: the installer replaces a CA only in $ETC. Point ca_file at $ETC/ca.crt, or leave --ca out to use $CA_PATH as it is"
+  refuse "broker.ca_file is $CA_PATH, which exists and is not the --ca certificate: the installer replaces a CA only in $ETC. Point ca_file at $ETC/ca.crt, or leave --ca out to use $CA_PATH as it is"
 fi
 # a single --data file goes where the config's data_file expects it, if that is in the state dir
 # and the file is not one of the config's other files by name (a test set stays a test set)
@@ -479,7 +485,7 @@ else
     changed "installed the agent ($spec) into $VENV"
   fi
   if [ "$DRY" -eq 0 ] && "$VPY" -I -c 'import edge_agent.config, fleet.cli' 2>/dev/null; then
-    "$VPY" -I -m fedal_cli.main fleet check "$ROOT$ETC/agent.toml" >/dev/null || die "the installed config is invalid (see above)"
+    "$VPY" -I -m fedal_cli.main fleet check "$ROOT$ETC/agent.toml" >/dev/null || refuse "the installed config is invalid (see above)"
   fi
 fi
 

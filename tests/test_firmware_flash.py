@@ -237,6 +237,12 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     kept = root / "root" / ".fedal-firstboot" / "agent.toml"
     assert not (boot / "fedal" / "agent.toml").exists() and kept.read_text() == AGENT_TOML
     assert stat.S_IMODE(kept.stat().st_mode) == 0o600 and stat.S_IMODE(kept.parent.stat().st_mode) == 0o700
+    # a config the installer cannot use is refused for good too: no retry every minute would change it
+    kept.write_text("client_id = [\n")
+    run = subprocess.run([str(root / "usr/local/sbin/fedal-firstboot")], env=env2, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3 and "not valid TOML" in run.stderr, run.stdout + run.stderr
+    assert "not retrying" in run.stdout + run.stderr and not pip_log.exists()
+    kept.write_text(AGENT_TOML)
     run = subprocess.run([str(root / "usr/local/sbin/fedal-firstboot")], env=env2, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     calls = [json.loads(line) for line in pip_log.read_text().splitlines()]
@@ -405,31 +411,32 @@ def bad_image(kind: str, tmp_path: Path) -> Path:
     return rpi_image(tmp_path)
 
 
-@pytest.mark.parametrize("kind, extra, message", [
-    ("missing", [], "image not found"),
-    ("no table", [], "has no partition table"),
-    ("no fat partition", [], "no FAT boot partition"),
-    ("fat type, no fat", [], "holds no FAT file system"),
-    ("no cmdline.txt", [], "no cmdline.txt: not a Raspberry Pi OS boot partition"),
-    ("ok", ["--hostname", "pi_7"], "invalid --hostname"),
-    ("ok", ["--wifi-ssid", "Lab"], "needs --wifi-country"),
-    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk", "short"], "8-63 characters"),
-    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk-file", "short.psk"], "8-63 characters"),
-    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk-file", "missing.psk"], "is not a readable file"),
-    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk-file", "empty.psk"], "is empty"),
-    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk-file", "-"], "nothing on standard input"),
+# exit 2: arguments no flash can use (a usage error); exit 1: the card, the files or the config
+@pytest.mark.parametrize("kind, extra, message, code", [
+    ("missing", [], "image not found", 1),
+    ("no table", [], "has no partition table", 1),
+    ("no fat partition", [], "no FAT boot partition", 1),
+    ("fat type, no fat", [], "holds no FAT file system", 1),
+    ("no cmdline.txt", [], "no cmdline.txt: not a Raspberry Pi OS boot partition", 1),
+    ("ok", ["--hostname", "pi_7"], "invalid --hostname", 2),
+    ("ok", ["--wifi-ssid", "Lab"], "needs --wifi-country", 2),
+    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk", "short"], "8-63 characters", 2),
+    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk-file", "short.psk"], "8-63 characters", 2),
+    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk-file", "missing.psk"], "is not a readable file", 1),
+    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk-file", "empty.psk"], "is empty", 1),
+    ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk-file", "-"], "nothing on standard input", 1),
     ("ok", ["--wifi-ssid", "Lab", "--wifi-country", "DE", "--wifi-psk", "correct horse", "--wifi-psk-file", "-"],
-     "give the passphrase once"),
-    ("ok", ["--wifi-country", "Germany"], "two-letter code"),
-    ("ok", ["--ssh-key", "PRIVATE"], "is a private key"),
-    ("ok", ["--mode", "auto-magic"], "--mode must be"),
-    ("ok", ["--wheel", "missing.whl"], "wheel not found"),
+     "give the passphrase once", 2),
+    ("ok", ["--wifi-country", "Germany"], "two-letter code", 2),
+    ("ok", ["--ssh-key", "PRIVATE"], "is a private key", 1),
+    ("ok", ["--mode", "auto-magic"], "--mode must be", 2),
+    ("ok", ["--wheel", "missing.whl"], "wheel not found", 1),
     # a card that cannot boot (the kernel splits systemd.run= at the space), a pin pip cannot take
-    ("ok", ["--boot-mount", "/boot/my fw"], "may hold only letters, digits"),
-    ("ok", ["--torch-version", "latest"], "is not a version like 2.13.0"),
-    ("ok", ["--data", "a/train.npz", "--data", "b/train.npz"], "two --data files are named train.npz"),
+    ("ok", ["--boot-mount", "/boot/my fw"], "may hold only letters, digits", 2),
+    ("ok", ["--torch-version", "latest"], "is not a version like 2.13.0", 2),
+    ("ok", ["--data", "a/train.npz", "--data", "b/train.npz"], "two --data files are named train.npz", 2),
 ])
-def test_bad_inputs_are_refused_and_leave_the_image_alone(tmp_path, device, kind, extra, message):
+def test_bad_inputs_are_refused_and_leave_the_image_alone(tmp_path, device, kind, extra, message, code):
     img = tmp_path / "missing.img" if kind == "missing" else bad_image(kind, tmp_path)
     before = file_hash(img) if img.exists() else None
     if "PRIVATE" in extra:
@@ -444,7 +451,7 @@ def test_bad_inputs_are_refused_and_leave_the_image_alone(tmp_path, device, kind
                                         "b/train.npz") else e for e in extra]
     r = flash("--image", str(img), "--config", str(device / "agent.toml"), "--wheel",
               str(tmp_path / "fedal_edge-0.1.0-py3-none-any.whl"), *extra)
-    assert r.returncode == 1, r.stdout
+    assert r.returncode == code, r.stdout + r.stderr
     assert message in r.stderr, r.stderr
     assert r.stderr.startswith("flash: error:")
     if before is not None:

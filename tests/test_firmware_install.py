@@ -246,27 +246,27 @@ def test_bad_inputs_fail_with_clear_messages(tmp_path, inputs):
     root = str(tmp_path / "root")
     cfg = str(inputs / "agent.toml")
     r = install("--root", root)
-    assert r.returncode == 1 and "--config is required" in r.stderr
+    assert r.returncode == 2 and "--config is required" in r.stderr
     r = install("--root", root, "--config", str(tmp_path / "missing.toml"))
-    assert r.returncode == 1 and "config file not found" in r.stderr
+    assert r.returncode == 3 and "config file not found" in r.stderr
     bad = tmp_path / "bad.toml"
     bad.write_text("client_id = \n")
     r = install("--root", root, "--config", str(bad), "--skip-pip")
-    assert r.returncode == 1 and "is not valid TOML" in r.stderr
+    assert r.returncode == 3 and "is not valid TOML" in r.stderr
     r = install("--root", root, "--config", cfg, "--wheel", str(tmp_path / "nope.whl"))
-    assert r.returncode == 1 and "wheel not found" in r.stderr
+    assert r.returncode == 3 and "wheel not found" in r.stderr
     r = install("--root", root, "--config", cfg, "--wheel", cfg)
-    assert r.returncode == 1 and "needs a .whl file" in r.stderr
+    assert r.returncode == 3 and "needs a .whl file" in r.stderr
     r = install("--root", root, "--config", cfg, "--bogus")
-    assert r.returncode == 1 and "unknown argument: --bogus" in r.stderr
+    assert r.returncode == 2 and "unknown argument: --bogus" in r.stderr
     r = install("--root", root, "--config", cfg, "--torch-version", "latest", "--print-constraints")
-    assert r.returncode == 1 and "'latest' is not a version like 2.13.0" in r.stderr and "torch==" not in r.stdout
+    assert r.returncode == 2 and "'latest' is not a version like 2.13.0" in r.stderr and "torch==" not in r.stdout
     for folder in ("a", "b"):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "train.npz").write_bytes(folder.encode())
     r = install("--root", root, "--config", cfg, "--skip-pip", "--data", str(tmp_path / "a" / "train.npz"),
                 "--data", str(tmp_path / "b" / "train.npz"))
-    assert r.returncode == 1 and "two --data files are named train.npz" in r.stderr
+    assert r.returncode == 2 and "two --data files are named train.npz" in r.stderr
     assert not (tmp_path / "root" / "var").exists()
     old = tmp_path / "python3.9"  # an interpreter that reports an old version
     old.write_text("#!/bin/sh\ncase \"$2\" in *version_info*) exit 1 ;; *python_version*) echo 3.9.2 ;; esac\n")
@@ -305,7 +305,7 @@ def test_a_ca_file_outside_the_agents_directory_is_never_replaced(tmp_path, inpu
     cfg = inputs / "system-ca.toml"
     cfg.write_text(AGENT_TOML.replace("/etc/fedal-agent/ca.crt", "/etc/ssl/certs/ca-certificates.crt"))
     r = install("--root", str(root), "--config", str(cfg), "--skip-pip", "--ca", str(inputs / "ca.crt"))
-    assert r.returncode == 1 and "exists and is not the --ca certificate" in r.stderr, r.stderr + r.stdout
+    assert r.returncode == 3 and "exists and is not the --ca certificate" in r.stderr, r.stderr + r.stdout
     assert bundle.read_text() == "the system's CA bundle\n" and not (root / "etc" / "fedal-agent").exists()
     r = install("--root", str(root), "--config", str(cfg), "--skip-pip")  # without --ca: used as it is
     assert r.returncode == 0, r.stderr
@@ -373,7 +373,7 @@ def test_a_ca_path_with_dot_dot_is_refused(tmp_path, inputs):
     cfg = inputs / "dotdot.toml"
     cfg.write_text(AGENT_TOML.replace("/etc/fedal-agent/ca.crt", "/etc/fedal-agent/../ssl/certs/ca-certificates.crt"))
     r = install("--root", str(tmp_path / "root"), "--config", str(cfg), "--skip-pip", "--ca", str(inputs / "ca.crt"))
-    assert r.returncode == 1 and "must not contain . or .. components" in r.stderr, r.stderr
+    assert r.returncode == 3 and "must not contain . or .. components" in r.stderr, r.stderr
 
 
 def test_an_existing_directory_that_is_not_a_virtualenv_is_never_cleared(tmp_path, inputs):
@@ -398,12 +398,12 @@ def test_an_unknown_model_is_refused_before_pip_runs(tmp_path, inputs):
     cfg.write_text(AGENT_TOML.replace('model = "cnn1d"', 'model = "cnn1d_wdie"'))
     pip = ["--pip", str(inputs / "fake-pip")]
     r = install("--root", str(tmp_path / "src"), "--config", str(cfg), *pip)  # the checkout's agent
-    assert r.returncode == 1 and "unknown model 'cnn1d_wdie'; valid names: mlp, cnn1d, cnn1d_wide" in r.stderr, r.stderr
+    assert r.returncode == 3 and "unknown model 'cnn1d_wdie'; valid names: mlp, cnn1d, cnn1d_wide" in r.stderr, r.stderr
     wheel = inputs / "fedal_edge-0.2.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr("fedal/model_names.py", 'MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn1d_wdie")\n')
     r = install("--root", str(tmp_path / "whl"), "--config", str(inputs / "agent.toml"), "--wheel", str(wheel), *pip)
-    assert r.returncode == 1 and "unknown model 'cnn1d'; valid names: mlp, cnn1d_wdie" in r.stderr, r.stderr
+    assert r.returncode == 3 and "unknown model 'cnn1d'; valid names: mlp, cnn1d_wdie" in r.stderr, r.stderr
     assert pip_calls(inputs) == []
     for root in ("src", "whl"):
         assert not any((tmp_path / root).rglob("*.toml"))  # nothing installed

@@ -66,9 +66,9 @@ log "installing the agent$([ -n "$WH" ] && echo " offline, from the wheelhouse $
 rc=0
 bash "$P/install-agent.sh" "${args[@]}" || rc=$?
 if [ "$rc" -ne 0 ]; then
-  if [ "$rc" -eq 3 ]; then
-    log "the installer refused this device's install for good (see above; e.g. a torch its CPU cannot run);"
-    log "not retrying: flash the card again with the options it names"
+  if [ "$rc" -eq 3 ] || [ "$rc" -eq 2 ]; then
+    log "the installer refused this device's install for good (see above; e.g. a torch its CPU cannot run,"
+    log "or a config it cannot use); not retrying: flash the card again with what it names"
     exit 3
   fi
   if [ -n "$WH" ]; then
