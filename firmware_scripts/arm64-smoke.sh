@@ -66,7 +66,7 @@ while [ $# -gt 0 ]; do
     --out) OUT="${2:?--out needs a directory}"; shift 2 ;;
     --keep) KEEP=1; shift ;;
     -h|--help) usage; exit 0 ;;
-    *) usage >&2; die "unknown argument: $1" ;;
+    *) usage >&2; echo "arm64-smoke: error: unknown argument: $1" >&2; exit 2 ;;
   esac
 done
 
