@@ -40,7 +40,8 @@ MISSED_STEP = "missed_step"
 class MissedStep(ValueError):
     """A task that builds on an earlier step of its round that this client did not take (an agent
     restarted without that state): it cannot be computed however often it is sent. Its session
-    refuses it under the kind "missed_step"; an agent declines it (docs/protocol.md section 8)."""
+    refuses it under the kind "missed_step"; its host (an agent, an emulated agent, a Ray actor)
+    declines it (fedal.session.missed_step_decline; docs/protocol.md section 8)."""
 
     kind = MISSED_STEP
 
