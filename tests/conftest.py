@@ -16,24 +16,26 @@ def _share_ports_between_workers() -> None:
 
 _share_ports_between_workers()
 
-# Seconds the longest test files take in a run of the whole suite on two busy cores (pytest's
-# junit times; most of them start real processes). scripts/test.sh runs xdist with
+# Seconds the longest test files take in a run of the whole suite on two busy cores, three workers
+# (pytest's durations; most of them start real processes). scripts/test.sh runs xdist with
 # --no-loadscope-reorder: the workers take the files in collection order, and the order below puts
-# the longest first, so that the two finish together. xdist's own order, by number of tests, left
+# the longest first, so that the workers finish together. xdist's own order, by number of tests, left
 # files of a few long tests (a crashed agent, the real install) for the end, one worker idle meanwhile.
 LONG_FILES = {
-    "test_strategy_contract.py": 154, "test_sim_ray.py": 116, "test_agent_crash.py": 109,
-    "test_process_signals.py": 66, "test_setup_venv.py": 58, "test_firmware_install_real.py": 57,
-    "test_privacy.py": 49, "test_wire_dtype.py": 43, "test_hil_proxy_mosquitto.py": 40,
-    "test_sim_stop_signals.py": 39, "test_firmware_flash.py": 38, "test_hil_fleet.py": 34,
-    "test_coordinator_api.py": 33, "test_simulate.py": 31, "test_sim_ray_errors.py": 30,
-    "test_firmware_wheelhouse.py": 30, "test_hil_chaos_lossy.py": 30, "test_runtime_dropout.py": 29,
-    "test_agent_service_restarts.py": 28, "test_default_models.py": 27, "test_dashboard_browser.py": 26,
-    "test_firmware_install.py": 22, "test_crash_consistency.py": 21, "test_coordinator_pause_kept.py": 19,
-    "test_hil_emulated_strategies.py": 18, "test_hil_proxy_backlog.py": 18, "test_vectorized_clients.py": 18,
-    "test_hil_proxy_wifi_lossy.py": 17, "test_security_device_attack.py": 16, "test_cli_outputs.py": 16,
-    "test_bench_usage_errors.py": 15, "test_export_cli_errors.py": 14, "test_demo_linger.py": 14,
-    "test_device_health.py": 14, "test_export_cli.py": 13, "test_runtime_tls_auth.py": 13,
+    "test_strategy_contract.py": 217, "test_sim_ray.py": 212, "test_agent_crash.py": 146,
+    "test_setup_venv.py": 96, "test_process_signals.py": 93, "test_privacy.py": 78,
+    "test_hil_proxy_mosquitto.py": 64, "test_sim_stop_signals.py": 56, "test_default_models.py": 51,
+    "test_firmware_flash.py": 50, "test_firmware_wheelhouse.py": 49, "test_firmware_install_real.py": 47,
+    "test_wire_dtype.py": 46, "test_coordinator_api.py": 43, "test_firmware_install.py": 35,
+    "test_sim_ray_errors.py": 34, "test_agent_service_restarts.py": 34, "test_hil_fleet.py": 33,
+    "test_dashboard_browser.py": 31, "test_runtime_dropout.py": 30, "test_hil_chaos_lossy.py": 30,
+    "test_simulate.py": 29, "test_vectorized_clients.py": 23, "test_hil_emulated_strategies.py": 23,
+    "test_crash_consistency.py": 23, "test_security_device_attack.py": 22, "test_cli_outputs.py": 22,
+    "test_coordinator_pause_kept.py": 20, "test_export_cli.py": 18, "test_device_health.py": 18,
+    "test_demo_linger.py": 18, "test_bench_usage_errors.py": 17, "test_agent_selfcheck.py": 17,
+    "test_runtime_coordinator_restart.py": 16, "test_runtime_config.py": 16,
+    "test_hil_proxy_wifi_lossy.py": 16, "test_hil_proxy_backlog.py": 16, "test_export_cli_errors.py": 16,
+    "test_chaos_broker_restart.py": 16, "test_runtime_tls_auth.py": 15, "test_fleet_wheelhouse.py": 15,
 }
 
 
