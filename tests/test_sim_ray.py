@@ -130,7 +130,11 @@ def test_a_killed_actor_is_restarted_from_snapshots_and_the_run_finishes():
 def test_client_resources_are_parsed_and_bad_ones_refused():
     assert parse_resources("num_cpus=1,num_gpus=0.25") == {"num_cpus": 1.0, "num_gpus": 0.25}
     assert parse_resources(None) == {"num_cpus": 1.0}
-    for bad in ("num_cpus", "num_cpus=x", "num_gpus=-1", "num_cpus=nan", "num_gpus=inf"):
+    # an actor that asks other resources still takes one CPU unless it says otherwise (as Ray places it)
+    assert parse_resources("num_gpus=0.5") == {"num_cpus": 1.0, "num_gpus": 0.5}
+    assert parse_resources("num_cpus=0,num_gpus=1") == {"num_cpus": 0.0, "num_gpus": 1.0}
+    for bad in ("num_cpus", "num_cpus=x", "num_gpus=-1", "num_cpus=nan", "num_gpus=inf", "=1",
+                "num_cpus=1,num_cpus=3"):
         with pytest.raises(ConfigError, match="client_resources"):
             parse_resources(bad)
     with pytest.raises(ValueError, match="client_resources") as refused:
@@ -143,6 +147,21 @@ def test_client_resources_are_parsed_and_bad_ones_refused():
     for custom in ("accelerator_tpu=1", "memory_gb=2", "num_tpus=1,num_cpus=1"):  # custom resources stay possible
         assert parse_resources(custom) and not [n for n in load_config(
             None, {"backend": "ray", "client_resources": custom}).notes() if "client_resources" in n]
+
+
+def test_the_cluster_check_and_the_default_actor_count_count_every_resource():
+    from fedal.sim.ray_backend import RayClusterError, actors_that_fit, check_cluster_fits
+
+    gpu_half = parse_resources("num_gpus=0.5")
+    # 8 actors of half a GPU fit 4 GPUs, not 4 CPUs: the CPU each also takes is what is short
+    with pytest.raises(RayClusterError, match=r"need CPU=8.*has CPU=4: use --ray-actors 4 or fewer"):
+        check_cluster_fits(8, gpu_half, {"CPU": 4.0, "GPU": 4.0})
+    check_cluster_fits(4, gpu_half, {"CPU": 4.0, "GPU": 4.0})
+    # the default count is what the cluster holds of every resource asked (16 CPUs, 1 GPU: 2)
+    assert actors_that_fit(parse_resources("num_cpus=1,num_gpus=0.5"), {"CPU": 16.0, "GPU": 1.0}) == 2
+    assert actors_that_fit(parse_resources(None), {"CPU": 16.0}) == 16
+    assert actors_that_fit({"num_cpus": 0.0}, {"CPU": 3.0}) == 3  # asking nothing: one per CPU
+    assert actors_that_fit(parse_resources("num_gpus=1"), {"CPU": 16.0}) == 0  # no GPU: the check says so
 
 
 def test_an_actor_killed_mid_round_misses_the_rest_of_it_and_the_round_closes_by_quorum():

@@ -58,7 +58,9 @@ RAY_RESOURCES = ("num_cpus", "num_gpus", "memory")
 
 
 def parse_resources(text: str | dict | None) -> dict[str, float]:
-    """'num_cpus=1,num_gpus=0.25' (or a dict) -> {'num_cpus': 1.0, 'num_gpus': 0.25}, per actor."""
+    """'num_cpus=1,num_gpus=0.25' (or a dict) -> {'num_cpus': 1.0, 'num_gpus': 0.25}, per actor;
+    num_cpus is 1 unless given, as Ray gives an actor that asks for other resources one CPU too
+    (what the cluster check must count)."""
     if text is None or text == "":
         return {"num_cpus": 1.0}
     pairs = text.items() if isinstance(text, dict) else (p.split("=", 1) for p in text.split(",") if p.strip())
@@ -67,6 +69,10 @@ def parse_resources(text: str | dict | None) -> dict[str, float]:
         if len(pair) != 2:
             raise ConfigError(f"client_resources: expected name=value pairs such as 'num_cpus=1,num_gpus=0.25', got {text!r}")
         name, value = str(pair[0]).strip(), pair[1]
+        if not name:
+            raise ConfigError(f"client_resources: a resource without a name in {text!r}")
+        if name in out:
+            raise ConfigError(f"client_resources: {name} is given twice in {text!r}")
         try:
             number = float(value)
         except (TypeError, ValueError):
@@ -74,7 +80,7 @@ def parse_resources(text: str | dict | None) -> dict[str, float]:
         if not math.isfinite(number) or number < 0:
             raise ConfigError(f"client_resources: {name} must be a finite number, not negative, got {value!r}")
         out[name] = number
-    return out
+    return out if "num_cpus" in out else {"num_cpus": 1.0, **out}
 
 
 def resource_name_notes(text: str | dict | None) -> list[str]:

@@ -421,6 +421,15 @@ def _resource_text(resources: dict[str, float]) -> str:
     return ",".join(f"{name}={value:g}" for name, value in resources.items())
 
 
+def actors_that_fit(resources: dict[str, float], cluster: dict[str, float]) -> int:
+    """How many actors of `resources` each the cluster's total resources hold at once (its CPUs
+    when the actors ask for nothing)."""
+    asked = [(RAY_RESOURCE_NAMES.get(name, name), each) for name, each in resources.items() if each > 0]
+    if not asked:
+        return int(cluster.get("CPU", 1))
+    return min(int(math.floor(float(cluster.get(key, 0.0)) / each + 1e-9)) for key, each in asked)
+
+
 def check_cluster_fits(n_actors: int, resources: dict[str, float], cluster: dict[str, float]) -> None:
     """Refuse `n_actors` actors of `resources` each (--client-resources) when the cluster's total
     resources (ray.cluster_resources()) cannot hold them all at once: Ray would never place the rest."""
@@ -428,8 +437,7 @@ def check_cluster_fits(n_actors: int, resources: dict[str, float], cluster: dict
     short = {key: amount for key, amount in need.items() if amount > float(cluster.get(key, 0.0)) + 1e-9}
     if not short:
         return
-    fit = min(int(math.floor(float(cluster.get(RAY_RESOURCE_NAMES.get(name, name), 0.0)) / each + 1e-9))
-              for name, each in resources.items() if each > 0)
+    fit = actors_that_fit(resources, cluster)
     asked = ", ".join(f"{key}={amount:g}" for key, amount in short.items())
     has = ", ".join(f"{key}={float(cluster.get(key, 0.0)):g}" for key in short)
     asks = (f"1 Ray actor of {_resource_text(resources)} needs {asked}" if n_actors == 1 else
@@ -473,7 +481,7 @@ class RayClients:
     def _start(self, ray: Any, config: RunConfig, data, run_id: str, actors: int | None,
                resources: dict[str, float]) -> None:
         cluster = ray.cluster_resources()
-        n_actors = actors or max(1, int(cluster.get("CPU", 1) // max(resources.get("num_cpus", 1), 1e-9)))
+        n_actors = actors or actors_that_fit(resources, cluster)  # as many as the cluster holds at once
         n_actors = max(1, min(n_actors, config.clients))
         check_cluster_fits(n_actors, resources, cluster)  # before any actor waits for what is not there
         timeout_s = _start_timeout()
@@ -527,11 +535,13 @@ class RayClients:
         try:
             for handle in self.handles:
                 ray.kill(handle, no_restart=True)
-            if self.snapshot_dir:
-                shutil.rmtree(self.snapshot_dir, ignore_errors=True)
         finally:
-            if self.started:
-                shutdown_local_ray()
+            try:
+                if self.snapshot_dir:  # also when a kill failed (a remote cluster's connection lost)
+                    shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+            finally:
+                if self.started:
+                    shutdown_local_ray()
 
 
 def _free(ray: Any, resources: dict[str, float]) -> dict[str, float]:
