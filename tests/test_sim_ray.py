@@ -218,6 +218,36 @@ def test_a_client_group_answers_refused_tasks_with_the_reason(tmp_path):
     assert (tmp_path / "c02.pt").exists()  # the round-start snapshot a restart resumes from
 
 
+def test_a_refused_task_costs_only_itself_on_either_backend(monkeypatch):
+    """A task a client cannot apply (feedback that is not finite, here the first one c01 gets) is
+    refused on either backend the same way, as on an agent: it gets no answer, is counted (each
+    copy the engine re-sends too), and the
+    run goes on to the same numbers (the phase closes by quorum at its deadline). The in-process
+    run stopped with the refusal while the Ray run went on."""
+    from fedal.strategies.fedal import FedALServer
+
+    feedback = FedALServer._feedback
+
+    def poisoned(self, results):
+        out = feedback(self, results)
+        if not getattr(self, "_poisoned", False) and "c01" in out:
+            self._poisoned = True
+            out["c01"]["fbar"] = np.full_like(out["c01"]["fbar"], np.nan)
+        return out
+
+    monkeypatch.setattr(FedALServer, "_feedback", poisoned)
+    local = simulate(_config("fedal"))
+    remote = simulate(_config("fedal", backend="ray"))
+    _same(local, remote)
+    # the task and its re-send before the deadline, refused alike
+    assert local["refused_tasks"] == remote["backend"]["refused_tasks"] >= 1
+    assert remote["backend"]["lost_tasks"] == 0
+    vectorized = simulate(_config("fedal", vectorize=True))  # a refusal inside a stacked group
+    assert vectorized["refused_tasks"] == local["refused_tasks"] and vectorized["vectorized"]["stacked_tasks"] > 0
+    monkeypatch.undo()
+    assert "refused_tasks" not in simulate(_config("fedal", rounds=1))  # none refused: not said
+
+
 def test_actors_take_the_public_set_from_the_object_store(tmp_path):
     """The driver puts the public set into the store once; the clients an actor builds use that
     copy (marked here so it differs from what the actor's own build would give), read-only and

@@ -23,6 +23,7 @@ import functools
 import heapq
 import itertools
 import json
+import logging
 import threading
 import weakref
 from abc import abstractmethod
@@ -39,7 +40,7 @@ from fedal.engine.rounds import RoundEngine
 from fedal.engine.settings import PhaseSettings
 from fedal.engine.transport import Arrival, Transport
 from fedal.protocol import Message, Packet
-from fedal.session import ClientSession, NewTask, TaskRefused, evaluation_reply
+from fedal.session import ClientSession, NewTask, TaskRefused, evaluation_reply, missed_step_decline
 from fedal.strategies import ClientHalf, ServerHalf, group_step
 from fedal.strategies.stacked import NotStackable, layout_key
 
@@ -66,6 +67,7 @@ class Faults:
 
 # a task sent and not yet computed: (client, task as received, (client, epoch, seq), faulted)
 Pending = tuple[str, Message, tuple[str, int, int], bool]
+log = logging.getLogger(__name__)
 
 
 class SimulatedTransport(Transport):
@@ -216,6 +218,7 @@ class InProcessTransport(SimulatedTransport):
         self.sessions = dict(sessions)
         self.vectorize = vectorize
         self.stacking = Stacking()
+        self.counters: Counter[str] = Counter()  # refused_tasks: tasks a client could not apply
 
     @property
     def stacked_tasks(self) -> int:
@@ -223,9 +226,9 @@ class InProcessTransport(SimulatedTransport):
         return self.stacking.stacked
 
     def _compute(self, items: list[Pending]) -> list[Packet | None]:
-        results, stacking = compute_tasks(self.sessions, [(cid, task) for cid, task, *_ in items], self.vectorize)
+        answers, stacking = answer_tasks(self.sessions, [(cid, task) for cid, task, *_ in items], self.vectorize)
         self.stacking.add(stacking)
-        return results
+        return count_refusals(self.counters, items, answers)
 
 
 _LAYOUTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
@@ -313,6 +316,43 @@ def _compute_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[
             continue
         for k, s, task, answer in zip(ks, group_sessions, tasks, answers):
             results[k] = s.answer(task, answer)
+
+
+Answer = tuple[Packet | None, str | None]
+
+
+def answer_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[str, Message]],
+                 vectorize: bool = False) -> tuple[list[Answer], Stacking]:
+    """compute_tasks for every transport of a simulation: each task's result (None: stale, or
+    refused) and, for a task refused, why. A refusal costs only its own task, as on an agent: all
+    tasks together first (vectorized groups), then, if one is refused, one by one (those already
+    answered come from their sessions' caches); a task that builds on a step its client no longer
+    has is declined (missed_step_decline), as an agent declines it."""
+    try:
+        results, stacking = compute_tasks(sessions, items, vectorize)
+        return [(r, None) for r in results], stacking
+    except TaskRefused:
+        stacking = Stacking()
+    out: list[Answer] = []
+    for cid, task in items:
+        try:
+            results, one = compute_tasks(sessions, [(cid, task)], vectorize)
+            stacking.add(one)
+            out.append((results[0], None))
+        except TaskRefused as exc:
+            decline = missed_step_decline(task, exc)
+            out.append((decline, None if decline is not None else f"{exc.kind}: {exc}"))
+    return out, stacking
+
+
+def count_refusals(counters: Counter[str], items: Sequence[Pending], answers: Sequence[Answer]) -> list[Packet | None]:
+    """The results to deliver; each refused task counted (`refused_tasks`) and said. It gets no
+    answer: its phase closes by the engine's quorum and deadline, as in a deployment."""
+    for (cid, task, *_rest), (_result, refused) in zip(items, answers):
+        if refused is not None:
+            counters["refused_tasks"] += 1
+            log.warning("client %s refused %s: %s", cid, task.phase, refused)
+    return [result for result, _refused in answers]
 
 
 def in_process_engine(server: ServerHalf, clients: Mapping[str, ClientHalf], *, phase_kinds: Mapping[str, str],

@@ -44,13 +44,22 @@ import numpy as np
 import torch
 
 from fedal.atomic import torch_save_atomic
-from fedal.engine.inprocess import Faults, Pending, SimulatedTransport, Stacking, compute_tasks, simulated_round_engine
+from fedal.engine.inprocess import (
+    Answer,
+    Faults,
+    Pending,
+    SimulatedTransport,
+    Stacking,
+    answer_tasks,
+    count_refusals,
+    simulated_round_engine,
+)
 from fedal.engine.rounds import RoundEngine
 from fedal.engine.settings import PhaseSettings
 from fedal.ports import unreachable
 from fedal.procs import pid_dir
 from fedal.protocol import Message, Packet
-from fedal.session import ClientSession, TaskRefused, evaluation_reply, missed_step_decline
+from fedal.session import ClientSession, evaluation_reply
 from fedal.sim.build import build_clients, build_data, client_ids, client_tests
 from fedal.sim.config import ConfigError, RunConfig, parse_resources
 
@@ -156,31 +165,10 @@ class ClientGroup:
         self._build(public)
         return {cid: s.client.predict(x).numpy() for cid, s in self.sessions.items()}
 
-    def on_tasks(self, public: list[Any], items: list[tuple[str, Message]]
-                 ) -> tuple[list[tuple[Packet | None, str | None]], Stacking]:
-        """Each task's result (None: stale) and, for a task refused, why; how they were computed."""
+    def on_group(self, public: list[Any], items: list[tuple[str, Message]]) -> tuple[list[Answer], Stacking]:
+        """Each task's result and, for a refused one, why (answer_tasks, as in-process)."""
         self._build(public)
-        out: list[tuple[Packet | None, str | None]] = []
-        stacking = Stacking()
-        for cid, task in items:  # one by one, so one refusal costs only its own task
-            try:
-                results, one = compute_tasks(self.sessions, [(cid, task)], self.vectorize)
-                stacking.add(one)
-                out.append((results[0], None))
-            except TaskRefused as exc:  # a missed step (a client restored at its round start) is declined
-                decline = missed_step_decline(task, exc)
-                out.append((decline, None if decline is not None else f"{exc.kind}: {exc}"))
-        return out, stacking
-
-    def on_group(self, public: list[Any], items: list[tuple[str, Message]]
-                 ) -> tuple[list[tuple[Packet | None, str | None]], Stacking]:
-        """All tasks together (vectorized groups); falls back to one by one if one is refused."""
-        self._build(public)
-        try:
-            results, stacking = compute_tasks(self.sessions, items, self.vectorize)
-            return [(r, None) for r in results], stacking
-        except TaskRefused:
-            return self.on_tasks(public, items)
+        return answer_tasks(self.sessions, items, self.vectorize)
 
 
 class RayTransport(SimulatedTransport):
@@ -210,11 +198,9 @@ class RayTransport(SimulatedTransport):
                             "snapshots", len(by_actor[actor]), type(exc).__name__)
                 continue
             self.stacking.add(stacking)
-            for k, (result, refused) in zip(by_actor[actor], answers):
+            ks = by_actor[actor]
+            for k, result in zip(ks, count_refusals(self.counters, [items[k] for k in ks], answers)):
                 results[k] = result
-                if refused is not None:
-                    self.counters["refused_tasks"] += 1
-                    log.info("client %s refused %s: %s", items[k][0], items[k][1].phase, refused)
         return results
 
 

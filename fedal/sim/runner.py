@@ -120,6 +120,8 @@ def _simulate(config: RunConfig, progress: ProgressFn | None, verbose: bool, sta
                             time.perf_counter() - started, deployment=deployment)
     if backend is not None:
         results["backend"] = backend
+    elif engine.transport.counters.get("refused_tasks"):  # Ray's are in its backend counts
+        results["refused_tasks"] = engine.transport.counters["refused_tasks"]
     if config.vectorize:  # which tasks ran stacked, and why the others did not
         results["vectorized"] = engine.transport.stacking.summary()
     return results
