@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -125,6 +126,32 @@ def test_a_killed_actor_is_restarted_from_snapshots_and_the_run_finishes():
     # the engine re-sent the lost tasks and the restarted actor answered them: no client missed a phase
     assert all(p["participation"] == 1.0 for r in records for p in r["phases"].values())
     assert "mean_acc" in records[-1] and all(a is not None for a in records[-1]["client_acc"])
+
+
+def test_a_run_stopped_midway_ends_its_actors_without_waiting_for_their_work():
+    """A stop (Ctrl-C, a signal) reaching the driver while an actor computes: the run's close ends
+    the actors at once. Asking them their counts first waited for the work each still had (an
+    actor takes one call at a time): here a task of a million local steps, minutes of work."""
+    from fedal.protocol import Message
+    from fedal.sim.ray_backend import ray_run
+    from fedal.sim.runner import global_metrics_of
+    from fedal.strategies.params import MAX_STEPS
+
+    config = _config("fedal", rounds=1).resolved().model_copy(update={"backend": "ray"})
+    _, _, engine, close = ray_run(config, global_metrics_of)
+    try:
+        task = Message({"instance": "sim", "epoch": 0, "seq": 1, "round": 0, "phase": "local_train", "steps": MAX_STEPS})
+        busy = engine.transport.actors["c00"].on_group.remote(engine.transport.public, [("c00", task)])
+        done, _ = ray.wait([busy], timeout=2)
+        assert not done  # under way
+    finally:
+        started = time.monotonic()
+        info = close(False)  # what the run does when it is stopped midway
+        took = time.monotonic() - started
+    assert took < 60, took
+    assert "restored_clients" not in info  # not asked: the actors were busy
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(busy, timeout=30)
 
 
 def test_client_resources_are_parsed_and_bad_ones_refused():

@@ -567,12 +567,15 @@ def ray_run(config: RunConfig, global_metrics_of, verbose: bool = False):
         clients.close()
         raise
 
-    def close() -> dict[str, Any]:
+    def close(finished: bool = True) -> dict[str, Any]:
+        """`finished` False (a run stopped midway): the actors are ended at once, without asking
+        them their counts, which would wait for the work they still do (each takes one call at a time)."""
         transport = engine.transport
         info: dict[str, Any] = {"name": "ray", "actors": len(clients.handles), **dict.fromkeys(BACKEND_COUNTS, 0),
                                 **dict(getattr(transport, "counters", {}))}
         try:
-            info["restored_clients"] = clients.restored()
+            if finished:
+                info["restored_clients"] = clients.restored()
         finally:
             clients.close()
         return info

@@ -83,6 +83,7 @@ def _simulate(config: RunConfig, progress: ProgressFn | None, verbose: bool, sta
         client_names = list(clients)
         close = None
     stage("rounds")
+    finished = False
     try:
         rounds = []
         for r in range(config.rounds):
@@ -90,9 +91,10 @@ def _simulate(config: RunConfig, progress: ProgressFn | None, verbose: bool, sta
             rounds.append(entry)
             if progress:
                 progress(r + 1, entry)
+        finished = True
     finally:
         if close is not None:
-            backend = close()
+            backend = close(finished)
 
     final = final_summary(rounds)
     if get_strategy(config.strategy).fairness:  # CF needs a standalone run of the same clients
