@@ -243,6 +243,13 @@ def test_a_client_group_answers_refused_tasks_with_the_reason(tmp_path):
     assert out[1][0] is None and "finite" in out[1][1]
     assert out[2][0] is not None and out[2][1] is None
     assert (tmp_path / "c02.pt").exists()  # the round-start snapshot a restart resumes from
+    # at the run's end each actor removes its own clients' snapshots (on another node of a cluster
+    # nobody else would), and the directory once it is empty
+    (tmp_path / "c01.pt").write_bytes(b"another actor's client")
+    assert group.forget() == 2  # c00's (its round opened before the decline) and c02's
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c01.pt"]
+    (tmp_path / "c01.pt").unlink()
+    assert group.forget() == 0 and not tmp_path.exists()
 
 
 def test_a_refused_task_costs_only_itself_on_either_backend(monkeypatch):

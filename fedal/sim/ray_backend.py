@@ -160,6 +160,20 @@ class ClientGroup:
         return {"pid": os.getpid(), "restored": self.restored, "public_hash": self.public_hash,
                 "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
+    def forget(self) -> int:
+        """Remove this actor's clients' snapshots, and their directory once it is empty; how many
+        went. On a node other than the driver's nobody else would: the driver removes the directory
+        on its own node only, and a client's state derives from its private data."""
+        folder = Path(self.snapshot_dir)
+        gone = 0
+        for cid in self.sessions:
+            with contextlib.suppress(FileNotFoundError):
+                (folder / f"{cid}.pt").unlink()
+                gone += 1
+        with contextlib.suppress(OSError):  # not empty: other actors' clients on this node, or the driver's node
+            folder.rmdir()
+        return gone
+
     def outputs(self, public: list[Any], x: np.ndarray) -> dict[str, np.ndarray]:
         """Each hosted client's current outputs on `x` (to compare a run with another)."""
         self._build(public)
@@ -515,9 +529,17 @@ class RayClients:
 
         return sum(r["restored"] for r in ray.get([h.ready.remote(self.public) for h in self.handles]))
 
-    def close(self) -> None:
+    def close(self, forget: bool = True) -> None:
+        """End the actors and remove the snapshots. `forget`: each actor first removes its own
+        (those on other nodes of a cluster); False for a run stopped midway, whose actors may still
+        be working (asking them would wait for that), so snapshots on other nodes may stay."""
         import ray
 
+        if forget and self.handles:
+            try:
+                ray.get([h.forget.remote() for h in self.handles], timeout=30)
+            except Exception as exc:  # noqa: BLE001 (an actor gone or stuck: the kill below ends it all the same)
+                log.warning("not every Ray actor removed its clients' snapshots (%s)", type(exc).__name__)
         try:
             for handle in self.handles:
                 ray.kill(handle, no_restart=True)
@@ -577,7 +599,7 @@ def ray_run(config: RunConfig, global_metrics_of, verbose: bool = False):
             if finished:
                 info["restored_clients"] = clients.restored()
         finally:
-            clients.close()
+            clients.close(forget=finished)
         return info
 
     return data, server, engine, close
