@@ -89,6 +89,9 @@ class SnapshotStore:
         self.path = path
 
     def save_round_start(self, round_no: Any, client_state: dict[str, Any]) -> None:
+        if not self.path.parent.is_dir():  # made when the actor built its clients: the run is ending
+            log.warning("no snapshot directory %s: %s's round start is not saved", self.path.parent, self.path.stem)
+            return
         torch_save_atomic({"round": round_no, "state": client_state}, self.path)
 
     def load_round_start(self) -> tuple[Any, dict[str, Any]] | None:
@@ -137,6 +140,7 @@ class ClientGroup:
         with warnings.catch_warnings():  # the store's array is read-only, and nothing writes to the public set
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             clients = build_clients(cfg, data, self.indices, public_x=public_x)
+        Path(self.snapshot_dir).mkdir(parents=True, exist_ok=True)  # on this actor's node, if not the driver's
         for i, (cid, client) in zip(self.indices, clients.items()):
             test, local_test = client_tests(data, i)
             store = SnapshotStore(Path(self.snapshot_dir) / f"{cid}.pt")
@@ -549,7 +553,9 @@ class RayClients:
                     shutil.rmtree(self.snapshot_dir, ignore_errors=True)
             finally:
                 if self.started:
-                    shutdown_local_ray()
+                    shutdown_local_ray()  # every process of the instance ended
+                    if self.snapshot_dir:  # again: a killed actor may have been saving a snapshot until then
+                        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
 
 
 def _free(ray: Any, resources: dict[str, float]) -> dict[str, float]:
