@@ -16,12 +16,14 @@ from typing import Any, BinaryIO
 TEMPORARY_NAME = re.compile(r"^\.(?P<name>.+)\.[^.]+\.tmp$")
 
 
-def write_atomic(path: str | Path, write: Callable[[BinaryIO], Any], private: bool = False) -> None:
+def write_atomic(path: str | Path, write: Callable[[BinaryIO], Any], private: bool = False, parents: bool = True) -> None:
     """private: mode 0600 (an agent's checkpoints); else the mode of the file it replaces, or for a
     new one 0666 less the umask, as a plain write gives results and exports. The directory must
-    take new files (fedal.owned.unwritable checks outputs so before a run)."""
+    take new files (fedal.owned.unwritable checks outputs so before a run); `parents` False: it
+    must exist too (FileNotFoundError), for a directory that is removed when its owner is done."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         if not private:  # a file it replaces keeps its mode; a new one gets what a plain write gives
@@ -44,10 +46,10 @@ def write_bytes_atomic(path: str | Path, data: bytes, private: bool = False) -> 
     write_atomic(path, lambda fh: fh.write(data), private)
 
 
-def torch_save_atomic(obj: Any, path: str | Path, private: bool = True) -> None:
+def torch_save_atomic(obj: Any, path: str | Path, private: bool = True, parents: bool = True) -> None:
     import torch
 
-    write_atomic(path, lambda fh: torch.save(obj, fh), private)
+    write_atomic(path, lambda fh: torch.save(obj, fh), private, parents)
 
 
 def current_umask() -> int:

@@ -92,7 +92,7 @@ FAULT_OPTIONS = [
     click.option("--ray-address", help="ray backend: a cluster to join (auto, HEAD:PORT on a node of it, "
                  "ray://host:port); default: start a local instance."),
     click.option("--ray-actors", type=click.IntRange(min=1), help="ray backend: actors hosting the clients "
-                 "(default: as many as the cluster's CPUs fit --client-resources)."),
+                 "(default: as many as the cluster's resources hold, each asking --client-resources)."),
     click.option("--client-resources", help="ray backend: each actor's resources, e.g. 'num_cpus=1,num_gpus=0.25'."),
 ]
 FAULT_FLAGS = ("dropout", "stragglers", "straggle_every", "vectorize", "backend", "ray_address", "ray_actors",

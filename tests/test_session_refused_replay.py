@@ -117,3 +117,33 @@ def test_a_refused_replay_is_undone_on_the_vectorized_path_too():
     assert all(torch.equal(before[k], after[k]) for k in before)  # not the round's start
     assert session.round_steps == steps and not session.counters["round_replays"]
     assert store.answered == 2
+
+
+def test_a_simulation_refuses_bad_tasks_and_stops_on_a_clients_own_failure(monkeypatch):
+    """answer_tasks (both simulation backends): a task the client's checks refuse (ValueError)
+    costs only itself and says why; the client failing at a task it took (a bug, out of memory:
+    RuntimeError) stops the run with that error, as it must not look like a refused task."""
+    from fedal.engine.inprocess import answer_tasks
+
+    server, clients, _ = toy_federation("fedal", n_clients=2, tau=2)
+    sessions = {cid: ClientSession("r", cid, c, "inst", evaluate=lambda t: t) for cid, c in clients.items()}
+    phase = server.begin_round(0)
+    items = [(cid, Message({**t.meta, "instance": "inst", "epoch": 0, "seq": 1}, t.tensors))
+             for cid, t in phase.tasks.items()]
+    handle = type(clients["c1"]).handle
+
+    def failing(self, task):
+        if self.client_id == "c1":
+            raise failure
+        return handle(self, task)
+
+    monkeypatch.setattr(type(clients["c1"]), "handle", failing)
+    failure: Exception = ValueError("steps must be between 1 and 5")
+    out, _ = answer_tasks(sessions, items)  # client by client: the patched handle is what runs
+    assert out[0][0] is not None and out[0][1] is None  # c0 answered
+    assert out[1][0] is None and "steps must be" in out[1][1]
+    failure = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    items = [(cid, Message({**task.meta, "seq": 2}, task.tensors)) for cid, task in items]
+    with pytest.raises(TaskRefused) as stopped:
+        answer_tasks(sessions, items)
+    assert isinstance(stopped.value.__cause__, RuntimeError)

@@ -331,7 +331,9 @@ def answer_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[st
     try:
         results, stacking = compute_tasks(sessions, items, vectorize)
         return [(r, None) for r in results], stacking
-    except TaskRefused:
+    except TaskRefused as exc:
+        if not refused_for_cause(exc):
+            raise
         stacking = Stacking()
     out: list[Answer] = []
     for cid, task in items:
@@ -340,9 +342,20 @@ def answer_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[st
             stacking.add(one)
             out.append((results[0], None))
         except TaskRefused as exc:
+            if not refused_for_cause(exc):
+                raise
             decline = missed_step_decline(task, exc)
             out.append((decline, None if decline is not None else f"{exc.kind}: {exc}"))
     return out, stacking
+
+
+def refused_for_cause(exc: TaskRefused) -> bool:
+    """A task the client will not apply (its own checks say why: ValueError, KeyError; or the
+    session's), not the client failing at one it took (a bug, out of memory: RuntimeError and
+    the like), which stops a simulation with its error on either backend, as it always did
+    in-process (an agent refuses both: a device's service must not stop)."""
+    cause = exc.__cause__
+    return cause is None or isinstance(cause, (ValueError, KeyError))
 
 
 def count_refusals(counters: Counter[str], items: Sequence[Pending], answers: Sequence[Answer]) -> list[Packet | None]:

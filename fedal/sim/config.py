@@ -173,7 +173,7 @@ class RunConfig(NoCoercion):
     ray_address: str | None = Field(None, description="ray backend: a cluster to join (auto, head:port, ray://host:port); "
                                     "none starts a local instance")
     ray_actors: int | None = Field(None, ge=1, description="ray backend: actors hosting the clients (default: as many "
-                                   "as the cluster's CPUs fit client_resources)")
+                                   "as the cluster's resources hold, each asking client_resources)")
     client_resources: str | None = Field(None, description="ray backend: resources of each actor, e.g. "
                                          "'num_cpus=1,num_gpus=0.25' (default num_cpus=1)")
     strategy_params: StrategyParams = Field(default_factory=StrategyParams)

@@ -89,10 +89,10 @@ class SnapshotStore:
         self.path = path
 
     def save_round_start(self, round_no: Any, client_state: dict[str, Any]) -> None:
-        if not self.path.parent.is_dir():  # made when the actor built its clients: the run is ending
+        try:  # into the directory made when the actor built its clients, never made again here
+            torch_save_atomic({"round": round_no, "state": client_state}, self.path, parents=False)
+        except FileNotFoundError:  # removed: the run is ending (its actors are being ended)
             log.warning("no snapshot directory %s: %s's round start is not saved", self.path.parent, self.path.stem)
-            return
-        torch_save_atomic({"round": round_no, "state": client_state}, self.path)
 
     def load_round_start(self) -> tuple[Any, dict[str, Any]] | None:
         if not self.path.exists():
@@ -479,7 +479,7 @@ class RayClients:
         try:
             self._start(ray, config, data, run_id, actors, resources or {"num_cpus": 1.0})
         except BaseException:
-            self.close()
+            self.close(forget=False)  # actors not placed, or still building their clients: nothing saved yet
             raise
 
     def _start(self, ray: Any, config: RunConfig, data, run_id: str, actors: int | None,
@@ -539,11 +539,18 @@ class RayClients:
         be working (asking them would wait for that), so snapshots on other nodes may stay."""
         import ray
 
-        if forget and self.handles:
-            try:
-                ray.get([h.forget.remote() for h in self.handles], timeout=30)
-            except Exception as exc:  # noqa: BLE001 (an actor gone or stuck: the kill below ends it all the same)
-                log.warning("not every Ray actor removed its clients' snapshots (%s)", type(exc).__name__)
+        try:
+            if forget and self.handles:
+                try:
+                    ray.get([h.forget.remote() for h in self.handles], timeout=30)
+                except Exception as exc:  # noqa: BLE001 (an actor gone or stuck: the kill below ends it all the same)
+                    log.warning("not every Ray actor removed its clients' snapshots (%s)", type(exc).__name__)
+        finally:  # a stop signal while they remove them included
+            self._end_actors()
+
+    def _end_actors(self) -> None:
+        import ray
+
         try:
             for handle in self.handles:
                 ray.kill(handle, no_restart=True)
@@ -592,12 +599,13 @@ def ray_run(config: RunConfig, global_metrics_of, verbose: bool = False):
         engine = ray_engine(config, data, server, dict(get_strategy(config.strategy).phases), clients,
                             global_metrics=global_metrics_of(config, data, server))
     except BaseException:
-        clients.close()
+        clients.close(forget=False)  # no task ran: nothing saved yet
         raise
 
     def close(finished: bool = True) -> dict[str, Any]:
-        """`finished` False (a run stopped midway): the actors are ended at once, without asking
-        them their counts, which would wait for the work they still do (each takes one call at a time)."""
+        """`finished` False (a run stopped midway: a stop signal, an error): the actors are ended at
+        once, without asking them anything, which would wait for the work they still do (each takes
+        one call at a time)."""
         transport = engine.transport
         info: dict[str, Any] = {"name": "ray", "actors": len(clients.handles), **dict.fromkeys(BACKEND_COUNTS, 0),
                                 **dict(getattr(transport, "counters", {}))}
