@@ -94,10 +94,12 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
         from fedal.sim.fairness import fairness_line
 
         click.echo(fairness_line(final))
-    from fedal.engine.results import privacy_line, vectorized_line
+    from fedal.engine.results import mishaps_line, privacy_line, vectorized_line
 
     if vectorized_line(results):
         click.echo(vectorized_line(results))
+    if mishaps_line(results):
+        click.echo(mishaps_line(results))
     if privacy_line(results):
         click.echo(privacy_line(results))
     from fedal.strategies.global_model import global_model_line

@@ -195,3 +195,33 @@ def test_simulate_tells_when_its_long_parts_begin():
         stages, rounds = seen(strategy)
         assert stages == expected
         assert rounds == [(stage, r) for stage in expected[1:] for r in (1, 2)]
+
+
+def test_the_summary_says_what_went_wrong_without_stopping_the_run(monkeypatch, tmp_path):
+    """Tasks a client refused (their warnings scroll past the progress bar) are counted again in
+    the summary's last lines; a run where nothing went wrong says nothing of the kind."""
+    import numpy as np
+
+    from fedal.engine.results import mishaps_line
+    from fedal.strategies.fedal import FedALServer
+
+    feedback = FedALServer._feedback
+
+    def poisoned(self, results):
+        out = feedback(self, results)
+        if "c01" in out:
+            out["c01"]["fbar"] = np.full_like(out["c01"]["fbar"], np.nan)
+        return out
+
+    clean = CliRunner().invoke(cli, ["simulate", "--strategy", "fedal", *SMALL, "--rounds", "1", "--out",
+                                     str(tmp_path / "clean.json")])
+    assert clean.exit_code == 0 and "refused" not in clean.output, clean.output
+    monkeypatch.setattr(FedALServer, "_feedback", poisoned)
+    result = CliRunner().invoke(cli, ["simulate", "--strategy", "fedal", *SMALL, "--rounds", "1", "--out",
+                                      str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    refused = json.loads((tmp_path / "r.json").read_text())["refused_tasks"]
+    assert refused >= 2 and f"{refused} client task(s) refused" in result.output  # every transfer of c01
+    assert mishaps_line({"backend": {"name": "ray", "actor_failures": 1, "lost_tasks": 3, "refused_tasks": 0,
+                                     "restored_clients": 2}}) == \
+        "1 Ray actor failure(s): 3 task(s) lost, 2 client(s) restored from their round-start snapshots"

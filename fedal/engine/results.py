@@ -81,6 +81,18 @@ def vectorized_line(results: dict[str, Any]) -> str | None:
     return line
 
 
+def mishaps_line(results: dict[str, Any]) -> str | None:
+    """One line on what went wrong in a run without stopping it (tasks refused, Ray actors that
+    died), for a terminal where the warnings scrolled past; None when nothing did."""
+    backend = results.get("backend") or {}
+    refused = results.get("refused_tasks") or backend.get("refused_tasks", 0)
+    parts = [f"{refused} client task(s) refused (see the warnings above)"] if refused else []
+    if backend.get("actor_failures"):
+        parts.append(f"{backend['actor_failures']} Ray actor failure(s): {backend.get('lost_tasks', 0)} task(s) lost, "
+                     f"{backend.get('restored_clients', 0)} client(s) restored from their round-start snapshots")
+    return "; ".join(parts) or None
+
+
 def privacy_line(results: dict[str, Any]) -> str | None:
     """One line on the privacy spent, for a terminal; None for a run without privacy."""
     privacy = results.get("privacy")
