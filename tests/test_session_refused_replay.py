@@ -111,8 +111,8 @@ def test_a_refused_replay_is_undone_on_the_vectorized_path_too():
     before, steps = weights(clients["c0"]), set(session.round_steps)
     bogus = Message(phase.tasks["c0"].meta | {"iteration": 0, "instance": "inst", "epoch": 0, "seq": 50},
                     {"fbar": np.zeros((5, 10), np.float32)})
-    with pytest.raises(TaskRefused):  # a group of one: computed client by client, and refused
-        compute_tasks({"c0": session}, [("c0", bogus)], vectorize=True)
+    results, refusals, _ = compute_tasks({"c0": session}, [("c0", bogus)], vectorize=True)
+    assert results == [None] and isinstance(refusals[0], TaskRefused)  # a group of one: client by client
     after = weights(clients["c0"])
     assert all(torch.equal(before[k], after[k]) for k in before)  # not the round's start
     assert session.round_steps == steps and not session.counters["round_replays"]
@@ -147,3 +147,36 @@ def test_a_simulation_refuses_bad_tasks_and_stops_on_a_clients_own_failure(monke
     with pytest.raises(TaskRefused) as stopped:
         answer_tasks(sessions, items)
     assert isinstance(stopped.value.__cause__, RuntimeError)
+
+
+def test_a_refused_task_leaves_the_rest_of_a_vectorized_flush_stacked():
+    """One client's task refused (feedback that is not finite) costs that task only: the other
+    clients of its architecture still step as one stacked group, and the refusing client is left
+    as it was. The whole flush used to be computed again client by client."""
+    from fedal.engine.inprocess import answer_tasks
+
+    server, clients, _ = toy_federation("fedal", n_clients=4, tau=2)
+    sessions = {cid: ClientSession("r", cid, c, "inst", evaluate=lambda t: t) for cid, c in clients.items()}
+    seq = iter(range(1, 100))
+
+    def items(phase, poison=None):
+        out = []
+        for cid, t in phase.tasks.items():
+            tensors = dict(t.tensors)
+            if cid == poison:
+                tensors["fbar"] = np.full_like(tensors["fbar"], np.nan)
+            out.append((cid, Message({**t.meta, "instance": "inst", "epoch": 0, "seq": next(seq)}, tensors)))
+        return out
+
+    phase = server.begin_round(0)
+    answers, stacking = answer_tasks(sessions, items(phase), vectorize=True)
+    assert stacking.stacked == 4 and all(r is not None for r, _ in answers)
+    phase = server.collect(phase, {cid: r.received() for (cid, _), (r, _) in zip(items(phase), answers)})
+    before = weights(clients["c0"])
+    answers, stacking = answer_tasks(sessions, items(phase, poison="c0"), vectorize=True)
+    assert answers[0][0] is None and "NaN or infinity" in answers[0][1]
+    assert all(r is not None and why is None for r, why in answers[1:])
+    assert stacking.stacked == 3 and not stacking.per_client  # the other three stepped stacked
+    assert all(torch.equal(v, weights(clients["c0"])[k]) for k, v in before.items())
+    assert sessions["c0"].counters["tasks"] == 1 and sessions["c1"].counters["tasks"] == 2
+    assert not any(s.counters["duplicates"] for s in sessions.values())

@@ -258,45 +258,60 @@ def group_parts(members: list[int]) -> list[list[int]]:
 
 
 def compute_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[str, Message]],
-                  vectorize: bool = False) -> tuple[list[Packet | None], Stacking]:
-    """Each task's result through its client's session (None: stale), in order, and how they
-    were computed (Stacking). With `vectorize`, the new tasks of clients whose half has a group
-    step run together per (class, phase, round, iteration, architecture), in parts of at most
-    MAX_GROUP clients; a group the step refuses (NotStackable: nothing changed) and everything
-    else run one by one. A task refused (TaskRefused, raised) leaves every session it did not
-    answer as before its task, as on_task does for one: a replay guard that went back is undone,
-    and a computed task is answered before the next is computed."""
+                  vectorize: bool = False) -> tuple[list[Packet | None], list[TaskRefused | None], Stacking]:
+    """Each task's result through its client's session (None: stale, or refused), in order; for
+    each task refused, why (its TaskRefused, else None); and how they were computed (Stacking).
+    With `vectorize`, the new tasks of clients whose half has a group step run together per
+    (class, phase, round, iteration, architecture), in parts of at most MAX_GROUP clients; a group
+    the step refuses (NotStackable: nothing changed) and everything else run one by one. A task
+    refused costs only itself: its session is left as before it (a replay guard that went back is
+    undone, as on_task does for one), every other task is computed, stacked where it would have
+    been. A client failing at a task it took (refused_for_cause: not a refusal) stops it all,
+    every session it did not answer left as before its task, and is raised."""
     results: list[Packet | None] = [None] * len(items)
+    refusals: list[TaskRefused | None] = [None] * len(items)
     groups: dict[tuple, list[int]] = {}
     stacking = Stacking()
     prepared: list[ClientSession] = []  # admitted and prepared; answering one forgets its undo
     try:
-        _compute_tasks(sessions, items, vectorize, results, groups, stacking, prepared)
+        _compute_tasks(sessions, items, vectorize, results, refusals, groups, stacking, prepared)
     except TaskRefused:
         for session in prepared:
             session.refused_after_prepare()
         raise
-    return results, stacking
+    return results, refusals, stacking
+
+
+def _refused(refusals: list[TaskRefused | None], k: int, exc: TaskRefused, session: ClientSession) -> None:
+    """Task k refused: its session back to before it; a client's own failure raised on."""
+    if not refused_for_cause(exc):
+        raise exc
+    session.refused_after_prepare()
+    refusals[k] = exc
 
 
 def _compute_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[str, Message]], vectorize: bool,
-                   results: list[Packet | None], groups: dict[tuple, list[int]], stacking: Stacking,
-                   prepared: list[ClientSession]) -> None:
+                   results: list[Packet | None], refusals: list[TaskRefused | None], groups: dict[tuple, list[int]],
+                   stacking: Stacking, prepared: list[ClientSession]) -> None:
     for k, (client_id, task) in enumerate(items):
         session = sessions[client_id]
-        if not vectorize or task.phase == "evaluate" or group_step(session.client) is None:
-            if vectorize and task.phase != "evaluate":  # evaluation is no step of the client's half
-                stacking.refused("no group step (differential privacy: per-sample clipping runs per client)"
-                                 if session.client.private is not None else "no group step", 1)
-            results[k] = session.on_task(task)
+        try:
+            if not vectorize or task.phase == "evaluate" or group_step(session.client) is None:
+                if vectorize and task.phase != "evaluate":  # evaluation is no step of the client's half
+                    stacking.refused("no group step (differential privacy: per-sample clipping runs per client)"
+                                     if session.client.private is not None else "no group step", 1)
+                results[k] = session.on_task(task)
+                continue
+            verdict = session.admit(task)
+            if not isinstance(verdict, NewTask):  # stale, or a repeat answered from the cache
+                results[k] = verdict
+                continue
+            prepared.append(session)
+            session.prepare(task)
+        except TaskRefused as exc:
+            _refused(refusals, k, exc, session)
             continue
         client = session.client
-        verdict = session.admit(task)
-        if not isinstance(verdict, NewTask):  # stale, or a repeat answered from the cache
-            results[k] = verdict
-            continue
-        prepared.append(session)
-        session.prepare(task)
         group = (type(client), task.phase, task.meta.get("round"), task.meta.get("iteration"), _layout(client.model))
         groups.setdefault(group, []).append(k)
     for ks in [part for members in groups.values() for part in group_parts(members)]:
@@ -311,8 +326,11 @@ def _compute_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[
             stacking.stacked += len(ks)
         except NotStackable as exc:  # nothing was changed: client by client, as without vectorize
             stacking.refused(str(exc), len(ks))
-            for k, s, task in zip(ks, group_sessions, tasks):  # each answered once computed, so a
-                results[k] = s.answer(task, s.compute(task))  # later one refused leaves it answered
+            for k, s, task in zip(ks, group_sessions, tasks):  # each answered once computed
+                try:
+                    results[k] = s.answer(task, s.compute(task))
+                except TaskRefused as refusal:
+                    _refused(refusals, k, refusal, s)
             continue
         for k, s, task, answer in zip(ks, group_sessions, tasks, answers):
             results[k] = s.answer(task, answer)
@@ -324,28 +342,17 @@ Answer = tuple[Packet | None, str | None]
 def answer_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[str, Message]],
                  vectorize: bool = False) -> tuple[list[Answer], Stacking]:
     """compute_tasks for every transport of a simulation: each task's result (None: stale, or
-    refused) and, for a task refused, why. A refusal costs only its own task, as on an agent: all
-    tasks together first (vectorized groups), then, if one is refused, one by one (those already
-    answered come from their sessions' caches); a task that builds on a step its client no longer
-    has is declined (missed_step_decline), as an agent declines it."""
-    try:
-        results, stacking = compute_tasks(sessions, items, vectorize)
-        return [(r, None) for r in results], stacking
-    except TaskRefused as exc:
-        if not refused_for_cause(exc):
-            raise
-        stacking = Stacking()
+    refused) and, for a task refused, why. A refusal costs only its own task, as on an agent (the
+    other tasks stay stacked as they would have been); a task that builds on a step its client no
+    longer has is declined (missed_step_decline), as an agent declines it."""
+    results, refusals, stacking = compute_tasks(sessions, items, vectorize)
     out: list[Answer] = []
-    for cid, task in items:
-        try:
-            results, one = compute_tasks(sessions, [(cid, task)], vectorize)
-            stacking.add(one)
-            out.append((results[0], None))
-        except TaskRefused as exc:
-            if not refused_for_cause(exc):
-                raise
-            decline = missed_step_decline(task, exc)
-            out.append((decline, None if decline is not None else f"{exc.kind}: {exc}"))
+    for (_cid, task), result, refusal in zip(items, results, refusals):
+        if refusal is None:
+            out.append((result, None))
+            continue
+        decline = missed_step_decline(task, refusal)
+        out.append((decline, None if decline is not None else f"{refusal.kind}: {refusal}"))
     return out, stacking
 
 
