@@ -360,10 +360,7 @@ class Agent:
 
     def _restore_checkpoint(self, state: dict[str, Any]) -> None:
         self.client.load_state_dict(state["client"])
-        self.session.restore(
-            tuple(state["last_key"]) if state.get("last_key") else None,
-            Packet(payload=bytes(state["last_result"].numpy().tobytes())) if state.get("last_result") is not None else None,
-            state.get("round"), {tuple(s) for s in state.get("round_steps", [])})
+        self.session.restore_saved(state)
 
     def _restore(self, state: dict[str, Any]) -> None:
         """The state this agent had: its checkpoint, then the journal's tasks replayed on it (any
@@ -543,10 +540,7 @@ class Agent:
                 "durability": self.config.durability,
                 "round_start": round_start,  # its client state is this round's start (the replay guard's)
                 "client": self.client.state_dict(),
-                "last_key": list(s.last_key) if s.last_key else None,
-                "last_result": torch.frombuffer(bytearray(s.last_result.payload), dtype=torch.uint8) if s.last_result else None,
-                "round": s.round_no,
-                "round_steps": sorted([list(step) for step in s.round_steps], key=repr),
+                **s.saved(),  # last_key, last_result, round, round_steps
             },
             self.ckpt_path, midway=lambda: self.crash.reached("mid_snapshot"),
         )

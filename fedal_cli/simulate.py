@@ -22,17 +22,27 @@ from fedal_cli.options import config_from_flags, fault_options, run_options
 @fault_options
 @click.option("--out", type=click.Path(dir_okay=False), default="results.json", show_default=True, help="Results JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Also write accuracy vs round as a PNG.")
+@click.option("--checkpoint", type=click.Path(dir_okay=False), help="Write the run's state there after every "
+              "--checkpoint-every rounds (removed once the results are written), so that --resume can go on from "
+              "it.")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), help="Rounds between checkpoints (default 1).")
+@click.option("--resume", is_flag=True, help="Go on from the --checkpoint file, if there is one (the same config; "
+              "only --rounds and where it computes may change), to the numbers an uninterrupted run gives.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--verbose", is_flag=True, help="Let the Ray backend's own logs through.")
-def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
+def simulate_cmd(config_path, out, plot, checkpoint, checkpoint_every, resume, quiet, verbose, **flags) -> None:
     """Run a federated simulation in this process and write its results."""
     from fedal.sim.config import ConfigError
     from fedal.sim.runner import simulate
 
+    if checkpoint is None and (resume or checkpoint_every is not None):
+        raise click.UsageError(f"{'--resume' if resume else '--checkpoint-every'} needs --checkpoint FILE")
     config = config_from_flags(config_path, flags)
     if config.data_dir and not Path(config.data_dir).is_absolute():  # the saved config finds the same files
         config = config.model_copy(update={"data_dir": str(Path(config.data_dir).absolute())})  # from anywhere
     check_outputs(out, plot, config_path)
+    if checkpoint is not None:
+        check_checkpoint(checkpoint, resume, out, plot, config_path)
     bars = [progress_bar(total=config.rounds, desc=f"{config.strategy} (preparing the data and clients)", unit="round",
                  disable=quiet)]
 
@@ -53,12 +63,13 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
     fired: list[int] = []
     try:
         with procs.stop_signals_interrupt() as fired:  # SIGTERM/SIGHUP end the run as Ctrl-C does: Ray's
-            results = simulate(config, progress, verbose=verbose, stage=stage)  # actors and snapshots are cleaned up
+            results = simulate(config, progress, verbose=verbose, stage=stage,  # actors and snapshots are cleaned up
+                               checkpoint=checkpoint, checkpoint_every=checkpoint_every or 1, resume=resume)
     except KeyboardInterrupt as exc:  # Stopped, Ctrl-C, or either as Ray hands it back (a bare KeyboardInterrupt)
         bars[-1].close()
         sig = exc.signum if isinstance(exc, procs.Stopped) else (fired[0] if fired else signal.SIGINT)
         with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) cannot take the line
-            click.echo(f"stopped by {signal.Signals(sig).name}: no results written", err=True)
+            click.echo(f"stopped by {signal.Signals(sig).name}: no results written{resumable(checkpoint)}", err=True)
         sys.exit(128 + sig)
     except ImportError as exc:
         extra = "privacy" if exc.name == "opacus" else "ray"
@@ -79,6 +90,9 @@ def simulate_cmd(config_path, out, plot, quiet, verbose, **flags) -> None:
         click.echo(json.dumps(results, indent=2))
         raise click.ClickException(f"cannot write the results to {out}: {exc.strerror or exc}; they are on stdout "
                                    "above (redirect it to a file to keep them)") from None
+    if checkpoint is not None:  # the results hold the run now: the checkpoint (ours: written by this run) goes
+        with contextlib.suppress(FileNotFoundError):
+            Path(checkpoint).unlink()
     if plot:
         try:
             write_plot(results, plot)
@@ -138,6 +152,46 @@ def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | P
         if suffix not in MARKED_PLOT_FORMATS:
             raise click.BadParameter(f"{plot}: a plot is written as {', '.join('.' + f for f in MARKED_PLOT_FORMATS)}, "
                                      f"not {'.' + suffix if suffix else 'a file without an extension'}", param_hint="--plot")
+
+
+def check_checkpoint(path: str | Path, resume: bool, out: str | Path, plot: str | Path | None,
+                     config_path: str | Path | None) -> None:
+    """Usage errors, before the run, for a --checkpoint path it must not write: another output
+    or the config, a file that is no checkpoint (never overwritten), an unfinished run's
+    checkpoint without --resume (its rounds would be lost), a folder it cannot write in."""
+    from fedal.sim.checkpoint import completed_rounds
+
+    target = Path(path)
+    for option, other in (("--out", out), ("--plot", plot), ("--config", config_path)):
+        if other is not None and target.resolve() == Path(other).resolve():
+            raise click.BadParameter(f"{path} is also {option}: give the checkpoint a path of its own",
+                                     param_hint="--checkpoint")
+    if target.is_dir():
+        raise click.BadParameter(f"{path} is a directory", param_hint="--checkpoint")
+    if target.exists():
+        done = completed_rounds(target)
+        if done is None:
+            raise click.BadParameter(f"{path} exists and is no checkpoint of `fedal simulate`: it is never "
+                                     "overwritten; give another path", param_hint="--checkpoint")
+        if not resume:
+            raise click.BadParameter(f"{path} holds the first {done} round(s) of a run that did not finish: add "
+                                     "--resume to go on from there, or remove it to start afresh",
+                                     param_hint="--checkpoint")
+    elif resume:
+        click.echo(f"no checkpoint at {path} yet: the run starts from its first round", err=True)
+    why = unwritable(target)
+    if why:
+        raise click.BadParameter(why, param_hint="--checkpoint")
+
+
+def resumable(checkpoint: str | Path | None) -> str:
+    """What a stopped run says of its checkpoint, if it wrote one."""
+    from fedal.sim.checkpoint import completed_rounds
+
+    done = completed_rounds(checkpoint) if checkpoint is not None and Path(checkpoint).exists() else None
+    if done is None:
+        return ""
+    return f"; its first {done} round(s) are in {checkpoint}: add --resume to go on from there"
 
 
 # the flags that choose the public set (and so its hash): given, a different set is what was asked

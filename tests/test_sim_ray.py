@@ -299,3 +299,29 @@ def test_actors_take_the_public_set_from_the_object_store(tmp_path):
     for session in group.sessions.values():
         public = session.client.public_x.numpy()
         assert np.array_equal(public, marked)
+
+
+def test_a_checkpointed_run_resumes_on_the_other_backend(tmp_path):
+    """Client states travel between a checkpoint and the actors: a run stopped in-process goes on
+    on Ray, stopped there goes on in-process, to the numbers of a run never stopped."""
+    from fedal.sim.checkpoint import completed_rounds
+
+    class Stop(Exception):
+        pass
+
+    def stop_after(rounds):
+        def progress(done, _entry):
+            if done == rounds:
+                raise Stop
+        return progress
+
+    path = tmp_path / "run.ckpt"
+    local = _config("fedal", rounds=3, dropout=0.2)
+    with pytest.raises(Stop):
+        simulate(local, stop_after(1), checkpoint=path)
+    with pytest.raises(Stop):
+        simulate(_config("fedal", rounds=3, dropout=0.2, backend="ray"), stop_after(2), checkpoint=path, resume=True)
+    assert completed_rounds(path) == 2
+    resumed = simulate(local, checkpoint=path, resume=True)
+    assert resumed["resumed_from_round"] == 2
+    _same(simulate(local), resumed)

@@ -37,6 +37,7 @@ import torch
 
 from fedal.data import ArrayDataset
 from fedal.engine.rounds import RoundEngine
+from fedal.engine.saved import arrival_restored, arrival_saved
 from fedal.engine.settings import PhaseSettings
 from fedal.engine.transport import Arrival, Transport
 from fedal.protocol import Message, Packet
@@ -99,6 +100,8 @@ class SimulatedTransport(Transport):
         self._busy_until: dict[tuple[str, int, int], float] = {}
         self.dropped = 0
         self.late = 0
+        self.stacking = Stacking()  # how the clients' tasks were computed (vectorized)
+        self.counters: Counter[str] = Counter()  # refused_tasks; on Ray also actor_failures, lost_tasks
 
     @abstractmethod
     def _compute(self, items: list[Pending]) -> list[Packet | None]:
@@ -183,6 +186,42 @@ class SimulatedTransport(Transport):
     def _arrive(self, at: float, arrival: Arrival) -> None:
         heapq.heappush(self._queue, (at, next(self._order), arrival))
 
+    # -- a simulation's checkpoint, between rounds (fedal/engine/saved.py) -------------------------
+    def saved(self) -> dict[str, Any]:
+        """The clock, the queued arrivals (a straggler's late result), the fault draws and the
+        counts, as tensors and plain data: what the rounds after a checkpoint depend on."""
+        self._flush()  # between rounds nothing is waiting; computed now if it were
+        order = next(self._order)
+        self._order = itertools.count(order)
+        return {"clock": self.clock, "order": order,
+                "queue": [[at, n, arrival_saved(a)] for at, n, a in sorted(self._queue)],
+                "drop_rng": self._drop_rng.bit_generator.state,
+                "dropped": [[*key, v] for key, v in self._dropped.items()],
+                "busy_until": [[*key, v] for key, v in self._busy_until.items()],
+                "faults": {"dropped": self.dropped, "late": self.late},
+                "counters": dict(self.counters),
+                "stacking": {"stacked": self.stacking.stacked, "per_client": dict(self.stacking.per_client)}}
+
+    def restore_saved(self, state: dict[str, Any]) -> None:
+        self.clock = float(state["clock"])
+        self._order = itertools.count(int(state["order"]))
+        self._queue = [(float(at), int(n), arrival_restored(a)) for at, n, a in state["queue"]]
+        heapq.heapify(self._queue)
+        self._drop_rng.bit_generator.state = state["drop_rng"]
+        self._dropped = {(c, int(e), int(q)): bool(v) for c, e, q, v in state["dropped"]}
+        self._busy_until = {(c, int(e), int(q)): float(v) for c, e, q, v in state["busy_until"]}
+        self.dropped, self.late = int(state["faults"]["dropped"]), int(state["faults"]["late"])
+        self.counters = Counter(state["counters"])
+        self.stacking = Stacking(int(state["stacking"]["stacked"]), Counter(state["stacking"]["per_client"]))
+
+    @abstractmethod
+    def client_states(self) -> dict[str, dict[str, Any]]:
+        """Each client's state and its session's (ClientHalf.state_dict, ClientSession.saved)."""
+
+    @abstractmethod
+    def load_client_states(self, states: Mapping[str, dict[str, Any]]) -> None:
+        """The clients and their sessions as `client_states()` gave them."""
+
 
 @dataclass
 class Stacking:
@@ -217,13 +256,17 @@ class InProcessTransport(SimulatedTransport):
         super().__init__(run_id, list(sessions), phases, phase_kinds, faults)
         self.sessions = dict(sessions)
         self.vectorize = vectorize
-        self.stacking = Stacking()
-        self.counters: Counter[str] = Counter()  # refused_tasks: tasks a client could not apply
 
     @property
     def stacked_tasks(self) -> int:
         """Tasks computed in a stacked group."""
         return self.stacking.stacked
+
+    def client_states(self) -> dict[str, dict[str, Any]]:
+        return {cid: {"client": s.client.state_dict(), "session": s.saved()} for cid, s in self.sessions.items()}
+
+    def load_client_states(self, states: Mapping[str, dict[str, Any]]) -> None:
+        load_client_states(self.sessions, states)
 
     def _compute(self, items: list[Pending]) -> list[Packet | None]:
         answers, stacking = answer_tasks(self.sessions, [(cid, task) for cid, task, *_ in items], self.vectorize)
@@ -354,6 +397,16 @@ def answer_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[st
         decline = missed_step_decline(task, refusal)
         out.append((decline, None if decline is not None else f"{refusal.kind}: {refusal}"))
     return out, stacking
+
+
+def load_client_states(sessions: Mapping[str, ClientSession], states: Mapping[str, dict[str, Any]]) -> None:
+    """Each session's client and session state from `states` (InProcessTransport.client_states)."""
+    missing = sorted(set(sessions) - set(states))
+    if missing:
+        raise ValueError(f"no saved state for client(s) {', '.join(missing[:5])}")
+    for cid, session in sessions.items():
+        session.client.load_state_dict(states[cid]["client"])
+        session.restore_saved(states[cid]["session"])
 
 
 def refused_for_cause(exc: TaskRefused) -> bool:

@@ -17,6 +17,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
+
 from fedal.data import ArrayDataset
 from fedal.protocol import TASK_CONTEXT, Message, Packet, tensor_problem
 from fedal.strategies import ClientHalf
@@ -109,6 +111,25 @@ class ClientSession:
     def restore(self, last_key: tuple[int, int] | None, last_result: Packet | None, round_no: Any,
                 round_steps: set[tuple[str, Any]]) -> None:
         self.last_key, self.last_result, self.round_no, self.round_steps = last_key, last_result, round_no, round_steps
+
+    def saved(self) -> dict[str, Any]:
+        """The session's state as tensors and plain data (what torch.load(weights_only=True)
+        reads back: a tampered file cannot run code): an agent's checkpoint holds it, a
+        simulation's too (restore_saved)."""
+        return {
+            "last_key": list(self.last_key) if self.last_key else None,
+            "last_result": torch.frombuffer(bytearray(self.last_result.payload), dtype=torch.uint8)
+            if self.last_result else None,
+            "round": self.round_no,
+            "round_steps": sorted([list(step) for step in self.round_steps], key=repr),
+        }
+
+    def restore_saved(self, state: dict[str, Any]) -> None:
+        """The session as `saved()` gave it."""
+        result = state.get("last_result")
+        self.restore(tuple(state["last_key"]) if state.get("last_key") else None,
+                     Packet(payload=bytes(result.numpy().tobytes())) if result is not None else None,
+                     state.get("round"), {tuple(step) for step in state.get("round_steps", [])})
 
     def on_task(self, task: Message) -> Packet | None:
         """The result to send for `task` (new, or the cached one for a repeat), or None

@@ -35,8 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,7 @@ from fedal.engine.inprocess import (
     Stacking,
     answer_tasks,
     count_refusals,
+    load_client_states,
     simulated_round_engine,
 )
 from fedal.engine.rounds import RoundEngine
@@ -183,6 +183,16 @@ class ClientGroup:
         self._build(public)
         return {cid: s.client.predict(x).numpy() for cid, s in self.sessions.items()}
 
+    def states(self, public: list[Any]) -> dict[str, dict[str, Any]]:
+        """Each hosted client's state and its session's (a checkpoint of the run: fedal/sim/checkpoint.py)."""
+        self._build(public)
+        return {cid: {"client": s.client.state_dict(), "session": s.saved()} for cid, s in self.sessions.items()}
+
+    def load_states(self, public: list[Any], states: dict[str, dict[str, Any]]) -> None:
+        """The hosted clients and their sessions as `states` holds them (a resumed run)."""
+        self._build(public)
+        load_client_states(self.sessions, states)
+
     def on_group(self, public: list[Any], items: list[tuple[str, Message]]) -> tuple[list[Answer], Stacking]:
         """Each task's result and, for a refused one, why (answer_tasks, as in-process)."""
         self._build(public)
@@ -195,8 +205,25 @@ class RayTransport(SimulatedTransport):
         super().__init__(run_id, client_ids, phases, phase_kinds, faults)
         self.actors = actors  # client id -> the actor hosting it
         self.public = public  # [the public set's object ref], for every call (ClientGroup)
-        self.counters: Counter[str] = Counter()
-        self.stacking = Stacking()  # as the actors computed their tasks
+
+    def client_states(self) -> dict[str, dict[str, Any]]:
+        import ray
+
+        states: dict[str, dict[str, Any]] = {}
+        for part in ray.get([actor.states.remote(self.public) for actor in dict.fromkeys(self.actors.values())]):
+            states.update(part)
+        return states
+
+    def load_client_states(self, states: Mapping[str, dict[str, Any]]) -> None:
+        import ray
+
+        missing = sorted(set(self.actors) - set(states))
+        if missing:
+            raise ValueError(f"no saved state for client(s) {', '.join(missing[:5])}")
+        parts: dict[Any, dict[str, dict[str, Any]]] = {}
+        for cid, actor in self.actors.items():
+            parts.setdefault(actor, {})[cid] = states[cid]
+        ray.get([actor.load_states.remote(self.public, part) for actor, part in parts.items()])
 
     def _compute(self, items: list[Pending]) -> list[Packet | None]:
         import ray

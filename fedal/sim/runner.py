@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,6 +14,7 @@ import torch
 
 from fedal.engine.inprocess import Faults, in_process_engine
 from fedal.engine.results import build_results, final_summary
+from fedal.sim import checkpoint
 from fedal.sim.build import build_run as build_run
 from fedal.sim.build import client_ids as client_ids
 from fedal.sim.build import client_seed as client_seed
@@ -49,22 +52,44 @@ def simulated_engine(config: RunConfig, data, clients: dict, server):
 
 
 def simulate(config: RunConfig, progress: ProgressFn | None = None, verbose: bool = False,
-             stage: StageFn | None = None) -> dict[str, Any]:
+             stage: StageFn | None = None, checkpoint: str | Path | None = None, checkpoint_every: int = 1,
+             resume: bool = False) -> dict[str, Any]:
     """Run `config` to the end and return its results; `verbose`: let the Ray backend's own logs
     through (off: warnings and errors only). `stage(name)` is told when the long parts begin:
     "build" (the data and the clients; a Ray instance), "rounds", and for a strategy scored by
     collaborative fairness "standalone" (its baseline, whose rounds also go to `progress`).
 
+    `checkpoint`: the run's state is written there after every `checkpoint_every`-th round and
+    after the last (fedal/sim/checkpoint.py; the caller removes it once the results are safe);
+    with `resume`, a checkpoint found there is gone on from (its rounds go to `progress` first),
+    to the numbers an uninterrupted run gives. A CF strategy's standalone baseline is not
+    checkpointed: a resumed run trains it afresh.
+
     The run sets torch's thread count to `config.threads` and gives the caller's back at its end:
     a notebook or script calling it keeps its own."""
     threads = torch.get_num_threads()
     try:
-        return _simulate(config, progress, verbose, stage)
+        return _simulate(config, progress, verbose, stage, Saving(checkpoint, checkpoint_every, resume))
     finally:
         torch.set_num_threads(threads)
 
 
-def _simulate(config: RunConfig, progress: ProgressFn | None, verbose: bool, stage: StageFn | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Saving:
+    path: str | Path | None = None
+    every: int = 1
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {self.every}")
+
+    def due(self, done: int, rounds: int) -> bool:
+        return self.path is not None and (done % self.every == 0 or done == rounds)
+
+
+def _simulate(config: RunConfig, progress: ProgressFn | None, verbose: bool, stage: StageFn | None,
+              saving: Saving) -> dict[str, Any]:
     stage = stage or (lambda _name: None)
     stage("build")
     config = config.resolved()
@@ -82,13 +107,26 @@ def _simulate(config: RunConfig, progress: ProgressFn | None, verbose: bool, sta
         engine = simulated_engine(config, data, clients, server)
         client_names = list(clients)
         close = None
-    stage("rounds")
     finished = False
+    resumed_from = None
+    before_s = 0.0
     try:
-        rounds = []
-        for r in range(config.rounds):
+        rounds: list[dict[str, Any]] = []
+        if saving.resume and saving.path is not None and Path(saving.path).exists():
+            saved = checkpoint.load(saving.path, config, data.public_hash)
+            rounds, before_s = checkpoint.restore(engine, saved), float(saved["elapsed_s"])
+            resumed_from = len(rounds)
+        stage("rounds")
+        for done, entry in enumerate(rounds, 1):  # the bar starts where the run stood
+            if progress:
+                progress(done, entry)
+        for r in range(len(rounds), config.rounds):
             entry = engine.run_round(r)
             rounds.append(entry)
+            if saving.due(r + 1, config.rounds):
+                assert saving.path is not None  # due: there is one
+                checkpoint.save(saving.path, config, data.public_hash, engine, rounds,
+                                before_s + time.perf_counter() - started)
             if progress:
                 progress(r + 1, entry)
         finished = True
@@ -119,7 +157,9 @@ def _simulate(config: RunConfig, progress: ProgressFn | None, verbose: bool, sta
                                  "stragglers": sorted(faults.stragglers)},
                       "counters": dict(engine.counters)}
     results = build_results(config.model_dump(mode="json"), data_info, clients_info, rounds, final,
-                            time.perf_counter() - started, deployment=deployment)
+                            before_s + time.perf_counter() - started, deployment=deployment)
+    if resumed_from is not None:
+        results["resumed_from_round"] = resumed_from
     if backend is not None:
         results["backend"] = backend
     elif engine.transport.counters.get("refused_tasks"):  # Ray's are in its backend counts

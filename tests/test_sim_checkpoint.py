@@ -1,0 +1,193 @@
+"""`fedal simulate --checkpoint FILE --resume`: a run stopped midway goes on from its last
+completed round to the numbers an uninterrupted run gives, for every strategy, per client and
+vectorized, with faults; the file is the toolkit's alone to write, never a user's file, and it
+is read back without running code."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fedal.sim import load_config, simulate
+from fedal.sim.checkpoint import CheckpointError, completed_rounds
+from fedal.strategies import STRATEGY_NAMES
+from tests.helpers import fedal_command, without_timings
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class Stop(Exception):
+    """Stands for Ctrl-C, a crash or a job's time limit after some rounds."""
+
+
+def stop_after(rounds: int):
+    def progress(done: int, _entry: dict) -> None:
+        if done == rounds:
+            raise Stop
+    return progress
+
+
+def _config(strategy: str = "fedal", **extra):
+    base = dict(strategy=strategy, dataset="mnist1d", clients=4, samples_per_client=100, public_size=100,
+                mnist1d_samples=1000, rounds=4, seed=3, dropout=0.2, stragglers=0.3, vectorize=False)
+    if strategy != "fedakd":  # (FedAKD's own preset)
+        base["strategy_params"] = {"tau": 2}
+    return load_config(None, {**base, **extra})
+
+
+def _same(a: dict, b: dict) -> None:
+    a, b = without_timings(a), without_timings(b)
+    assert a["rounds"] == b["rounds"]
+    assert a["final"] == b["final"] and a.get("deployment") == b.get("deployment")
+    assert a.get("vectorized") == b.get("vectorized") and a["clients"] == b["clients"]
+
+
+def _stopped_and_resumed(config, path, after: int = 2, resumed=None) -> dict:
+    with pytest.raises(Stop):
+        simulate(config, stop_after(after), checkpoint=path)
+    assert completed_rounds(path) == after
+    return simulate(resumed or config, checkpoint=path, resume=True)
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_a_resumed_run_gives_the_numbers_of_one_never_stopped(strategy, tmp_path):
+    config = _config(strategy)
+    resumed = _stopped_and_resumed(config, tmp_path / "run.ckpt")
+    assert resumed["resumed_from_round"] == 2
+    _same(simulate(config), resumed)
+
+
+@pytest.mark.parametrize("strategy", ["fedal", "fedmd"])
+def test_a_resumed_vectorized_run_too(strategy, tmp_path):
+    config = _config(strategy, vectorize=True, clients=6, models=["mlp", "cnn1d"])
+    resumed = _stopped_and_resumed(config, tmp_path / "run.ckpt", after=1)
+    assert resumed["vectorized"]["stacked_tasks"] > 0
+    _same(simulate(config), resumed)
+
+
+def test_a_finished_run_goes_on_for_more_rounds(tmp_path):
+    """Only the rounds (and where it computes) may change on --resume: a run of 2 rounds, resumed
+    with 4, is the run of 4 rounds."""
+    path = tmp_path / "run.ckpt"
+    simulate(_config(rounds=2), checkpoint=path)
+    assert completed_rounds(path) == 2
+    _same(simulate(_config(rounds=4)), simulate(_config(rounds=4), checkpoint=path, resume=True))
+
+
+def test_checkpoints_every_k_rounds_and_after_the_last(tmp_path):
+    path = tmp_path / "run.ckpt"
+    seen = []
+    simulate(_config(rounds=5), lambda done, _e: seen.append(completed_rounds(path)), checkpoint=path, checkpoint_every=2)
+    assert seen == [None, 2, 2, 4, 5]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # the clients' states derive from their private data
+
+
+def test_a_checkpoint_of_another_run_is_refused(tmp_path):
+    path = tmp_path / "run.ckpt"
+    with pytest.raises(Stop):
+        simulate(_config(), stop_after(2), checkpoint=path)
+    with pytest.raises(CheckpointError, match=r"another run \(alpha 1\.0 there, 2\.0 here\)"):
+        simulate(_config(alpha=2.0), checkpoint=path, resume=True)
+    with pytest.raises(CheckpointError, match="more than the 1 this run asks"):
+        simulate(_config(rounds=1), checkpoint=path, resume=True)
+    other = tmp_path / "notes.txt"
+    other.write_text("mine")
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        simulate(_config(), checkpoint=other, resume=True)
+    assert other.read_text() == "mine" and completed_rounds(path) == 2
+
+
+class _Payload:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_tampered_checkpoint_runs_no_code(tmp_path):
+    """The file is read with torch.load(weights_only=True): a pickle that would open (create) a
+    file when loaded is no checkpoint, and nothing of it runs."""
+    import torch
+
+    marker = tmp_path / "ran"
+    path = tmp_path / "run.ckpt"
+    torch.save({"format": "fedal-simulate-checkpoint", "completed_rounds": 1, "x": _Payload(str(marker))}, path)
+    assert completed_rounds(path) is None and not marker.exists()
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        simulate(_config(), checkpoint=path, resume=True)
+    assert not marker.exists()
+    assert pickle.loads(pickle.dumps(_Payload(str(marker)))) and marker.exists()  # (the payload is live)
+
+
+def _cli(*args, cwd, **kw):
+    return subprocess.Popen([*fedal_command(), "simulate", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+RUN = ["--clients", "4", "--samples-per-client", "100", "--public-size", "100", "--mnist1d-samples", "1000",
+       "--rounds", "5", "--seed", "3", "--dropout", "0.2", "--quiet"]
+
+
+def test_a_killed_simulate_goes_on_with_resume(tmp_path):
+    """Real processes: one killed outright (SIGKILL, no clean-up) after its second round's
+    checkpoint, then `--resume`: the results of a run never stopped, and the checkpoint is
+    removed once they are written."""
+    ckpt = tmp_path / "run.ckpt"
+    killed = _cli(*RUN, "--out", "r.json", "--checkpoint", str(ckpt), "--tau", "40", cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while (completed_rounds(ckpt) or 0) < 2 and killed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.communicate()
+    assert completed_rounds(ckpt) in (2, 3, 4) and not (tmp_path / "r.json").exists()
+
+    again = _cli(*RUN, "--out", "r.json", "--checkpoint", str(ckpt), "--tau", "40", cwd=tmp_path)
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 2 and "add --resume" in err  # its rounds are not thrown away unasked
+    resumed = _cli(*RUN, "--out", "r.json", "--checkpoint", str(ckpt), "--tau", "40", "--resume", cwd=tmp_path)
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert not ckpt.exists()
+    done = json.loads((tmp_path / "r.json").read_text())
+    assert done["resumed_from_round"] >= 2
+    reference = _cli(*RUN, "--out", "ref.json", "--tau", "40", cwd=tmp_path)
+    reference.communicate(timeout=300)
+    _same(json.loads((tmp_path / "ref.json").read_text()), done)
+
+
+def test_simulate_refuses_checkpoint_paths_it_must_not_write(tmp_path):
+    mine = tmp_path / "mine.pt"
+    mine.write_bytes(b"a user's file")
+    for extra, says in ((["--checkpoint", str(mine)], "is never overwritten"),
+                        (["--checkpoint", str(mine), "--resume"], "no checkpoint of `fedal simulate`"),
+                        (["--resume"], "--resume needs --checkpoint FILE"),
+                        (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint FILE"),
+                        (["--checkpoint", "r.json"], "is also --out"),
+                        (["--checkpoint", str(tmp_path)], "is a directory")):
+        proc = _cli(*RUN, "--out", "r.json", *extra, cwd=tmp_path)
+        _out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2 and says in err, (extra, err)
+    assert mine.read_bytes() == b"a user's file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.pt"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stop test signals a child process")
+def test_a_stopped_simulate_says_where_its_rounds_are(tmp_path):
+    ckpt = tmp_path / "run.ckpt"
+    proc = _cli(*RUN, "--out", "r.json", "--checkpoint", str(ckpt), "--tau", "40", cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert f"are in {ckpt}: add --resume to go on from there" in err
