@@ -77,8 +77,10 @@ def test_a_finished_run_goes_on_for_more_rounds(tmp_path):
     """Only the rounds (and where it computes) may change on --resume: a run of 2 rounds, resumed
     with 4, is the run of 4 rounds."""
     path = tmp_path / "run.ckpt"
-    simulate(_config(rounds=2), checkpoint=path)
+    first = simulate(_config(rounds=2), checkpoint=path)
     assert completed_rounds(path) == 2
+    again = simulate(_config(rounds=2), checkpoint=path, resume=True)  # its results again, no round run
+    assert again["resumed_from_round"] == 2 and without_timings(again["rounds"]) == without_timings(first["rounds"])
     _same(simulate(_config(rounds=4)), simulate(_config(rounds=4), checkpoint=path, resume=True))
 
 
