@@ -159,25 +159,18 @@ def check_checkpoint(path: str | Path, resume: bool, out: str | Path, plot: str 
     """Usage errors, before the run, for a --checkpoint path it must not write: another output
     or the config, a file that is no checkpoint (never overwritten), an unfinished run's
     checkpoint without --resume (its rounds would be lost), a folder it cannot write in."""
-    from fedal.sim.checkpoint import completed_rounds
+    from fedal.sim.checkpoint import CheckpointError, check_path
 
     target = Path(path)
     for option, other in (("--out", out), ("--plot", plot), ("--config", config_path)):
         if other is not None and target.resolve() == Path(other).resolve():
             raise click.BadParameter(f"{path} is also {option}: give the checkpoint a path of its own",
                                      param_hint="--checkpoint")
-    if target.is_dir():
-        raise click.BadParameter(f"{path} is a directory", param_hint="--checkpoint")
-    if target.exists():
-        done = completed_rounds(target)
-        if done is None:
-            raise click.BadParameter(f"{path} exists and is no checkpoint of `fedal simulate`: it is never "
-                                     "overwritten; give another path", param_hint="--checkpoint")
-        if not resume:
-            raise click.BadParameter(f"{path} holds the first {done} round(s) of a run that did not finish: add "
-                                     "--resume to go on from there, or remove it to start afresh",
-                                     param_hint="--checkpoint")
-    elif resume:
+    try:
+        check_path(target, resume)
+    except CheckpointError as exc:
+        raise click.BadParameter(str(exc), param_hint="--checkpoint") from None
+    if resume and not target.exists():
         click.echo(f"no checkpoint at {path} yet: the run starts from its first round", err=True)
     why = unwritable(target)
     if why:

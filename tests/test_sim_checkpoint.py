@@ -102,8 +102,11 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
         simulate(_config(rounds=1), checkpoint=path, resume=True)
     other = tmp_path / "notes.txt"
     other.write_text("mine")
-    with pytest.raises(CheckpointError, match="not a checkpoint"):
-        simulate(_config(), checkpoint=other, resume=True)
+    for resume in (True, False):
+        with pytest.raises(CheckpointError, match="no checkpoint of `fedal simulate`: it is never overwritten"):
+            simulate(_config(), checkpoint=other, resume=resume)
+    with pytest.raises(CheckpointError, match="add --resume"):  # its rounds are not thrown away unasked
+        simulate(_config(), checkpoint=path)
     assert other.read_text() == "mine" and completed_rounds(path) == 2
 
 
@@ -124,7 +127,7 @@ def test_a_tampered_checkpoint_runs_no_code(tmp_path):
     path = tmp_path / "run.ckpt"
     torch.save({"format": "fedal-simulate-checkpoint", "completed_rounds": 1, "x": _Payload(str(marker))}, path)
     assert completed_rounds(path) is None and not marker.exists()
-    with pytest.raises(CheckpointError, match="not a checkpoint"):
+    with pytest.raises(CheckpointError, match="no checkpoint of `fedal simulate`"):
         simulate(_config(), checkpoint=path, resume=True)
     assert not marker.exists()
     assert pickle.loads(pickle.dumps(_Payload(str(marker)))) and marker.exists()  # (the payload is live)

@@ -30,6 +30,10 @@ VERSION = 1
 MAY_DIFFER = ("rounds", "backend", "ray_address", "ray_actors", "client_resources", "threads", "vectorize")
 
 
+CONTENT = {"config", "public_hash", "completed_rounds", "rounds", "elapsed_s", "engine", "transport", "server", "clients",
+           "torch_rng"}
+
+
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed with this config (one line saying why)."""
 
@@ -55,6 +59,24 @@ def completed_rounds(path: str | Path) -> int | None:
     return None if state is None else int(state["completed_rounds"])
 
 
+def check_path(path: str | Path, resume: bool) -> None:
+    """Refuse a checkpoint path this run must not write: a folder, a file that is no checkpoint
+    (never overwritten), an unfinished run's checkpoint without `resume` (its rounds would be
+    lost: resume it, or remove it to start afresh)."""
+    target = Path(path)
+    if target.is_dir():
+        raise CheckpointError(f"{path} is a directory")
+    if not target.exists():
+        return
+    done = completed_rounds(target)
+    if done is None:
+        raise CheckpointError(f"{path} exists and is no checkpoint of `fedal simulate`: it is never overwritten; "
+                              "give another path")
+    if not resume:
+        raise CheckpointError(f"{path} holds the first {done} round(s) of a run that did not finish: add --resume "
+                              "to go on from there, or remove it to start afresh")
+
+
 def save(path: str | Path, config: RunConfig, public_hash: str, engine: RoundEngine, rounds: list[dict[str, Any]],
          elapsed_s: float) -> None:
     """The run after `len(rounds)` rounds, replacing the previous checkpoint atomically."""
@@ -77,8 +99,9 @@ def load(path: str | Path, config: RunConfig, public_hash: str) -> dict[str, Any
     MAY_DIFFER), at most as many rounds done as it runs, the same public set."""
     state = read(path)
     if state is None:
-        raise CheckpointError(f"{path} is not a checkpoint of `fedal simulate`")
-    if state.get("version") != VERSION:
+        raise CheckpointError(f"{path} exists and is no checkpoint of `fedal simulate`: it is never overwritten; "
+                              "give another path")
+    if state.get("version") != VERSION or not CONTENT <= set(state):
         raise CheckpointError(f"{path} is a checkpoint of another version of the toolkit (format {state.get('version')})")
     saved, now = state["config"], config.model_dump(mode="json")
     differ = [k for k in sorted(set(saved) | set(now)) if k not in MAY_DIFFER and saved.get(k) != now.get(k)]

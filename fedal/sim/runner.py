@@ -90,6 +90,8 @@ class Saving:
 
 def _simulate(config: RunConfig, progress: ProgressFn | None, verbose: bool, stage: StageFn | None,
               saving: Saving) -> dict[str, Any]:
+    if saving.path is not None:
+        checkpoint.check_path(saving.path, saving.resume)
     stage = stage or (lambda _name: None)
     stage("build")
     config = config.resolved()
