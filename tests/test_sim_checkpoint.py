@@ -110,6 +110,87 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
     assert other.read_text() == "mine" and completed_rounds(path) == 2
 
 
+def test_the_evaluation_schedule_of_the_rounds_done_must_hold(tmp_path):
+    """With eval_every > 1 a run evaluates every k-th round and its last: a changed --rounds
+    would make the rounds done those of another run, so it is refused where it would; where it
+    would not, the run is that of the new length."""
+    path = tmp_path / "run.ckpt"
+    simulate(_config(rounds=3, eval_every=2), checkpoint=path)  # round 3 evaluated as the last
+    with pytest.raises(CheckpointError, match="resume it with --rounds 3"):
+        simulate(_config(rounds=5, eval_every=2), checkpoint=path, resume=True)
+    path.unlink()
+    with pytest.raises(Stop):
+        simulate(_config(rounds=5, eval_every=2), stop_after(3), checkpoint=path)
+    with pytest.raises(CheckpointError, match="resume it with --rounds 5"):  # round 3 would go unevaluated
+        simulate(_config(rounds=3, eval_every=2), checkpoint=path, resume=True)
+    path.unlink()
+    with pytest.raises(Stop):
+        simulate(_config(rounds=5, eval_every=2), stop_after(2), checkpoint=path)
+    _same(simulate(_config(rounds=6, eval_every=2)), simulate(_config(rounds=6, eval_every=2), checkpoint=path, resume=True))
+
+
+def _tampered(path, change):
+    import torch
+
+    state = torch.load(path, weights_only=True)
+    change(state)
+    torch.save(state, path)
+
+
+def test_a_damaged_checkpoint_is_refused_with_a_reason(tmp_path):
+    path = tmp_path / "run.ckpt"
+    with pytest.raises(Stop):
+        simulate(_config(), stop_after(2), checkpoint=path)
+    good = path.read_bytes()
+    for change, says in ((lambda s: s.pop("completed_rounds"), "no valid completed_rounds"),
+                         (lambda s: s.update(completed_rounds="2"), "no valid completed_rounds"),
+                         (lambda s: s["engine"].pop("seq"), "KeyError"),
+                         (lambda s: s.update(rounds="[{"), "damaged"),
+                         (lambda s: s["clients"]["c00"]["client"]["model"].update(
+                             {k: v[:1] for k, v in s["clients"]["c00"]["client"]["model"].items()}), "damaged")):
+        path.write_bytes(good)
+        _tampered(path, change)
+        with pytest.raises(CheckpointError, match=says):
+            simulate(_config(), checkpoint=path, resume=True)
+
+
+def test_a_checkpoint_another_process_writes_is_left_alone(tmp_path, caplog):
+    """The same --checkpoint given to two runs: once the file there is not the one this run last
+    wrote, this run writes no more checkpoints (each would destroy the other's) and says so."""
+    path = tmp_path / "run.ckpt"
+
+    def meanwhile(done, _entry):
+        if done == 1:
+            _tampered(path, lambda s: s.update(elapsed_s=123.0))  # another process's write: a new file
+    with caplog.at_level("WARNING", logger="fedal.sim.checkpoint"):
+        simulate(_config(), meanwhile, checkpoint=path)
+    assert "written by another process" in caplog.text
+    assert completed_rounds(path) == 1 and __import__("torch").load(path, weights_only=True)["elapsed_s"] == 123.0
+
+
+def test_torn_writes_of_a_killed_run_are_removed_and_nothing_else(tmp_path):
+    path = tmp_path / "run.ckpt"
+    torn, other, foreign = (tmp_path / ".run.ckpt.k2x9_a0b.tmp", tmp_path / ".run.ckpt.notes",
+                            tmp_path / ".run.ckpt.abcdefgh.tmp")
+    for f in (torn, other, foreign):
+        f.write_bytes(b"x")
+    torn.chmod(0o600)
+    foreign.chmod(0o644)  # not what an atomic write of a checkpoint leaves
+    simulate(_config(rounds=1), checkpoint=path)
+    assert not torn.exists() and other.exists() and foreign.exists()
+
+
+def test_the_fault_draws_kept_are_those_of_the_phase_under_way(tmp_path):
+    """Closed phases' tasks are never sent again: their drop and straggle marks are let go, so
+    a long run's memory and each checkpoint stay the size of one phase."""
+    import torch
+
+    path = tmp_path / "run.ckpt"
+    simulate(_config(rounds=4), checkpoint=path)
+    transport = torch.load(path, weights_only=True)["transport"]
+    assert 0 < len(transport["dropped"]) <= 4 and len({tuple(k[1:3]) for k in transport["dropped"]}) == 1
+
+
 class _Payload:
     def __init__(self, marker: str):
         self.marker = marker

@@ -325,3 +325,28 @@ def test_a_checkpointed_run_resumes_on_the_other_backend(tmp_path):
     resumed = simulate(local, checkpoint=path, resume=True)
     assert resumed["resumed_from_round"] == 2
     _same(simulate(local), resumed)
+
+
+def test_a_client_group_loaded_from_a_checkpoint_restarts_from_it(tmp_path):
+    """An actor that loads its clients from a checkpoint writes their snapshots at once: restarted
+    (a new ClientGroup on the same directory, as Ray restarts it) before their next round's first
+    task, the clients are the loaded ones, not freshly built."""
+    import torch
+
+    from fedal.sim.build import build_data
+    from fedal.sim.ray_backend import ClientGroup
+
+    config = _config("fedal").resolved()
+    public = [ray.put(build_data(config).public_x)]
+    group = ClientGroup(config.model_dump(mode="json"), [0, 2], str(tmp_path), "sim")
+    states = group.states(public)
+    for state in states.values():  # a checkpoint's: weights of a later round
+        state["client"]["model"] = {k: v + 0.5 for k, v in state["client"]["model"].items()}
+        state["session"]["round"] = 6
+    group.load_states(public, states)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c00.pt", "c02.pt"]
+    restarted = ClientGroup(config.model_dump(mode="json"), [0, 2], str(tmp_path), "sim")
+    assert restarted.ready(public)["restored"] == 2
+    for cid, session in restarted.sessions.items():
+        assert session.round_no == 6
+        assert all(torch.equal(v, states[cid]["client"]["model"][k]) for k, v in session.client.model.state_dict().items())

@@ -96,8 +96,10 @@ class SimulatedTransport(Transport):
         ids = sorted(self.client_ids)
         n_late = int(round(self.faults.stragglers * len(ids)))
         self.stragglers = {ids[i] for i in rng.permutation(len(ids))[:n_late]}
+        # per (client, epoch, seq) of the phase under way (those of closed phases are let go)
         self._dropped: dict[tuple[str, int, int], bool] = {}
         self._busy_until: dict[tuple[str, int, int], float] = {}
+        self._phase: tuple[int, int] = (-1, -1)  # (epoch, seq) of the latest faulted phase
         self.dropped = 0
         self.late = 0
         self.stacking = Stacking()  # how the clients' tasks were computed (vectorized)
@@ -123,6 +125,10 @@ class SimulatedTransport(Transport):
         key = (client_id, int(meta["epoch"]), int(meta["seq"]))  # type: ignore[arg-type]
         if packet.message.phase == "evaluate":  # a measurement, not part of the run: never faulted
             return self._deliver(client_id, packet, key, faulted=False)
+        if key[1:] > self._phase:  # a new phase: the closed ones' tasks are never sent again
+            self._phase = key[1:]
+            self._dropped = {k: v for k, v in self._dropped.items() if k[1:] >= self._phase}
+            self._busy_until = {k: v for k, v in self._busy_until.items() if k[1:] >= self._phase}
         if key not in self._dropped:  # decided once per client and phase, in sending order
             self._dropped[key] = bool(self.faults.dropout and self._drop_rng.random() < self.faults.dropout)
             self.dropped += self._dropped[key]
@@ -196,6 +202,7 @@ class SimulatedTransport(Transport):
         return {"clock": self.clock, "order": order,
                 "queue": [[at, n, arrival_saved(a)] for at, n, a in sorted(self._queue)],
                 "drop_rng": self._drop_rng.bit_generator.state,
+                "phase": list(self._phase),
                 "dropped": [[*key, v] for key, v in self._dropped.items()],
                 "busy_until": [[*key, v] for key, v in self._busy_until.items()],
                 "faults": {"dropped": self.dropped, "late": self.late},
@@ -208,6 +215,7 @@ class SimulatedTransport(Transport):
         self._queue = [(float(at), int(n), arrival_restored(a)) for at, n, a in state["queue"]]
         heapq.heapify(self._queue)
         self._drop_rng.bit_generator.state = state["drop_rng"]
+        self._phase = (int(state["phase"][0]), int(state["phase"][1]))
         self._dropped = {(c, int(e), int(q)): bool(v) for c, e, q, v in state["dropped"]}
         self._busy_until = {(c, int(e), int(q)): float(v) for c, e, q, v in state["busy_until"]}
         self.dropped, self.late = int(state["faults"]["dropped"]), int(state["faults"]["late"])

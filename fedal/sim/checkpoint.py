@@ -7,12 +7,16 @@ session's, the round engine's (task numbering, what it knows of each client, its
 simulated transport's (clock, fault draws, a straggler's result still due) and the rounds'
 records. Tensors and plain data only, read back with torch.load(weights_only=True): a tampered
 file cannot run code. It is written atomically, readable by its owner only (the clients' states
-derive from their private data).
+derive from their private data), and only over a file this run wrote (or resumed from).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +28,28 @@ from fedal.engine.rounds import RoundEngine
 from fedal.engine.saved import engine_saved, restore_engine
 from fedal.sim.config import ConfigError, RunConfig
 
+log = logging.getLogger("fedal.sim.checkpoint")
+
 FORMAT = "fedal-simulate-checkpoint"
 VERSION = 1
 # what a resumed run may change: how many rounds it runs, and where and how it computes them
 MAY_DIFFER = ("rounds", "backend", "ray_address", "ray_actors", "client_resources", "threads", "vectorize")
-
-
-CONTENT = {"config", "public_hash", "completed_rounds", "rounds", "elapsed_s", "engine", "transport", "server", "clients",
-           "torch_rng"}
+CONTENT = {"config": dict, "public_hash": str, "completed_rounds": int, "rounds": str, "elapsed_s": float,
+           "engine": dict, "transport": dict, "server": dict, "clients": dict, "torch_rng": torch.Tensor}
 
 
 class CheckpointError(ConfigError):
-    """A checkpoint that cannot be resumed with this config (one line saying why)."""
+    """A checkpoint path this run cannot use (one line saying why)."""
 
 
-def read(path: str | Path) -> dict[str, Any] | None:
-    """The checkpoint's content; None for a file that is not one `fedal simulate` wrote."""
+def read(path: str | Path, mmap: bool = False) -> dict[str, Any] | None:
+    """The checkpoint's content; None for a file that is not one `fedal simulate` wrote. `mmap`:
+    its tensors mapped, not read (a look at what it is costs little). A file that cannot be
+    read at all is a CheckpointError: nobody can tell whose it is."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     except Exception:  # noqa: BLE001  # any other file: torch raises a variety of errors for it
         return None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -49,37 +57,101 @@ def read(path: str | Path) -> dict[str, Any] | None:
     return state
 
 
-def is_checkpoint(path: str | Path) -> bool:
-    return read(path) is not None
-
-
 def completed_rounds(path: str | Path) -> int | None:
-    """Rounds the checkpoint at `path` holds; None if it is no checkpoint."""
-    state = read(path)
-    return None if state is None else int(state["completed_rounds"])
+    """Rounds the checkpoint at `path` holds; None if it is no checkpoint (or none is there)."""
+    if not os.path.isfile(path):
+        return None
+    state = read(path, mmap=True)
+    done = None if state is None else state.get("completed_rounds")
+    return done if type(done) is int else None
 
 
 def check_path(path: str | Path, resume: bool) -> None:
     """Refuse a checkpoint path this run must not write: a folder, a file that is no checkpoint
-    (never overwritten), an unfinished run's checkpoint without `resume` (its rounds would be
-    lost: resume it, or remove it to start afresh)."""
+    (never overwritten), a checkpoint without `resume` (its rounds would be lost: resume it, or
+    remove it to start afresh)."""
     target = Path(path)
     if target.is_dir():
         raise CheckpointError(f"{path} is a directory")
     if not target.exists():
         return
-    done = completed_rounds(target)
-    if done is None:
+    state = read(target, mmap=True)
+    if state is None:
         raise CheckpointError(f"{path} exists and is no checkpoint of `fedal simulate`: it is never overwritten; "
                               "give another path")
     if not resume:
-        raise CheckpointError(f"{path} holds the first {done} round(s) of a run that did not finish: add --resume "
-                              "to go on from there, or remove it to start afresh")
+        done = state.get("completed_rounds")
+        raise CheckpointError(f"{path} holds a run's checkpoint ({done if type(done) is int else '?'} round(s) done): "
+                              "add --resume to go on from there, or remove it to start afresh")
+
+
+class CheckpointFile:
+    """The checkpoint of one run at `path`: checked before the run, written only over the file
+    this run last wrote or resumed from. Another process writing there meanwhile (the same
+    --checkpoint given to two runs) is found and left alone: this run writes no more checkpoints
+    and says so. Temporary files of a write that a kill cut short are removed."""
+
+    def __init__(self, path: str | Path, resume: bool):
+        self.path = Path(path)
+        self.resume = resume
+        check_path(self.path, resume)
+        self._ours = self._identity()  # the file there now is ours to replace: none, or the one resumed
+        self.stopped = False
+        self._remove_torn_writes()
+
+    def _identity(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    def load(self, config: RunConfig, public_hash: str) -> dict[str, Any] | None:
+        """The checkpoint to resume from (None: there is none, the run starts afresh), checked
+        against the run that resumes it (`check_resumable`)."""
+        if not self.resume or self._ours is None:
+            return None
+        state = read(self.path)
+        if state is None:
+            raise CheckpointError(f"{self.path} exists and is no checkpoint of `fedal simulate`: it is never "
+                                  "overwritten; give another path")
+        check_resumable(self.path, state, config, public_hash)
+        return state
+
+    def save(self, config: RunConfig, public_hash: str, engine: RoundEngine, rounds: list[dict[str, Any]],
+             elapsed_s: float) -> bool:
+        """The run after `len(rounds)` rounds, replacing the previous checkpoint atomically; False
+        (with a warning) when it could not be written: the run goes on, a later round tries again."""
+        if self.stopped:
+            return False
+        if self._identity() != self._ours:
+            self.stopped = True
+            log.warning("%s was written by another process since this run's last checkpoint: left as it is, and this "
+                        "run writes no more checkpoints", self.path)
+            return False
+        try:
+            save(self.path, config, public_hash, engine, rounds, elapsed_s)
+        except (OSError, RuntimeError) as exc:  # a full disk; on Ray, an actor lost twice while asked for its clients
+            log.warning("no checkpoint after round %d (%s): the run goes on, a later round tries again", len(rounds), exc)
+            return False
+        self._ours = self._identity()
+        return True
+
+    def _remove_torn_writes(self) -> None:
+        """`.NAME.XXXXXXXX.tmp` beside the checkpoint, the temporary file of an atomic write
+        (fedal.atomic) to it that a kill cut short: of this owner, readable by it alone."""
+        pattern = re.compile(re.escape(f".{self.path.name}.") + r"[a-z0-9_]{8}\.tmp")
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.path.parent if str(self.path.parent) else "."):
+                if pattern.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    if st.st_uid == os.getuid() and st.st_mode & 0o777 == 0o600:
+                        os.unlink(entry.path)
 
 
 def save(path: str | Path, config: RunConfig, public_hash: str, engine: RoundEngine, rounds: list[dict[str, Any]],
          elapsed_s: float) -> None:
-    """The run after `len(rounds)` rounds, replacing the previous checkpoint atomically."""
+    """The run after `len(rounds)` rounds, atomically, at `path`."""
     transport = _simulated(engine)
     state = {
         "format": FORMAT, "version": VERSION,
@@ -94,40 +166,65 @@ def save(path: str | Path, config: RunConfig, public_hash: str, engine: RoundEng
     torch_save_atomic(state, path, private=True)
 
 
-def load(path: str | Path, config: RunConfig, public_hash: str) -> dict[str, Any]:
-    """The checkpoint at `path`, checked against the run that resumes it: the same config (but
-    MAY_DIFFER), at most as many rounds done as it runs, the same public set."""
-    state = read(path)
-    if state is None:
-        raise CheckpointError(f"{path} exists and is no checkpoint of `fedal simulate`: it is never overwritten; "
-                              "give another path")
-    if state.get("version") != VERSION or not CONTENT <= set(state):
-        raise CheckpointError(f"{path} is a checkpoint of another version of the toolkit (format {state.get('version')})")
-    saved, now = state["config"], config.model_dump(mode="json")
-    differ = [k for k in sorted(set(saved) | set(now)) if k not in MAY_DIFFER and saved.get(k) != now.get(k)]
+def check_resumable(path: str | Path, state: dict[str, Any], config: RunConfig, public_hash: str) -> None:
+    """A checkpoint's content, checked against the run that resumes it: whole, the same config
+    (but MAY_DIFFER), at most as many rounds done as it runs, the same evaluation schedule for
+    the rounds done, the same public set."""
+    wrong = [k for k, kind in CONTENT.items() if not isinstance(state.get(k), kind)]
+    if state.get("version") != VERSION or wrong:
+        raise CheckpointError(f"{path} is damaged or from another version of the toolkit"
+                              + (f" (no valid {', '.join(wrong)})" if wrong else f" (format {state.get('version')})"))
+    saved, now = _flat(state["config"]), _flat(config.model_dump(mode="json"))
+    differ = [k for k in sorted(set(saved) | set(now))
+              if k.split(".")[0] not in MAY_DIFFER and saved.get(k) != now.get(k)]
     if differ:
         shown = "; ".join(f"{k} {json.dumps(saved.get(k))} there, {json.dumps(now.get(k))} here" for k in differ[:4])
+        hint = (" (a run whose noise is calibrated to a target epsilon plans it for its rounds: they cannot change)"
+                if any("planned_rounds" in k for k in differ) else "")
         raise CheckpointError(f"{path} is a checkpoint of another run ({shown}): resume it with its own config "
-                              f"(only {', '.join(MAY_DIFFER)} may change)")
-    done = int(state["completed_rounds"])
+                              f"(only {', '.join(MAY_DIFFER)} may change){hint}")
+    done, before = state["completed_rounds"], int(state["config"].get("rounds", 0))
     if done > config.rounds:
         raise CheckpointError(f"{path} holds {done} completed rounds, more than the {config.rounds} this run asks "
                               "(--rounds)")
+    every = config.eval_every  # a run evaluates every k-th round and its last: so were the rounds done
+    evaluated = {r for r in range(1, done + 1) if r % every == 0 or r == before}
+    if evaluated != {r for r in range(1, done + 1) if r % every == 0 or r == config.rounds}:
+        raise CheckpointError(f"{path}: its {done} round(s) were evaluated as a run of {before} rounds evaluates them "
+                              f"(eval_every {every}, and the last), not as a run of {config.rounds}: resume it with "
+                              f"--rounds {before}")
     if state["public_hash"] != public_hash:
         raise CheckpointError(f"{path} was run on another public set (the dataset's files changed): it cannot be resumed")
-    return state
 
 
-def restore(engine: RoundEngine, state: dict[str, Any]) -> list[dict[str, Any]]:
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A config's fields under dotted names (strategy_params.privacy.planned_rounds)."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        out.update(_flat(item, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def restore(path: str | Path, engine: RoundEngine, state: dict[str, Any]) -> list[dict[str, Any]]:
     """`engine`, its server half, transport and clients as the checkpoint holds them; returns the
-    records of the rounds it completed."""
+    records of the rounds it completed. A checkpoint whose parts do not fit (damaged, or of
+    another version) is a CheckpointError."""
     transport = _simulated(engine)
-    restore_engine(engine, state["engine"])
-    transport.restore_saved(state["transport"])
-    engine.server.load_state_dict(state["server"])
-    transport.load_client_states(state["clients"])
-    torch.set_rng_state(state["torch_rng"])
-    return list(json.loads(state["rounds"]))
+    try:
+        restore_engine(engine, state["engine"])
+        transport.restore_saved(state["transport"])
+        engine.server.load_state_dict(state["server"])
+        transport.load_client_states(state["clients"])
+        torch.set_rng_state(state["torch_rng"])
+        rounds = json.loads(state["rounds"])
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as exc:
+        raise CheckpointError(f"{path} is damaged or from another version of the toolkit ({type(exc).__name__}: "
+                              f"{exc})") from None
+    if not (isinstance(rounds, list) and len(rounds) == state["completed_rounds"]):
+        raise CheckpointError(f"{path} is damaged: its rounds' records do not match its count")
+    return rounds
 
 
 def _simulated(engine: RoundEngine) -> SimulatedTransport:

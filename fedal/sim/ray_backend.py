@@ -192,6 +192,9 @@ class ClientGroup:
         """The hosted clients and their sessions as `states` holds them (a resumed run)."""
         self._build(public)
         load_client_states(self.sessions, states)
+        for session in self.sessions.values():  # what a restart of this actor goes back to, from now on
+            assert session.store is not None  # (every session of an actor has its snapshot store)
+            session.store.save_round_start(session.round_no, session.client.state_dict())
 
     def on_group(self, public: list[Any], items: list[tuple[str, Message]]) -> tuple[list[Answer], Stacking]:
         """Each task's result and, for a refused one, why (answer_tasks, as in-process)."""
@@ -210,8 +213,17 @@ class RayTransport(SimulatedTransport):
         import ray
 
         states: dict[str, dict[str, Any]] = {}
-        for part in ray.get([actor.states.remote(self.public) for actor in dict.fromkeys(self.actors.values())]):
-            states.update(part)
+        for actor in dict.fromkeys(self.actors.values()):
+            for attempt in (1, 2):  # an actor that died is restarted by Ray from its round-start snapshots
+                try:
+                    states.update(ray.get(actor.states.remote(self.public)))
+                    break
+                except ray.exceptions.RayActorError as exc:
+                    self.counters["actor_failures"] += 1
+                    if attempt == 2:
+                        raise RuntimeError(f"an actor died twice while asked for its clients' states ({exc})") from None
+                    log.warning("an actor died while asked for its clients' states (%s); asked again once Ray "
+                                "restarts it", type(exc).__name__)
         return states
 
     def load_client_states(self, states: Mapping[str, dict[str, Any]]) -> None:

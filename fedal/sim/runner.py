@@ -90,8 +90,7 @@ class Saving:
 
 def _simulate(config: RunConfig, progress: ProgressFn | None, verbose: bool, stage: StageFn | None,
               saving: Saving) -> dict[str, Any]:
-    if saving.path is not None:
-        checkpoint.check_path(saving.path, saving.resume)
+    saved_to = checkpoint.CheckpointFile(saving.path, saving.resume) if saving.path is not None else None
     stage = stage or (lambda _name: None)
     stage("build")
     config = config.resolved()
@@ -114,9 +113,9 @@ def _simulate(config: RunConfig, progress: ProgressFn | None, verbose: bool, sta
     before_s = 0.0
     try:
         rounds: list[dict[str, Any]] = []
-        if saving.resume and saving.path is not None and Path(saving.path).exists():
-            saved = checkpoint.load(saving.path, config, data.public_hash)
-            rounds, before_s = checkpoint.restore(engine, saved), float(saved["elapsed_s"])
+        saved = saved_to.load(config, data.public_hash) if saved_to is not None else None
+        if saved_to is not None and saved is not None:
+            rounds, before_s = checkpoint.restore(saved_to.path, engine, saved), float(saved["elapsed_s"])
             resumed_from = len(rounds)
         stage("rounds")
         for done, entry in enumerate(rounds, 1):  # the bar starts where the run stood
@@ -125,10 +124,8 @@ def _simulate(config: RunConfig, progress: ProgressFn | None, verbose: bool, sta
         for r in range(len(rounds), config.rounds):
             entry = engine.run_round(r)
             rounds.append(entry)
-            if saving.due(r + 1, config.rounds):
-                assert saving.path is not None  # due: there is one
-                checkpoint.save(saving.path, config, data.public_hash, engine, rounds,
-                                before_s + time.perf_counter() - started)
+            if saved_to is not None and saving.due(r + 1, config.rounds):
+                saved_to.save(config, data.public_hash, engine, rounds, before_s + time.perf_counter() - started)
             if progress:
                 progress(r + 1, entry)
         finished = True
