@@ -36,6 +36,7 @@ LONG_FILES = {
     "test_runtime_coordinator_restart.py": 16, "test_runtime_config.py": 16,
     "test_hil_proxy_wifi_lossy.py": 16, "test_hil_proxy_backlog.py": 16, "test_export_cli_errors.py": 16,
     "test_chaos_broker_restart.py": 16, "test_runtime_tls_auth.py": 15, "test_fleet_wheelhouse.py": 15,
+    "test_sim_checkpoint.py": 45,
 }
 
 
