@@ -41,8 +41,7 @@ def simulate_cmd(config_path, out, plot, checkpoint, checkpoint_every, resume, q
     if config.data_dir and not Path(config.data_dir).is_absolute():  # the saved config finds the same files
         config = config.model_copy(update={"data_dir": str(Path(config.data_dir).absolute())})  # from anywhere
     check_outputs(out, plot, config_path)
-    if checkpoint is not None:
-        check_checkpoint(checkpoint, resume, out, plot, config_path)
+    saved_to = checkpoint_file(checkpoint, resume, out, plot, config_path) if checkpoint is not None else None
     bars = [progress_bar(total=config.rounds, desc=f"{config.strategy} (preparing the data and clients)", unit="round",
                  disable=quiet)]
 
@@ -64,7 +63,7 @@ def simulate_cmd(config_path, out, plot, checkpoint, checkpoint_every, resume, q
     try:
         with procs.stop_signals_interrupt() as fired:  # SIGTERM/SIGHUP end the run as Ctrl-C does: Ray's
             results = simulate(config, progress, verbose=verbose, stage=stage,  # actors and snapshots are cleaned up
-                               checkpoint=checkpoint, checkpoint_every=checkpoint_every or 1, resume=resume)
+                               checkpoint=saved_to, checkpoint_every=checkpoint_every or 1, resume=resume)
     except KeyboardInterrupt as exc:  # Stopped, Ctrl-C, or either as Ray hands it back (a bare KeyboardInterrupt)
         bars[-1].close()
         sig = exc.signum if isinstance(exc, procs.Stopped) else (fired[0] if fired else signal.SIGINT)
@@ -90,9 +89,8 @@ def simulate_cmd(config_path, out, plot, checkpoint, checkpoint_every, resume, q
         click.echo(json.dumps(results, indent=2))
         raise click.ClickException(f"cannot write the results to {out}: {exc.strerror or exc}; they are on stdout "
                                    "above (redirect it to a file to keep them)") from None
-    if checkpoint is not None:  # the results hold the run now: the checkpoint (ours: written by this run) goes
-        with contextlib.suppress(FileNotFoundError):
-            Path(checkpoint).unlink()
+    if saved_to is not None:  # the results hold the run now: its checkpoint goes (if it is still its own)
+        saved_to.remove()
     if plot:
         try:
             write_plot(results, plot)
@@ -154,27 +152,28 @@ def check_outputs(out: str | Path, plot: str | Path | None, config_path: str | P
                                      f"not {'.' + suffix if suffix else 'a file without an extension'}", param_hint="--plot")
 
 
-def check_checkpoint(path: str | Path, resume: bool, out: str | Path, plot: str | Path | None,
-                     config_path: str | Path | None) -> None:
-    """Usage errors, before the run, for a --checkpoint path it must not write: another output
-    or the config, a file that is no checkpoint (never overwritten), an unfinished run's
+def checkpoint_file(path: str | Path, resume: bool, out: str | Path, plot: str | Path | None,
+                    config_path: str | Path | None):
+    """The run's CheckpointFile; usage errors, before the run, for a --checkpoint path it must
+    not write: another output or the config, a file that is no checkpoint (never overwritten), a
     checkpoint without --resume (its rounds would be lost), a folder it cannot write in."""
-    from fedal.sim.checkpoint import CheckpointError, check_path
+    from fedal.sim.checkpoint import CheckpointError, CheckpointFile
 
     target = Path(path)
     for option, other in (("--out", out), ("--plot", plot), ("--config", config_path)):
         if other is not None and target.resolve() == Path(other).resolve():
             raise click.BadParameter(f"{path} is also {option}: give the checkpoint a path of its own",
                                      param_hint="--checkpoint")
+    why = unwritable(target)
+    if why:
+        raise click.BadParameter(why, param_hint="--checkpoint")
     try:
-        check_path(target, resume)
+        saved_to = CheckpointFile(target, resume)
     except CheckpointError as exc:
         raise click.BadParameter(str(exc), param_hint="--checkpoint") from None
     if resume and not target.exists():
         click.echo(f"no checkpoint at {path} yet: the run starts from its first round", err=True)
-    why = unwritable(target)
-    if why:
-        raise click.BadParameter(why, param_hint="--checkpoint")
+    return saved_to
 
 
 def resumable(checkpoint: str | Path | None) -> str:

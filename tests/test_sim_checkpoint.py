@@ -17,7 +17,7 @@ import time
 import pytest
 
 from fedal.sim import load_config, simulate
-from fedal.sim.checkpoint import CheckpointError, completed_rounds
+from fedal.sim.checkpoint import CheckpointError, CheckpointFile, completed_rounds
 from fedal.strategies import STRATEGY_NAMES
 from tests.helpers import fedal_command, without_timings
 
@@ -162,10 +162,15 @@ def test_a_checkpoint_another_process_writes_is_left_alone(tmp_path, caplog):
     def meanwhile(done, _entry):
         if done == 1:
             _tampered(path, lambda s: s.update(elapsed_s=123.0))  # another process's write: a new file
+    saved_to = CheckpointFile(path, resume=False)
     with caplog.at_level("WARNING", logger="fedal.sim.checkpoint"):
-        simulate(_config(), meanwhile, checkpoint=path)
+        simulate(_config(), meanwhile, checkpoint=saved_to)
     assert "written by another process" in caplog.text
+    assert not saved_to.remove()  # once the results are safe (fedal simulate): only its own file goes
     assert completed_rounds(path) == 1 and __import__("torch").load(path, weights_only=True)["elapsed_s"] == 123.0
+    mine = CheckpointFile(tmp_path / "mine.ckpt", resume=False)
+    simulate(_config(rounds=1), checkpoint=mine)
+    assert mine.remove() and not (tmp_path / "mine.ckpt").exists()
 
 
 def test_torn_writes_of_a_killed_run_are_removed_and_nothing_else(tmp_path):

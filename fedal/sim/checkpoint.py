@@ -137,6 +137,16 @@ class CheckpointFile:
         self._ours = self._identity()
         return True
 
+    def remove(self) -> bool:
+        """Remove the checkpoint once the run's results are safe, if the file there is still the
+        one this run last wrote or resumed from (never another process's); whether it went."""
+        if self.stopped or self._ours is None or self._identity() != self._ours:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self._ours = None
+        return True
+
     def _remove_torn_writes(self) -> None:
         """`.NAME.XXXXXXXX.tmp` beside the checkpoint, the temporary file of an atomic write
         (fedal.atomic) to it that a kill cut short: of this owner, readable by it alone."""

@@ -19,6 +19,7 @@ from fedal.sim.build import build_run as build_run
 from fedal.sim.build import client_ids as client_ids
 from fedal.sim.build import client_seed as client_seed
 from fedal.sim.build import client_tests
+from fedal.sim.checkpoint import CheckpointFile
 from fedal.sim.config import RunConfig
 from fedal.sim.fairness import fairness_summary, standalone_config
 from fedal.strategies import get_strategy
@@ -52,15 +53,16 @@ def simulated_engine(config: RunConfig, data, clients: dict, server):
 
 
 def simulate(config: RunConfig, progress: ProgressFn | None = None, verbose: bool = False,
-             stage: StageFn | None = None, checkpoint: str | Path | None = None, checkpoint_every: int = 1,
-             resume: bool = False) -> dict[str, Any]:
+             stage: StageFn | None = None, checkpoint: str | Path | CheckpointFile | None = None,
+             checkpoint_every: int = 1, resume: bool = False) -> dict[str, Any]:
     """Run `config` to the end and return its results; `verbose`: let the Ray backend's own logs
     through (off: warnings and errors only). `stage(name)` is told when the long parts begin:
     "build" (the data and the clients; a Ray instance), "rounds", and for a strategy scored by
     collaborative fairness "standalone" (its baseline, whose rounds also go to `progress`).
 
     `checkpoint`: the run's state is written there after every `checkpoint_every`-th round and
-    after the last (fedal/sim/checkpoint.py; the caller removes it once the results are safe);
+    after the last (fedal/sim/checkpoint.py; the caller removes it once the results are safe: a
+    CheckpointFile given here, with its `remove()`);
     with `resume`, a checkpoint found there is gone on from (its rounds go to `progress` first),
     to the numbers an uninterrupted run gives. A CF strategy's standalone baseline is not
     checkpointed: a resumed run trains it afresh.
@@ -76,7 +78,7 @@ def simulate(config: RunConfig, progress: ProgressFn | None = None, verbose: boo
 
 @dataclass(frozen=True)
 class Saving:
-    path: str | Path | None = None
+    path: str | Path | CheckpointFile | None = None
     every: int = 1
     resume: bool = False
 
@@ -90,7 +92,8 @@ class Saving:
 
 def _simulate(config: RunConfig, progress: ProgressFn | None, verbose: bool, stage: StageFn | None,
               saving: Saving) -> dict[str, Any]:
-    saved_to = checkpoint.CheckpointFile(saving.path, saving.resume) if saving.path is not None else None
+    saved_to = saving.path if isinstance(saving.path, CheckpointFile) or saving.path is None else \
+        CheckpointFile(saving.path, saving.resume)
     stage = stage or (lambda _name: None)
     stage("build")
     config = config.resolved()
