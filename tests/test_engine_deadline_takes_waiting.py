@@ -182,6 +182,12 @@ class _Queued(SimulatedTransport):
     def _compute(self, items):
         raise AssertionError("nothing is computed here")
 
+    def client_states(self):
+        return {}  # it hosts no clients
+
+    def load_client_states(self, states):
+        assert states == {}
+
 
 def test_a_simulated_transport_gives_the_earliest_due_arrival_of_the_clients_asked():
     transport = _Queued(RUN, CLIENTS, CoordinatorConfig().phases, {})
@@ -197,3 +203,33 @@ def test_a_simulated_transport_gives_the_earliest_due_arrival_of_the_clients_ask
     assert transport.clock == 6.0  # taking what was due does not move the clock
     assert [(a.kind, a.client) for a in (transport.receive(0.0), transport.receive(0.0))] == [
         ("status", "pi-1"), ("result", "pi-3")]  # the others left in their order
+
+
+def test_a_simulated_transports_queue_and_clock_survive_a_checkpoint(tmp_path):
+    """What a simulation's checkpoint keeps of its transport (fedal/sim/checkpoint.py): the clock,
+    the arrivals still due (a straggler's result, its message whole) in their order, through a
+    file read with weights_only; the restored transport hands them out as the first would."""
+    import numpy as np
+    import torch
+
+    from fedal.protocol import Message
+
+    first = _Queued(RUN, CLIENTS, CoordinatorConfig().phases, {})
+    late = Message({"epoch": 0, "seq": 7, "acc": 0.5}, {"logits": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    first._arrive(9.0, Arrival("result", "pi-2", RUN, wire_bytes=120, message=late))
+    first._arrive(4.0, Arrival("status", "pi-1", RUN, payload=b'{"state": "online"}'))
+    first._arrive(4.0, Arrival("result", "pi-3", RUN))
+    first.clock = 3.5
+    torch.save(first.saved(), tmp_path / "t.pt")
+    second = _Queued(RUN, CLIENTS, CoordinatorConfig().phases, {})
+    second.restore_saved(torch.load(tmp_path / "t.pt", weights_only=True))
+    assert second.clock == 3.5
+    for _ in range(3):
+        a, b = first.receive(10.0), second.receive(10.0)
+        assert (a.kind, a.client, a.payload, a.wire_bytes) == (b.kind, b.client, b.payload, b.wire_bytes)
+        assert (a.message is None) == (b.message is None) and first.clock == second.clock
+        if a.message is not None:
+            assert a.message.meta == b.message.meta and np.array_equal(a.message.tensors["logits"], b.message.tensors["logits"])
+    first._arrive(1.0, Arrival("result", "pi-1", RUN))
+    second._arrive(1.0, Arrival("result", "pi-1", RUN))
+    assert first._queue[0][1] == second._queue[0][1]  # the arrivals' order goes on where it stood
