@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
     ("onnx_speed.py", ["--cpu", "4096"], "argument --cpu: 4096 is not one of this process's CPUs"),
     ("model_zoo.py", ["--rows", "10000000"], "argument --rows: at most"),
     ("model_zoo.py", ["--steps", "0"], "argument --steps: must be at least 1"),
+    ("sim_checkpoint.py", ["--clients", "10,1"], "argument --clients: must be at least 2, got 1"),
+    ("sim_checkpoint.py", ["--rounds", "0"], "argument --rounds: must be at least 1"),
 ])
 def test_an_unusable_option_is_a_usage_error(tmp_path, script, args, message):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, "--out", str(tmp_path / "out")],
