@@ -116,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sim_checkpoint.md").write_text("\n".join(lines))
+    hand = out / "sim_checkpoint.md"
+    marker = "<!-- hand-written below this line -->"
+    kept = hand.read_text().split(marker, 1)[1] if hand.exists() and marker in hand.read_text() else "\n"
+    hand.write_text("\n".join(lines) + marker + kept)
     (out / "sim_checkpoint.json").write_text(json.dumps({"rounds": args.rounds, "warmup": args.warmup, "rows": rows,
                                                           "machine": platform.machine(),
                                                           "torch": torch.__version__}, indent=2))
