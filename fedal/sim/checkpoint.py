@@ -16,13 +16,12 @@ import contextlib
 import json
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fedal.atomic import torch_save_atomic
+from fedal.atomic import TEMPORARY_NAME, torch_save_atomic
 from fedal.engine.inprocess import SimulatedTransport
 from fedal.engine.rounds import RoundEngine
 from fedal.engine.saved import engine_saved, restore_engine
@@ -148,12 +147,12 @@ class CheckpointFile:
         return True
 
     def _remove_torn_writes(self) -> None:
-        """`.NAME.XXXXXXXX.tmp` beside the checkpoint, the temporary file of an atomic write
-        (fedal.atomic) to it that a kill cut short: of this owner, readable by it alone."""
-        pattern = re.compile(re.escape(f".{self.path.name}.") + r"[a-z0-9_]{8}\.tmp")
+        """`.NAME.<random>.tmp` beside the checkpoint (fedal.atomic.TEMPORARY_NAME), the temporary
+        file of an atomic write to it that a kill cut short: of this owner, readable by it alone."""
         with contextlib.suppress(OSError):
-            for entry in os.scandir(self.path.parent if str(self.path.parent) else "."):
-                if pattern.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            for entry in os.scandir(self.path.parent):
+                torn = TEMPORARY_NAME.match(entry.name)
+                if torn and torn["name"] == self.path.name and entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
                     if st.st_uid == os.getuid() and st.st_mode & 0o777 == 0o600:
                         os.unlink(entry.path)
