@@ -7,6 +7,7 @@ import os
 import re
 import stat
 import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -53,9 +54,26 @@ def torch_save_atomic(obj: Any, path: str | Path, private: bool = True, parents:
 
 
 def current_umask() -> int:
-    """The process's umask, read without setting it (os.umask sets it: a race with other threads)."""
-    with contextlib.suppress(OSError, ValueError, IndexError):  # (no /proc: the usual default)
+    """The process's umask, read without setting it (os.umask sets it: a race with other threads):
+    from /proc, or where there is none (macOS) from the mode a new file gets."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
                 return int(line.split()[1], 8)
-    return 0o022
+    return _umask_of_a_new_file()
+
+
+def _umask_of_a_new_file() -> int:
+    """A scratch file made with mode 0777 gets 0777 less the umask (the usual 022 if none can be made)."""
+    probe = os.path.join(tempfile.gettempdir(), f".fedal-umask-{os.getpid()}-{uuid.uuid4().hex}")
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o777))
+    except OSError:
+        return 0o022
+    try:
+        return 0o777 & ~stat.S_IMODE(os.stat(probe).st_mode)
+    except OSError:
+        return 0o022
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
