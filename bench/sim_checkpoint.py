@@ -62,7 +62,8 @@ def measure(n: int, rounds: int, warmup: int, folder: Path) -> dict:
         t1 = time.perf_counter()
         done.append(saving.run_round(r))
         t2 = time.perf_counter()
-        ckpt.save(cfg, data.public_hash, saving, done, 0.0)
+        if not ckpt.save(cfg, data.public_hash, saving, done, 0.0):  # (a full disk: timed as a fast save)
+            raise SystemExit(f"the checkpoint after round {r + 1} could not be written (see the warning)")
         t3 = time.perf_counter()
         if r >= warmup:
             times["no checkpoint"].append(t1 - t0)

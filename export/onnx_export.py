@@ -22,7 +22,6 @@ import io
 import logging
 import os
 import stat
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from fedal.atomic import current_umask, write_bytes_atomic
+from fedal.atomic import temporary_beside, write_bytes_atomic
 from fedal.owned import MARK
 
 from .layout import CHANNEL_MULTIPLE, has_1d_layers, lift_1d_to_2d, nchwc_available
@@ -96,18 +95,17 @@ def export_onnx(
         )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # the mode of the file it replaces, or of a plain write (an agent's service account, a web
+    # server, a container reads the model that is shipped)
+    fd, tmp_name = temporary_beside(path)
     os.close(fd)
     tmp = Path(tmp_name)  # written, marked and checked here; `path` is replaced only by a file that passed
     try:
-        _export_checked(model, example_input, tmp, opset, conv1d_as_2d, channel_multiple, mark)
-        # the mode of the file it replaces, or of a plain write: not mkstemp's 0600 (an agent's
-        # service account, a web server, a container reads the model that is shipped)
-        try:
+        mode = stat.S_IMODE(tmp.stat().st_mode)
+        with contextlib.suppress(FileNotFoundError):
             mode = stat.S_IMODE(os.stat(path).st_mode)
-        except OSError:
-            mode = 0o666 & ~current_umask()
-        os.chmod(tmp, mode)
+        _export_checked(model, example_input, tmp, opset, conv1d_as_2d, channel_multiple, mark)
+        os.chmod(tmp, mode)  # (the exporter may write the file anew)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import stat
-import tempfile
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -25,14 +24,11 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], Any], private: bo
     path = Path(path)
     if parents:
         path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temporary_beside(path, private)
     try:
-        if not private:  # a file it replaces keeps its mode; a new one gets what a plain write gives
-            try:
-                mode = stat.S_IMODE(os.stat(path).st_mode)
-            except OSError:
-                mode = 0o666 & ~current_umask()
-            os.fchmod(fd, mode)
+        if not private:  # a file it replaces keeps its mode
+            with contextlib.suppress(FileNotFoundError):
+                os.fchmod(fd, stat.S_IMODE(os.stat(path).st_mode))
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
@@ -53,27 +49,14 @@ def torch_save_atomic(obj: Any, path: str | Path, private: bool = True, parents:
     write_atomic(path, lambda fh: torch.save(obj, fh), private, parents)
 
 
-def current_umask() -> int:
-    """The process's umask, read without setting it (os.umask sets it: a race with other threads):
-    from /proc, or where there is none (macOS) from the mode a new file gets."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    return _umask_of_a_new_file()
-
-
-def _umask_of_a_new_file() -> int:
-    """A scratch file made with mode 0777 gets 0777 less the umask (the usual 022 if none can be made)."""
-    probe = os.path.join(tempfile.gettempdir(), f".fedal-umask-{os.getpid()}-{uuid.uuid4().hex}")
-    try:
-        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o777))
-    except OSError:
-        return 0o022
-    try:
-        return 0o777 & ~stat.S_IMODE(os.stat(probe).st_mode)
-    except OSError:
-        return 0o022
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(probe)
+def temporary_beside(path: Path, private: bool = False) -> tuple[int, str]:
+    """A new file `.<name>.<random>.tmp` in `path`'s folder, open for writing: mode 0600 if
+    private, else 0666 with the umask and the folder's default ACL applied by the system, as a
+    plain write of `path` would get (what the umask is need not be known: there may be no
+    /proc to read it from, and setting it to read it races with other threads)."""
+    while True:
+        tmp = os.path.join(path.parent, f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600 if private else 0o666), tmp
+        except FileExistsError:
+            continue

@@ -60,6 +60,7 @@ def simulate_cmd(config_path, out, plot, checkpoint, checkpoint_every, resume, q
                              disable=quiet))
 
     fired: list[int] = []
+    results: dict | None = None
     try:
         with procs.stop_signals_interrupt() as fired:  # SIGTERM/SIGHUP end the run as Ctrl-C does: Ray's
             results = simulate(config, progress, verbose=verbose, stage=stage,  # actors and snapshots are cleaned up
@@ -68,7 +69,7 @@ def simulate_cmd(config_path, out, plot, checkpoint, checkpoint_every, resume, q
         bars[-1].close()
         sig = exc.signum if isinstance(exc, procs.Stopped) else (fired[0] if fired else signal.SIGINT)
         with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) cannot take the line
-            click.echo(f"stopped by {signal.Signals(sig).name}: no results written{resumable(checkpoint)}", err=True)
+            click.echo(f"stopped by {signal.Signals(sig).name}: no results written{resumable(saved_to)}", err=True)
         sys.exit(128 + sig)
     except ImportError as exc:
         extra = "privacy" if exc.name == "opacus" else "ray"
@@ -82,6 +83,9 @@ def simulate_cmd(config_path, out, plot, checkpoint, checkpoint_every, resume, q
         raise click.ClickException(str(exc)) from None
     finally:
         bars[-1].close()
+        if saved_to is not None and results is None:  # no results: the path is let go (its lock file goes
+            saved_to.close()  # where no checkpoint was written)
+    assert results is not None  # (every other way out above raises)
     warn_if_other_data(config_path, flags, results)
     try:
         write_results(results, out)
@@ -176,14 +180,12 @@ def checkpoint_file(path: str | Path, resume: bool, out: str | Path, plot: str |
     return saved_to
 
 
-def resumable(checkpoint: str | Path | None) -> str:
+def resumable(saved_to) -> str:
     """What a stopped run says of its checkpoint, if it wrote one."""
-    from fedal.sim.checkpoint import completed_rounds
-
-    done = completed_rounds(checkpoint) if checkpoint is not None and Path(checkpoint).exists() else None
+    done = saved_to.resumable() if saved_to is not None else None
     if done is None:
         return ""
-    return f"; its first {done} round(s) are in {checkpoint}: add --resume to go on from there"
+    return f"; its first {done} round(s) are in {saved_to.path}: add --resume to go on from there"
 
 
 # the flags that choose the public set (and so its hash): given, a different set is what was asked

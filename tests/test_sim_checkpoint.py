@@ -116,7 +116,7 @@ def test_the_evaluation_schedule_of_the_rounds_done_must_hold(tmp_path):
     would not, the run is that of the new length."""
     path = tmp_path / "run.ckpt"
     simulate(_config(rounds=3, eval_every=2), checkpoint=path)  # round 3 evaluated as the last
-    with pytest.raises(CheckpointError, match="resume it with --rounds 3"):
+    with pytest.raises(CheckpointError, match="its run cannot be made longer"):
         simulate(_config(rounds=5, eval_every=2), checkpoint=path, resume=True)
     path.unlink()
     with pytest.raises(Stop):
@@ -154,23 +154,43 @@ def test_a_damaged_checkpoint_is_refused_with_a_reason(tmp_path):
             simulate(_config(), checkpoint=path, resume=True)
 
 
-def test_a_checkpoint_another_process_writes_is_left_alone(tmp_path, caplog):
-    """The same --checkpoint given to two runs: once the file there is not the one this run last
-    wrote, this run writes no more checkpoints (each would destroy the other's) and says so."""
+def test_a_checkpoint_path_serves_one_run_at_a_time(tmp_path):
+    """The same --checkpoint given to two runs: the second is refused while the first holds it."""
+    path = tmp_path / "run.ckpt"
+    first = CheckpointFile(path, resume=False)
+    with pytest.raises(CheckpointError, match="in use by another run"):
+        simulate(_config(rounds=1), checkpoint=path)
+    simulate(_config(rounds=1), checkpoint=first)
+    with pytest.raises(ValueError, match="serves one run"):  # its checkpoint would be replaced unasked
+        simulate(_config(rounds=1), checkpoint=first)
+    assert first.remove() and sorted(p.name for p in tmp_path.iterdir()) == []  # the lock file went too
+    simulate(_config(rounds=1), checkpoint=path)  # the path is free again; the API leaves the checkpoint
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".run.ckpt.lock", "run.ckpt"]
+
+
+def test_a_file_put_where_the_checkpoint_was_is_left_alone(tmp_path, caplog):
+    """A file put over the checkpoint during the run (a user's copy, another tool's) is not this
+    run's to replace or remove: it writes no more checkpoints and says so. One removed is
+    written again."""
+    from fedal.atomic import torch_save_atomic
+
     path = tmp_path / "run.ckpt"
 
     def meanwhile(done, _entry):
         if done == 1:
-            _tampered(path, lambda s: s.update(elapsed_s=123.0))  # another process's write: a new file
+            torch_save_atomic({"format": "fedal-simulate-checkpoint", "completed_rounds": 1, "mine": True}, path)
     saved_to = CheckpointFile(path, resume=False)
     with caplog.at_level("WARNING", logger="fedal.sim.checkpoint"):
         simulate(_config(), meanwhile, checkpoint=saved_to)
-    assert "written by another process" in caplog.text
+    assert "was replaced by another file" in caplog.text
     assert not saved_to.remove()  # once the results are safe (fedal simulate): only its own file goes
-    assert completed_rounds(path) == 1 and __import__("torch").load(path, weights_only=True)["elapsed_s"] == 123.0
-    mine = CheckpointFile(tmp_path / "mine.ckpt", resume=False)
-    simulate(_config(rounds=1), checkpoint=mine)
-    assert mine.remove() and not (tmp_path / "mine.ckpt").exists()
+    assert __import__("torch").load(path, weights_only=True)["mine"] is True
+
+    removed = tmp_path / "removed.ckpt"
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedal.sim.checkpoint"):
+        simulate(_config(), lambda done, _e: removed.unlink() if done == 2 else None, checkpoint=removed)
+    assert "was removed during the run: written again" in caplog.text and completed_rounds(removed) == 4
 
 
 def test_torn_writes_of_a_killed_run_are_removed_and_nothing_else(tmp_path):
@@ -247,7 +267,7 @@ def test_a_killed_simulate_goes_on_with_resume(tmp_path):
     resumed = _cli(*RUN, "--out", "r.json", "--checkpoint", str(ckpt), "--tau", "40", "--resume", cwd=tmp_path)
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
-    assert not ckpt.exists()
+    assert not ckpt.exists() and not (tmp_path / ".run.ckpt.lock").exists()  # nothing of it is left
     done = json.loads((tmp_path / "r.json").read_text())
     assert done["resumed_from_round"] >= 2
     reference = _cli(*RUN, "--out", "ref.json", "--tau", "40", cwd=tmp_path)

@@ -71,6 +71,10 @@ Pending = tuple[str, Message, tuple[str, int, int], bool]
 log = logging.getLogger(__name__)
 
 
+class ClientStatesUnavailable(RuntimeError):
+    """A transport could not gather its clients' states now (on Ray: an actor lost twice)."""
+
+
 class SimulatedTransport(Transport):
     """The simulated clock, the seeded faults and the arrival queue; computing the tasks is the
     subclass's (`_compute`): here in this process, or elsewhere (fedal/sim/ray_backend.py).

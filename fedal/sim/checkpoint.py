@@ -13,6 +13,7 @@ derive from their private data), and only over a file this run wrote (or resumed
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from fedal.atomic import TEMPORARY_NAME, torch_save_atomic
-from fedal.engine.inprocess import SimulatedTransport
+from fedal.engine.inprocess import ClientStatesUnavailable, SimulatedTransport
 from fedal.engine.rounds import RoundEngine
 from fedal.engine.saved import engine_saved, restore_engine
 from fedal.sim.config import ConfigError, RunConfig
@@ -85,25 +86,55 @@ def check_path(path: str | Path, resume: bool) -> None:
 
 
 class CheckpointFile:
-    """The checkpoint of one run at `path`: checked before the run, written only over the file
-    this run last wrote or resumed from. Another process writing there meanwhile (the same
-    --checkpoint given to two runs) is found and left alone: this run writes no more checkpoints
-    and says so. Temporary files of a write that a kill cut short are removed."""
+    """The checkpoint of one run at `path`, held by that run alone: a lock beside it
+    (`.NAME.lock`, flock) refuses a second run given the same path while the first runs. It is
+    written only over the file this run last wrote or resumed from: a file put there meanwhile
+    (a user's copy, another tool's) is left alone and this run writes no more checkpoints, saying
+    so; one removed meanwhile is written again. Temporary files of a write to it that a kill cut
+    short are removed (the lock says no run is writing)."""
 
     def __init__(self, path: str | Path, resume: bool):
+        self._lock = -1
         self.path = Path(path)
         self.resume = resume
         check_path(self.path, resume)
+        self._lock = self._take_lock()
         self._ours = self._identity()  # the file there now is ours to replace: none, or the one resumed
         self.stopped = False
+        self.used = False  # by a run: a second run of the same object would replace its checkpoint
         self._remove_torn_writes()
 
-    def _identity(self) -> tuple[int, int, int] | None:
+    def _take_lock(self) -> int:
+        lock = self.path.with_name(f".{self.path.name}.lock")
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointError(f"{self.path} is in use by another run (it holds {lock.name}): give this run "
+                                  "another --checkpoint") from None
+        return fd
+
+    def close(self) -> None:
+        """Let go of the path (another run may take it); a checkpoint there stays, with its lock
+        file (where none is, the lock file goes too: nothing of the run is left)."""
+        fd, self._lock = self._lock, -1
+        if fd < 0:
+            return
+        if self._identity() is None:
+            with contextlib.suppress(FileNotFoundError):  # ours, made by _take_lock, which this run holds
+                self.path.with_name(f".{self.path.name}.lock").unlink()
+        os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _identity(self) -> tuple[int, int, int, int, int] | None:
         try:
             st = self.path.stat()
         except FileNotFoundError:
             return None
-        return st.st_ino, st.st_size, st.st_mtime_ns
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
     def load(self, config: RunConfig, public_hash: str) -> dict[str, Any] | None:
         """The checkpoint to resume from (None: there is none, the run starts afresh), checked
@@ -123,14 +154,17 @@ class CheckpointFile:
         (with a warning) when it could not be written: the run goes on, a later round tries again."""
         if self.stopped:
             return False
-        if self._identity() != self._ours:
+        now = self._identity()
+        if now is None and self._ours is not None:
+            log.warning("%s was removed during the run: written again", self.path)
+        elif now != self._ours:
             self.stopped = True
-            log.warning("%s was written by another process since this run's last checkpoint: left as it is, and this "
-                        "run writes no more checkpoints", self.path)
+            log.warning("%s was replaced by another file during the run: left as it is, and this run writes no more "
+                        "checkpoints", self.path)
             return False
         try:
             save(self.path, config, public_hash, engine, rounds, elapsed_s)
-        except (OSError, RuntimeError) as exc:  # a full disk; on Ray, an actor lost twice while asked for its clients
+        except (OSError, ClientStatesUnavailable) as exc:  # a full disk; on Ray, an actor lost twice
             log.warning("no checkpoint after round %d (%s): the run goes on, a later round tries again", len(rounds), exc)
             return False
         self._ours = self._identity()
@@ -138,17 +172,26 @@ class CheckpointFile:
 
     def remove(self) -> bool:
         """Remove the checkpoint once the run's results are safe, if the file there is still the
-        one this run last wrote or resumed from (never another process's); whether it went."""
+        one this run last wrote or resumed from (never another's), and let go of the path;
+        whether the checkpoint went."""
+        gone = not self.stopped and self._ours is not None and self._identity() == self._ours
+        if gone:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            self._ours = None
+        self.close()
+        return gone
+
+    def resumable(self) -> int | None:
+        """The rounds a --resume would go on from, if the file there is this run's checkpoint."""
         if self.stopped or self._ours is None or self._identity() != self._ours:
-            return False
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        self._ours = None
-        return True
+            return None
+        return completed_rounds(self.path)
 
     def _remove_torn_writes(self) -> None:
         """`.NAME.<random>.tmp` beside the checkpoint (fedal.atomic.TEMPORARY_NAME), the temporary
-        file of an atomic write to it that a kill cut short: of this owner, readable by it alone."""
+        file of an atomic write to it that a kill cut short (under the lock no run is writing one):
+        of this owner, readable by it alone."""
         with contextlib.suppress(OSError):
             for entry in os.scandir(self.path.parent):
                 torn = TEMPORARY_NAME.match(entry.name)
@@ -160,8 +203,10 @@ class CheckpointFile:
 
 def save(path: str | Path, config: RunConfig, public_hash: str, engine: RoundEngine, rounds: list[dict[str, Any]],
          elapsed_s: float) -> None:
-    """The run after `len(rounds)` rounds, atomically, at `path`."""
+    """The run after `len(rounds)` rounds, atomically, at `path`. OSError: it could not be
+    written (torch's writer reports a full disk as a RuntimeError, given on as one)."""
     transport = _simulated(engine)
+    clients = transport.client_states()  # first: on Ray it may count an actor lost meanwhile
     state = {
         "format": FORMAT, "version": VERSION,
         "config": config.model_dump(mode="json"), "public_hash": public_hash,
@@ -169,10 +214,13 @@ def save(path: str | Path, config: RunConfig, public_hash: str, engine: RoundEng
         "engine": engine_saved(engine),
         "transport": transport.saved(),
         "server": engine.server.state_dict(),
-        "clients": transport.client_states(),
+        "clients": clients,
         "torch_rng": torch.get_rng_state(),
     }
-    torch_save_atomic(state, path, private=True)
+    try:
+        torch_save_atomic(state, path, private=True)
+    except RuntimeError as exc:
+        raise OSError(f"writing {path} failed: {exc}") from exc
 
 
 def check_resumable(path: str | Path, state: dict[str, Any], config: RunConfig, public_hash: str) -> None:
@@ -199,9 +247,10 @@ def check_resumable(path: str | Path, state: dict[str, Any], config: RunConfig, 
     every = config.eval_every  # a run evaluates every k-th round and its last: so were the rounds done
     evaluated = {r for r in range(1, done + 1) if r % every == 0 or r == before}
     if evaluated != {r for r in range(1, done + 1) if r % every == 0 or r == config.rounds}:
+        fix = (f"resume it with --rounds {before}" if done < before else
+               "its run cannot be made longer; remove the checkpoint to start afresh")
         raise CheckpointError(f"{path}: its {done} round(s) were evaluated as a run of {before} rounds evaluates them "
-                              f"(eval_every {every}, and the last), not as a run of {config.rounds}: resume it with "
-                              f"--rounds {before}")
+                              f"(eval_every {every}, and the last), not as a run of {config.rounds}: {fix}")
     if state["public_hash"] != public_hash:
         raise CheckpointError(f"{path} was run on another public set (the dataset's files changed): it cannot be resumed")
 

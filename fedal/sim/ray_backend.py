@@ -45,6 +45,7 @@ import torch
 from fedal.atomic import torch_save_atomic
 from fedal.engine.inprocess import (
     Answer,
+    ClientStatesUnavailable,
     Faults,
     Pending,
     SimulatedTransport,
@@ -221,7 +222,8 @@ class RayTransport(SimulatedTransport):
                 except ray.exceptions.RayActorError as exc:
                     self.counters["actor_failures"] += 1
                     if attempt == 2:
-                        raise RuntimeError(f"an actor died twice while asked for its clients' states ({exc})") from None
+                        raise ClientStatesUnavailable(f"an actor died twice while asked for its clients' states "
+                                                      f"({exc})") from None
                     log.warning("an actor died while asked for its clients' states (%s); asked again once Ray "
                                 "restarts it", type(exc).__name__)
         return states

@@ -94,6 +94,21 @@ def _simulate(config: RunConfig, progress: ProgressFn | None, verbose: bool, sta
               saving: Saving) -> dict[str, Any]:
     saved_to = saving.path if isinstance(saving.path, CheckpointFile) or saving.path is None else \
         CheckpointFile(saving.path, saving.resume)
+    if isinstance(saving.path, CheckpointFile):  # the caller's: it removes or closes it
+        if saving.path.used:
+            raise ValueError("a CheckpointFile serves one run: make another for the next")
+        if saving.resume and not saving.path.resume:
+            raise ValueError("resume=True, but the CheckpointFile was made with resume=False")
+        saving.path.used = True
+    try:
+        return _run(config, progress, verbose, stage, saving, saved_to)
+    finally:
+        if saved_to is not None and saved_to is not saving.path:  # made here: the path is let go, the file stays
+            saved_to.close()
+
+
+def _run(config: RunConfig, progress: ProgressFn | None, verbose: bool, stage: StageFn | None, saving: Saving,
+         saved_to: CheckpointFile | None) -> dict[str, Any]:
     stage = stage or (lambda _name: None)
     stage("build")
     config = config.resolved()
