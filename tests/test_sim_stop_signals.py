@@ -39,7 +39,8 @@ def stopped_run(tmp_path, sig: int, *extra: str, before_signal=None) -> tuple[su
             if re.search(r"\| [1-9]\d*/100000", "".join(err[-200:])):  # a round done: the run is under way
                 started.set()
 
-    threading.Thread(target=read, daemon=True).start()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
         assert started.wait(120), "".join(err)
         if before_signal is not None:
@@ -50,6 +51,10 @@ def stopped_run(tmp_path, sig: int, *extra: str, before_signal=None) -> tuple[su
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        reader.join(timeout=10)  # stderr's end (the process is gone), then its pipes are closed
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
     time.sleep(0.2)
     return proc, "".join(err)
 
