@@ -29,6 +29,7 @@ from fedal.sim.checkpoint import CheckpointFile, read, restore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import at_least  # noqa: E402
+from report_text import write_report  # noqa: E402
 
 
 def counts(text: str) -> list[int]:
@@ -117,10 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    hand = out / "sim_checkpoint.md"
-    marker = "<!-- hand-written below this line -->"
-    kept = hand.read_text().split(marker, 1)[1] if hand.exists() and marker in hand.read_text() else "\n"
-    hand.write_text("\n".join(lines) + marker + kept)
+    write_report(out / "sim_checkpoint.md", "\n".join(lines))  # the hand-written reading is kept
     (out / "sim_checkpoint.json").write_text(json.dumps({"rounds": args.rounds, "warmup": args.warmup, "rows": rows,
                                                           "machine": platform.machine(),
                                                           "torch": torch.__version__}, indent=2))
