@@ -307,7 +307,7 @@ def test_a_checkpointed_run_resumes_on_the_other_backend(tmp_path):
     from fedal.sim.checkpoint import completed_rounds
 
     class Stop(Exception):
-        pass
+        """Stands for Ctrl-C, a crash or a job's time limit after some rounds."""
 
     def stop_after(rounds):
         def progress(done, _entry):
