@@ -44,6 +44,7 @@ from fedal.strategies.stacked import layout_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import at_least  # noqa: E402
+from report_text import write_report  # noqa: E402
 
 VARIANTS = ("per-client", "vectorized", "plain loop", "plain stacked loop")
 
@@ -255,12 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    hand = out / "sim_speed.md"
-    kept = ""
-    marker = "<!-- hand-written below this line; kept when bench/sim_speed.py rewrites the file -->"
-    if hand.exists() and marker in hand.read_text():
-        kept = hand.read_text().split(marker, 1)[1]
-    hand.write_text("\n".join(lines) + "\n" + marker + kept)
+    write_report(out / "sim_speed.md", "\n".join(lines))  # the hand-written reading is kept
     (out / "sim_speed.json").write_text(json.dumps(
         {"config": config, "rounds": args.rounds, "warmup": args.warmup, "seconds": times, "median": med,
          "ratios": ratio, "ratio_quartiles": quartiles, "machine": platform.machine(), "torch": torch.__version__,

@@ -28,7 +28,7 @@ import threading
 import weakref
 from abc import abstractmethod
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,7 +275,7 @@ class InProcessTransport(SimulatedTransport):
         return self.stacking.stacked
 
     def client_states(self) -> dict[str, dict[str, Any]]:
-        return {cid: {"client": s.client.state_dict(), "session": s.saved()} for cid, s in self.sessions.items()}
+        return client_states(self.sessions)
 
     def load_client_states(self, states: Mapping[str, dict[str, Any]]) -> None:
         load_client_states(self.sessions, states)
@@ -411,11 +411,20 @@ def answer_tasks(sessions: Mapping[str, ClientSession], items: Sequence[tuple[st
     return out, stacking
 
 
-def load_client_states(sessions: Mapping[str, ClientSession], states: Mapping[str, dict[str, Any]]) -> None:
-    """Each session's client and session state from `states` (InProcessTransport.client_states)."""
-    missing = sorted(set(sessions) - set(states))
+def client_states(sessions: Mapping[str, ClientSession]) -> dict[str, dict[str, Any]]:
+    """Each session's client state and its own (ClientHalf.state_dict, ClientSession.saved)."""
+    return {cid: {"client": s.client.state_dict(), "session": s.saved()} for cid, s in sessions.items()}
+
+
+def check_states_cover(client_ids: Iterable[str], states: Mapping[str, Any]) -> None:
+    missing = sorted(set(client_ids) - set(states))
     if missing:
         raise ValueError(f"no saved state for client(s) {', '.join(missing[:5])}")
+
+
+def load_client_states(sessions: Mapping[str, ClientSession], states: Mapping[str, dict[str, Any]]) -> None:
+    """Each session's client and session state from `states` (client_states)."""
+    check_states_cover(sessions, states)
     for cid, session in sessions.items():
         session.client.load_state_dict(states[cid]["client"])
         session.restore_saved(states[cid]["session"])

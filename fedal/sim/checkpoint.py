@@ -66,6 +66,11 @@ def completed_rounds(path: str | Path) -> int | None:
     return done if type(done) is int else None
 
 
+def _foreign(path: str | Path) -> CheckpointError:
+    return CheckpointError(f"{path} exists and is no checkpoint of `fedal simulate`: it is never overwritten; "
+                           "give another path")
+
+
 def check_path(path: str | Path, resume: bool) -> None:
     """Refuse a checkpoint path this run must not write: a folder, a file that is no checkpoint
     (never overwritten), a checkpoint without `resume` (its rounds would be lost: resume it, or
@@ -77,8 +82,7 @@ def check_path(path: str | Path, resume: bool) -> None:
         return
     state = read(target, mmap=True)
     if state is None:
-        raise CheckpointError(f"{path} exists and is no checkpoint of `fedal simulate`: it is never overwritten; "
-                              "give another path")
+        raise _foreign(path)
     if not resume:
         done = state.get("completed_rounds")
         raise CheckpointError(f"{path} holds a run's checkpoint ({done if type(done) is int else '?'} round(s) done): "
@@ -143,8 +147,7 @@ class CheckpointFile:
             return None
         state = read(self.path)
         if state is None:
-            raise CheckpointError(f"{self.path} exists and is no checkpoint of `fedal simulate`: it is never "
-                                  "overwritten; give another path")
+            raise _foreign(self.path)
         check_resumable(self.path, state, config, public_hash)
         return state
 

@@ -51,6 +51,8 @@ from fedal.engine.inprocess import (
     SimulatedTransport,
     Stacking,
     answer_tasks,
+    check_states_cover,
+    client_states,
     count_refusals,
     load_client_states,
     simulated_round_engine,
@@ -187,7 +189,7 @@ class ClientGroup:
     def states(self, public: list[Any]) -> dict[str, dict[str, Any]]:
         """Each hosted client's state and its session's (a checkpoint of the run: fedal/sim/checkpoint.py)."""
         self._build(public)
-        return {cid: {"client": s.client.state_dict(), "session": s.saved()} for cid, s in self.sessions.items()}
+        return client_states(self.sessions)
 
     def load_states(self, public: list[Any], states: dict[str, dict[str, Any]]) -> None:
         """The hosted clients and their sessions as `states` holds them (a resumed run)."""
@@ -231,9 +233,7 @@ class RayTransport(SimulatedTransport):
     def load_client_states(self, states: Mapping[str, dict[str, Any]]) -> None:
         import ray
 
-        missing = sorted(set(self.actors) - set(states))
-        if missing:
-            raise ValueError(f"no saved state for client(s) {', '.join(missing[:5])}")
+        check_states_cover(self.actors, states)  # before any actor loads anything
         parts: dict[Any, dict[str, dict[str, Any]]] = {}
         for cid, actor in self.actors.items():
             parts.setdefault(actor, {})[cid] = states[cid]
