@@ -32,7 +32,17 @@ esac
 if [ "$from_cpu_index" -eq 1 ]; then
   "$PYTHON" -m pip install --quiet --disable-pip-version-check --index-url "$cpu_index" "$torch_pin"
 fi
-"$PYTHON" -m pip install --quiet --disable-pip-version-check "$torch_pin" -e "$target"
+# The editable build needs setuptools; where the virtualenv already has one new enough to build it
+# without the `wheel` package (installed here the first time), it is used instead of a fresh
+# build environment, which pip fills from the package index: a machine with everything installed
+# reinstalls offline (scripts/demo.sh runs this each time).
+build_isolation=()
+if "$PYTHON" -c 'import sys, setuptools; v = tuple(int(p) for p in setuptools.__version__.split(".")[:2]); sys.exit(v < (70, 1))' \
+    2>/dev/null; then
+  build_isolation=(--no-build-isolation)
+fi
+"$PYTHON" -m pip install --quiet --disable-pip-version-check "${build_isolation[@]}" "$torch_pin" "setuptools>=70.1" \
+  -e "$target"
 venv_dir=$("$PYTHON" -c 'import sys; print(sys.prefix if sys.prefix != sys.base_prefix else "")')
 if [ -n "$venv_dir" ] && [ "${VIRTUAL_ENV:-}" != "$venv_dir" ]; then
   echo "installed into $venv_dir; to use the fedal command: source $venv_dir/bin/activate" >&2

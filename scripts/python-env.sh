@@ -49,7 +49,9 @@ if [ -z "$PYTHON" ]; then
   else
     FEDAL_VENV="${FEDAL_VENV:-$(pwd)/.venv}"
     if [ ! -x "${FEDAL_VENV}/bin/python" ]; then
-      fedal_make_venv "$(fedal_base_python)" "$FEDAL_VENV" || exit 1
+      # two steps: a failure inside "$(...)" would not stop the line that uses it
+      fedal_base="$(fedal_base_python)" || exit 1
+      fedal_make_venv "$fedal_base" "$FEDAL_VENV" || exit 1
     fi
     PYTHON="${FEDAL_VENV}/bin/python"
   fi

@@ -74,9 +74,11 @@ def test_install_on_an_externally_managed_python_uses_a_project_venv(tmp_path):
     assert (venv / "bin/fedal").exists()
     assert not list((tmp_path / "system/lib").glob("python3*/site-packages/fedal*"))
 
-    # again: the same virtualenv, not a new one
+    # again: the same virtualenv, not a new one; and with no package index (an offline machine runs
+    # scripts/demo.sh, which installs first): the editable build takes the virtualenv's setuptools
+    offline = {**env, "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}
     second = subprocess.run(["bash", "scripts/install.sh", "none"], cwd=src, capture_output=True, text=True,
-                            env=env, timeout=1200)
+                            env=offline, timeout=1200)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "creating the project virtualenv" not in second.stderr
 
@@ -134,9 +136,32 @@ def test_install_takes_torch_from_the_cpu_index_where_it_would_bring_cuda(tmp_pa
                          timeout=60)
     assert out.returncode == 0, out.stderr
     calls = log.read_text().splitlines()
-    last = "-m pip install --quiet --disable-pip-version-check torch==2.13.0 -e .[dev]"
+    # (this stand-in's `-c` probes all succeed: its setuptools counts as new enough to build with)
+    last = ("-m pip install --quiet --disable-pip-version-check --no-build-isolation torch==2.13.0 "
+            "setuptools>=70.1 -e .[dev]")
     if cpu_index_first:
         assert calls == ["-m pip install --quiet --disable-pip-version-check --index-url "
                          "https://download.pytorch.org/whl/cpu torch==2.13.0", last]
     else:
         assert calls == [last]
+
+
+def test_no_python_new_enough_stops_before_anything_is_installed(tmp_path):
+    """Only an older Python on PATH: the set-up says so and stops; it neither asks apt-get for a
+    venv package of no version nor tries to make a virtualenv with no interpreter."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    log = tmp_path / "calls.log"
+    (bindir / "python3").write_text("#!/bin/sh\nexit 1\n")  # a 3.10: fails the version probe
+    for tool in ("apt-get", "sudo", "id"):
+        (bindir / tool).write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {log}\n")
+    for tool in bindir.iterdir():
+        tool.chmod(0o755)
+    env = {**clean_env(bindir), "PATH": str(bindir), "FEDAL_VENV": str(tmp_path / "venv")}
+    out = subprocess.run(["/bin/bash", "-c", "source scripts/python-env.sh && echo \"chose $PYTHON\""], cwd=REPO,
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode != 0
+    assert "needs Python 3.11 or newer" in out.stderr
+    assert "chose" not in out.stdout and "creating the project virtualenv" not in out.stderr
+    assert not log.exists(), log.read_text()
+    assert not (tmp_path / "venv").exists()
