@@ -18,8 +18,9 @@ MIN_HEALTH_EVERY_S = 0.5  # a report more often would only load the broker (each
 
 
 class AgentBrokerSettings(BrokerSettings):
-    reconnect_min_s: float = Field(1.0, gt=0)
-    reconnect_max_s: float = Field(30.0, gt=0)
+    # at least 1 s each: a device retrying faster than that would only load a broker that is down
+    reconnect_min_s: float = Field(1.0, ge=1, allow_inf_nan=False)
+    reconnect_max_s: float = Field(30.0, ge=1, allow_inf_nan=False)
     max_message_bytes: int = Field(MAX_MESSAGE_BYTES, ge=4096, description="refuse chunked tasks larger than this; "
                                    "also what unfinished chunked tasks may hold, together")
 

@@ -56,7 +56,7 @@ class MqttLink:
         # clean_session False: the broker keeps QoS 1 tasks across short disconnects
         self.client = new_client(b, addr, f"fedal-agent-{run}-{cid}", clean_session=False)
         self.client.will_set(self.status_topic, status_payload("offline"), qos=1, retain=True)
-        self.client.reconnect_delay_set(min_delay=max(1, int(b.reconnect_min_s)), max_delay=int(b.reconnect_max_s))
+        self.client.reconnect_delay_set(min_delay=b.reconnect_min_s, max_delay=b.reconnect_max_s)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
         self.client.on_connect_fail = self._on_connect_fail

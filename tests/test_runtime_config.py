@@ -169,3 +169,18 @@ def test_an_agents_reconnect_backoff_that_shrinks_is_refused(tmp_path):
                     '[broker]\nreconnect_min_s = 10\nreconnect_max_s = 1\n')
     with pytest.raises(SettingsError, match=r"reconnect_max_s \(1\) must be at least reconnect_min_s \(10\)"):
         load_agent_config(path)
+
+
+@pytest.mark.parametrize("broker, complaint", [
+    ("reconnect_max_s = 0.5", "reconnect_max_s"),  # paho's waits were cut to whole seconds: 0, a busy loop
+    ("reconnect_min_s = 0.2\nreconnect_max_s = 0.4", "reconnect_min_s"),
+    ("reconnect_max_s = inf", "reconnect_max_s"),
+])
+def test_an_agents_reconnect_backoff_under_a_second_is_refused(tmp_path, broker, complaint):
+    """reconnect_max_s = 0.5 was accepted, and the link gave paho a cap of int(0.5) = 0: after the
+    first wait every reconnect came at once, thousands a second, against a broker that was down."""
+    path = tmp_path / "agent.toml"
+    path.write_text('client_id = "c"\nrun_id = "r"\nmodel = "mlp"\ndata_file = "x.npz"\n'
+                    f'[broker]\n{broker}\n')
+    with pytest.raises(SettingsError, match=complaint):
+        load_agent_config(path)
