@@ -194,7 +194,7 @@ class CoordinatorConfig(BaseSettings, NoCoercion):
     health: HealthSettings = Field(default_factory=HealthSettings)
     device: str = Field("auto", description="auto: CUDA when available, else CPU; or a torch device: cpu, cuda, "
                         "cuda:N (a GPU torch sees), mps, ...")
-    threads: int | None = Field(None, ge=1,
+    threads: int | None = Field(None, ge=1, le=1024,
                                 description="torch intra-op threads for server-side compute on the CPU; none: torch's default")
     exit_on_finish: bool = False
 

@@ -573,7 +573,7 @@ class Agent:
             if self.config.durability != "phase" and self.session is not None:
                 self._context = (self.session.round_no, "finish")
                 self._save_checkpoint(round_start=None)  # the end state: a restart replays nothing
-            logits = self.client.predict(self.test.x).numpy() if self.test is not None else None
+            logits = self._final_test_logits()
             out.mkdir(parents=True, exist_ok=True)
             checkpoint.save_atomic(self.client.model.state_dict(), out / "model.pt")
             if logits is not None:
@@ -591,6 +591,19 @@ class Agent:
         log.info("run %s %s; final model in %s", manifest.run_id, manifest.state, out)
         if self.config.exit_on_finish:
             self.finished.set()
+
+    def _final_test_logits(self) -> np.ndarray | None:
+        """The test set's outputs; None, said and counted, where the model cannot take its rows
+        (the final model is still written: a restart would fail the same way)."""
+        if self.test is None or self.client is None:
+            return None
+        try:
+            return self.client.predict(self.test.x).numpy()
+        except (RuntimeError, ValueError) as exc:
+            log.error("the test set's rows do not go through the model (%s): the final model is written without "
+                      "test_logits.npy", exc)
+            self.counters["errors"] += 1
+            return None
 
     def bytes_written(self) -> dict[str, int]:
         """Bytes this process wrote to the workspace for durability, by file kind."""

@@ -50,13 +50,18 @@ def agent_cmd(config_path: str | None, log_level: str, self_check: bool) -> None
         raise click.UsageError(f"workspace {exc}") from None
     from edge_agent.data_files import read_rows
 
+    row_shapes: dict[str, tuple[int, ...]] = {}
     for key in ("data_file", "test_file", "local_test_file"):  # what can never be trained on (numpy only: what
         path = getattr(config, key)  # needs the run's number of classes waits for the run)
         if path is not None:
             try:
-                read_rows(Path(path))
+                row_shapes[key] = read_rows(Path(path))[0].shape[1:]
             except ValueError as exc:
                 raise click.UsageError(f"{key}: {exc}") from None
+    for key, shape in row_shapes.items():  # else every evaluation is refused, and the final outputs with it
+        if shape != row_shapes["data_file"]:
+            raise click.UsageError(f"{key} {getattr(config, key)} holds rows of shape {list(shape)}, but data_file's "
+                                   f"are {list(row_shapes['data_file'])}: the model takes one shape")
     from edge_agent.agent import Agent
 
     agent = Agent(config)

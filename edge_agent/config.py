@@ -46,7 +46,7 @@ class AgentConfig(BaseSettings, NoCoercion):
     local_test_file: Path | None = Field(None, description=".npz with x, y: this device's own held-out test split")
     public_file: Path | None = Field(None, description=".npz with x: the public set; else fetched once over HTTP")
     workspace: Path = Field(Path("fedal-agent"), description="checkpoints and outputs")
-    threads: int = Field(1, ge=1, description="torch intra-op threads")
+    threads: int = Field(1, ge=1, le=1024, description="torch intra-op threads")
     inference_backend: Literal["torch", "onnx", "auto"] = Field(
         "torch", description="frozen forward passes (references, evaluation): torch, onnxruntime, or the faster"
     )

@@ -14,6 +14,8 @@ import numpy as np
 
 from fedal.data.public import ZIP_REFUSALS
 
+MAX_LABEL = 2**31  # a class index; the run's number of classes, known at joining, bounds it further
+
 
 def read_rows(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """(x as float32, y as int64). Anything else is a ValueError that names the file: labels
@@ -40,6 +42,10 @@ def read_rows(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"{path}: x must be rows [n, ...] and y n labels, got x {list(x.shape)} and y {list(y.shape)}")
     if len(x) != len(y):
         raise ValueError(f"{path}: x has {len(x)} rows but y has {len(y)} labels")
+    if np.issubdtype(y.dtype, np.floating) and not np.isfinite(y).all():
+        raise ValueError(f"{path}: labels y hold NaN or infinite values")
     if len(y) and y.min() < 0:
         raise ValueError(f"{path}: labels y must not be negative, got {int(y.min())}")
+    if len(y) and y.max() >= MAX_LABEL:  # int64 would wrap them (2**63 and up, huge floats) to negatives
+        raise ValueError(f"{path}: labels y must be class indices below {MAX_LABEL}, got {y.max()}")
     return x, np.ascontiguousarray(y, np.int64)

@@ -196,6 +196,10 @@ def test_private_files_load_with_whole_labels(tmp_path):
     ({"x": X}, "not arrays x and y"),
     ({"x": X, "y": np.arange(5)}, "6 rows but y has 5 labels"),
     ({"x": X, "y": np.arange(6) + 7}, r"labels must lie in \[0, 10\)"),
+    # labels int64 would wrap to negatives: refused as what they are, not as "range [-9223372036854775808, 0]"
+    ({"x": X, "y": np.array([0.0, 1, 2, 3, 4, np.inf])}, "labels y hold NaN or infinite"),
+    ({"x": X, "y": np.array([0.0, 1, 2, 3, 4, 1e30])}, "class indices below 2147483648"),
+    ({"x": X, "y": np.array([0, 1, 2, 3, 4, 2**63], np.uint64)}, "class indices below 2147483648"),
 ])
 def test_unusable_private_files_are_one_error_naming_the_file(tmp_path, arrays, problem):
     path = tmp_path / "train.npz"

@@ -59,6 +59,25 @@ def test_a_full_card_at_the_end_checkpoint_exits_75(tmp_path, monkeypatch, one_t
     assert not (tmp_path / "ws" / "final").exists()
 
 
+def test_test_rows_the_model_cannot_take_leave_the_final_model_written(tmp_path, one_torch_thread):
+    """Before: the model's refusal of the test rows was taken for a failed write: exit 75, and a
+    restart that failed the same way, for ever, with no final model."""
+    import numpy as np
+
+    from fedal.data.arrays import ArrayDataset
+
+    agent, _ = run_hosted("fedal", tmp_path / "ws", rounds=1)
+    width = agent.client.train_data.x.shape[1]
+    agent.test = ArrayDataset(np.zeros((4, width // 2), np.float32), np.zeros(4, np.int64), 10, "test")
+    errors = agent.counters["errors"]
+    agent._finish(manifest())
+    assert agent.exit_status != agent_module.FINAL_WRITE_FAILED and not agent.stop_requested
+    final = tmp_path / "ws" / "final"
+    assert (final / "model.pt").is_file() and (final / agent_module.FINISHED_MARK).is_file()
+    assert not (final / "test_logits.npy").exists()
+    assert agent.counters["errors"] == errors + 1
+
+
 @pytest.mark.parametrize("kind", ["link", "file"])
 def test_final_is_never_written_through_a_link(tmp_path, one_torch_thread, kind):
     agent, _ = run_hosted("fedal", tmp_path / "ws", rounds=1)

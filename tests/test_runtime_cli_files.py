@@ -131,3 +131,21 @@ def test_a_coordinator_api_port_in_use_is_a_usage_error_before_the_run_starts(tm
         r = subprocess.run([sys.executable, "-m", "coordinator", "--config", str(config)], capture_output=True,
                            text=True, timeout=120)
     assert r.returncode == 2 and f"api 127.0.0.1:{port} cannot be served: Address already in use" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("key", ["test_file", "local_test_file"])
+def test_a_test_file_of_other_rows_than_the_data_file_is_a_usage_error(tmp_path, key):
+    """Test rows of another shape than the training rows were taken at start; then every
+    evaluation was refused and the end of the run, which runs them through the model, exited 75
+    for a restart that failed the same way, for ever."""
+    import numpy as np
+
+    np.savez(tmp_path / "train.npz", x=np.zeros((6, 40), np.float32), y=np.arange(6))
+    np.savez(tmp_path / "test.npz", x=np.zeros((6, 20), np.float32), y=np.arange(6))
+    (tmp_path / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
+    config = tmp_path / "agent.toml"
+    text = CONFIG.format(data=tmp_path / "train.npz", workspace=tmp_path / "ws", ca=tmp_path / "ca.crt")
+    config.write_text(text.replace("[broker]", f'{key} = "{tmp_path / "test.npz"}"\n\n[broker]'))
+    r = CliRunner().invoke(agent_cmd, ["--config", str(config)])
+    assert r.exit_code == 2, r.output
+    assert f"{key} {tmp_path / 'test.npz'} holds rows of shape [20], but data_file's are [40]" in r.output

@@ -184,3 +184,16 @@ def test_an_agents_reconnect_backoff_under_a_second_is_refused(tmp_path, broker,
                     f'[broker]\n{broker}\n')
     with pytest.raises(SettingsError, match=complaint):
         load_agent_config(path)
+
+
+def test_thread_counts_torch_cannot_take_are_refused_in_the_config(tmp_path):
+    """threads = 100000000000 was valid; torch.set_num_threads then raised an overflow at start:
+    a traceback and exit 1, which the service restarted for ever."""
+    path = tmp_path / "agent.toml"
+    path.write_text('client_id = "c"\nrun_id = "r"\nmodel = "mlp"\ndata_file = "x.npz"\nthreads = 100000000000\n')
+    with pytest.raises(SettingsError, match="threads"):
+        load_agent_config(path)
+    coordinator = tmp_path / "coordinator.toml"
+    coordinator.write_text("threads = 100000000000\n")
+    with pytest.raises(SettingsError, match="threads"):
+        load_coordinator_config(coordinator)
