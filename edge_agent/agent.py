@@ -40,7 +40,7 @@ from edge_agent.config import AgentConfig
 from edge_agent.data_files import read_rows
 from edge_agent.inference import OnnxInference, write_final_onnx
 from edge_agent.mqtt_link import MqttLink
-from edge_agent.own_workspace import KEPT_UNREADABLE, claim_workspace
+from edge_agent.own_workspace import KEPT_UNFIT, KEPT_UNREADABLE, claim_workspace
 from edge_agent.public_set import load_public_set
 from fedal.atomic import write_atomic, write_bytes_atomic
 from fedal.data import ArrayDataset
@@ -94,6 +94,10 @@ class CrashHook:
             log.warning("test hook FEDAL_AGENT_CRASH_AT: SIGKILL at %s #%d", point, self.n)
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class CheckpointUnfit(ValueError):
+    """The workspace's checkpoint of this run is of another model than the config's."""
 
 
 class ReplayDiverged(RuntimeError):
@@ -342,24 +346,36 @@ class Agent:
         try:
             state = checkpoint.load(self.ckpt_path)
         except Exception as exc:  # unreadable: a damaged card; kept for a look, never written over
-            kept = self.ckpt_path.with_name(f"{self.ckpt_path.name}{KEPT_UNREADABLE}{int(time.time())}")
-            try:
-                os.replace(self.ckpt_path, kept)
-                where = f"kept as {kept}"
-            except OSError as move:  # (a card gone read-only: the next write fails as well, and says so)
-                where = f"not moved aside ({move.strerror or move})"
             self.counters["checkpoint_unreadable"] += 1
-            log.error("the checkpoint is unreadable (%s: %s): %s; this device takes part again from a new model, "
-                      "its progress in this run lost", type(exc).__name__, exc, where)
+            self._keep_aside(KEPT_UNREADABLE, f"the checkpoint is unreadable ({type(exc).__name__}: {exc})")
             state = None
         self._attach(client, instance)
         if state is not None and (state.get("run_id"), state.get("instance")) == (cfg.run_id, instance):
-            self._restore(state)
+            try:
+                self._restore(state)
+            except CheckpointUnfit as exc:  # the next join starts from a new model (the client is half loaded)
+                self.counters["checkpoint_unfit"] += 1
+                self._keep_aside(KEPT_UNFIT, f"the checkpoint does not fit this device's {cfg.model} model (was the "
+                                 f"config's model or data changed since it was written?): {exc}")
+                raise
         elif cfg.durability != "phase":  # the base the journal follows, before any task changes the state
             self._save_checkpoint(round_start=None)
 
+    def _keep_aside(self, suffix: str, why: str) -> None:
+        """A checkpoint that cannot be taken up again is moved aside for a look, never written over."""
+        kept = self.ckpt_path.with_name(f"{self.ckpt_path.name}{suffix}{int(time.time())}")
+        try:
+            os.replace(self.ckpt_path, kept)
+            where = f"kept as {kept}"
+        except OSError as move:  # (a card gone read-only: the next write fails as well, and says so)
+            where = f"not moved aside ({move.strerror or move})"
+        log.error("%s: %s; this device takes part again from a new model, its progress in this run lost", why, where)
+
     def _restore_checkpoint(self, state: dict[str, Any]) -> None:
-        self.client.load_state_dict(state["client"])
+        try:
+            self.client.load_state_dict(state["client"])
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:  # torch's size mismatch, a missing key
+            raise CheckpointUnfit(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}") from exc
         self.session.restore_saved(state)
 
     def _restore(self, state: dict[str, Any]) -> None:

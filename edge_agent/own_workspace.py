@@ -33,6 +33,7 @@ OWN_NAMES = frozenset({"checkpoint.pt", "round-start.pt", "journal.bin", "public
 
 
 KEPT_UNREADABLE = ".unreadable-"  # checkpoint.pt.unreadable-<time>: a damaged checkpoint, kept (Agent.host)
+KEPT_UNFIT = ".unfit-"  # checkpoint.pt.unfit-<time>: one of another model than the config's, kept (Agent.host)
 
 
 def _named_files(config: AgentConfig) -> set[Path]:
@@ -119,7 +120,7 @@ def foreign_entries(config: AgentConfig, entries: list[Path]) -> list[Path]:
             continue
         if entry.name in OWN_NAMES or (torn and torn["name"] in OWN_NAMES):
             continue
-        if entry.name.startswith(f"checkpoint.pt{KEPT_UNREADABLE}"):
+        if entry.name.startswith((f"checkpoint.pt{KEPT_UNREADABLE}", f"checkpoint.pt{KEPT_UNFIT}")):
             continue
         if Path(os.path.abspath(entry)) in named:
             continue

@@ -45,6 +45,24 @@ def test_a_join_whose_restore_fails_leaves_nothing_attached(tmp_path, monkeypatc
     assert agent.session.last_key == live.session.last_key  # the journal's tasks replayed
 
 
+def test_a_checkpoint_of_another_model_is_kept_aside_and_the_next_join_starts_afresh(tmp_path, caplog,
+                                                                                     one_torch_thread):
+    """The config's model changed under a run's checkpoint: the join failed on torch's size
+    mismatch, and was tried again with backoff for ever, saying only that."""
+    from tests.helpers import toy_federation
+
+    run_hosted("fedal", tmp_path / "ws", rounds=1)
+    agent = make_agent(tmp_path / "ws")
+    agent._setup = lambda m: agent.host(toy_federation("fedal", tau=2, k=5)[1]["c0"], m.instance)
+    assert agent._join(manifest("running")) is False
+    assert agent.client is None and agent.counters["checkpoint_unfit"] == 1
+    kept = [p.name for p in (tmp_path / "ws").iterdir() if p.name.startswith("checkpoint.pt.unfit-")]
+    assert len(kept) == 1 and not (tmp_path / "ws" / "checkpoint.pt").exists()
+    assert "does not fit this device's mlp model" in caplog.text and "kept as" in caplog.text
+    assert agent._join(manifest("running")) is True  # a new model, and a checkpoint of its own
+    assert (tmp_path / "ws" / "checkpoint.pt").is_file() and agent.counters["checkpoint_unfit"] == 1
+
+
 def test_a_full_card_at_the_end_checkpoint_exits_75(tmp_path, monkeypatch, one_torch_thread):
     """Before: the error escaped before the handled block: logged, exit status 0, no final model,
     and with exit_on_finish the service never started the agent again."""
