@@ -47,7 +47,7 @@ from fedal.data import ArrayDataset
 from fedal.models import build_model
 from fedal.protocol import EnvelopeError, ManifestError, Message, Packet, Reassembler, RunManifest, decode, encode
 from fedal.protocol.chunking import is_chunk
-from fedal.session import ClientSession, TaskRefused, declining, evaluation_reply, missed_step_decline
+from fedal.session import STORE_FAILED, ClientSession, TaskRefused, declining, evaluation_reply, missed_step_decline
 from fedal.strategies import MISSED_STEP, StrategyParams, get_strategy
 from fedal.strategies.training import TrainingStopped, stoppable
 from fedal.workspace import WorkspaceError, held
@@ -462,6 +462,9 @@ class Agent:
         try:
             return self.session.on_task(task)
         except TaskRefused as exc:  # a task this client cannot apply is refused, not fatal
+            if exc.kind == STORE_FAILED:  # not the task's fault: the card's, as below
+                self._durability_failed(task)
+                return None
             decline = missed_step_decline(task, exc)  # e.g. restarted without its checkpoint
             if decline is not None:
                 self.counters[MISSED_STEP] += 1
@@ -470,13 +473,16 @@ class Agent:
             self._reject(str(exc), exc.kind)
             return None
         except Exception:  # its durable record failed (e.g. a full or failing SD card): never sent
-            self.counters["durability_errors"] += 1
-            log.exception("task %s %s: its state could not be made durable; not answering, and rejoining "
-                          "from the last durable state", task.phase, self.session.last_key)
-            self._rejoin_from_disk()
+            self._durability_failed(task)
             return None
         finally:
             self._payload = None
+
+    def _durability_failed(self, task: Message) -> None:
+        self.counters["durability_errors"] += 1
+        log.exception("task %s %s: its state could not be made durable; not answering, and rejoining "
+                      "from the last durable state", task.phase, self.session.last_key)
+        self._rejoin_from_disk()
 
     def _rejoin_from_disk(self) -> None:
         """Drop the in-memory state that is ahead of the disk: the worker joins again at once and

@@ -63,6 +63,26 @@ def test_a_checkpoint_of_another_model_is_kept_aside_and_the_next_join_starts_af
     assert (tmp_path / "ws" / "checkpoint.pt").is_file() and agent.counters["checkpoint_unfit"] == 1
 
 
+def test_a_full_card_at_a_rounds_start_is_a_durability_error_not_a_refused_task(tmp_path, monkeypatch,
+                                                                                 one_torch_thread):
+    """Before: the failed write of the round's start was counted as a rejected task ("task
+    local_train r1 i0 refused: [Errno 28] ..."), and the agent did not go back to its disk state."""
+    from fedal.protocol import decode
+
+    agent, through = run_hosted("fedal", tmp_path / "ws", rounds=1)
+    _, reference = run_hosted("fedal", tmp_path / "reference", rounds=2)
+    following = reference.payloads[len(through.payloads)]  # round 1's first task
+    assert decode(following).meta["round"] == 1
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(agent_module.checkpoint, "save_checkpoint", full)
+    assert agent.apply_task(following) is None
+    assert agent.counters["durability_errors"] == 1 and sum(agent.rejects.values()) == 0
+    assert agent.client is None and agent.retry_at == 0.0  # rejoins from the disk at once
+
+
 def test_a_full_card_at_the_end_checkpoint_exits_75(tmp_path, monkeypatch, one_torch_thread):
     """Before: the error escaped before the handled block: logged, exit status 0, no final model,
     and with exit_on_finish the service never started the agent again."""

@@ -2,6 +2,7 @@
 brought it (the edge agent over MQTT, the in-process transport in simulation)."""
 
 from fedal.session.session import (
+    STORE_FAILED,
     ClientSession,
     NewTask,
     SessionStore,
@@ -11,5 +12,5 @@ from fedal.session.session import (
     missed_step_decline,
 )
 
-__all__ = ["ClientSession", "NewTask", "SessionStore", "TaskRefused", "declining", "evaluation_reply",
+__all__ = ["STORE_FAILED", "ClientSession", "NewTask", "SessionStore", "TaskRefused", "declining", "evaluation_reply",
            "missed_step_decline"]

@@ -39,6 +39,16 @@ class TaskRefused(ValueError):
         self.kind = kind  # the reject reason it is counted under
 
 
+STORE_FAILED = "store_failed"  # TaskRefused.kind of a task whose round start could not be written
+
+
+class RoundStartUnsaved(OSError):
+    """The store could not write a round's start (a full or failing card): the task was not
+    computed. Refused under STORE_FAILED, so an agent can tell it from a task it cannot apply."""
+
+    kind = STORE_FAILED
+
+
 class SessionStore(Protocol):
     """Where a session keeps what must survive a restart (the agent: files on its workspace)."""
 
@@ -213,7 +223,10 @@ class ClientSession:
     def _replay_guard(self, round_no: Any, step: tuple[str, Any]) -> None:
         if round_no != self.round_no:  # the round's first task: remember where it started
             if self.store is not None:
-                self.store.save_round_start(round_no, self.client.state_dict())
+                try:
+                    self.store.save_round_start(round_no, self.client.state_dict())
+                except OSError as exc:
+                    raise RoundStartUnsaved(f"round {round_no}'s start could not be saved: {exc}") from exc
             previous = self.round_no, self.round_steps
 
             def forget_round() -> None:  # a refused task opens no round: the next task of the one
