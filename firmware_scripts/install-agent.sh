@@ -131,7 +131,27 @@ if [ "$ARCH" = aarch64 ] && [ -z "$TORCH_INDEX" ] && [ -z "$WHEELHOUSE" ] && [ "
   refuse "torch $TORCH_VERSION for aarch64 from PyPI depends on the CUDA 13 toolkit (a 4.7 GB virtualenv, 15+ minutes to install): take it from PyTorch's CPU index (--torch-index $CPU_INDEX), or keep the pinned $PINNED_TORCH"
 fi
 
+wheelhouse_pins() {
+  # offline, the versions the wheelhouse holds, whatever pins it was built with (fedal fleet
+  # wheelhouse --constraints FILE, another checkout): the checkout's own would not resolve there
+  "$PY" - "$WHEELHOUSE/fedal-wheelhouse.json" <<'PYEOF'
+import json, re, sys
+try:
+    versions = json.load(open(sys.argv[1]))["versions"]
+    pins = [f"{name}=={version}" for name, version in versions.items()
+            if re.sub(r"[-_.]+", "-", name).lower() != "fedal-edge"]
+except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    sys.exit(f"install-agent: error: {sys.argv[1]} lists no versions: {exc}")
+print("\n".join(pins))
+PYEOF
+}
+
 effective_constraints() {
+  if [ -n "$WHEELHOUSE" ]; then
+    echo "# fedal agent constraints: arch $ARCH, the versions of the wheelhouse $WHEELHOUSE"
+    wheelhouse_pins
+    return
+  fi
   echo "# fedal agent constraints: arch $ARCH, torch $TORCH_VERSION from ${TORCH_INDEX:-PyPI}"
   sed "s/^torch==.*/torch==$TORCH_VERSION/" "$CONSTRAINTS_FILE"
 }

@@ -607,3 +607,26 @@ def test_two_installs_at_once_take_turns(tmp_path, inputs):
     assert "waiting for it to finish" in second.stdout
     assert log.read_text().split() == ["start", "end", "start", "end"]  # torch, then the agent: never two at once
     assert "nothing changed" in second.stdout
+
+
+def test_an_offline_install_pins_what_the_wheelhouse_holds(tmp_path, inputs):
+    """A wheelhouse built with other pins than the checkout's (`fedal fleet wheelhouse
+    --constraints FILE`, another checkout) failed to install offline at first boot: pip was held
+    to the checkout's pins, which it had no wheels for, and the card had to be flashed again."""
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    (wh / "fedal_edge-0.1.0-py3-none-any.whl").write_bytes(b"a wheel")
+    python = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    (wh / "fedal-wheelhouse.json").write_text(json.dumps({
+        "arch": "aarch64", "python": python, "agent_wheel": "fedal_edge-0.1.0-py3-none-any.whl", "torch": "2.13.0",
+        "versions": {"fedal_edge": "0.1.0", "numpy": "2.2.0", "onnxruntime": "1.22.0", "torch": "2.13.0"}}))
+    root = tmp_path / "root"
+    base_root(root)
+    r = install("--root", str(root), "--config", str(inputs / "agent.toml"), "--wheelhouse", str(wh),
+                "--pip", str(inputs / "fake-pip"), env={"FEDAL_CPUINFO": os.devnull})
+    assert r.returncode == 0, r.stderr + r.stdout
+    constraints = root / "opt/fedal-agent/fedal-constraints.txt"
+    assert set(pins(constraints.read_text())) == {"numpy", "onnxruntime", "torch"}
+    assert str(pins(constraints.read_text())["onnxruntime"].specifier) == "==1.22.0"
+    (call,) = pip_calls(inputs)
+    assert call[call.index("-c") + 1] == str(constraints) and "--no-index" in call
