@@ -36,7 +36,7 @@ from fedal.engine.results import build_results, final_summary
 from fedal.hosts import is_wildcard, machine_fqdn, url_host
 from fedal.protocol import RunManifest
 from fedal.strategies import ServerContext, get_strategy
-from fedal.strategies.global_model import fedavg_style_metrics, global_accuracy
+from fedal.strategies.global_model import fedavg_style_metrics, global_accuracy, global_weight_layout
 
 log = logging.getLogger("coordinator.run")
 ALWAYS_COUNTED = ("rejected", "stale", "duplicates", "quorum_missed")  # docs/api.md: a run's `counters`
@@ -92,7 +92,8 @@ class Run:
             self.public_bytes, self.public_hash, public_size = buf.getvalue(), content_hash(x), len(x)
             public_x = x
         self.device = pick_device(config.device)
-        context = ServerContext(config.num_classes, public_size, self.run_config.seed, self.device, public_x)
+        context = ServerContext(config.num_classes, public_size, self.run_config.seed, self.device, public_x,
+                                weight_layout=self._global_weight_layout())
         self.server = self.spec.server(self.run_config.strategy_params, self.client_ids, context)
 
         self.transport = MqttTransport(config.broker, config.run_id, self.client_ids)
@@ -393,14 +394,31 @@ class Run:
             log.warning("no global_acc: cannot load the %s test set here: %s", self.run_config.dataset, exc)
             return None
 
+    def _global_weight_layout(self) -> dict[str, tuple[tuple[int, ...], str]] | None:
+        """The global model's tensors, for a strategy that keeps one: one device's first upload
+        of another layout is refused then, not taken for the global model (which would fail the
+        run at its evaluation). None where the test set, which gives the input shape, is not here."""
+        test = self.global_test if self.spec.global_model else None
+        if test is None:
+            return None
+        return global_weight_layout(self.run_config.models[0], tuple(test.x.shape[1:]), self.cfg.num_classes,
+                                    self.run_config.strategy_params.privacy is not None)
+
     def _global_model_metrics(self, summary: dict[str, Any]) -> dict[str, Any]:
         """FedAvg-type strategies: the aggregated model, which only the coordinator holds, on the
         dataset's common test set (`global_acc`, computed as `fedal simulate` does)."""
         if not self.spec.global_model:
             return {}
         test = self.global_test
-        acc = None if test is None else global_accuracy(self.server, self.run_config.models[0], self.cfg.num_classes,
-                                                        test.x, test.y, threads=self.run_config.threads)
+        try:
+            acc = None if test is None else global_accuracy(self.server, self.run_config.models[0],
+                                                            self.cfg.num_classes, test.x, test.y,
+                                                            threads=self.run_config.threads)
+        except ValueError as exc:  # weights a restarted run kept from before the layout check: said, not fatal
+            self.engine.counters["global_eval_failed"] += 1
+            log.error("run %s: the global model does not load into %s: %s (no global_acc)", self.cfg.run_id,
+                      self.run_config.models[0], exc)
+            acc = None
         return fedavg_style_metrics(summary, acc)
 
     # -- what the API reads ------------------------------------------------------------------

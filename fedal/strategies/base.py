@@ -62,6 +62,10 @@ class ServerContext:
     device: str = "cpu"  # where server-side models (FedAL's discriminator) run
     # the public set's inputs, for a server half that runs a model on them (MHAT's server model)
     public_x: np.ndarray | None = None
+    # the global model's tensors (name -> (shape, dtype name)) where the server knows its
+    # architecture (global_model strategies: the run's first model): the first upload, which
+    # becomes the global model, is held to it
+    weight_layout: dict[str, tuple[tuple[int, ...], str]] | None = None
 
 
 class ServerHalf(ABC):

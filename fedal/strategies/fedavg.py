@@ -46,6 +46,18 @@ def weight_dtype_problem(tensors: dict[str, np.ndarray]) -> str | None:
     return None
 
 
+def weight_layout_problem(tensors: dict[str, np.ndarray], layout: dict[str, tuple[tuple[int, ...], str]],
+                          what: str) -> str | None:
+    """Why `tensors` are not weights of `layout` (name -> (shape, dtype name)); None: they are."""
+    if set(tensors) != set(layout):
+        return f"uploaded weights do not match {what}'s tensors"
+    for key, arr in tensors.items():
+        shape, dtype = layout[key]
+        if tuple(arr.shape) != tuple(shape) or arr.dtype.name != dtype:
+            return f"tensor {key!r} is {arr.dtype}{list(arr.shape)}, expected {dtype}{list(shape)}"
+    return None
+
+
 class FedAvgServer(ServerHalf):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -66,17 +78,15 @@ class FedAvgServer(ServerHalf):
     def validate(self, phase: PhaseTasks, client_id: str, result: Message) -> None:
         super().validate(phase, client_id, result)
         ref = self.global_weights
-        if ref is None:  # the first upload defines the model: at least its dtypes are the models' own
+        if ref is not None:
+            problem = weight_layout_problem(result.tensors, {k: (v.shape, v.dtype.name) for k, v in ref.items()},
+                                            "the global model")
+        elif self.context.weight_layout is not None:  # the first upload becomes the global model
+            problem = weight_layout_problem(result.tensors, self.context.weight_layout, "the run's model")
+        else:  # a server that does not know the architecture: at least the dtypes are the models' own
             problem = weight_dtype_problem(result.tensors)
-            if problem:
-                raise InvalidResult(problem)
-        else:
-            if set(result.tensors) != set(ref):
-                raise InvalidResult("uploaded weights do not match the global model's tensors")
-            for key, arr in result.tensors.items():
-                if arr.shape != ref[key].shape or arr.dtype != ref[key].dtype:
-                    raise InvalidResult(f"tensor {key!r} is {arr.dtype}{list(arr.shape)}, "
-                                        f"expected {ref[key].dtype}{list(ref[key].shape)}")
+        if problem:
+            raise InvalidResult(problem)
         n = result.meta.get("num_samples")
         if phase.phase == "train" and (isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 < n < float("inf")):
             raise InvalidResult("a train result must report num_samples > 0")

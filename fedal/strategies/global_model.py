@@ -29,13 +29,27 @@ def global_accuracy(server: ServerHalf, model_name: str, num_classes: int, x: np
     weights = server.global_model()
     if weights is None or len(y) == 0:
         return None
-    model: torch.nn.Module = build_model(model_name, tuple(np.asarray(x).shape[1:]), num_classes)
-    if server.params.privacy is not None:  # the clients' DP-compatible variant (BatchNorm -> GroupNorm)
-        model = dp_compatible(model, "the global model", announce=False)  # the clients announced it
+    model = global_model_module(model_name, tuple(np.asarray(x).shape[1:]), num_classes, server.params.privacy is not None)
     load_numpy_into(model, weights)
     with torch_threads(threads):
         pred = TorchInference().predict(model, np.ascontiguousarray(x, dtype=np.float32)).argmax(dim=1).numpy()
     return float((pred == np.asarray(y)).mean())
+
+
+def global_model_module(model_name: str, input_shape: tuple[int, ...], num_classes: int,
+                        private: bool) -> torch.nn.Module:
+    """The module the global model's weights load into, as the clients build theirs."""
+    model: torch.nn.Module = build_model(model_name, input_shape, num_classes)
+    if private:  # the clients' DP-compatible variant (BatchNorm -> GroupNorm)
+        model = dp_compatible(model, "the global model", announce=False)  # the clients announced it
+    return model
+
+
+def global_weight_layout(model_name: str, input_shape: tuple[int, ...], num_classes: int,
+                         private: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+    """ServerContext.weight_layout: what the global model's tensors must be for it to load."""
+    state = global_model_module(model_name, input_shape, num_classes, private).state_dict()
+    return {k: (tuple(v.shape), str(v.detach().cpu().numpy().dtype)) for k, v in state.items()}
 
 
 @contextlib.contextmanager
