@@ -127,6 +127,30 @@ class Run:
         self.config_hash = hashlib.sha256(
             json.dumps([config.run_id, self.run_config.model_dump(mode="json"), self.client_ids, self.public_hash]).encode()
         ).hexdigest()
+        self.stored_state_taken = self._take_stored_state()
+
+    def _take_stored_state(self) -> bool:
+        """The stored run's state, taken before the API can act on the run (its thread starts once
+        the API is up, and reads the rest): a run found finished is `finished` at once, so a pause
+        is refused instead of written over its end; one an operator paused before a restart is
+        `paused`, so a resume sticks instead of being undone by the thread's own reading. False
+        where the store cannot be read now (the thread then decides, as it reads it)."""
+        try:
+            stored = self.store.load(self.cfg.run_id)
+        except Exception as exc:  # noqa: BLE001 - a store busy now: the thread reads it again and says so
+            log.warning("run %s: its stored state is read when it starts (%s: %s)", self.cfg.run_id,
+                        type(exc).__name__, exc)
+            return False
+        if stored is None or stored.config_hash != self.config_hash:
+            return True
+        if stored.state == "finished" and stored.completed_rounds >= self.run_config.rounds:
+            self.state, self.finished_at = "finished", stored.finished_at
+        elif stored.state == "paused" and stored.completed_rounds < self.run_config.rounds:
+            log.info("run %s was paused when the coordinator stopped: it stays paused (resume it over the API)",
+                     self.cfg.run_id)
+            self.engine.pause()
+            self.state, self.operator_paused = "paused", True
+        return True
 
     @property
     def instance(self) -> str:
@@ -169,7 +193,7 @@ class Run:
             if start >= self.run_config.rounds:  # found finished in the store: it says so at once, broker or not
                 with self.lock:  # (a pause or resume meanwhile is refused: it is not `pending`)
                     self.state, self.finished_at = "finished", self.finished_before
-            if self.was_paused and start < self.run_config.rounds:
+            if self.was_paused and start < self.run_config.rounds and not self.stored_state_taken:
                 log.info("run %s was paused when the coordinator stopped: it stays paused (resume it over the API)",
                          self.cfg.run_id)
                 self.pause()

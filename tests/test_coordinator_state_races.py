@@ -139,3 +139,59 @@ def test_stops_waiting_for_their_run_leave_the_reads_served(unstarted_run):
             assert health.status_code == 200
             assert waited < STOP_WAIT_S / 3, waited  # served, not queued behind the stops' waits
             assert all(f.result().status_code == 200 for f in stops)
+
+
+def restarted(run):
+    """The run as a restarted coordinator builds it again, its thread not started yet (the API
+    is up before the threads start: RunManager.start)."""
+    from coordinator.run import Run
+
+    run.store.close()
+    return Run(run.cfg)
+
+
+def test_a_pause_right_after_a_restart_leaves_a_finished_run_finished(unstarted_run):
+    """Before: the restarted run was `pending` until its thread read the store; a pause then
+    answered 200 and wrote `paused` over the stored `finished`, erasing when it finished."""
+    from tests.local_api import local_client
+
+    unstarted_run.cfg.api.token = "s3cret-token-for-the-test"
+    unstarted_run._resume()
+    unstarted_run._save(completed=5)
+    unstarted_run.store.set_state("race", "finished", finished_at=1234.5)
+    again = restarted(unstarted_run)
+    try:
+        assert again.state == "finished" and again.finished_at == 1234.5
+        answer = local_client(again).post("/api/v1/runs/race/pause",
+                                          headers={"Authorization": "Bearer s3cret-token-for-the-test"})
+        assert answer.status_code == 409 and "finished" in answer.text
+        stored = again.store.load("race")
+        assert (stored.state, stored.finished_at) == ("finished", 1234.5)
+    finally:
+        again.store.close()
+
+
+def test_a_resume_right_after_a_restart_is_not_undone_by_the_runs_thread(unstarted_run):
+    """Before: a run an operator paused before the restart was `pending` until its thread read
+    the store: a resume answered 200 and did nothing, and the thread then held the run again."""
+    unstarted_run._resume()
+    unstarted_run._save(completed=1)
+    unstarted_run.pause()  # the operator's pause, kept in the store
+    again = restarted(unstarted_run)
+    try:
+        assert again.state == "paused"  # as the store says, before the thread has read anything
+        again.resume()  # POST .../resume, before the thread started
+        assert again.state == "pending" and again.store.load("race").state == "pending"
+        seen = []
+
+        def start(_stop_event):  # the thread reached its broker: what did it make of the store?
+            seen.append((again.state, again.store.load("race").state))
+            return False  # (and stops there)
+
+        again.transport.start = start
+        thread = threading.Thread(target=again.run, daemon=True)
+        thread.start()
+        thread.join(60)
+        assert seen == [("pending", "pending")]
+    finally:
+        again.store.close()
