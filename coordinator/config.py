@@ -32,7 +32,7 @@ class ApiSettings(NoCoercion):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
+    port: int = Field(8080, ge=1, le=65535, description="at least 1: the manifest tells agents this port")
     public_base_url: str | None = Field(None, description="URL agents use to reach this API; default http://host:port")
     token: str | None = Field(None, description="bearer token for write endpoints (pause, resume, stop); none: writes refused")
     read_requires_token: bool = Field(False, description="require the token for reads too (the public set stays open to agents)")

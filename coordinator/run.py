@@ -393,7 +393,13 @@ class Run:
                 # stopped by the coordinator's shutdown while an operator held it: held again after the restart
                 held = state == "stopped" and self.closing.is_set() and self.state == "paused" and self.operator_paused
             self._set_state(state)
-            self.store.set_state(self.cfg.run_id, "paused" if held else state, None if held else self.finished_at)
+            try:
+                self.store.set_state(self.cfg.run_id, "paused" if held else state, None if held else self.finished_at)
+            except Exception as exc:  # noqa: BLE001 - a full disk, a lock timed out: the run still ends as it did
+                log.error("run %s: its end (%s) is not recorded in the store (%s: %s); its rounds are, and the "
+                          "coordinator started again records it", self.cfg.run_id, state, type(exc).__name__, exc)
+                with self.lock:
+                    self.error = self.error or f"its end ({state}) not recorded: {type(exc).__name__}: {exc}"
         if self.bus.connected.is_set():
             self._publish_manifest()
         path = self.cfg.results_file or (self.cfg.state_dir / "results.json")

@@ -308,6 +308,45 @@ def test_a_store_that_fails_as_a_run_stops_still_ends_it(unstarted_run, monkeypa
     assert "database or disk is full" in snap["error"]
 
 
+def test_a_run_whose_end_the_store_cannot_record_still_finishes(mosquitto, tmp_path, monkeypatch):
+    """Every round done and stored, then the store refuses the end (a locked or full database).
+    Before: the run was reported `failed`, wrote no results and never announced `finished`."""
+    from sqlalchemy.exc import OperationalError
+
+    np.savez(tmp_path / "public.npz", x=np.zeros((20, 64), np.float32))
+    spec = dict(strategy="fedmd", dataset="digits", rounds=1, public_size=50, seed=0, clients=2)
+    cfg = load_coordinator_config(None, run_id="end", client_ids=["c00", "c01"], num_classes=10,
+                                  state_dir=tmp_path / "state", broker={"url": mosquitto},
+                                  run={k: v for k, v in spec.items() if k != "clients"})
+    first = Run(cfg)
+    first._resume()
+    records = simulate(load_config(None, {**spec, "vectorize": False}))["rounds"]
+    # its last round stored, and then the coordinator stopped before the end was recorded
+    first.store.save("end", {"completed_rounds": 1, "state": "running", "started_at": 1000.0}, records, {},
+                     first.server.state_dict())
+    first.store.close()
+
+    again = Run(load_coordinator_config(None, **json.loads(cfg.model_dump_json())))
+
+    def locked(*_args, **_kwargs):
+        raise OperationalError("UPDATE runs", {}, Exception("database is locked"))
+
+    monkeypatch.setattr(again.store, "set_state", locked)
+    thread = threading.Thread(target=again.run, daemon=True)
+    thread.start()
+    assert again.finished_event.wait(60)
+    thread.join(10)
+    try:
+        snap = again.snapshot()
+        assert snap["state"] == "finished" and snap["completed_rounds"] == 1
+        assert "its end (finished) not recorded" in snap["error"] and "database is locked" in snap["error"]
+        assert json.loads((cfg.state_dir / "results.json").read_text())["final"] is not None
+        assert again.manifest().state == "finished"
+    finally:
+        again.transport.stop()
+        again.store.close()
+
+
 def test_a_run_restarted_before_its_first_round_keeps_its_start_time(mosquitto, tmp_path):
     """Before: `started_at` reached the store with the first completed round, so a coordinator
     restarted while the run waited for its clients gave it a new start time at every restart."""

@@ -197,3 +197,12 @@ def test_thread_counts_torch_cannot_take_are_refused_in_the_config(tmp_path):
     coordinator.write_text("threads = 100000000000\n")
     with pytest.raises(SettingsError, match="threads"):
         load_coordinator_config(coordinator)
+
+
+def test_an_api_port_of_zero_is_refused(tmp_path):
+    """port = 0 was taken: uvicorn listened on a port of the system's choosing while the log and
+    the manifest told agents `:0`, and the run stalled with every public-set download failing."""
+    path = tmp_path / "coordinator.toml"
+    path.write_text("[api]\nport = 0\n")
+    with pytest.raises(SettingsError, match="port"):
+        load_coordinator_config(path)
