@@ -181,9 +181,15 @@ def test_first_boot_hook_installs_the_agent_in_a_staging_root(tmp_path, device):
     sh("mcopy", "-s", "-n", "-i", f"{img}@@{OFFSET}", "::/*", str(boot))
     root = tmp_path / "root"
     env = staging_root(root)
+    stubs = tmp_path / "stubs"  # shred, logging what it is given: the passphrase is overwritten, not just unlinked
+    stubs.mkdir()
+    (stubs / "shred").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "shred.log"}\nexec {shutil.which("shred")} "$@"\n')
+    (stubs / "shred").chmod(0o755)
+    env["PATH"] = f"{stubs}:{env.get('PATH', os.environ['PATH'])}"
 
     run = subprocess.run(["bash", str(boot / "firstrun.sh")], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, (boot / "fedal" / "firstrun.log").read_text()
+    assert f"-u -- {boot}/fedal/settings/wifi-psk" in (tmp_path / "shred.log").read_text().splitlines()
     assert (root / "previous-firstrun-ran").exists()
     assert (root / "etc/hostname").read_text() == "pi-7\n"
     assert "127.0.1.1\tpi-7" in (root / "etc/hosts").read_text().splitlines()

@@ -125,7 +125,11 @@ if [ "${#failed[@]}" -gt 0 ]; then
   } >"$BOOT/fedal-firstrun-FAILED.txt"
 fi
 
-# Done: never again. The settings hold the Wi-Fi passphrase.
+# Done: never again. The settings hold the Wi-Fi passphrase: overwritten before they go, as
+# firstboot.sh does with what it removes (a plain delete leaves the bytes on the card)
+for f in "$S"/*; do
+  if [ -f "$f" ] && [ ! -L "$f" ]; then shred -u -- "$f" 2>/dev/null || rm -f -- "$f"; fi
+done
 rm -rf "$S"
 rm -f "$BOOT/firstrun.sh"
 sed -i -e 's/ systemd\.run[^ ]*//g' -e 's/ systemd\.unit=kernel-command-line\.target//g' "$BOOT/cmdline.txt"
