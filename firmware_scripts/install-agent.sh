@@ -299,6 +299,18 @@ case "$CA_PATH/" in *"/../"*|*"/./"*) refuse "broker.ca_file in $CONFIG must not
 if [ -n "$CA" ] && [ "${CA_PATH#"$ETC"/}" = "$CA_PATH" ] && [ -e "$ROOT$CA_PATH" ] && ! cmp -s "$CA" "$ROOT$CA_PATH"; then
   refuse "broker.ca_file is $CA_PATH, which exists and is not the --ca certificate: the installer replaces a CA only in $ETC. Point ca_file at $ETC/ca.crt, or leave --ca out to use $CA_PATH as it is"
 fi
+# The service's sandbox (fedal-agent.service) gives it a private /tmp and hides the home
+# directories: a file the config names there would pass the checks here and be missing for the
+# agent (exit 2). /tmp is refused (emptied at boot as well); home directories are made readable
+# (ProtectHome=read-only in the drop-in below).
+HOME_FILES=0
+for p in "$CA_PATH" "$DATA_PATH" "$TEST_PATH" "$LOCAL_TEST_PATH" "$PUBLIC_PATH"; do
+  case "$p" in
+    /tmp|/tmp/*|/var/tmp|/var/tmp/*)
+      refuse "$CONFIG names $p: the agent's service has a private /tmp (PrivateTmp=yes) and would not find it; put the file in $STATE (--data FILE copies it there)" ;;
+    /home/*|/root/*|/run/user/*) HOME_FILES=1 ;;
+  esac
+done
 # a single --data file goes where the config's data_file expects it, if that is in the state dir
 # and the file is not one of the config's other files by name (a test set stays a test set)
 other_names=" "
@@ -527,8 +539,12 @@ for p in "$CA_PATH" "$DATA_PATH" "$TEST_PATH" "$LOCAL_TEST_PATH" "$PUBLIC_PATH";
   fi
   mounts+=" $p"
 done
-if [ -n "$mounts" ]; then
-  printf '%s\n[Unit]\nRequiresMountsFor=%s\n' "$DROPIN_HEAD" "${mounts# }" >"$TMP/mounts.conf"
+if [ -n "$mounts" ] || [ "$HOME_FILES" -eq 1 ]; then
+  echo "$DROPIN_HEAD" >"$TMP/mounts.conf"
+  [ -z "$mounts" ] || printf '[Unit]\nRequiresMountsFor=%s\n' "${mounts# }" >>"$TMP/mounts.conf"
+  if [ "$HOME_FILES" -eq 1 ]; then  # the unit hides /home, /root and /run/user (ProtectHome=yes)
+    printf '[Service]\nProtectHome=read-only\n' >>"$TMP/mounts.conf"
+  fi
   put_file "$TMP/mounts.conf" "$DROPIN" 0644 root
 elif [ -f "$ROOT$DROPIN" ] && [ "$(head -n 1 "$ROOT$DROPIN")" = "$DROPIN_HEAD" ]; then
   run rm -f "$ROOT$DROPIN"

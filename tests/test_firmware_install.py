@@ -630,3 +630,27 @@ def test_an_offline_install_pins_what_the_wheelhouse_holds(tmp_path, inputs):
     assert str(pins(constraints.read_text())["onnxruntime"].specifier) == "==1.22.0"
     (call,) = pip_calls(inputs)
     assert call[call.index("-c") + 1] == str(constraints) and "--no-index" in call
+
+
+def test_files_the_services_sandbox_hides_are_refused_or_made_visible(tmp_path, inputs):
+    """The unit's sandbox (PrivateTmp=yes, ProtectHome=yes) hid a data file under /tmp or /home
+    that the installer had accepted: the agent then said it "does not exist" and exited 2."""
+    root = tmp_path / "root"
+    args = ["--root", str(root), "--config", str(inputs / "agent.toml"), "--skip-pip"]
+    dropin = root / "etc/systemd/system/fedal-agent.service.d/10-fedal-mounts.conf"
+    (inputs / "agent.toml").write_text(AGENT_TOML.replace('"/var/lib/fedal-agent/train.npz"', '"/tmp/train.npz"'))
+    r = install(*args)
+    assert r.returncode == 3 and "private /tmp" in r.stderr, r.stderr + r.stdout
+    assert not (root.exists() and any(root.rglob("*")))  # refused before anything was installed
+    (inputs / "agent.toml").write_text(AGENT_TOML.replace('"/var/lib/fedal-agent/train.npz"', '"/home/pi/train.npz"'))
+    r = install(*args)
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert dropin.read_text().splitlines()[1:] == ["[Unit]", "RequiresMountsFor=/home/pi/train.npz",
+                                                   "[Service]", "ProtectHome=read-only"]
+    if shutil.which("systemd-analyze"):
+        unit = (root / "etc/systemd/system/fedal-agent.service").read_text()
+        check = tmp_path / "fedal-agent.service"
+        check.write_text(unit.replace("ExecStart=/opt/fedal-agent/", f"ExecStart={root}/opt/fedal-agent/")
+                         + "\n" + dropin.read_text())
+        v = subprocess.run(["systemd-analyze", "verify", str(check)], capture_output=True, text=True, timeout=60)
+        assert v.returncode == 0 and "ProtectHome" not in v.stderr, v.stderr
