@@ -507,7 +507,22 @@ else
       # torch alone from the CPU index; its dependencies come with the agent from PyPI below
       run "${pip[@]}" "${opts[@]}" --no-deps --index-url "$TORCH_INDEX" "torch==$TORCH_VERSION"
     fi
-    run "${pip[@]}" "${opts[@]}" -c "$ROOT$VENV/fedal-constraints.txt" "$spec"
+    pip_spec="$spec"
+    if [ -z "$WHEEL" ]; then
+      # pip builds in the directory it is given: a copy, so that the user's checkout gets no build/
+      # or egg-info (owned by root, under sudo) and no stale build/ of its own ends up in the agent
+      src="$TMP/src"
+      mkdir "$src"
+      if git -C "$SOURCE" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+        (cd "$SOURCE" && git ls-files -z -co --exclude-standard | tar --null --ignore-failed-read -T - -cf - 2>/dev/null) \
+          | tar -xf - -C "$src"
+      else
+        tar -C "$SOURCE" --exclude=./.git --exclude=./build --exclude=./runs --exclude=./.venv --exclude='*.egg-info' \
+          --exclude=__pycache__ -cf - . | tar -xf - -C "$src"
+      fi
+      pip_spec="${src}[${EXTRAS}]"
+    fi
+    run "${pip[@]}" "${opts[@]}" -c "$ROOT$VENV/fedal-constraints.txt" "$pip_spec"
     if [ "$DRY" -eq 0 ]; then
       site="$("$VPY" -I -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
       "$VPY" -I "$SCRIPT_DIR/prune-venv.py" "$site" | sed 's/^prune-venv: /install-agent: /'

@@ -56,6 +56,8 @@ def test_real_install_prunes_compiles_what_is_used_and_self_checks(tmp_path):
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     assert "self-check passed" in first.stdout and "MB freed" in first.stdout
     assert f"Looking in indexes: {index}" in first.stdout  # torch came through --torch-index
+    # built from a copy: the checkout gets no build/ or egg-info (root's, under sudo)
+    assert not (source / "build").exists() and not list(source.glob("*.egg-info"))
 
     venv = root / "opt/fedal-agent"
     site = next(venv.glob("lib/python3*/site-packages"))
