@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -187,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
                     "multiplier; the agent is installed with install-agent.sh --privacy (writes arm64_smoke_privacy.*)")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     args = ap.parse_args(argv)
+    from fedal import procs
+
+    # arm64-smoke.sh waits for this driver and unmounts after it: a signal unwinds the run (its
+    # broker, coordinator, agents and a pip in the userland end), and a killed script ends it too
+    procs.die_with_parent()
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     if not 0 <= args.arm64_client < args.clients:
         ap.error("--arm64-client must index one of the --clients")
     rootfs, workdir = args.rootfs.resolve(), args.workdir.resolve()

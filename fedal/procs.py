@@ -89,6 +89,17 @@ def _die_with(parent_pid: int):
     return _preexec
 
 
+def die_with_parent() -> None:
+    """SIGTERM to this process when its parent ends: a driver that a shell script runs and
+    cleans up after (arm64-smoke.sh) does not run on alone once the script is killed, even by
+    SIGKILL. Linux only; elsewhere nothing."""
+    parent = os.getppid()
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # it ended before the request: nobody will signal
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class _Spawner:
     """One daemon thread that forks children for callers outside the main thread: it ends only
     with the process, so PDEATHSIG does not fire when a short-lived caller thread returns."""

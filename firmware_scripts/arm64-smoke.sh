@@ -188,7 +188,16 @@ cleanup() {
   fi
 }
 trap cleanup EXIT
-trap 'exit 130' INT TERM
+DRIVER_PID=""
+stop_driver() {  # bash runs a trap only once its foreground command ends: the driver runs in the
+  # background, and a signal reaches it at once; the EXIT trap unmounts once it has ended
+  if [ -n "$DRIVER_PID" ]; then
+    kill -TERM "$DRIVER_PID" 2>/dev/null || true
+    wait "$DRIVER_PID" 2>/dev/null || true
+  fi
+  exit 130
+}
+trap stop_driver INT TERM
 
 mount_in() {  # mount_in TARGET ARGS...: mount unless TARGET is already a mount point
   local target="$1"; shift
@@ -244,4 +253,6 @@ mount_in "$ROOTFS$WORKDIR" --bind "$WORKDIR"
 
 say "federated run: Mosquitto, coordinator and x86 agents on this host, one agent in the arm64 userland"
 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$HOST_PYTHON" "$REPO/bench/arm64_smoke.py" --rootfs "$ROOTFS" --source "$SRC" \
-  --workdir "$WORKDIR" --out "$OUT" ${DRIVER_ARGS[@]+"${DRIVER_ARGS[@]}"}
+  --workdir "$WORKDIR" --out "$OUT" ${DRIVER_ARGS[@]+"${DRIVER_ARGS[@]}"} &
+DRIVER_PID=$!
+wait "$DRIVER_PID"  # (its status is the script's, through set -e)

@@ -71,5 +71,7 @@ fi
 mkdir -p "$WORKDIR"
 IMAGE="$WORKDIR/base.img"
 bash "$REPO/firmware_scripts/pi-image.sh" --out "$IMAGE" ${CACHE_ARGS[@]+"${CACHE_ARGS[@]}"}
-PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" nice -n 15 "$HOST_PYTHON" "$REPO/bench/boot_test.py" --image "$IMAGE" \
+# exec: a signal to this script (its PID) reaches the driver, which ends its VM, agents and broker;
+# so does a SIGKILL (its children die with it)
+PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" exec nice -n 15 "$HOST_PYTHON" "$REPO/bench/boot_test.py" --image "$IMAGE" \
   --workdir "$WORKDIR/run" ${DRIVER[@]+"${DRIVER[@]}"}

@@ -230,3 +230,23 @@ def test_a_coordinator_waiting_for_an_unreachable_broker_stops_at_once(tmp_path)
         assert time.monotonic() - stopped_at < 15.0  # the next still-waiting warning would be 30 s on
     finally:
         dep.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_driver_that_dies_with_its_parent_ends_when_its_script_is_killed(tmp_path):
+    """arm64-smoke.sh runs its driver and unmounts after it: a SIGKILL of the script left the
+    driver running the whole federated run on its own. procs.die_with_parent ends it."""
+    driver = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+              "from fedal import procs\nprocs.die_with_parent()\nimport time\nprint('up', flush=True)\ntime.sleep(120)\n")
+    script = subprocess.Popen(["bash", "-c", f'{sys.executable} -c "$0" & echo $!; wait', driver],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(script.stdout.readline())
+        assert script.stdout.readline().strip() == "up"
+        script.kill()
+        script.wait(10)
+        wait_until(lambda: not Path(f"/proc/{pid}").exists() or "(Z)" in Path(f"/proc/{pid}/stat").read_text()
+                   or " Z " in Path(f"/proc/{pid}/stat").read_text(), timeout_s=10, what="the driver to end")
+    finally:
+        script.kill()
+        script.stdout.close()
