@@ -189,7 +189,7 @@ class Run:
         """Thread target: resume or start, run every round, finish."""
         try:
             start = self._resume()
-            self.round = start
+            self.round = min(start, self.run_config.rounds - 1)  # a run found finished: its last round, as at its end
             if start >= self.run_config.rounds:  # found finished in the store: it says so at once, broker or not
                 with self.lock:  # (a pause or resume meanwhile is refused: it is not `pending`)
                     self.state, self.finished_at = "finished", self.finished_before
@@ -344,6 +344,9 @@ class Run:
             log.warning("stored run %s belongs to another config; starting afresh (its %d stored rounds are kept in %s)",
                         self.cfg.run_id, len(stored.records), kept)
             self.store.reset(self.cfg.run_id)
+        # the rounds done are not run again: their pause points are behind (the API lists those ahead);
+        # the round under way is, and holds at its point again
+        engine.pause_points = [p for p in engine.pause_points if p.round > start]
         if not engine.instance:
             engine.instance = f"{self.config_hash[:12]}-{uuid.uuid4().hex[:8]}"
         # the stored state stays until the run changes it: a run found finished (or held) and then
@@ -463,9 +466,9 @@ class Run:
         return self.transport_before + Counter(self.transport.counters())
 
     def _round_shown(self) -> int:
-        """The round under way (1-based); a run stopped or failed before any round began shows
-        the rounds it completed (0 for a new run), not a round it never entered."""
-        if self.state == "pending" or (self.state in ("stopped", "failed") and not self.round_entered):
+        """The round under way (1-based); a run stopped, failed or paused before any round began
+        shows the rounds it completed (0 for a new run), not a round it never entered."""
+        if self.state == "pending" or (self.state in ("stopped", "failed", "paused") and not self.round_entered):
             return len(self.records)
         return min(self.round + 1, self.run_config.rounds)
 

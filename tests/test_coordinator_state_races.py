@@ -195,3 +195,35 @@ def test_a_resume_right_after_a_restart_is_not_undone_by_the_runs_thread(unstart
         assert seen == [("pending", "pending")]
     finally:
         again.store.close()
+
+
+def test_what_a_restarted_or_held_run_shows_of_its_rounds(unstarted_run):
+    """Before: a run paused while pending showed round 1 (never entered); a restarted run's
+    pause points in rounds already done stayed listed as still ahead; a run found finished
+    announced round = rounds (one past its last), where a run that just finished says its last."""
+    from coordinator.config import CoordinatorConfig
+    from coordinator.run import Run
+
+    unstarted_run.pause()
+    assert unstarted_run.snapshot()["round"] == 0  # paused before it entered any round
+    unstarted_run.resume()
+
+    cfg = CoordinatorConfig(**{**unstarted_run.cfg.model_dump(), "run_id": "points",
+                               "phases": {"pause_at": [{"round": 1}, {"round": 3, "phase": "transfer"}, {"round": 4}]}})
+    first = Run(cfg, store=unstarted_run.store)
+    first._resume()
+    first.state = "running"
+    first._save(completed=2)  # a crash in round 3
+    again = Run(cfg, store=unstarted_run.store)
+    again._resume()
+    assert [p["round"] for p in again.snapshot()["pause_at"]] == [3, 4]  # round 3 is run again, and holds again
+
+    first._save(completed=5)
+    unstarted_run.store.set_state("points", "finished", finished_at=99.0)
+    done = Run(cfg, store=unstarted_run.store)
+    done.transport.start = lambda _stop_event: False  # no broker here: the thread ends after reading the store
+    thread = threading.Thread(target=done.run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert done.state == "finished" and done.finished_at == 99.0
+    assert done.manifest().round == 4 and done.snapshot()["pause_at"] == []

@@ -36,7 +36,7 @@ def test_the_demo_gives_its_coordinator_the_runs_thread_count(tmp_path):
     from fedal_cli.demo import prepare_workspace
 
     config = load_config(None, dict(strategy="fedmd", dataset="digits", clients=2, rounds=1, public_size=50, threads=3))
-    coord_path, agent_paths, _ = prepare_workspace(config.resolved(), tmp_path, "mqtt://127.0.0.1:1", 0)
+    coord_path, agent_paths, _ = prepare_workspace(config.resolved(), tmp_path, "mqtt://127.0.0.1:1", 8080)
     assert tomllib.loads(coord_path.read_text())["threads"] == 3
     assert load_coordinator_config(coord_path).threads == 3
     assert all(tomllib.loads(p.read_text())["threads"] == 3 for p in agent_paths)
