@@ -47,7 +47,16 @@ from fedal.data import ArrayDataset
 from fedal.models import build_model
 from fedal.protocol import EnvelopeError, ManifestError, Message, Packet, Reassembler, RunManifest, decode, encode
 from fedal.protocol.chunking import is_chunk
-from fedal.session import STORE_FAILED, ClientSession, TaskRefused, declining, evaluation_reply, missed_step_decline
+from fedal.session import (
+    MAX_HELD,
+    STORE_FAILED,
+    ClientSession,
+    TaskRefused,
+    declining,
+    evaluation_reply,
+    hold_until_joined,
+    missed_step_decline,
+)
 from fedal.strategies import MISSED_STEP, StrategyParams, get_strategy
 from fedal.strategies.training import TrainingStopped, stoppable
 from fedal.workspace import WorkspaceError, held
@@ -55,7 +64,7 @@ from fedal.workspace import WorkspaceError, held
 log = logging.getLogger("edge_agent")
 
 CRASH_POINTS = ("after_journal", "after_publish", "next_task", "mid_snapshot")
-MAX_DEFERRED = 32  # tasks held until the run is joined (see Agent._defer)
+MAX_DEFERRED = MAX_HELD  # tasks held until the run is joined (see Agent._defer)
 FINISHED_MARK = "instance"  # in final/: the run instance whose final model it holds
 FINAL_WRITE_FAILED = 75  # exit status (EX_TEMPFAIL) when the final model could not be written: the service restarts it
 FINAL_WRITE_REFUSED = 2  # final/ is a link or a file: not the agent's to write through (the service does not restart)
@@ -306,10 +315,8 @@ class Agent:
     def _defer(self, payload: bytes) -> None:
         """Hold a task until the run is joined, within a bound (a few tasks overtake a manifest;
         the coordinator sends its open tasks again anyway): beyond it the oldest go, counted."""
-        self.deferred.append(payload)
         limit = 2 * self.config.broker.max_message_bytes
-        while len(self.deferred) > MAX_DEFERRED or (len(self.deferred) > 1 and sum(map(len, self.deferred)) > limit):
-            dropped = self.deferred.pop(0)
+        for dropped in hold_until_joined(self.deferred, payload, limit):
             self._reject(f"dropped a task of {len(dropped)} bytes held before joining the run "
                          f"(more than {MAX_DEFERRED} tasks or {limit} bytes held)", "deferred")
 

@@ -19,12 +19,15 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import http.client
 import io
 import json
 import logging
 import math
 import time
 import urllib.request
+import zipfile
+import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +39,7 @@ import numpy as np
 from fedal.data.public import content_hash
 from fedal.protocol import (
     DEFAULT_MAX_PAYLOAD,
+    MAX_MESSAGE_BYTES,
     EnvelopeError,
     ManifestError,
     Message,
@@ -45,7 +49,7 @@ from fedal.protocol import (
     topics,
 )
 from fedal.protocol.wire_dtype import decode_tensor, encode_tensor
-from fedal.session import ClientSession, TaskRefused, missed_step_decline
+from fedal.session import ClientSession, TaskRefused, hold_until_joined, missed_step_decline
 from fedal.strategies import MISSED_STEP, STRATEGIES, MissedStep, StrategyParams, StrategySpec, get_strategy
 from fedal.strategies.cfd import LEVELS_KEY as CFD_LEVELS_KEY
 from fedal.strategies.cfd import NO_REF as CFD_NO_REF
@@ -143,7 +147,7 @@ class PublicSetSource:
             x = _read_npz(payload, url)
             if expected_hash is not None and content_hash(x) != expected_hash:
                 raise JoinError(f"public set from {url} does not match the run's content hash")
-        except (OSError, JoinError) as exc:
+        except (OSError, JoinError, http.client.HTTPException) as exc:  # e.g. IncompleteRead: a body cut short
             self.failed_at, self.last_error = time.monotonic(), f"cannot obtain the public set from {url}: {exc}"
             raise JoinError(self.last_error) from None
         self.sizes[expected_hash] = len(x)
@@ -154,8 +158,8 @@ def _read_npz(payload: bytes, where: str) -> np.ndarray:
     try:
         with np.load(io.BytesIO(payload), allow_pickle=False) as z:
             return np.ascontiguousarray(z["x"], dtype=np.float32)
-    except (ValueError, KeyError, OSError) as exc:
-        raise JoinError(f"{where} is not an .npz with an array 'x': {exc}") from None
+    except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise JoinError(f"{where} is not an .npz with an array 'x': {type(exc).__name__}: {exc}") from None
 
 
 # -- the emulated models: only their state_dict layout matters ------------------------------------
@@ -884,8 +888,9 @@ class EmulatedAgent:
             if topic == self.manifest_topic:
                 return self._on_manifest(payload)
             if topic == self.task_topic:
-                if self.session is None:
-                    self.deferred.append(payload)  # tasks may overtake the retained manifest
+                if self.session is None:  # tasks may overtake the retained manifest: held, as the agent holds them
+                    for dropped in hold_until_joined(self.deferred, payload, 2 * MAX_MESSAGE_BYTES):
+                        self._reject(f"dropped a task of {len(dropped)} bytes held before joining the run")
                     return []
                 return self._on_task(payload)
             self._reject(f"message on unexpected topic {topic}")
@@ -937,7 +942,7 @@ class EmulatedAgent:
     def _join(self, manifest: RunManifest) -> tuple[bool, list[Publish]]:
         try:
             self.session = self._setup(manifest)
-        except (JoinError, ValueError, TypeError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - as the reference agent: any bad file or download is retried with backoff
             self.counters["setup_failures"] += 1
             self.join_backoff = min(30.0, self.join_backoff * 2)
             self.retry_at = time.monotonic() + self.join_backoff

@@ -2,6 +2,7 @@
 brought it (the edge agent over MQTT, the in-process transport in simulation)."""
 
 from fedal.session.session import (
+    MAX_HELD,
     STORE_FAILED,
     ClientSession,
     NewTask,
@@ -9,8 +10,9 @@ from fedal.session.session import (
     TaskRefused,
     declining,
     evaluation_reply,
+    hold_until_joined,
     missed_step_decline,
 )
 
-__all__ = ["STORE_FAILED", "ClientSession", "NewTask", "SessionStore", "TaskRefused", "declining", "evaluation_reply",
-           "missed_step_decline"]
+__all__ = ["MAX_HELD", "STORE_FAILED", "ClientSession", "NewTask", "SessionStore", "TaskRefused", "declining",
+           "evaluation_reply", "hold_until_joined", "missed_step_decline"]

@@ -39,6 +39,20 @@ class TaskRefused(ValueError):
         self.kind = kind  # the reject reason it is counted under
 
 
+MAX_HELD = 32  # tasks a client holds until it has joined the run (hold_until_joined)
+
+
+def hold_until_joined(held: list[bytes], payload: bytes, max_bytes: int) -> list[bytes]:
+    """Hold a task that came before the run was joined, within a bound (a few tasks overtake a
+    manifest; the coordinator sends its open tasks again anyway): beyond MAX_HELD tasks or
+    `max_bytes` the oldest go. Returns those dropped, for the caller to count."""
+    held.append(payload)
+    dropped = []
+    while len(held) > MAX_HELD or (len(held) > 1 and sum(map(len, held)) > max_bytes):
+        dropped.append(held.pop(0))
+    return dropped
+
+
 STORE_FAILED = "store_failed"  # TaskRefused.kind of a task whose round start could not be written
 
 
