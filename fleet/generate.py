@@ -214,6 +214,9 @@ def build_fleet(spec: FleetSpec) -> dict:
                         and (r not in previous or (path.is_dir() and not path.is_symlink())))
     in_the_way += sorted({d.relative_to(out).as_posix() for path in plan for d in _folders_between(out, path)
                           if (d.exists() or d.is_symlink()) and (d.is_symlink() or not d.is_dir())})
+    # and the files it would remove (a device fewer): only from folders of its own, never through a link
+    in_the_way += sorted({d.relative_to(out).as_posix() for r in previous - set(rel.values())
+                          for d in _folders_between(out, out / r) if d.is_symlink()})
     if in_the_way:
         raise FleetError(f"--out {out}: {', '.join(in_the_way[:5])}{' ...' if len(in_the_way) > 5 else ''} "
                          f"exist(s) and no `fedal fleet init` wrote them; nothing was written (move them away)")

@@ -25,7 +25,16 @@ from tomlkit.items import Array
 from edge_agent.config import AgentConfig
 from fedal.protocol import topics
 from fleet import acl, passwords
-from fleet.generate import _PLAN, MARKER, FleetError, _generated_before, _marker_text, _write, write_device
+from fleet.generate import (
+    _PLAN,
+    MARKER,
+    FleetError,
+    _folders_between,
+    _generated_before,
+    _marker_text,
+    _write,
+    write_device,
+)
 
 __all__ = ["Revoked", "revoke_devices"]
 
@@ -281,6 +290,11 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
             done[cid] = "revoked"
     devices.sort(key=_natural)
 
+    # its files go only from folders of the fleet's own: through a link they would be another's
+    linked = [f"devices/{cid}" for cid in gone if any(d.is_symlink() for d in _folders_between(out, out / "devices" / cid / "x"))]
+    if linked:
+        raise FleetError(f"--out {out}: {', '.join(linked)} is a link, not a folder `fedal fleet init` wrote; nothing "
+                         "was changed (replace the link by the folder it should be, or remove it)")
     # the new device configs planned (and checked) before anything is written
     token = _PLAN.set({})
     try:
@@ -295,25 +309,30 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
         kept = _kept_config(out / "devices" / cid / "agent.toml", cid, password, device_files)
         if kept is not None:
             done[cid] = f"reissued ({kept})"
-    # the accounts first: once these two are on the broker, a revoked card is locked out
-    _write(passwd_path, _passwd_text(passwd_text, entries), 0o600)
-    _write(acl_path, _acl_text(acl_items, blocks), 0o644)
-    for path, (text, mode) in device_files.items():
-        _write(path, text, mode)
-        files.add(path.relative_to(out).as_posix())
-    for cid in gone:  # its password no longer opens the broker: a card flashed with it could not log in
-        for name in ("agent.toml", "ca.crt"):
-            path = out / "devices" / cid / name
-            if f"devices/{cid}/{name}" in files and (path.is_file() or path.is_symlink()):
-                path.unlink()
-            files.discard(f"devices/{cid}/{name}")
-        folder = out / "devices" / cid
-        if folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
-    _set_client_ids(coordinator, devices)
-    _write(coordinator_toml, tomlkit.dumps(coordinator), 0o600)
-    summary["devices"] = devices
-    summary["revoked"] = dict(sorted(revoked.items(), key=lambda kv: _natural(kv[0])))
-    _write(out / "fleet.json", json.dumps(summary, indent=2) + "\n", 0o644)
-    _write(out / MARKER, _marker_text(files), 0o644)
+    try:
+        # the accounts first: once these two are on the broker, a revoked card is locked out
+        _write(passwd_path, _passwd_text(passwd_text, entries), 0o600)
+        _write(acl_path, _acl_text(acl_items, blocks), 0o644)
+        for path, (text, mode) in device_files.items():
+            _write(path, text, mode)
+            files.add(path.relative_to(out).as_posix())
+        for cid in gone:  # its password no longer opens the broker: a card flashed with it could not log in
+            for name in ("agent.toml", "ca.crt"):
+                path = out / "devices" / cid / name
+                if f"devices/{cid}/{name}" in files and (path.is_file() or path.is_symlink()):
+                    path.unlink()
+                files.discard(f"devices/{cid}/{name}")
+            folder = out / "devices" / cid
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        _set_client_ids(coordinator, devices)
+        _write(coordinator_toml, tomlkit.dumps(coordinator), 0o600)
+        summary["devices"] = devices
+        summary["revoked"] = dict(sorted(revoked.items(), key=lambda kv: _natural(kv[0])))
+        _write(out / "fleet.json", json.dumps(summary, indent=2) + "\n", 0o644)
+        _write(out / MARKER, _marker_text(files), 0o644)
+    except OSError as exc:  # a full disk, a read-only folder: said, and the same command finishes it
+        raise FleetError(f"--out {out}: cannot write {Path(exc.filename or '').name or 'the fleet'}: "
+                         f"{exc.strerror or exc}; what was written stays (the accounts go first): run the same "
+                         "command again once it can write there") from None
     return Revoked(done, devices, list(summary["revoked"]))

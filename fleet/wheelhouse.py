@@ -224,7 +224,11 @@ def _agent_wheel(spec: WheelhouseSpec, dest: Path) -> Path:
         raise UsageProblem("no checkout to build the agent's wheel from: give --wheel FILE")
     with tempfile.TemporaryDirectory(prefix="fedal-wheel-", dir=dest) as tmp:  # in the run's work dir: reaped
         src = Path(tmp) / "src"
-        listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=REPO, capture_output=True)
+        try:
+            listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=REPO,
+                                    capture_output=True)
+        except OSError:  # no git on this machine: the copy below
+            listed = subprocess.CompletedProcess([], 127, b"", b"")
         if listed.returncode == 0:  # a clean copy: no stale build/ leftovers end up in the wheel
             for name in filter(None, listed.stdout.decode().split("\0")):
                 if (REPO / name).is_file():

@@ -94,3 +94,60 @@ def test_force_never_writes_through_a_symlink(tmp_path):
     assert fleet_init("--devices", "1", "--broker", "mqtt://h", "--out", str(out), "--force")[0] == 0
     assert elsewhere.read_text() == "not the fleet's"
     assert not target.is_symlink() and "pi-1" in target.read_text()
+
+
+def linked_device_folder(tmp_path: Path, out: Path) -> Path:
+    """pi-3's folder swapped for a link to an installed agent's /etc folder (a test on one machine)."""
+    import shutil
+
+    installed = tmp_path / "etc-fedal-agent"
+    installed.mkdir()
+    (installed / "agent.toml").write_text('client_id = "pi-3"  # the installed agent\'s config\n')
+    shutil.rmtree(out / "devices" / "pi-3")
+    (out / "devices" / "pi-3").symlink_to(installed)
+    return installed
+
+
+def test_force_and_revoke_never_remove_files_through_a_linked_device_folder(tmp_path):
+    """Before: the stale or revoked device's files were unlinked through the link (another
+    folder's agent.toml was deleted), then a NotADirectoryError left the revoke half done."""
+    out = tmp_path / "fleet"
+    assert fleet_init("--devices", "3", "--broker", "mqtt://h", "--out", str(out))[0] == 0
+    installed = linked_device_folder(tmp_path, out)
+    before = snapshot(out) | {"installed": (installed / "agent.toml").read_bytes()}
+
+    code, output = fleet_init("--devices", "2", "--broker", "mqtt://h", "--out", str(out), "--force")
+    assert code == 2 and "devices/pi-3" in output and "nothing was written" in output, output
+    revoke = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "pi-3"])
+    assert revoke.exit_code != 0 and "devices/pi-3 is a link" in revoke.output and "nothing was changed" in revoke.output
+    assert revoke.exception is None or isinstance(revoke.exception, SystemExit)  # said, not a traceback
+    assert snapshot(out) | {"installed": (installed / "agent.toml").read_bytes()} == before
+
+
+def test_a_revoke_that_cannot_write_says_so_and_the_same_command_finishes_it(tmp_path, monkeypatch):
+    """Before: a traceback (PermissionError) and a revoke half applied: passwd without the
+    device while fleet.json and the coordinator's config still listed it."""
+    import errno
+
+    from fleet import revoke
+
+    out = tmp_path / "fleet"
+    assert fleet_init("--devices", "3", "--broker", "mqtt://h", "--out", str(out))[0] == 0
+    write = revoke._write
+
+    def full_after_the_accounts(path, text, mode):
+        if path.name == "fleet.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        write(path, text, mode)
+
+    monkeypatch.setattr(revoke, "_write", full_after_the_accounts)
+    first = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "pi-2"])
+    assert first.exit_code != 0, first.output
+    assert "cannot write fleet.json: No space left on device" in first.output
+    assert "run the same command again" in first.output
+    assert first.exception is None or isinstance(first.exception, SystemExit)  # said, not a traceback
+    monkeypatch.setattr(revoke, "_write", write)
+    again = CliRunner().invoke(cli, ["fleet", "revoke", "--out", str(out), "pi-2"])
+    assert again.exit_code == 0, again.output
+    assert json.loads((out / "fleet.json").read_text())["devices"] == ["pi-1", "pi-3"]
+    assert "pi-2" in json.loads((out / "fleet.json").read_text())["revoked"]

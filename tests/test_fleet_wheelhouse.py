@@ -337,3 +337,30 @@ def test_a_constraints_file_that_is_not_text_is_a_clear_error(tmp_path, inputs):
     r = wheelhouse("--arch", "aarch64", "--out", str(tmp_path / "wh"), *offline(idx, bad, wheel))
     assert r.returncode == 2 and "cannot be read as text" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "wh").exists()
+
+
+def test_the_agents_wheel_is_built_from_a_checkout_without_git_on_the_machine(tmp_path, monkeypatch):
+    """Before: FileNotFoundError for `git` escaped as a traceback; the copy of the checkout it
+    falls back to when git cannot list the files was never reached."""
+    from fleet import wheelhouse as wh
+
+    checkout = tmp_path / "checkout"
+    (checkout / "edge_agent").mkdir(parents=True)
+    (checkout / "edge_agent" / "__init__.py").write_text("")
+    (checkout / "build" / "lib" / "stale").mkdir(parents=True)  # a leftover the copy leaves out
+    (checkout / "build" / "lib" / "stale" / "__init__.py").write_text("")
+    (checkout / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools>=68"]\n'
+                                             'build-backend = "setuptools.build_meta"\n'
+                                             '[project]\nname = "fedal-edge"\nversion = "0.1.0"\n'
+                                             '[tool.setuptools]\npackages = ["edge_agent"]\n')
+    empty = tmp_path / "no-git"
+    empty.mkdir()
+    monkeypatch.setattr(wh, "REPO", checkout)
+    monkeypatch.setenv("PATH", str(empty))
+    dest = tmp_path / "work"
+    dest.mkdir()
+    wheel = wh._agent_wheel(wh.WheelhouseSpec(out=tmp_path / "wh"), dest)
+    assert wheel.name == "fedal_edge-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel) as z:
+        assert "edge_agent/__init__.py" in z.namelist() and not any("stale" in n for n in z.namelist())
+    assert not (checkout / "fedal_edge.egg-info").exists()  # built from the copy
