@@ -24,6 +24,7 @@ from hil.profiles import DIRECTIONS, FaultRule, Faults, FaultSettings, Partition
 log = logging.getLogger("hil.faults")
 
 UNIDENTIFIED = "(before CONNECT)"  # stats key for connections that never named a client
+EMPTY_CLIENT_ID = "(empty client id)"  # stats key for clients that connect without an id (the broker names them)
 
 
 @dataclass(frozen=True)

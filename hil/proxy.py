@@ -33,7 +33,7 @@ from amqtt.errors import AMQTTError, CodecError, MQTTError, NoDataError
 from amqtt.mqtt import ConnectPacket, PubackPacket, PubcompPacket, PubrecPacket, packet_class
 from amqtt.mqtt.packet import CONNECT, PUBACK, PUBLISH, PUBREL, MQTTFixedHeader
 
-from hil.faults import UNIDENTIFIED, Decision, FaultEngine, LinkFaults
+from hil.faults import EMPTY_CLIENT_ID, UNIDENTIFIED, Decision, FaultEngine, LinkFaults
 
 log = logging.getLogger("hil.proxy")
 
@@ -256,7 +256,10 @@ class Session:
                               reason=f"first packet is type {first.packet_type}, not CONNECT")
             return
         connect: ConnectPacket = first.parsed
-        self.client_id = connect.client_id or UNIDENTIFIED
+        # an empty id is given a random one by the parser (client_id_is_random): one client that
+        # reconnects would be a new one each time (new stats, a new fault stream, no rules)
+        random_id = getattr(connect.payload, "client_id_is_random", False)
+        self.client_id = EMPTY_CLIENT_ID if random_id or not connect.client_id else connect.client_id
         if self.engine.partitioned(self.client_id):
             self.engine.fault("refused", self.client_id, peer=str(self.peer))
             return

@@ -450,3 +450,17 @@ def test_a_fleet_behind_a_lossy_proxy_with_its_coordinator_on_the_real_broker(mo
     bad = subprocess.run([sys.executable, "-m", "hil", "fleet", "--clients", "2", "--run-id", "r",
                           "--coordinator-broker", mosquitto], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--coordinator-broker is for the coordinator --start-coordinator starts" in bad.stderr
+
+
+def test_clients_without_an_id_share_one_entry(make_broker):
+    """The parser names an empty client id at random: each reconnect of such a client was a new
+    client in the stats (and a new fault stream, out of the reach of per-client rules)."""
+    from hil.faults import EMPTY_CLIENT_ID
+    from tests.test_hil_proxy import connect_bytes
+
+    b = make_broker("")
+    for _ in range(3):
+        assert raw_exchange(b.proxy.port, connect_bytes(""), then=b"\xe0\x00") == b"\x20\x02\x00\x00"  # CONNACK
+    wait_until(lambda: stats(b)["clients"].get(EMPTY_CLIENT_ID, {}).get("connections") == 3,
+               what="three connections of the id-less client")
+    assert not [c for c in stats(b)["clients"] if c.startswith("amqtt/")]
