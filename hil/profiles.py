@@ -113,7 +113,10 @@ def load_profile(name_or_path: str) -> Profile:
     if path.suffix == ".toml" or path.exists():
         if not path.is_file():
             raise ProfileError(f"profile file not found: {path}")
-        text, origin = path.read_text(), str(path)
+        try:
+            text, origin = path.read_text(encoding="utf-8"), str(path)
+        except (OSError, UnicodeDecodeError) as exc:  # unreadable, or not text
+            raise ProfileError(f"profile file {path} cannot be read as TOML text: {exc}") from None
     else:
         resource = resources.files("hil") / "profiles" / f"{name_or_path}.toml"
         if not resource.is_file():

@@ -50,6 +50,10 @@ def test_unknown_profile_names_the_builtin_ones(tmp_path):
     f = tmp_path / "mine.toml"
     f.write_text("[default]\nduplicate = 0.5\n")
     assert load_profile(str(f)).name == "mine" and load_profile(str(f)).default.duplicate == 0.5
+    binary = tmp_path / "binary.toml"  # was "'utf-8' codec can't decode byte 0xff", naming no file
+    binary.write_bytes(b"\xff\xfe[default]\n")
+    with pytest.raises(ProfileError, match=rf"profile file {binary} cannot be read as TOML text"):
+        load_profile(str(binary))
 
 
 def test_layers_resolve_field_by_field():
