@@ -403,3 +403,22 @@ def test_digits():
     assert np.array_equal(np.bincount(test.y) > 30, np.ones(10, bool))  # stratified
     again, _ = load_digits()
     assert np.array_equal(train.x, again.x)
+
+
+def test_an_empty_test_split_is_refused_when_the_data_is_loaded(tmp_path, mnist_arrays):
+    """Well-formed files with no test images loaded fine: a run trained, wrote results with no
+    accuracy at all and then crashed on the missing `mean_acc`."""
+    from fedal.data.federated import load_dataset
+
+    imgs, labs = mnist_arrays
+    write(tmp_path / "train-images-idx3-ubyte", idx_images(imgs), False)
+    write(tmp_path / "train-labels-idx1-ubyte", idx_labels(labs), False)
+    write(tmp_path / "t10k-images-idx3-ubyte", idx_images(imgs[:0]), False)
+    write(tmp_path / "t10k-labels-idx1-ubyte", idx_labels(labs[:0]), False)
+    with pytest.raises(ValueError, match=f"mnist: its test split is empty \\(in {tmp_path}\\)"):
+        load_dataset("mnist", tmp_path)
+    out = subprocess.run([sys.executable, "-m", "fedal_cli.main", "simulate", "--dataset", "mnist", "--data-dir",
+                          str(tmp_path), "--clients", "2", "--rounds", "1", "--public-size", "2", "--models", "mlp",
+                          "--out", str(tmp_path / "r.json"), "--quiet"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "its test split is empty" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "r.json").exists()

@@ -289,6 +289,20 @@ def test_simulate_refuses_checkpoint_paths_it_must_not_write(tmp_path):
         assert proc.returncode == 2 and says in err, (extra, err)
     assert mine.read_bytes() == b"a user's file"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.pt"]
+    # a name whose lock file (".NAME.lock") the file system cannot take: said, not a traceback
+    proc = _cli(*RUN, "--out", "r.json", "--checkpoint", "c" * 250, cwd=tmp_path)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "cannot make its lock file" in err and "Traceback" not in err, err
+
+
+def test_a_checkpoint_in_folders_not_made_yet_gets_them(tmp_path):
+    """--out and --plot make their folders; --checkpoint ran into a FileNotFoundError for its lock."""
+    saved_to = CheckpointFile(tmp_path / "runs" / "exp1" / "state.ckpt", resume=False)
+    try:
+        simulate(_config(rounds=1), checkpoint=saved_to)
+        assert (tmp_path / "runs" / "exp1" / "state.ckpt").is_file()
+    finally:
+        saved_to.close()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the stop test signals a child process")

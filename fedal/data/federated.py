@@ -89,21 +89,27 @@ def load_dataset(dataset: str, data_dir=None, *, train_splits: str = "train",
         raise ValueError(f"dataset {dataset!r} is read from local files: pass data_dir "
                          f"(nothing is downloaded)")
     if dataset == "mnist1d":
-        return load_mnist1d(MNIST1D_SAMPLES if mnist1d_samples is None else int(mnist1d_samples), cache_dir=data_dir)
-    if dataset == "digits":
-        return load_digits()
-    if dataset == "mnist":
-        return load_mnist_dir(data_dir, kind="mnist")
-    if dataset == "fashion-mnist":
-        return load_mnist_dir(data_dir, kind="fashion")
-    if dataset == "cifar10":
-        return load_cifar10_dir(data_dir)
-    if dataset == "cinic10":
-        return load_cinic10_dir(data_dir, train_splits=train_splits)
-    if dataset == "celeba":
-        return load_celeba_dir(data_dir, attribute=celeba_attribute or DEFAULT_CELEBA_ATTRIBUTE,
-                               train_splits=train_splits)
-    return load_svhn_dir(data_dir)
+        train, test = load_mnist1d(MNIST1D_SAMPLES if mnist1d_samples is None else int(mnist1d_samples),
+                                   cache_dir=data_dir)
+    elif dataset == "digits":
+        train, test = load_digits()
+    elif dataset == "mnist":
+        train, test = load_mnist_dir(data_dir, kind="mnist")
+    elif dataset == "fashion-mnist":
+        train, test = load_mnist_dir(data_dir, kind="fashion")
+    elif dataset == "cifar10":
+        train, test = load_cifar10_dir(data_dir)
+    elif dataset == "cinic10":
+        train, test = load_cinic10_dir(data_dir, train_splits=train_splits)
+    elif dataset == "celeba":
+        train, test = load_celeba_dir(data_dir, attribute=celeba_attribute or DEFAULT_CELEBA_ATTRIBUTE,
+                                      train_splits=train_splits)
+    else:
+        train, test = load_svhn_dir(data_dir)
+    if len(test) == 0:  # well-formed but empty files: a run would train and then have nothing to score
+        raise ValueError(f"{dataset}: its test split is empty{f' (in {data_dir})' if data_dir else ''}: every "
+                         "accuracy is measured on it")
+    return train, test
 
 
 def build_federated(dataset: str, num_clients: int, partition: str = "dirichlet-client",

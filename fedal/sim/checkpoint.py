@@ -110,7 +110,12 @@ class CheckpointFile:
 
     def _take_lock(self) -> int:
         lock = self.path.with_name(f".{self.path.name}.lock")
-        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # as --out's folders are made
+            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
+        except OSError as exc:  # a name too long for the lock's ".NAME.lock", a folder it may not write
+            raise CheckpointError(f"{self.path}: cannot make its lock file {lock.name} there: "
+                                  f"{exc.strerror or exc}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
