@@ -39,6 +39,7 @@ from fedal.sim.runner import client_ids as make_client_ids
 from fedal.sim.runner import client_seed, standalone_fairness
 from fedal.strategies import get_strategy
 from fedal.strategies.global_model import global_model_line
+from fedal_cli.extras import missing_module_message
 from fedal_cli.options import config_from_flags, run_options
 from fedal_cli.simulate import check_outputs, write_results
 
@@ -334,6 +335,8 @@ def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, *
         raise click.UsageError(f"{exc} (--data-dir)") from None
     except ValueError as exc:  # e.g. a damaged dataset file
         raise click.ClickException(str(exc)) from None
+    except ImportError as exc:  # an extra this run needs is not installed (scipy for SVHN, say)
+        raise click.ClickException(missing_module_message(exc)) from None
     except procs.Stopped as exc:
         with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) cannot take the line: the status says it
             click.echo(f"stopped by {exc}: the coordinator, the agents and the broker are shut down", err=True)

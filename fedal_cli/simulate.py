@@ -14,6 +14,7 @@ from fedal import procs
 from fedal.atomic import write_bytes_atomic
 from fedal.owned import MARKED_PLOT_FORMATS, ForeignFile, check_replaceable, is_our_plot, is_results, unwritable
 from fedal.progress import progress_bar
+from fedal_cli.extras import missing_module_message
 from fedal_cli.options import config_from_flags, fault_options, run_options
 
 
@@ -71,10 +72,8 @@ def simulate_cmd(config_path, out, plot, checkpoint, checkpoint_every, resume, q
         with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) cannot take the line
             click.echo(f"stopped by {signal.Signals(sig).name}: no results written{resumable(saved_to)}", err=True)
         sys.exit(128 + sig)
-    except ImportError as exc:
-        extra = "privacy" if exc.name == "opacus" else "ray"
-        needs = "differential privacy needs" if extra == "privacy" else "the ray backend needs"
-        raise click.ClickException(f"{exc}: {needs} the `{extra}` extra (pip install 'fedal-edge[{extra}]')") from None
+    except ImportError as exc:  # an extra this run needs is not installed
+        raise click.ClickException(missing_module_message(exc)) from None
     except ConfigError as exc:  # what the flags ask that the data, the models or the Ray cluster cannot do
         raise click.UsageError(str(exc)) from None
     except FileNotFoundError as exc:  # a dataset's files missing from --data-dir: the flag to change
