@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from fedal.cli_types import FiniteFloatRange
@@ -113,4 +115,6 @@ def config_from_flags(config_path: str | None, flags: dict) -> RunConfig:
         raise click.UsageError(str(exc)) from None
     for note in config.notes():
         click.echo(note, err=True)
+    if config.data_dir and not Path(config.data_dir).is_absolute():  # the saved config finds the same files
+        config = config.model_copy(update={"data_dir": str(Path(config.data_dir).absolute())})  # from anywhere
     return config

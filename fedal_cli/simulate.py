@@ -39,8 +39,6 @@ def simulate_cmd(config_path, out, plot, checkpoint, checkpoint_every, resume, q
     if checkpoint is None and (resume or checkpoint_every is not None):
         raise click.UsageError(f"{'--resume' if resume else '--checkpoint-every'} needs --checkpoint FILE")
     config = config_from_flags(config_path, flags)
-    if config.data_dir and not Path(config.data_dir).is_absolute():  # the saved config finds the same files
-        config = config.model_copy(update={"data_dir": str(Path(config.data_dir).absolute())})  # from anywhere
     check_outputs(out, plot, config_path)
     saved_to = checkpoint_file(checkpoint, resume, out, plot, config_path) if checkpoint is not None else None
     bars = [progress_bar(total=config.rounds, desc=f"{config.strategy} (preparing the data and clients)", unit="round",

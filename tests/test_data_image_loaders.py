@@ -480,3 +480,25 @@ def test_a_results_files_data_dir_finds_its_files_from_anywhere_and_other_files_
     write_cinic(tmp_path / "cinic", {"train": 3, "valid": 1, "test": 1}, seed=1)  # other files, the same names' shape
     other = CliRunner().invoke(cli, ["simulate", "--config", "../r.json", "--quiet", "--out", "other.json"])
     assert other.exit_code == 0 and "is not the one ../r.json ran on" in other.output, other.output
+
+
+def test_the_demo_saves_its_data_dir_as_read_too(tmp_path, monkeypatch):
+    """`fedal demo` kept a relative --data-dir as given in the results it wrote (simulate made it
+    absolute): its results, given as --config from another folder, found no files."""
+    from fedal_cli import demo
+    from fedal_cli.main import cli
+
+    monkeypatch.chdir(tmp_path)
+    seen = {}
+
+    def run_demo(config, *_args, **_kwargs):  # the run the demo would start, with the config it would save
+        seen["data_dir"] = config.data_dir
+        raise demo.procs.Stopped(15)
+
+    monkeypatch.setattr(demo, "run_demo", run_demo)
+    write_cinic(tmp_path / "cinic", {"train": 3, "valid": 1, "test": 1})
+    from click.testing import CliRunner
+
+    CliRunner().invoke(cli, ["demo", "--dataset", "cinic10", "--data-dir", "cinic", "--clients", "2", "--rounds", "1",
+                             "--models", "smallcnn", "--public-size", "10", "--workdir", "w"])
+    assert seen["data_dir"] == str(tmp_path / "cinic")
