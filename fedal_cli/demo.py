@@ -29,7 +29,7 @@ from fedal import procs, workspace
 from fedal.cli_types import FiniteFloatRange
 from fedal.engine.results import privacy_line
 from fedal.models import check_model_input
-from fedal.owned import is_our_plot, is_results
+from fedal.owned import ForeignFile, is_our_plot, is_results
 from fedal.ports import free_port, unreachable
 from fedal.progress import progress_bar
 from fedal.sim.build import build_data
@@ -318,8 +318,9 @@ def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, *
     def _report(results: dict) -> None:
         try:
             write_results(results, out, plot)
-        except OSError as exc:  # said as what it is (not as a missing dataset file below)
-            raise click.ClickException(f"cannot write the results to {out}: {exc.strerror or exc}") from None
+        except (OSError, ForeignFile) as exc:  # said as what it is (not as a missing dataset file below)
+            why = exc if isinstance(exc, ForeignFile) else exc.strerror or exc
+            raise click.ClickException(f"cannot write the results to {out}: {why}") from None
         click.echo(summary_table(results))
         click.echo(f"results -> {out}" + (f", plot -> {plot}" if plot else ""))
 

@@ -86,17 +86,19 @@ def simulate_cmd(config_path, out, plot, checkpoint, checkpoint_every, resume, q
     warn_if_other_data(config_path, flags, results)
     try:
         write_results(results, out)
-    except OSError as exc:  # a full disk: the run's hours are not thrown away, they go to stdout
+    except (OSError, ForeignFile) as exc:  # a full disk, a file put there meanwhile: the run's hours go to stdout
         click.echo(json.dumps(results, indent=2))
-        raise click.ClickException(f"cannot write the results to {out}: {exc.strerror or exc}; they are on stdout "
+        why = exc if isinstance(exc, ForeignFile) else exc.strerror or exc
+        raise click.ClickException(f"cannot write the results to {out}: {why}; they are on stdout "
                                    "above (redirect it to a file to keep them)") from None
     if saved_to is not None:  # the results hold the run now: its checkpoint goes (if it is still its own)
         saved_to.remove()
     if plot:
         try:
             write_plot(results, plot)
-        except OSError as exc:
-            raise click.ClickException(f"cannot write the plot to {plot}: {exc.strerror or exc} (the results are in "
+        except (OSError, ForeignFile) as exc:
+            why = exc if isinstance(exc, ForeignFile) else exc.strerror or exc
+            raise click.ClickException(f"cannot write the plot to {plot}: {why} (the results are in "
                                        f"{out}; `fedal simulate` plots nothing else)") from None
     final = results["final"]
     click.echo(
@@ -206,6 +208,9 @@ def warn_if_other_data(config_path: str | None, flags: dict, results: dict) -> N
 
 
 def write_results(results: dict, out: str | Path, plot: str | Path | None = None) -> None:
+    """ForeignFile where a file the toolkit did not write was put at `out` (or `plot`) during the
+    run: checked before the run, and again here, as a checkpoint is."""
+    check_replaceable(out, is_results, "results file")
     write_bytes_atomic(Path(out), (json.dumps(results, indent=2) + "\n").encode())  # a torn one would be refused later
     if plot:
         write_plot(results, plot)
@@ -213,5 +218,7 @@ def write_results(results: dict, out: str | Path, plot: str | Path | None = None
 
 def write_plot(results: dict, plot: str | Path) -> None:
     from fedal.sim.plot import plot_accuracy
+
+    check_replaceable(plot, is_our_plot, "plot")
 
     plot_accuracy({results["config"]["strategy"]: results}, plot)

@@ -38,3 +38,20 @@ def test_the_commands_say_it_in_a_line(command, monkeypatch, tmp_path):
     assert result.exit_code == 1, result.output
     assert "it comes with the `sim` extra (pip install 'fedal-edge[sim]')" in result.output
     assert "ray" not in result.output and isinstance(result.exception, SystemExit)
+
+
+def test_a_file_put_at_out_during_the_run_is_left_alone(monkeypatch, tmp_path):
+    """--out was checked before the run only: a file put there meanwhile was overwritten by the
+    results (a checkpoint already left such a file alone)."""
+    out = tmp_path / "r.json"
+
+    def run(config, *_args, **_kwargs):  # the run, during which the user writes there
+        out.write_text("my precious notes\n")
+        return {"config": config.model_dump(mode="json"), "final": {"mean_acc": 0.5}, "rounds": []}
+
+    monkeypatch.setattr("fedal.sim.runner.simulate", run)
+    result = CliRunner().invoke(cli, ["simulate", "--dataset", "digits", "--clients", "2", "--rounds", "1",
+                                      "--quiet", "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    assert out.read_text() == "my precious notes\n"
+    assert "is not a results file this toolkit wrote" in result.output and '"mean_acc": 0.5' in result.output
