@@ -268,6 +268,9 @@ def test_celeba_unknown_attribute_lists_the_names(tmp_path):
     ("list_eval_partition.txt", lambda ls: [ls[0], ls[0], *ls[1:]], "000001.jpg is listed more than once"),
     ("identity_CelebA.txt", lambda ls: [ls[0].replace(" 7", " x"), *ls[1:]], "line 1 must be a file name and a non-negative"),
     ("identity_CelebA.txt", lambda ls: ls[:-2], "not in identity_CelebA.txt: 000010.jpg"),
+    # past int64 (was an OverflowError traceback)
+    ("identity_CelebA.txt", lambda ls: [ls[0].replace(" 7", f" {10**30}"), *ls[1:]], "line 1 must be a file name and a "
+     "non-negative"),
     ("list_attr_celeba.txt", lambda ls: ["11", ls[1], ls[2], *ls[2:]], "000001.jpg is listed more than once"),
 ])
 def test_celeba_malformed_lists_are_refused(tmp_path, file, damage, needle):

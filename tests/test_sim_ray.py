@@ -93,7 +93,8 @@ def test_ray_clients_end_with_the_in_process_outputs(strategy):
 def test_faults_work_on_ray_too():
     faults = dict(dropout=0.2, stragglers=0.4, rounds=3)
     local = simulate(_config("fedal", **faults))
-    remote = simulate(_config("fedal", backend="ray", **faults))
+    # and a memory request, Ray's own keyword (it was passed as a custom resource, which Ray refuses)
+    remote = simulate(_config("fedal", backend="ray", client_resources="num_cpus=1,memory=50000000", **faults))
     _same(local, remote)
     assert remote["deployment"] == local["deployment"] and local["deployment"]["faults"]["dropped_tasks"] > 0
 
@@ -164,6 +165,12 @@ def test_client_resources_are_parsed_and_bad_ones_refused():
                 "num_cpus=1,num_cpus=3"):
         with pytest.raises(ConfigError, match="client_resources"):
             parse_resources(bad)
+    # what Ray itself refused at start (exit 1, in its own words): refused with the config (exit 2)
+    for bad, says in (("CPU=1", "num_cpus"), ("GPU=1", "num_gpus"), ("object_store_memory=1", "object_store_memory"),
+                      ("num_cpus=0.00001", "0.0001")):
+        with pytest.raises(ConfigError, match=says):
+            parse_resources(bad)
+    assert parse_resources("num_cpus=0.25,memory=1e9") == {"num_cpus": 0.25, "memory": 1e9}
     with pytest.raises(ValueError, match="client_resources") as refused:
         load_config(None, {"backend": "ray", "client_resources": "cpus=many"})
     assert str(refused.value).count("client_resources") == 1  # the field named once

@@ -214,7 +214,7 @@ def _read_pairs(path: Path, allowed: set[int] | None, what: str) -> dict[str, in
             if len(fields) != 2:
                 raise ValueError
             value = int(fields[1])
-            if value < 0 or (allowed is not None and value not in allowed):
+            if value < 0 or value >= 2**63 or (allowed is not None and value not in allowed):  # int64 holds them
                 raise ValueError
         except ValueError:
             raise ValueError(f"{path}: line {i + 1} must be a file name and {what}, got {line[:80]!r}") from None

@@ -79,6 +79,13 @@ def parse_resources(text: str | dict | None) -> dict[str, float]:
             raise ConfigError(f"client_resources: {name} must be a number, got {value!r}") from None
         if not math.isfinite(number) or number < 0:
             raise ConfigError(f"client_resources: {name} must be a finite number, not negative, got {value!r}")
+        if name in ("CPU", "GPU"):  # Ray's names of them in a cluster, not what an actor asks with
+            raise ConfigError(f"client_resources: ask for {name} as num_{name.lower()}s (Ray's keyword for it)")
+        if name == "object_store_memory":
+            raise ConfigError("client_resources: object_store_memory is the cluster's, not an actor's to ask for; "
+                              f"valid: {', '.join(RAY_RESOURCES)} or a custom resource")
+        if abs(number * 10_000 - round(number * 10_000)) > 1e-6:
+            raise ConfigError(f"client_resources: {name}={value} is finer than Ray takes (0.0001 at most)")
         out[name] = number
     return out if "num_cpus" in out else {"num_cpus": 1.0, **out}
 

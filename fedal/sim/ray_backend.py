@@ -536,11 +536,12 @@ class RayClients:
         remote: Any = ray.remote(max_restarts=-1, max_task_retries=0)(ClientGroup)
         cpus = resources.get("num_cpus", 1.0)
         gpus = resources.get("num_gpus", 0.0)
-        custom = {k: v for k, v in resources.items() if k not in ("num_cpus", "num_gpus")}
+        memory = {"memory": resources["memory"]} if "memory" in resources else {}  # bytes: Ray's keyword, no custom one
+        custom = {k: v for k, v in resources.items() if k not in ("num_cpus", "num_gpus", "memory")}
         cfg = config.model_dump(mode="json")
         for a in range(n_actors):
             indices = list(range(a, config.clients, n_actors))
-            handle = remote.options(num_cpus=cpus, num_gpus=gpus, resources=custom or None).remote(
+            handle = remote.options(num_cpus=cpus, num_gpus=gpus, resources=custom or None, **memory).remote(
                 cfg, indices, self.snapshot_dir, run_id)
             self.handles.append(handle)
             for i in indices:
