@@ -85,3 +85,29 @@ def test_an_empty_models_list_is_refused_as_the_flag_is(tmp_path):
     path.write_text("models = []\n")
     with pytest.raises(ConfigError, match="models: List should have at least 1 item"):
         load_config(path, SMALL)
+
+
+def test_a_results_json_through_a_pipe_is_read_once_and_taken_as_json(tmp_path):
+    """`--config <(cat results.json) --seed 3`: the file was read a second time to tell JSON from
+    TOML, the pipe was empty by then, and the saved run's seed-derived values (its public rows'
+    key, rows_seed) were kept instead of derived from the new seed."""
+    import json
+    import os
+    import threading
+
+    from fedal.sim import load_config
+
+    saved = {"config": load_config(None, {"strategy": "fedal", "seed": 0}).resolved().model_dump(mode="json")}
+    assert saved["config"]["strategy_params"]["rows_seed"] == 0
+    read_end, write_end = os.pipe()
+
+    def feed() -> None:
+        with os.fdopen(write_end, "wb") as pipe:
+            pipe.write(json.dumps(saved).encode())
+
+    threading.Thread(target=feed, daemon=True).start()
+    try:
+        config = load_config(f"/dev/fd/{read_end}", {"seed": 3}).resolved()
+    finally:
+        os.close(read_end)
+    assert config.seed == 3 and config.strategy_params.rows_seed == 3

@@ -339,13 +339,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     saved `config`, to repeat a run), then overrides on top."""
     data: dict[str, Any] = {}
     if path is not None:
-        data = _read_config_file(Path(path))
+        data, from_json = _read_config_file(Path(path))
         given = {k: v for k, v in (overrides or {}).items() if v is not None}
         changed = {k for k in DERIVED_FROM if k in given and given[k] != data.get(k)}
         # a results file's resolved config spells out every derived value; a TOML's values were
         # written by hand, so only a new strategy takes its own preset over them (examples/demo.toml
         # writes FedAL's out: `--strategy fedmd` ran FedAL's settings labelled fedmd)
-        if changed if _is_json(Path(path), None) else "strategy" in changed:
+        if changed if from_json else "strategy" in changed:
             data = _without_derived(data)
         if "dataset" in changed:  # the file's dataset's own options do not carry over to another
             from fedal.data.federated import VALID_SPLIT_DATASETS
@@ -430,14 +430,16 @@ def _without_derived(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _read_config_file(path: Path) -> dict[str, Any]:
+def _read_config_file(path: Path) -> tuple[dict[str, Any], bool]:
+    """(its settings, whether it is JSON), from one read: a pipe (`--config <(...)`) reads once."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
-    if _is_json(path, raw):
+    from_json = _is_json(path, raw)
+    if from_json:
         try:
             data = json.loads(raw)
         except ValueError as exc:
@@ -454,21 +456,13 @@ def _read_config_file(path: Path) -> dict[str, Any]:
             raise ConfigError(f"config file {path} is not valid TOML: nested too deep") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a table of settings")
-    return data
+    return data, from_json
 
 
-def _is_json(path: Path, raw: bytes | None) -> bool:
+def _is_json(path: Path, raw: bytes) -> bool:
     """A results JSON (or a config in JSON) by its name or, whatever its name (`--out run1`), by
     its first character: a TOML file never starts with `{`."""
-    if path.suffix == ".json":
-        return True
-    if raw is None:
-        try:
-            with open(path, "rb") as handle:
-                raw = handle.read(64)
-        except OSError:
-            return False
-    return raw.lstrip()[:1] == b"{"
+    return path.suffix == ".json" or raw.lstrip()[:1] == b"{"
 
 
 def format_validation_error(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
