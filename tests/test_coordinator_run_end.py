@@ -67,19 +67,33 @@ def test_a_failed_run_says_so_on_the_event_stream_in_the_store_and_with_its_end(
         runs.store.close()
 
 
+def run_to_its_end(run: Run) -> None:
+    thread = threading.Thread(target=run.run, daemon=True)
+    thread.start()
+    assert run.finished_event.wait(60)
+    thread.join(10)
+
+
+def run_with_its_round_stored(broker: str, tmp_path, run_id: str, state: str):
+    """(config, run) of a one-round run registered as a fresh start would be, its round (as the
+    simulation computes it) stored with `state`."""
+    np.savez(tmp_path / "public.npz", x=np.zeros((20, 64), np.float32))
+    spec = dict(strategy="fedmd", dataset="digits", rounds=1, public_size=50, seed=0, clients=2)
+    cfg = load_coordinator_config(None, run_id=run_id, client_ids=["c00", "c01"], num_classes=10,
+                                  state_dir=tmp_path / "state", broker={"url": broker},
+                                  run={k: v for k, v in spec.items() if k != "clients"})
+    first = Run(cfg)
+    first._resume()
+    records = simulate(load_config(None, {**spec, "vectorize": False}))["rounds"]
+    first.store.save(run_id, {"completed_rounds": 1, "state": state, "started_at": 1000.0}, records, {},
+                     first.server.state_dict())
+    return cfg, first
+
+
 def test_a_run_found_finished_at_a_restart_keeps_its_end_and_its_results(mosquitto, tmp_path):
     """Before: a restarted coordinator finished the run again: `finished_at` became the restart's
     time, and results.json was rewritten with a wall time that counted the downtime."""
-    np.savez(tmp_path / "public.npz", x=np.zeros((20, 64), np.float32))
-    spec = dict(strategy="fedmd", dataset="digits", rounds=1, public_size=50, seed=0, clients=2)
-    cfg = load_coordinator_config(None, run_id="done", client_ids=["c00", "c01"], num_classes=10,
-                                  state_dir=tmp_path / "state", broker={"url": mosquitto},
-                                  run={k: v for k, v in spec.items() if k != "clients"})
-    first = Run(cfg)
-    first._resume()  # registered as a fresh start would, then its one round and its end recorded
-    records = simulate(load_config(None, {**spec, "vectorize": False}))["rounds"]
-    first.store.save("done", {"completed_rounds": 1, "state": "finished", "started_at": 1000.0}, records, {},
-                     first.server.state_dict())
+    cfg, first = run_with_its_round_stored(mosquitto, tmp_path, "done", "finished")
     first.store.set_state("done", "finished", 1040.0)
     results = cfg.state_dir / "results.json"
     results.write_text('{"written": "when it finished"}\n')
@@ -87,10 +101,7 @@ def test_a_run_found_finished_at_a_restart_keeps_its_end_and_its_results(mosquit
 
     again = Run(load_coordinator_config(None, **json.loads(cfg.model_dump_json())))
     events = again.events.subscribe()
-    thread = threading.Thread(target=again.run, daemon=True)
-    thread.start()
-    assert again.finished_event.wait(60)
-    thread.join(10)
+    run_to_its_end(again)
     try:
         snap = again.snapshot()
         assert snap["state"] == "finished" and (snap["started_at"], snap["finished_at"]) == (1000.0, 1040.0)
@@ -313,17 +324,8 @@ def test_a_run_whose_end_the_store_cannot_record_still_finishes(mosquitto, tmp_p
     Before: the run was reported `failed`, wrote no results and never announced `finished`."""
     from sqlalchemy.exc import OperationalError
 
-    np.savez(tmp_path / "public.npz", x=np.zeros((20, 64), np.float32))
-    spec = dict(strategy="fedmd", dataset="digits", rounds=1, public_size=50, seed=0, clients=2)
-    cfg = load_coordinator_config(None, run_id="end", client_ids=["c00", "c01"], num_classes=10,
-                                  state_dir=tmp_path / "state", broker={"url": mosquitto},
-                                  run={k: v for k, v in spec.items() if k != "clients"})
-    first = Run(cfg)
-    first._resume()
-    records = simulate(load_config(None, {**spec, "vectorize": False}))["rounds"]
     # its last round stored, and then the coordinator stopped before the end was recorded
-    first.store.save("end", {"completed_rounds": 1, "state": "running", "started_at": 1000.0}, records, {},
-                     first.server.state_dict())
+    cfg, first = run_with_its_round_stored(mosquitto, tmp_path, "end", "running")
     first.store.close()
 
     again = Run(load_coordinator_config(None, **json.loads(cfg.model_dump_json())))
@@ -332,10 +334,7 @@ def test_a_run_whose_end_the_store_cannot_record_still_finishes(mosquitto, tmp_p
         raise OperationalError("UPDATE runs", {}, Exception("database is locked"))
 
     monkeypatch.setattr(again.store, "set_state", locked)
-    thread = threading.Thread(target=again.run, daemon=True)
-    thread.start()
-    assert again.finished_event.wait(60)
-    thread.join(10)
+    run_to_its_end(again)
     try:
         snap = again.snapshot()
         assert snap["state"] == "finished" and snap["completed_rounds"] == 1

@@ -472,6 +472,18 @@ def test_fix_meta_refuses_what_a_name_could_redirect(tmp_path, kind):
     assert r.returncode == 0 and r.stdout == f"mode 0640: {ok}\n" and stat.S_IMODE(ok.stat().st_mode) == 0o640
 
 
+def verified_with_dropin(root: Path, dropin: Path, tmp_path: Path, key: str) -> None:
+    """systemd-analyze (where there is one) takes the installed unit with the drop-in, saying
+    nothing of `key`."""
+    if shutil.which("systemd-analyze"):
+        unit = (root / "etc/systemd/system/fedal-agent.service").read_text()
+        check = tmp_path / "fedal-agent.service"
+        check.write_text(unit.replace("ExecStart=/opt/fedal-agent/", f"ExecStart={root}/opt/fedal-agent/")
+                         + "\n" + dropin.read_text())
+        v = subprocess.run(["systemd-analyze", "verify", str(check)], capture_output=True, text=True, timeout=60)
+        assert v.returncode == 0 and key not in v.stderr, v.stderr
+
+
 def test_files_outside_the_state_directory_are_mounted_before_the_agent_starts(tmp_path, inputs):
     """Data on a partition fstab mounts late (a USB drive): without RequiresMountsFor the agent found
     no data_file, exited 2, and the service waited for a restart that never came."""
@@ -488,13 +500,7 @@ def test_files_outside_the_state_directory_are_mounted_before_the_agent_starts(t
     assert dropin.read_text().splitlines()[1:] == ["[Unit]", "RequiresMountsFor=/mnt/usb/train.npz /srv/data/test.npz"]
     before = snapshot(root)
     assert "nothing changed" in install(*args).stdout and snapshot(root) == before
-    if shutil.which("systemd-analyze"):
-        unit = (root / "etc/systemd/system/fedal-agent.service").read_text()
-        check = tmp_path / "fedal-agent.service"
-        check.write_text(unit.replace("ExecStart=/opt/fedal-agent/", f"ExecStart={root}/opt/fedal-agent/")
-                         + "\n" + dropin.read_text())
-        v = subprocess.run(["systemd-analyze", "verify", str(check)], capture_output=True, text=True, timeout=60)
-        assert v.returncode == 0 and "RequiresMountsFor" not in v.stderr, v.stderr
+    verified_with_dropin(root, dropin, tmp_path, "RequiresMountsFor")
     (inputs / "agent.toml").write_text(AGENT_TOML)
     r = install(*args)
     assert r.returncode == 0 and "removed /etc/systemd/system/fedal-agent.service.d/10-fedal-mounts.conf" in r.stdout
@@ -647,10 +653,4 @@ def test_files_the_services_sandbox_hides_are_refused_or_made_visible(tmp_path, 
     assert r.returncode == 0, r.stderr + r.stdout
     assert dropin.read_text().splitlines()[1:] == ["[Unit]", "RequiresMountsFor=/home/pi/train.npz",
                                                    "[Service]", "ProtectHome=read-only"]
-    if shutil.which("systemd-analyze"):
-        unit = (root / "etc/systemd/system/fedal-agent.service").read_text()
-        check = tmp_path / "fedal-agent.service"
-        check.write_text(unit.replace("ExecStart=/opt/fedal-agent/", f"ExecStart={root}/opt/fedal-agent/")
-                         + "\n" + dropin.read_text())
-        v = subprocess.run(["systemd-analyze", "verify", str(check)], capture_output=True, text=True, timeout=60)
-        assert v.returncode == 0 and "ProtectHome" not in v.stderr, v.stderr
+    verified_with_dropin(root, dropin, tmp_path, "ProtectHome")
