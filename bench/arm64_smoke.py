@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent_footprint import REPO, Measured, guest_rss_kib, kept_reading, mib, run_fleet  # noqa: E402
 from loopback_broker import loopback_broker  # noqa: E402
 
+from fedal import procs  # noqa: E402
+
 CHROOT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root",
               "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1"}
 
@@ -150,11 +152,17 @@ def install_agent(rootfs: Path, source: str, config: Path, data: list[Path], ext
            "--config", str(config), *(x for f in data for x in ("--data", str(f))), *extra]
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for line in proc.stdout:  # shown as it goes: the first install takes a while under emulation
-            log.write(line)
-            sys.stderr.write("[install-agent] " + line.decode(errors="replace"))
-        rc = proc.wait()
+        # it ends with this driver (a signal, a SIGKILL): the script unmounts the userland after us
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                preexec_fn=procs.dies_with_this_process())
+        try:
+            for line in proc.stdout:  # shown as it goes: the first install takes a while under emulation
+                log.write(line)
+                sys.stderr.write("[install-agent] " + line.decode(errors="replace"))
+            rc = proc.wait()
+        except BaseException:  # a stop signal unwinding the run
+            procs.terminate([proc], grace_s=10)
+            raise
     if rc != 0:
         raise SystemExit(f"install-agent.sh failed with status {rc}; see {log_path}")
     return time.monotonic() - t0
@@ -188,12 +196,12 @@ def main(argv: list[str] | None = None) -> int:
                     "multiplier; the agent is installed with install-agent.sh --privacy (writes arm64_smoke_privacy.*)")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     args = ap.parse_args(argv)
-    from fedal import procs
-
     # arm64-smoke.sh waits for this driver and unmounts after it: a signal unwinds the run (its
-    # broker, coordinator, agents and a pip in the userland end), and a killed script ends it too
+    # broker, coordinator, agents and a pip in the userland end), and a killed script ends it too.
+    # SIGINT as Ctrl-C: a background job of a script starts with it ignored
     procs.die_with_parent()
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if not 0 <= args.arm64_client < args.clients:
         ap.error("--arm64-client must index one of the --clients")
     rootfs, workdir = args.rootfs.resolve(), args.workdir.resolve()

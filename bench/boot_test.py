@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent_footprint import REPO, run_fleet  # noqa: E402
 from loopback_broker import loopback_broker  # noqa: E402
 
+from fedal import procs  # noqa: E402
+
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STARTED_AGENT = "Started fedal-agent.servic"  # systemd may cut the name short on the console
 GUEST_HOST = "10.0.2.100"  # the address the guest's broker and coordinator URLs name
@@ -95,8 +97,10 @@ class VM:
             "-netdev", f"user,id=n0,restrict=on,{fwd}", "-device", "virtio-net-pci,netdev=n0",
         ]
         self.started = time.monotonic()
+        # its own session (a Ctrl-C in the terminal goes to the driver, which powers it off), and it
+        # ends with this process, even one killed by SIGKILL (then with SIGTERM, not a clean power-off)
         self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=open(f"{console}.stderr", "wb"),
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=procs.dies_with_this_process())
 
     def text(self) -> str:
         """The console so far, without systemd's colours (its status lines also shorten unit names:

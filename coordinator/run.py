@@ -352,6 +352,8 @@ class Run:
         # the stored state stays until the run changes it: a run found finished (or held) and then
         # stopped or killed before it reached the broker is still that, not `pending`
         kept = stored.state if stored and stored.config_hash == self.config_hash else None
+        if kept == "paused" and self.stored_state_taken:  # that hold is the run's own state now: an
+            kept = None  # operator's resume since has changed it, and is what the store must keep
         self._save(completed=start, server_state=start == 0, pending_as=kept)
         return start
 

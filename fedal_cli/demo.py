@@ -318,9 +318,11 @@ def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, *
     def _report(results: dict) -> None:
         try:
             write_results(results, out, plot)
-        except (OSError, ForeignFile) as exc:  # said as what it is (not as a missing dataset file below)
-            why = exc if isinstance(exc, ForeignFile) else exc.strerror or exc
-            raise click.ClickException(f"cannot write the results to {out}: {why}") from None
+        except ForeignFile as exc:  # put there during the run (the message names the path)
+            raise click.ClickException(f"cannot write the demo's outputs: {exc}") from None
+        except OSError as exc:  # said as what it is (not as a missing dataset file below)
+            raise click.ClickException(f"cannot write the results to {out} or the plot to {plot}: "
+                                       f"{exc.strerror or exc}") from None
         click.echo(summary_table(results))
         click.echo(f"results -> {out}" + (f", plot -> {plot}" if plot else ""))
 

@@ -508,7 +508,7 @@ else
       run "${pip[@]}" "${opts[@]}" --no-deps --index-url "$TORCH_INDEX" "torch==$TORCH_VERSION"
     fi
     pip_spec="$spec"
-    if [ -z "$WHEEL" ]; then
+    if [ -z "$WHEEL" ] && [ "$DRY" -eq 0 ]; then
       # pip builds in the directory it is given: a copy, so that the user's checkout gets no build/
       # or egg-info (owned by root, under sudo) and no stale build/ of its own ends up in the agent
       src="$TMP/src"

@@ -41,7 +41,8 @@ if "$PYTHON" -c 'import sys, setuptools; v = tuple(int(p) for p in setuptools.__
     2>/dev/null; then
   build_isolation=(--no-build-isolation)
 fi
-"$PYTHON" -m pip install --quiet --disable-pip-version-check "${build_isolation[@]}" "$torch_pin" "setuptools>=70.1" \
+"$PYTHON" -m pip install --quiet --disable-pip-version-check ${build_isolation[@]+"${build_isolation[@]}"} "$torch_pin" \
+  "setuptools>=70.1" \
   -e "$target"
 venv_dir=$("$PYTHON" -c 'import sys; print(sys.prefix if sys.prefix != sys.base_prefix else "")')
 if [ -n "$venv_dir" ] && [ "${VIRTUAL_ENV:-}" != "$venv_dir" ]; then

@@ -116,6 +116,27 @@ def test_test_rows_the_model_cannot_take_leave_the_final_model_written(tmp_path,
     assert agent.counters["errors"] == errors + 1
 
 
+def test_an_onnxruntime_refusal_of_the_test_rows_leaves_the_final_model_written(tmp_path, monkeypatch,
+                                                                               one_torch_thread):
+    """onnxruntime's errors (InvalidArgument) are plain Exceptions, not RuntimeErrors."""
+    import numpy as np
+
+    from fedal.data.arrays import ArrayDataset
+
+    agent, _ = run_hosted("fedal", tmp_path / "ws", rounds=1)
+    invalid_argument = type("InvalidArgument", (Exception,), {})
+
+    def refused(_x):
+        raise invalid_argument("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions")
+
+    monkeypatch.setattr(agent.client, "predict", refused)
+    width = agent.client.train_data.x.shape[1]
+    agent.test = ArrayDataset(np.zeros((4, width), np.float32), np.zeros(4, np.int64), 10, "test")
+    agent._finish(manifest())
+    assert agent.exit_status != agent_module.FINAL_WRITE_FAILED and not agent.stop_requested
+    assert (tmp_path / "ws" / "final" / "model.pt").is_file()
+
+
 @pytest.mark.parametrize("kind", ["link", "file"])
 def test_final_is_never_written_through_a_link(tmp_path, one_torch_thread, kind):
     agent, _ = run_hosted("fedal", tmp_path / "ws", rounds=1)

@@ -227,3 +227,24 @@ def test_what_a_restarted_or_held_run_shows_of_its_rounds(unstarted_run):
     thread.join(60)
     assert done.state == "finished" and done.finished_at == 99.0
     assert done.manifest().round == 4 and done.snapshot()["pause_at"] == []
+
+
+def test_a_resume_while_the_restarted_run_reads_the_store_is_what_the_store_keeps(unstarted_run):
+    """The run's thread read the stored `paused` and saved it back after a resume that came in
+    between: `pending` in memory, `paused` in the store (a restart then held the run again)."""
+    unstarted_run._resume()
+    unstarted_run._save(completed=1)
+    unstarted_run.pause()
+    again = restarted(unstarted_run)
+    try:
+        register = again.store.register
+
+        def resumed_meanwhile(*args, **kwargs):  # the API's resume, between the thread's read and its save
+            again.resume()
+            return register(*args, **kwargs)
+
+        again.store.register = resumed_meanwhile
+        again._resume()
+        assert again.state == "pending" and again.store.load("race").state == "pending"
+    finally:
+        again.store.close()

@@ -240,6 +240,10 @@ def test_dry_run_changes_nothing(tmp_path, inputs):
                 and not line.startswith(("install-agent: would run:", "install-agent: not done (dry run): "))]
     assert not any(word in line for line in reported for word in ("installed", "created", "enabled", "removed")), reported
     assert "install-agent: not done (dry run): installed /etc/fedal-agent/agent.toml" in r.stdout
+    # from the checkout (no --wheel): no copy of it is made, and the pip line names the checkout
+    from_source = install("--root", str(root), "--config", str(inputs / "agent.toml"), "--dry-run")
+    assert from_source.returncode == 0, from_source.stderr
+    assert f"{REPO}[agent]" in from_source.stdout and "/src[agent]" not in from_source.stdout
 
 
 def test_bad_inputs_fail_with_clear_messages(tmp_path, inputs):
