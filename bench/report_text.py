@@ -3,7 +3,9 @@ generated part (from its "## Reading" heading on), so a rerun replaces the numbe
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 READING_MARK = "## Reading"
 
@@ -20,3 +22,13 @@ def kept_reading(path: Path) -> str:
 def write_report(path: Path, generated: str) -> None:
     """`generated` at `path`, followed by the reading the file held (kept_reading)."""
     path.write_text(generated + kept_reading(path))
+
+
+def write_results(out: str | Path, name: str, lines: list[str], data: dict[str, Any]) -> None:
+    """A benchmark's outputs in `out` (made if missing): NAME.md (its lines, the reading the file
+    held kept below them) and NAME.json (`data`); the lines printed as well."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_report(folder / f"{name}.md", "\n".join(lines))
+    (folder / f"{name}.json").write_text(json.dumps(data, indent=2))
+    print("\n".join(lines))

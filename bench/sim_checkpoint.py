@@ -14,7 +14,6 @@ Writes docs/results/sim_checkpoint.md and .json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -29,7 +28,7 @@ from fedal.sim.checkpoint import CheckpointFile, read, restore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import at_least  # noqa: E402
-from report_text import write_report  # noqa: E402
+from report_text import write_results  # noqa: E402
 
 
 def counts(text: str) -> list[int]:
@@ -116,13 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         "loaded into a run built afresh (`--resume`).",
         "",
     ]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_report(out / "sim_checkpoint.md", "\n".join(lines))  # the hand-written reading is kept
-    (out / "sim_checkpoint.json").write_text(json.dumps({"rounds": args.rounds, "warmup": args.warmup, "rows": rows,
-                                                          "machine": platform.machine(),
-                                                          "torch": torch.__version__}, indent=2))
-    print("\n".join(lines))
+    write_results(args.out, "sim_checkpoint", lines, {  # the hand-written reading is kept
+        "rounds": args.rounds, "warmup": args.warmup, "rows": rows, "machine": platform.machine(),
+        "torch": torch.__version__})
     return 0
 
 

@@ -22,7 +22,6 @@ docs/results/sim_speed.md and .json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -44,7 +43,7 @@ from fedal.strategies.stacked import layout_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import at_least  # noqa: E402
-from report_text import write_report  # noqa: E402
+from report_text import write_results  # noqa: E402
 
 VARIANTS = ("per-client", "vectorized", "plain loop", "plain stacked loop")
 
@@ -254,14 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         "these stacked layers can go, with these models on this machine.",
         "",
     ]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_report(out / "sim_speed.md", "\n".join(lines))  # the hand-written reading is kept
-    (out / "sim_speed.json").write_text(json.dumps(
-        {"config": config, "rounds": args.rounds, "warmup": args.warmup, "seconds": times, "median": med,
-         "ratios": ratio, "ratio_quartiles": quartiles, "machine": platform.machine(), "torch": torch.__version__,
-         "per_round_mean": {v: float(np.mean(t)) for v, t in times.items()}}, indent=2))
-    print("\n".join(lines))
+    write_results(args.out, "sim_speed", lines, {  # the hand-written reading is kept
+        "config": config, "rounds": args.rounds, "warmup": args.warmup, "seconds": times, "median": med,
+        "ratios": ratio, "ratio_quartiles": quartiles, "machine": platform.machine(), "torch": torch.__version__,
+        "per_round_mean": {v: float(np.mean(t)) for v, t in times.items()}})
     return 0
 
 
