@@ -64,7 +64,6 @@ from fedal.workspace import WorkspaceError, held
 log = logging.getLogger("edge_agent")
 
 CRASH_POINTS = ("after_journal", "after_publish", "next_task", "mid_snapshot")
-MAX_DEFERRED = MAX_HELD  # tasks held until the run is joined (see Agent._defer)
 FINISHED_MARK = "instance"  # in final/: the run instance whose final model it holds
 FINAL_WRITE_FAILED = 75  # exit status (EX_TEMPFAIL) when the final model could not be written: the service restarts it
 FINAL_WRITE_REFUSED = 2  # final/ is a link or a file: not the agent's to write through (the service does not restart)
@@ -318,7 +317,7 @@ class Agent:
         limit = 2 * self.config.broker.max_message_bytes
         for dropped in hold_until_joined(self.deferred, payload, limit):
             self._reject(f"dropped a task of {len(dropped)} bytes held before joining the run "
-                         f"(more than {MAX_DEFERRED} tasks or {limit} bytes held)", "deferred")
+                         f"(more than {MAX_HELD} tasks or {limit} bytes held)", "deferred")
 
     def _setup(self, manifest: RunManifest) -> None:
         cfg = self.config

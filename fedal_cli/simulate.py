@@ -88,8 +88,7 @@ def simulate_cmd(config_path, out, plot, checkpoint, checkpoint_every, resume, q
         write_results(results, out)
     except (OSError, ForeignFile) as exc:  # a full disk, a file put there meanwhile: the run's hours go to stdout
         click.echo(json.dumps(results, indent=2))
-        why = exc if isinstance(exc, ForeignFile) else exc.strerror or exc
-        raise click.ClickException(f"cannot write the results to {out}: {why}; they are on stdout "
+        raise click.ClickException(f"cannot write the results to {out}: {why_unwritten(exc)}; they are on stdout "
                                    "above (redirect it to a file to keep them)") from None
     if saved_to is not None:  # the results hold the run now: its checkpoint goes (if it is still its own)
         saved_to.remove()
@@ -97,8 +96,7 @@ def simulate_cmd(config_path, out, plot, checkpoint, checkpoint_every, resume, q
         try:
             write_plot(results, plot)
         except (OSError, ForeignFile) as exc:
-            why = exc if isinstance(exc, ForeignFile) else exc.strerror or exc
-            raise click.ClickException(f"cannot write the plot to {plot}: {why} (the results are in "
+            raise click.ClickException(f"cannot write the plot to {plot}: {why_unwritten(exc)} (the results are in "
                                        f"{out}; `fedal simulate` plots nothing else)") from None
     final = results["final"]
     click.echo(
@@ -205,6 +203,11 @@ def warn_if_other_data(config_path: str | None, flags: dict, results: dict) -> N
     if isinstance(before, str) and before != now:
         click.echo(f"warning: this run's public set is not the one {config_path} ran on (public_hash {now[:12]}..., "
                    f"there {before[:12]}...): the files under data_dir changed, so the numbers need not match", err=True)
+
+
+def why_unwritten(exc: OSError | ForeignFile) -> object:
+    """What a failed output write says: the system's reason, or the foreign file's message."""
+    return exc if isinstance(exc, ForeignFile) else exc.strerror or exc
 
 
 def write_results(results: dict, out: str | Path, plot: str | Path | None = None) -> None:

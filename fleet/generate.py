@@ -216,7 +216,7 @@ def build_fleet(spec: FleetSpec) -> dict:
                           if (d.exists() or d.is_symlink()) and (d.is_symlink() or not d.is_dir())})
     # and the files it would remove (a device fewer): only from folders of its own, never through a link
     in_the_way += sorted({d.relative_to(out).as_posix() for r in previous - set(rel.values())
-                          for d in _folders_between(out, out / r) if d.is_symlink()})
+                          for d in linked_folders(out, out / r)})
     if in_the_way:
         raise FleetError(f"--out {out}: {', '.join(in_the_way[:5])}{' ...' if len(in_the_way) > 5 else ''} "
                          f"exist(s) and no `fedal fleet init` wrote them; nothing was written (move them away)")
@@ -245,6 +245,12 @@ def build_fleet(spec: FleetSpec) -> dict:
                 parent.rmdir()
     _write(out / MARKER, _marker_text(new), 0o644)
     return summary
+
+
+def linked_folders(out: Path, path: Path) -> list[Path]:
+    """The folders between `out` and a file `path` under it that are links: a file of the fleet's
+    removed through one would be another folder's."""
+    return [d for d in _folders_between(out, path) if d.is_symlink()]
 
 
 def _folders_between(out: Path, path: Path) -> list[Path]:

@@ -29,10 +29,10 @@ from fleet.generate import (
     _PLAN,
     MARKER,
     FleetError,
-    _folders_between,
     _generated_before,
     _marker_text,
     _write,
+    linked_folders,
     write_device,
 )
 
@@ -291,7 +291,7 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
     devices.sort(key=_natural)
 
     # its files go only from folders of the fleet's own: through a link they would be another's
-    linked = [f"devices/{cid}" for cid in gone if any(d.is_symlink() for d in _folders_between(out, out / "devices" / cid / "x"))]
+    linked = [f"devices/{cid}" for cid in gone if linked_folders(out, out / "devices" / cid / "agent.toml")]
     if linked:
         raise FleetError(f"--out {out}: {', '.join(linked)} is a link, not a folder `fedal fleet init` wrote; nothing "
                          "was changed (replace the link by the folder it should be, or remove it)")

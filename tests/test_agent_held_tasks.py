@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edge_agent.agent import MAX_DEFERRED, Agent
+from edge_agent.agent import Agent
 from edge_agent.config import AgentConfig
+from fedal.session import MAX_HELD as MAX_DEFERRED
 
 
 def make_agent(workspace: Path, max_message_bytes: int = 1_000_000) -> Agent:
