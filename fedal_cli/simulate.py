@@ -7,6 +7,7 @@ import json
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -16,6 +17,9 @@ from fedal.owned import MARKED_PLOT_FORMATS, ForeignFile, check_replaceable, is_
 from fedal.progress import progress_bar
 from fedal_cli.extras import missing_module_message
 from fedal_cli.options import config_from_flags, fault_options, run_options
+
+if TYPE_CHECKING:
+    from fedal.sim.config import RunConfig
 
 
 @click.command("simulate")
@@ -83,7 +87,7 @@ def simulate_cmd(config_path, out, plot, checkpoint, checkpoint_every, resume, q
         if saved_to is not None and results is None:  # no results: the path is let go (its lock file goes
             saved_to.close()  # where no checkpoint was written)
     assert results is not None  # (every other way out above raises)
-    warn_if_other_data(config_path, flags, results)
+    warn_if_other_data(config, config_path, flags, results)
     try:
         write_results(results, out)
     except (OSError, ForeignFile) as exc:  # a full disk, a file put there meanwhile: the run's hours go to stdout
@@ -189,18 +193,14 @@ def resumable(saved_to) -> str:
 PUBLIC_SET_FLAGS = ("dataset", "data_dir", "seed", "public_size", "mnist1d_samples", "train_splits", "celeba_attribute")
 
 
-def warn_if_other_data(config_path: str | None, flags: dict, results: dict) -> None:
+def warn_if_other_data(config: RunConfig, config_path: str | None, flags: dict, results: dict) -> None:
     """A results file repeated (--config results.json) on data that is not the same: its
-    data_dir's files changed or are other files. The run is what the data gave; this says so."""
-    if config_path is None or any(flags.get(k) is not None for k in PUBLIC_SET_FLAGS):
+    data_dir's files changed or are other files. The run is what the data gave; this says so.
+    (The hash it ran on was read with its config: a pipe is read once.)"""
+    before, now = config.ran_on_public_hash, results["data"]["public_hash"]
+    if before is None or any(flags.get(k) is not None for k in PUBLIC_SET_FLAGS):
         return
-    try:
-        saved = json.loads(Path(config_path).read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return  # a TOML config (or one gone meanwhile): no hash to compare
-    data = saved.get("data") if isinstance(saved, dict) else None
-    before, now = (data or {}).get("public_hash") if isinstance(data, dict) else None, results["data"]["public_hash"]
-    if isinstance(before, str) and before != now:
+    if before != now:
         click.echo(f"warning: this run's public set is not the one {config_path} ran on (public_hash {now[:12]}..., "
                    f"there {before[:12]}...): the files under data_dir changed, so the numbers need not match", err=True)
 

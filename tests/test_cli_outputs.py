@@ -6,7 +6,9 @@ before it starts anything."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -259,3 +261,29 @@ def test_the_help_states_the_defaults_a_run_without_the_flag_takes(command):
                    f"Unlabeled public rows |P| (default {config.public_size})", "5 for fedal"):
         assert phrase in text, phrase
     assert config.resolved().strategy_params.tau == 5 and config.strategy == "fedal"
+
+
+@pytest.mark.timeout(120)  # (read twice, the pipe blocks for ever)
+@pytest.mark.parametrize("through", ["file", "pipe"])
+def test_a_repeated_run_on_another_public_set_says_so_from_a_file_or_a_pipe(tmp_path, monkeypatch, through):
+    """The results file's public_hash is read with its config, once: a `--config <(...)` pipe
+    cannot be read a second time, and the warning was silently lost there."""
+    monkeypatch.chdir(tmp_path)
+    first = CliRunner().invoke(cli, ["simulate", *QUICK, "--out", "first.json"])
+    assert first.exit_code == 0, first.output
+    saved = json.loads((tmp_path / "first.json").read_text())
+    saved["data"]["public_hash"] = "0" * 64  # the files under data_dir as they were then
+    text = json.dumps(saved)
+    if through == "file":
+        (tmp_path / "then.json").write_text(text)
+        config = "then.json"
+    else:
+        os.mkfifo(tmp_path / "then.pipe")
+        writer = threading.Thread(target=(tmp_path / "then.pipe").write_text, args=(text,), daemon=True)
+        writer.start()
+        config = "then.pipe"
+    again = CliRunner().invoke(cli, ["simulate", "--config", config, "--quiet", "--out", "again.json"])
+    assert again.exit_code == 0, again.output
+    assert "public set is not the one" in again.stderr and "000000000000" in again.stderr
+    same = CliRunner().invoke(cli, ["simulate", "--config", "first.json", "--quiet", "--out", "same.json"])
+    assert same.exit_code == 0 and "public set is not the one" not in same.stderr

@@ -13,6 +13,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -184,6 +185,13 @@ class RunConfig(NoCoercion):
     client_resources: str | None = Field(None, description="ray backend: resources of each actor, e.g. "
                                          "'num_cpus=1,num_gpus=0.25' (default num_cpus=1)")
     strategy_params: StrategyParams = Field(default_factory=StrategyParams)
+    # a results file's config: the public set that run had (data.public_hash), read with the config
+    _ran_on_public_hash: str | None = PrivateAttr(None)
+
+    @property
+    def ran_on_public_hash(self) -> str | None:
+        """The public_hash of the run whose results file this config was read from, if any."""
+        return self._ran_on_public_hash
 
     @field_validator("client_resources")
     @classmethod
@@ -338,8 +346,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     """A TOML file (top-level keys plus a [strategy_params] table) or a results JSON (its
     saved `config`, to repeat a run), then overrides on top."""
     data: dict[str, Any] = {}
+    ran_on: str | None = None
     if path is not None:
-        data, from_json = _read_config_file(Path(path))
+        data, from_json, ran_on = _read_config_file(Path(path))
         given = {k: v for k, v in (overrides or {}).items() if v is not None}
         changed = {k for k in DERIVED_FROM if k in given and given[k] != data.get(k)}
         # a results file's resolved config spells out every derived value; a TOML's values were
@@ -390,7 +399,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         else:
             data[key] = value
     try:
-        return RunConfig(**data)
+        config = RunConfig(**data)
     except ValidationError as exc:
         message = format_validation_error(exc)
         if "strategy_params.privacy" in message and any(
@@ -399,6 +408,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             message += " (as flags: " + ", ".join(
                 f"--{flag.replace('_', '-')} sets {key}" for flag, key in PRIVACY_FLAGS.items()) + ")"
         raise ConfigError(message) from None
+    config._ran_on_public_hash = ran_on
+    return config
 
 
 DERIVED_FIELDS = ("models", "mnist1d_samples", "celeba_attribute")
@@ -430,8 +441,10 @@ def _without_derived(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _read_config_file(path: Path) -> tuple[dict[str, Any], bool]:
-    """(its settings, whether it is JSON), from one read: a pipe (`--config <(...)`) reads once."""
+def _read_config_file(path: Path) -> tuple[dict[str, Any], bool, str | None]:
+    """(its settings, whether it is JSON, the public_hash a results file ran on), from one read:
+    a pipe (`--config <(...)`) reads once."""
+    ran_on: Any = None
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -446,6 +459,8 @@ def _read_config_file(path: Path) -> tuple[dict[str, Any], bool]:
             raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
         except RecursionError:  # nested past what the parser takes: no config is
             raise ConfigError(f"config file {path} is not valid JSON: nested too deep") from None
+        ran = data.get("data") if isinstance(data, dict) else None
+        ran_on = ran.get("public_hash") if isinstance(ran, dict) else None
         data = data.get("config", data) if isinstance(data, dict) else data
     else:
         try:
@@ -456,7 +471,7 @@ def _read_config_file(path: Path) -> tuple[dict[str, Any], bool]:
             raise ConfigError(f"config file {path} is not valid TOML: nested too deep") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a table of settings")
-    return data, from_json
+    return data, from_json, ran_on if from_json and isinstance(ran_on, str) else None
 
 
 def _is_json(path: Path, raw: bytes) -> bool:
