@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import sys
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import torch
 from torch import nn
 
 from fedal.data import ArrayDataset
+from fedal.engine.transport import Arrival, Transport
+from fedal.protocol import Packet
 from fedal.strategies import ServerContext, StrategyParams, get_strategy
 
 
@@ -111,3 +114,29 @@ def fedal_command() -> list[str]:
     environment has none (an interpreter run without the package's scripts on disk)."""
     exe = Path(sys.executable).with_name("fedal")
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "fedal_cli.main"]
+
+
+class ScriptedTransport(Transport):
+    """Delivers the arrivals the test queued for each send of a phase's tasks; time only moves
+    when nothing is left to deliver (so a phase that waits for its deadline is seen waiting)."""
+
+    def __init__(self):
+        self.t = 0.0
+        self.queue: collections.deque[Arrival] = collections.deque()
+        self.sent: list[str] = []
+
+    def start(self, should_stop) -> bool:
+        return True
+
+    def send(self, client_id: str, packet: Packet) -> int:
+        self.sent.append(client_id)
+        return packet.size
+
+    def receive(self, timeout_s: float) -> Arrival | None:
+        if self.queue:
+            return self.queue.popleft()
+        self.t += timeout_s
+        return None
+
+    def now(self) -> float:
+        return self.t

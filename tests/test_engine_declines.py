@@ -4,45 +4,19 @@ malformed decline is rejected (the client stays pending), a repeated one is a du
 
 from __future__ import annotations
 
-import collections
 from types import SimpleNamespace
 
 import numpy as np
 
 from coordinator.config import CoordinatorConfig
 from fedal.engine.rounds import RoundEngine
-from fedal.engine.transport import Arrival, Transport
-from fedal.protocol import Message, Packet
+from fedal.engine.transport import Arrival
+from fedal.protocol import Message
 from fedal.session import declining
 from fedal.strategies.base import PhaseTasks
+from tests.helpers import ScriptedTransport
 
 CLIENTS = ["pi-1", "pi-2", "pi-3"]
-
-
-class ScriptedTransport(Transport):
-    """Delivers the arrivals the test queued for each send of a phase's tasks; time only moves
-    when nothing is left to deliver (so a phase that waits for its deadline is seen waiting)."""
-
-    def __init__(self):
-        self.t = 0.0
-        self.queue: collections.deque[Arrival] = collections.deque()
-        self.sent: list[str] = []
-
-    def start(self, should_stop) -> bool:
-        return True
-
-    def send(self, client_id: str, packet: Packet) -> int:
-        self.sent.append(client_id)
-        return packet.size
-
-    def receive(self, timeout_s: float) -> Arrival | None:
-        if self.queue:
-            return self.queue.popleft()
-        self.t += timeout_s
-        return None
-
-    def now(self) -> float:
-        return self.t
 
 
 def _engine(quorum: float = 0.5) -> tuple[RoundEngine, ScriptedTransport]:

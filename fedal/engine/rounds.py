@@ -401,10 +401,10 @@ class RoundEngine:
         if task is not None:  # a result names its task by (epoch, seq): the task's context is its own
             msg = answering(msg, task)
         try:
+            self._validate_privacy(msg)  # any phase's result: its epsilon goes into the client's ledger
             if cur.phase.phase == "evaluate":
                 self._validate_evaluation(cur.phase, cid, msg)
             else:
-                self._validate_privacy(msg)
                 self.server.validate(cur.phase, cid, msg)
         except InvalidResult as exc:
             # it stays pending: a valid answer may still come (the phase's deadline decides)
