@@ -315,7 +315,11 @@ def load_cifar10_dir(root) -> tuple[ArrayDataset, ArrayDataset]:
 def _read_svhn(path: Path, name: str) -> ArrayDataset:
     import scipy.io
 
+    from fedal.data.mat_v5 import check_numeric_mat_v5
+
     try:
+        if scipy.io.matlab.matfile_version(path)[0] == 1:  # v5: scipy's reader crashes on a bad tag
+            check_numeric_mat_v5(path)
         mat = scipy.io.loadmat(path)
     except Exception as e:  # scipy raises many types for a damaged file; all mean "corrupt"
         raise ValueError(f"{path}: not a readable SVHN .mat file ({type(e).__name__}: {e})") from e
