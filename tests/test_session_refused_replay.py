@@ -6,6 +6,7 @@ the state the client had."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -180,3 +181,52 @@ def test_a_refused_task_leaves_the_rest_of_a_vectorized_flush_stacked():
     assert all(torch.equal(v, weights(clients["c0"])[k]) for k, v in before.items())
     assert sessions["c0"].counters["tasks"] == 1 and sessions["c1"].counters["tasks"] == 2
     assert not any(s.counters["duplicates"] for s in sessions.values())
+
+
+class StepsClient:
+    """A client half whose state is the list of steps applied to it, each with its epoch."""
+
+    params = SimpleNamespace(max_abs_value=1e4, tau=2)
+    private = None
+
+    def __init__(self):
+        self.applied: list[tuple] = []
+
+    def state_dict(self):
+        return {"applied": list(self.applied)}
+
+    def load_state_dict(self, state):
+        self.applied = list(state["applied"])
+
+    def handle(self, task: Message) -> Message:
+        self.applied.append((task.phase, task.meta["iteration"], task.meta["epoch"]))
+        return Message({"took": len(self.applied)})
+
+
+def test_a_replay_whose_first_step_this_client_missed_goes_back_to_the_rounds_start():
+    """Offline at round 3's local training, the client took its two transfers; the coordinator
+    restarts (epoch 1) and runs round 3 again from local training. That task repeats no step
+    the client took, yet it is the replay's first: it is computed on the round's start, not on
+    top of the transfers (which the replay's own transfers would then wipe)."""
+    client, store = StepsClient(), MemoryStore()
+    session = ClientSession("r", "pi-1", client, "I", evaluate=lambda t: t, store=store)
+
+    def task(phase, iteration, epoch, seq):
+        return Message({"phase": phase, "round": 3, "iteration": iteration, "instance": "I", "epoch": epoch,
+                        "seq": seq})
+
+    session.on_task(task("transfer", 0, 0, 2))
+    session.on_task(task("transfer", 1, 0, 3))
+    assert client.applied == [("transfer", 0, 0), ("transfer", 1, 0)] and store.saves == [3]
+
+    first = session.on_task(task("local_train", 0, 1, 1)).received()
+    assert first.meta["took"] == 1 and client.applied == [("local_train", 0, 1)]
+    assert session.counters["round_replays"] == 1
+    session.on_task(task("transfer", 0, 1, 2))
+    session.on_task(task("transfer", 1, 1, 3))  # the replay's own steps: no second going back
+    assert client.applied == [("local_train", 0, 1), ("transfer", 0, 1), ("transfer", 1, 1)]
+    assert session.counters["round_replays"] == 1 and store.saves == [3]
+
+    session.on_task(Message({**task("local_train", 0, 1, 4).meta, "round": 4}))  # the next round, same epoch
+    assert client.applied[-1] == ("local_train", 0, 1) and len(client.applied) == 4
+    assert session.counters["round_replays"] == 1 and store.saves == [3, 4]

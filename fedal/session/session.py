@@ -199,7 +199,8 @@ class ClientSession:
     def prepare(self, task: Message) -> None:
         """The replay guard for an admitted task, before it is computed."""
         self._undo_replay = None
-        self._refusing(task, lambda: self._replay_guard(task.meta.get("round"), (task.phase, task.meta.get("iteration"))))
+        self._refusing(task, lambda: self._replay_guard(task.meta.get("round"), (task.phase, task.meta.get("iteration")),
+                                                        task.meta.get("epoch")))
 
     def refused_after_prepare(self) -> None:
         """The prepared task was refused: a replay guard that went back to the round's start is
@@ -234,7 +235,14 @@ class ClientSession:
             raise TaskRefused(f"task {task.phase} r{meta.get('round')} i{meta.get('iteration')} refused: {exc}",
                               getattr(exc, "kind", "task")) from exc
 
-    def _replay_guard(self, round_no: Any, step: tuple[str, Any]) -> None:
+    def _newer_epoch(self, epoch: Any) -> bool:
+        """Steps of the round under way were taken (the last answer was one of them) under an
+        epoch older than this task's: a coordinator restarted since, which runs the round again
+        from its first phase (docs/protocol.md section 8)."""
+        return bool(self.round_steps) and self.last_key is not None and type(epoch) is int \
+            and epoch > self.last_key[0]
+
+    def _replay_guard(self, round_no: Any, step: tuple[str, Any], epoch: Any) -> None:
         if round_no != self.round_no:  # the round's first task: remember where it started
             if self.store is not None:
                 try:
@@ -250,7 +258,9 @@ class ClientSession:
 
             self.round_no, self.round_steps = round_no, set()
             self._undo_replay = forget_round
-        elif step in self.round_steps:  # a resumed coordinator replays this round from its start
+        elif step in self.round_steps or self._newer_epoch(epoch):  # a resumed coordinator replays this round
+            # from its start: a step taken again, or any step under a later epoch than the steps
+            # taken (its first may be one this client missed, e.g. offline at local training)
             start = self.store.load_round_start() if self.store is not None else None
             if start is None or start[0] != round_no:
                 raise RuntimeError(f"round {round_no} is replayed but its start state is missing")
