@@ -175,7 +175,8 @@ class CheckpointFile:
         except (OSError, ClientStatesUnavailable) as exc:  # a full disk; on Ray, an actor lost twice
             log.warning("no checkpoint after round %d (%s): the run goes on, a later round tries again", len(rounds), exc)
             return False
-        self._ours = self._identity()
+        finally:  # (a stop signal, too, may come just after the file was put in place: it is this run's,
+            self._ours = self._identity()  # written atomically, so the file there is the old one or the new)
         return True
 
     def remove(self) -> bool:
