@@ -20,6 +20,15 @@ def test_weighted_average_on_hand_built_inputs():
     assert out["n"].dtype == np.int64 and int(out["n"]) == 7  # floor(0.25*4 + 0.75*9)
 
 
+def test_weights_whose_sum_overflows_keep_their_proportions():
+    """Two clients claiming 1e308 samples each (finite, so valid): their sum is inf, and w / sum
+    made every weight 0, a global model of zeros, with nothing said."""
+    a = {"w": np.array([1.0, 2.0], np.float32)}
+    b = {"w": np.array([3.0, 6.0], np.float32)}
+    np.testing.assert_allclose(weighted_average([a, b], [1e308, 1e308])["w"], [2.0, 4.0])
+    np.testing.assert_allclose(weighted_average([a, b], [1.7e308, 0.85e308])["w"], [5 / 3, 10 / 3], rtol=1e-6)
+
+
 def test_one_round_is_the_data_weighted_mean_of_client_updates():
     server, clients, _ = toy_federation("fedavg", n_clients=3, tau=2)
     engine = in_process(server, clients)

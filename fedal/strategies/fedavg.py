@@ -26,6 +26,8 @@ PARAMS = ("local_epochs", "privacy")
 
 def weighted_average(states: list[dict[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:
     w = np.asarray(weights, dtype=np.float64)
+    if not np.isfinite(w.sum()):  # finite weights whose sum overflows (clients claiming 1e308 samples):
+        w = w / w.max()  # the same proportions (all zeros before, a global model of nothing)
     w = w / w.sum()
     out = {}
     for key in states[0]:
