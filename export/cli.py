@@ -7,6 +7,7 @@ Bad arguments exit 2 (click.UsageError); failed checks or unusable files exit 1.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -145,6 +146,7 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
             check_replaceable(int8_path, is_our_onnx, "model")
     except ForeignFile as exc:
         raise click.UsageError(str(exc)) from None
+    earlier_int8 = _recorded_int8(report_path, int8_path)  # (read before this export replaces the report)
     if not checkpoint:  # (after the refusals: a refused command exports nothing)
         click.echo("note: no --checkpoint, exporting untrained weights", err=True)
     gen = torch.Generator().manual_seed(0)
@@ -166,10 +168,41 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
             os.replace(path, final)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    if not quantize and int8_path.exists() and not int8_path.is_symlink() and is_our_onnx(int8_path):
-        int8_path.unlink()  # an earlier export's int8 copy of other weights: it no longer matches --out
-        click.echo(f"removed {int8_path} (an earlier export's int8 copy; --quantize int8 writes a new one)")
+    if not quantize and earlier_int8 is not None and _file_sha256(int8_path) == earlier_int8:
+        int8_path.unlink()  # the earlier export's int8 copy of other weights: it no longer matches --out
+        click.echo(f"removed {int8_path} (the earlier export's int8 copy; --quantize int8 writes a new one)")
+    elif not quantize and (int8_path.exists() or int8_path.is_symlink()):
+        click.echo(f"note: {int8_path} is not the int8 copy the earlier export of {out} wrote: left as it is")
     click.echo(f"wrote {out} ({out.stat().st_size} bytes) and {report_path}")
+
+
+def _file_sha256(path: Path) -> str | None:
+    """A regular file's digest (None: none there, a link, unreadable)."""
+    if path.is_symlink() or not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def _recorded_int8(report_path: Path, int8_path: Path) -> str | None:
+    """The digest of the int8 copy the earlier export's report says it wrote at `int8_path`: only
+    that file is this command's to remove (a file at that name may be another export's `--out`,
+    or a user's own quantization, whose metadata carries the toolkit's mark across)."""
+    try:
+        entry = json.loads(report_path.read_bytes()).get("int8")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not isinstance(entry.get("sha256"), str):
+        return None
+    if Path(entry["path"]).name != int8_path.name:  # (the report sits beside it; the path as --out was given)
+        return None
+    return entry["sha256"]
 
 
 @dataclass(frozen=True)
@@ -237,6 +270,7 @@ def _export_staged(job: ExportJob, stage: Path) -> list[tuple[Path, Path]]:
         except Exception as exc:
             raise click.ClickException(_one_line(f"int8 quantization failed: {exc}")) from None
         report["int8"] = {"path": str(int8_path), "mode": job.mode, "bytes": int8_file.stat().st_size,
+                          "sha256": _file_sha256(int8_file),
                           "opset": written_opset(int8_file), "accuracy": None}
         if job.test is not None:
             try:

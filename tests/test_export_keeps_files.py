@@ -83,6 +83,24 @@ def test_an_export_without_quantize_removes_the_earlier_int8_copy(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt", "mlp.onnx", "mlp.onnx.json"]
 
 
+def test_an_int8_file_the_earlier_export_did_not_write_is_left_alone(tmp_path):
+    """Only the int8 copy the earlier export's report names (by its digest) goes: a file at that
+    name may be another export's --out, or a user's own quantization (whose metadata carries the
+    toolkit's mark across), and neither is this command's to remove."""
+    own = tmp_path / "mlp.int8.onnx"
+    assert export(*MLP, "--out", str(own)).exit_code == 0  # an export of its own, at that name
+    result = export(*MLP, "--out", str(tmp_path / "mlp.onnx"))
+    assert result.exit_code == 0 and own.is_file() and "left as it is" in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.int8.onnx", "mlp.int8.onnx.json", "mlp.onnx",
+                                                          "mlp.onnx.json"]
+
+    assert export(*MLP, "--out", str(tmp_path / "mlp.onnx"), "--quantize", "int8").exit_code == 0
+    users = (tmp_path / "mlp.onnx").read_bytes()  # the user's own int8 copy: other bytes, the mark kept
+    own.write_bytes(users)
+    result = export(*MLP, "--checkpoint", str(checkpoint(tmp_path / "a.pt", seed=3)), "--out", str(tmp_path / "mlp.onnx"))
+    assert result.exit_code == 0 and own.read_bytes() == users and "left as it is" in result.output, result.output
+
+
 @pytest.mark.parametrize("poison, dtype, message", [
     (float("nan"), None, "holds NaN or infinite values"),
     (float("inf"), None, "holds NaN or infinite values"),
