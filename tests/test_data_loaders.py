@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import tracemalloc
+import zipfile
 
 import numpy as np
 import pytest
@@ -122,7 +123,7 @@ def test_mnist_images_must_be_28x28(tmp_path, mnist_arrays):
 def test_idx_dimensions_whose_product_overflows_int64_are_refused_by_size(tmp_path, mnist_arrays):
     ip = write(tmp_path / "i", struct.pack(">iiii", 2051, 2**30, 2**30, 16), False)  # 2**64 bytes: 0 in int64
     lp = write(tmp_path / "l", struct.pack(">ii", 2049, 2**30), False)
-    with pytest.raises(ValueError, match=r"promises 18446744073709551616 bytes of data, file has 0"):
+    with pytest.raises(ValueError, match=r"promises 18446744073709551616 bytes of data, more than"):
         load_idx(ip, lp, "mnist")
 
 
@@ -354,6 +355,40 @@ def test_mnist1d_corrupt_cache_is_regenerated(tmp_path):
         assert np.array_equal(train.x, again.x)
         with np.load(path) as z:  # rewritten with the regenerated arrays
             assert np.array_equal(z["x"], train.x)
+
+
+def test_a_cache_whose_array_header_claims_an_absurd_shape_is_made_again(tmp_path):
+    """numpy allocates what a .npy header says before reading a byte: a MemoryError, every run,
+    until the user found and removed the file."""
+    train, _ = load_mnist1d(num_samples=100, seed=1, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("mnist1d-*.npz")
+    with zipfile.ZipFile(path) as z:
+        members = {name: z.read(name) for name in z.namelist()}
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(head, {"descr": "<f4", "fortran_order": False,
+                                                "shape": (train.x.shape[0], 40_000_000_000_000)})
+    members["x.npy"] = head.getvalue() + train.x.tobytes()  # (a valid zip: its CRC is the new bytes')
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    again, _ = load_mnist1d(num_samples=100, seed=1, cache_dir=tmp_path)
+    assert np.array_equal(train.x, again.x)
+    with np.load(path) as z:
+        assert np.array_equal(z["x"], train.x)
+
+
+def test_an_idx_header_promising_more_than_a_dataset_holds_is_refused_before_inflating(tmp_path, mnist_arrays):
+    """A small gzip file can inflate to anything: what its header promises is checked first (the
+    size, and the image size a dataset needs), so nothing is inflated for a header that cannot be."""
+    _, labs = mnist_arrays
+    lp = write(tmp_path / "l", idx_labels(labs[:3]), False)
+    bomb = gzip.compress(struct.pack(">iiii", 2051, 2**31 - 1, 28, 28) + bytes(64 << 20))  # 64 MiB of zeros
+    assert len(bomb) < 1 << 20
+    with pytest.raises(ValueError, match=r"more than the 4294967296 an IDX file may hold"):
+        load_idx(write(tmp_path / "i.gz", bomb, False), lp, "mine", image_shape=(28, 28))
+    wrong = gzip.compress(struct.pack(">iiii", 2051, 80_000, 29, 28) + bytes(64 << 20))
+    with pytest.raises(ValueError, match=r"holds 29x28 images, mine images are 28x28"):
+        load_idx(write(tmp_path / "w.gz", wrong, False), lp, "mine", image_shape=(28, 28))
 
 
 def test_mnist1d_default_cache_dir_from_env(tmp_path, monkeypatch):

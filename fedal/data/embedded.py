@@ -98,8 +98,8 @@ def _read_cache(path: Path, key_json: str) -> dict[str, np.ndarray] | None:
             if str(z["key"]) != key_json:
                 return None
             return {k: z[k] for k in ("x", "y", "x_test", "y_test")}
-    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, *ZIP_REFUSALS):
-        return None
+    except (OSError, KeyError, ValueError, EOFError, MemoryError, zipfile.BadZipFile, zlib.error, *ZIP_REFUSALS):
+        return None  # (MemoryError: an array header there claiming an absurd shape) made again
 
 
 def _write_atomic(path: Path, arrays: dict[str, np.ndarray], key_json: str) -> None:

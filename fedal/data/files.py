@@ -54,12 +54,21 @@ def _read_idx_bytes(path: Path, header: int, size: Callable[[bytes], int]) -> by
                     break
                 chunks.append(chunk)
                 got += len(chunk)
+            data = head + b"".join(chunks)
         except (OSError, EOFError, zlib.error) as e:
             raise ValueError(f"{path}: corrupt gzip data ({e})") from e
-    return head + b"".join(chunks)
+        except MemoryError:  # what the header promised (twice over, joined) did not fit
+            raise ValueError(f"{path}: the data its IDX header promises does not fit in memory") from None
+    return data
 
 
-def _parse_idx(path: Path, magic: int, ndim: int) -> np.ndarray:
+MAX_IDX_BYTES = 1 << 32  # 4 GiB of data: the largest IDX datasets (EMNIST) take under a fifth of it
+
+
+def _parse_idx(path: Path, magic: int, ndim: int,
+               check_dims: Callable[[tuple[int, ...]], None] | None = None) -> np.ndarray:
+    """`check_dims(dims)` raises ValueError for dimensions the caller cannot take: checked before
+    any data is read (a gzip file is inflated no further than its header promises)."""
     header = 4 + 4 * ndim
     dims: tuple[int, ...] = ()
 
@@ -71,7 +80,12 @@ def _parse_idx(path: Path, magic: int, ndim: int) -> np.ndarray:
         dims = struct.unpack(">" + "i" * ndim, head[4:header])
         if any(d < 0 for d in dims):
             raise ValueError(f"{path}: negative IDX dimension in {dims}")
-        return math.prod(dims)  # Python ints: no wrap-around
+        if check_dims is not None:
+            check_dims(dims)
+        if math.prod(dims) > MAX_IDX_BYTES:  # Python ints: no wrap-around
+            raise ValueError(f"{path}: IDX header {dims} promises {math.prod(dims)} bytes of data, more than the "
+                             f"{MAX_IDX_BYTES} an IDX file may hold here (a damaged header)")
+        return math.prod(dims)
 
     data = _read_idx_bytes(path, header, promised)
     expected = math.prod(dims)
@@ -88,12 +102,15 @@ def load_idx(images_path, labels_path, name: str, num_classes: int = 10,
     `image_shape`, images of another (rows, cols) are refused."""
     images_path = _require_file(Path(images_path), f"{name} images")
     labels_path = _require_file(Path(labels_path), f"{name} labels")
-    images = _parse_idx(images_path, _IDX_IMAGES_MAGIC, 3)
-    rows_cols = tuple(images.shape[1:])
-    if 0 in rows_cols or (image_shape is not None and rows_cols != tuple(image_shape)):
-        expected = f"{image_shape[0]}x{image_shape[1]}" if image_shape is not None else "at least 1x1"
-        raise ValueError(f"{name}: {images_path} holds {rows_cols[0]}x{rows_cols[1]} images, "
-                         f"{name} images are {expected}")
+
+    def image_size(dims: tuple[int, ...]) -> None:
+        rows_cols = dims[1:]
+        if 0 in rows_cols or (image_shape is not None and rows_cols != tuple(image_shape)):
+            expected = f"{image_shape[0]}x{image_shape[1]}" if image_shape is not None else "at least 1x1"
+            raise ValueError(f"{name}: {images_path} holds {rows_cols[0]}x{rows_cols[1]} images, "
+                             f"{name} images are {expected}")
+
+    images = _parse_idx(images_path, _IDX_IMAGES_MAGIC, 3, image_size)
     labels = _parse_idx(labels_path, _IDX_LABELS_MAGIC, 1)
     if len(images) != len(labels):
         raise ValueError(f"{name}: {images_path} has {len(images)} images but "
