@@ -137,6 +137,17 @@ def test_teachers_are_the_pretrained_and_the_previous_rounds_model():
     assert not all(torch.equal(c.inter.state_dict()[k], after0[k]) for k in after0)
 
 
+def test_non_target_kl_stays_finite_where_both_probabilities_underflow():
+    """A logit gap of 1000 at T = 3: both softmaxes put exactly 0 on the far class, whose term is
+    0 (as kd_term gives), where log(softmax) made it 0 * log 0 = NaN, in the loss and gradient."""
+    student = torch.tensor([[1000.0, 0.0, 0.0]], requires_grad=True)
+    teacher = torch.tensor([[1000.0, 0.0, 0.0]])
+    loss = non_target_kl(student, teacher, torch.tensor([1]), 3.0)
+    loss.backward()
+    assert torch.isfinite(loss) and loss.item() == pytest.approx(0.0, abs=1e-6)
+    assert torch.isfinite(student.grad).all()
+
+
 def test_local_update_distils_from_the_teachers_it_names():
     """One local step equals a hand-built step on CE + KL(inter) + KL(intra) with the stored teachers."""
     data = toy_dataset(n=20, k=K, seed=4)

@@ -99,10 +99,12 @@ def non_target_kl(student: torch.Tensor, teacher: torch.Tensor, y: torch.Tensor,
     label's column dropped (not renormalised), KL summed over the rest, batchmean, times T^2."""
     *lead, b, k = student.shape
     keep = torch.ones(*lead, b, k, dtype=torch.bool).scatter_(-1, y.unsqueeze(-1), False)
-    p = F.softmax(student / temperature, dim=-1)[keep].view(*lead, b, k - 1)
+    # log_softmax, not log(softmax): a class whose probability underflows to 0 for both would give
+    # 0 * log 0 = NaN (logit gaps of a few hundred at T = 3), where its term is 0
+    log_p = F.log_softmax(student / temperature, dim=-1)[keep].view(*lead, b, k - 1)
     with torch.no_grad():
-        q = F.softmax(teacher / temperature, dim=-1)[keep].view(*lead, b, k - 1)
-    return (torch.xlogy(q, q) - q * torch.log(p)).sum((-2, -1)) / b * temperature**2
+        log_q = F.log_softmax(teacher / temperature, dim=-1)[keep].view(*lead, b, k - 1)
+    return (log_q.exp() * (log_q - log_p)).sum((-2, -1)) / b * temperature**2
 
 
 def kd_term(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
