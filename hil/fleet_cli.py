@@ -57,7 +57,7 @@ from fedal.cli_types import FiniteFloatRange
 def fleet_cmd(clients, broker, run_id, seed, prefix, username, password, ca_file, credentials_dir, ids, public_file,
               reconnect_min, reconnect_max, status_file, timeout, start_coordinator, coordinator_broker, workdir,
               strategy, rounds, tau, num_classes, public_size, batch, api_port, resend_s, quiet) -> None:
-    """Emulated agents: N MQTT clients that follow the protocol exactly, with synthetic results (no torch)."""
+    """Emulated agents: N MQTT clients that follow the protocol exactly, with synthetic results (no training)."""
     from fedal.ports import unreachable
     from fedal.progress import progress_bar
     from fedal.protocol import parse_broker_url, topics
