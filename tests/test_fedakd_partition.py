@@ -14,6 +14,7 @@ from fedal.data.shift import (
     first_principal_component,
     pow_sizes,
     pow_split,
+    shift_directions,
     whitening,
 )
 from fedal.sim import ConfigError, load_config
@@ -73,8 +74,7 @@ def test_covariate_shift_moves_each_client_towards_its_own_shifted_mean(sizes):
     # the same generator gives the shifts: delta_k^T Sigma^+ delta_k = C, so |z_k|^2 = C in whitened space
     mean, proj = whitening(x)
     u = (x.astype(np.float64) - mean) @ proj
-    z = np.random.default_rng(3).normal(size=(k, proj.shape[1]))
-    z *= np.sqrt(c) / np.linalg.norm(z, axis=1, keepdims=True)
+    z = shift_directions(proj, k, c, np.random.default_rng(3))
     np.testing.assert_allclose((z ** 2).sum(axis=1), c)
     along = np.array([[float((u[p] @ z[j]).mean()) for j in range(k)] for p in parts])  # client x shift direction
     for i in range(k):
@@ -87,6 +87,24 @@ def test_covariate_shift_moves_each_client_towards_its_own_shifted_mean(sizes):
     assert not all(np.array_equal(a, b) for a, b in zip(parts, other))
 
 
+def test_the_partition_does_not_depend_on_the_signs_eigh_gives_the_axes(monkeypatch):
+    """Another machine's LAPACK may return eigenvectors of other signs: the same seed must give
+    the same clients there (a Ray actor rebuilds its clients' partitions itself)."""
+    import fedal.data.shift as shift
+
+    x = blobs()
+    before = covariate_shift(x, 5, 5.0, None, np.random.default_rng(3))
+    eigh = np.linalg.eigh
+
+    def flipped(cov):
+        val, vec = eigh(cov)
+        return val, vec * np.where(np.arange(vec.shape[1]) % 2, -1.0, 1.0)  # every other axis reversed
+
+    monkeypatch.setattr(shift.np.linalg, "eigh", flipped)
+    after = covariate_shift(x, 5, 5.0, None, np.random.default_rng(3))
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
 def test_larger_c_shifts_further():
     x = blobs(n=2000, d=8, seed=1)
     mean, proj = whitening(x)
@@ -94,8 +112,7 @@ def test_larger_c_shifts_further():
 
     def mean_shift(c):
         parts = covariate_shift(x, 4, c, None, np.random.default_rng(0))
-        z = np.random.default_rng(0).normal(size=(4, proj.shape[1]))
-        z /= np.linalg.norm(z, axis=1, keepdims=True)
+        z = shift_directions(proj, 4, 1.0, np.random.default_rng(0))
         return np.mean([float((u[p] @ z[i]).mean()) for i, p in enumerate(parts)])
 
     assert mean_shift(10.0) > mean_shift(2.0) + 0.3

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["FEATURE_PARTITIONERS", "pow_sizes", "pow_split", "covariate_shift", "covariate_shift_pca",
-           "whiten", "whitening", "mahalanobis_sq", "first_principal_component", "feature_partition"]
+           "whiten", "whitening", "shift_directions", "mahalanobis_sq", "first_principal_component", "feature_partition"]
 
 
 def pow_sizes(total: int, num_clients: int, exponent: float = 1.0) -> np.ndarray:
@@ -131,14 +131,24 @@ def covariate_shift(x, num_clients: int, c: float, samples_per_client: int | Non
     flat = _rows(x)
     mean, proj = whitening(flat)
     n_k = _sizes(_total(len(flat), num_clients, samples_per_client), num_clients, sizes)
-    z = rng.normal(size=(num_clients, proj.shape[1]))
-    z *= np.sqrt(c) / np.linalg.norm(z, axis=1, keepdims=True)  # delta_k in whitened space
+    z = shift_directions(proj, num_clients, c, rng)
     sq = np.concatenate([mahalanobis_sq((ch - mean) @ proj, z) for ch in _chunks(flat)])
     # log w_ik = -1/2 d_ik^2, plus Gumbel noise: taking the best remaining score is a draw
     # proportional to w over the remaining samples.
     scores = -0.5 * sq + rng.gumbel(size=sq.shape)
     order = np.argsort(-scores, axis=0, kind="stable")  # [n, K]: each client's preference list
     return _draft(order, n_k, rng)
+
+
+def shift_directions(proj: np.ndarray, num_clients: int, c: float, rng: np.random.Generator) -> np.ndarray:
+    """[K, k]: each client's delta_k in whitened space, |z_k|^2 = C. An isotropic draw in the
+    features' own space, projected on the principal axes (isotropic there too): drawn on the axes
+    themselves, it would depend on the signs (and, for equal variances, the rotation) eigh happens
+    to give them, which another machine's LAPACK may choose otherwise, and a Ray actor there
+    would build other partitions."""
+    axes = proj / np.linalg.norm(proj, axis=0)  # the unit eigenvectors: proj's columns are v / sqrt(lambda)
+    z = rng.normal(size=(num_clients, proj.shape[0])) @ axes
+    return z * (np.sqrt(c) / np.linalg.norm(z, axis=1, keepdims=True))
 
 
 def mahalanobis_sq(u: np.ndarray, z: np.ndarray) -> np.ndarray:
