@@ -50,6 +50,14 @@ def test_epoch_counts_of_other_strategies_are_bounded_too(strategy, params, fiel
         load_config(None, {**SMALL, "strategy": strategy, "strategy_params": params})
 
 
+def test_a_dirichlet_concentration_past_any_use_is_refused():
+    """Near 1e308 numpy's Dirichlet draw overflows to zeros, and the partition's errors then told
+    the user to raise it."""
+    with pytest.raises(ConfigError, match="alpha.*less than or equal"):
+        load_config(None, {**SMALL, "alpha": 1e308})
+    assert load_config(None, {**SMALL, "alpha": 1e9}).alpha == 1e9
+
+
 def test_a_data_dir_for_mnist1d_is_said_to_hold_its_cache(tmp_path):
     notes = load_config(None, {**SMALL, "data_dir": str(tmp_path / "d")}).notes()
     assert any("keeps the generated MNIST-1D cache" in n for n in notes), notes

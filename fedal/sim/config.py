@@ -151,7 +151,8 @@ class RunConfig(NoCoercion):
     data_dir: str | None = Field(None, description="folder with dataset files (file-backed datasets only)")
     clients: int = Field(10, ge=2, le=10_000)
     partition: str = "dirichlet-client"
-    alpha: float = Field(1.0, gt=0, allow_inf_nan=False, description="Dirichlet concentration (per client or per class)")
+    alpha: float = Field(1.0, gt=0, le=1e9, allow_inf_nan=False,  # (past 1e9 a Dirichlet draw is uniform to 9 digits;
+                         description="Dirichlet concentration (per client or per class)")  # near 1e308 it overflows)
     shift_c: float = Field(5.0, gt=0, allow_inf_nan=False,
                            description="covariate-shift partitions: C = delta^T Sigma^-1 delta (paper: 2, 5, 10)")
     train_splits: str = Field("train", description="cinic10, celeba: train, or train+valid to add the validation split")
