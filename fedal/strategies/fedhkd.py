@@ -221,8 +221,9 @@ class FedHKDClient(FedAvgClient):
         """FedAvg's local batches (tau steps, or local_epochs passes) on eq. 11: plain cross-entropy
         while there is no knowledge, and exactly FedAvg's steps when lambda = gamma = 0 (terms
         with weight 0 are not computed) under the paper preset (the official one clips the
-        gradient norm while knowledge is present, whatever the weights, as the authors' code). With differential privacy (`batches` Poisson-sampled)
-        the head term, which reads no private sample, joins each step as a public term."""
+        gradient norm while knowledge is present, whatever the weights, as the authors' code).
+        With differential privacy (`batches` Poisson-sampled) the head term, which reads no
+        private sample, joins each step as a public term."""
         p = self.params
         lam, gam = float(p.hkd_lambda or 0.0), float(p.hkd_gamma or 0.0)
         use = knowledge is not None and (lam > 0 or gam > 0)
