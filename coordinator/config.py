@@ -14,7 +14,7 @@ from fedal.hosts import check_host_pattern
 from fedal.model_names import MAX_NUM_CLASSES
 from fedal.protocol import MAX_MESSAGE_BYTES, BrokerSettings, topics
 from fedal.settings import load_settings
-from fedal.sim.config import RunConfig
+from fedal.sim.config import MAX_CLIENTS, RunConfig
 from fedal.strategies.params import MAX_DISCRIMINATOR_PARAMS, discriminator_params
 from fedal.strict_fields import NoCoercion
 
@@ -150,6 +150,8 @@ def _check_client_ids(v: list[str] | None) -> list[str] | None:
         return v
     if len(v) < 2 or len(set(v)) != len(v):
         raise ValueError("client_ids needs at least two unique ids")
+    if len(v) > MAX_CLIENTS:  # each one's state is listed by every open read of the run
+        raise ValueError(f"client_ids holds {len(v)} ids, more than the {MAX_CLIENTS} a run may enrol")
     return [topics.check_id(c, "client id") for c in v]
 
 

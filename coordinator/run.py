@@ -34,6 +34,7 @@ from fedal.engine import ClientInfo, RoundEngine, Stopped
 from fedal.engine.health import health_flags
 from fedal.engine.results import build_results, final_summary
 from fedal.hosts import is_wildcard, machine_fqdn, url_host
+from fedal.owned import ForeignFile, check_replaceable, is_results
 from fedal.protocol import RunManifest
 from fedal.strategies import ServerContext, get_strategy
 from fedal.strategies.global_model import fedavg_style_metrics, global_accuracy, global_weight_layout
@@ -410,7 +411,12 @@ class Run:
         path = self.cfg.results_file or (self.cfg.state_dir / "results.json")
         if state == "finished" and (at is None or not path.exists()):
             try:  # whole or not at all: a torn file would be refused as someone else's at the next start
+                check_replaceable(path, is_results, "results file")  # (a file put there since the run began)
                 write_bytes_atomic(path, (json.dumps(self.results(), indent=2) + "\n").encode())
+            except ForeignFile as exc:  # never written over: the run's rounds are in the store
+                log.error("run %s: its results are not written to %s: %s", self.cfg.run_id, path, exc)
+                with self.lock:
+                    self.error = f"results not written: {exc}"
             except OSError as exc:  # the run stays finished: its rounds are in the store
                 log.error("run %s: cannot write its results to %s (%s); its rounds are kept in the store, and the "
                           "coordinator started again writes them", self.cfg.run_id, path, exc)

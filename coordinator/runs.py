@@ -20,6 +20,7 @@ from coordinator.events import EventHub
 from coordinator.run import ALWAYS_COUNTED, Run
 from coordinator.store import RunStore, default_store_url
 from fedal.log_limit import RateLimitedLog
+from fedal.owned import ForeignFile, check_replaceable, is_results
 from fedal.sim.config import format_validation_error
 
 log = logging.getLogger("coordinator.runs")
@@ -40,7 +41,15 @@ class ShuttingDown(RuntimeError):
 
 def _inside(path: Path, directory: Path) -> bool:
     """An API client may only point at files the operator put under the state dir."""
-    return Path(path).resolve().is_relative_to(Path(directory).resolve())
+    try:
+        return Path(path).resolve().is_relative_to(Path(directory).resolve())
+    except (ValueError, OSError):  # a NUL byte in it, a loop of links: no file an API caller may name
+        return False
+
+
+def _table_or_empty(value: Any) -> dict[str, Any]:
+    """A stored table's part as the view shows it: a part of another shape (a damaged row) is none."""
+    return dict(value) if isinstance(value, dict) else {}
 
 
 class ConfiguredRunError(ValueError):
@@ -86,8 +95,9 @@ class RunManager:
         for run_id in self.store.run_ids(origin="api"):
             if run_id in self.by_id:
                 continue
-            stored = self.store.load(run_id)
             try:
+                stored = self.store.load(run_id)  # (DamagedRow, a ValueError: that run alone is not restored)
+                assert stored is not None  # (listed by the store)
                 spec = RunSpec.model_validate(_as_stored_then(stored.spec))
                 where = self._outside_reach(spec)
                 if where:
@@ -108,6 +118,10 @@ class RunManager:
         where = self._outside_reach(spec)
         if where:
             raise InvalidRunSpec(f"invalid run: {where}")
+        try:  # its results go to state_dir/runs/<run_id>/results.json: never over another's file
+            check_replaceable(self._results_path(spec.run_id), is_results, "results file")
+        except ForeignFile as exc:
+            raise InvalidRunSpec(f"invalid run: {exc}") from None
         with self.lock:
             if self.stopping:
                 raise ShuttingDown("the coordinator is shutting down")
@@ -186,12 +200,16 @@ class RunManager:
         return self._unrestored_views[run_id]
 
     def _read_unrestored(self, run_id: str, reason: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        stored = self.store.load(run_id)
+        try:
+            stored = self.store.load(run_id)
+        except ValueError:  # a damaged row (the reason says which): the run's id and state, nothing more
+            stored = None
         spec = stored.spec if stored is not None and isinstance(stored.spec, dict) else {}
         run = spec.get("run") if isinstance(spec.get("run"), dict) else {}  # (a spec that failed to load may be any shape)
         records = stored.records[: stored.completed_rounds] if stored else []
         kept = stored.counters if stored else {}
-        counters = {**dict.fromkeys(ALWAYS_COUNTED, 0), **(kept.get("counters") or {}), **(kept.get("transport") or {})}
+        counters = {**dict.fromkeys(ALWAYS_COUNTED, 0), **_table_or_empty(kept.get("counters")),
+                    **_table_or_empty(kept.get("transport"))}
         clients = {cid: {**info, "online": False, "health_flags": []}
                    for cid, info in (stored.clients if stored else {}).items() if isinstance(info, dict)}
         view = {"run_id": run_id, "strategy": run.get("strategy"), "state": "failed",
@@ -199,12 +217,16 @@ class RunManager:
                 "rounds": run.get("rounds"), "completed_rounds": len(records), "phase": None, "iteration": None,
                 "held_before": None, "pause_at": [], "started_at": stored.started_at if stored else None,
                 "finished_at": stored.finished_at if stored else None, "counters": counters,
-                "rejects": dict(kept.get("rejects") or {}), "clients": clients, "config": run,
+                "rejects": _table_or_empty(kept.get("rejects")), "clients": clients, "config": run,
                 "last_round": records[-1] if records else None}
         return view, records
 
+    def _results_path(self, run_id: str) -> Path:
+        """Where an API-created run writes its results."""
+        return self.config.state_dir / "runs" / run_id / "results.json"
+
     def _new_run(self, spec: RunSpec, origin: str) -> Run:
-        results = None if origin == "config" else self.config.state_dir / "runs" / spec.run_id / "results.json"
+        results = None if origin == "config" else self._results_path(spec.run_id)
         for note in spec.run.notes():
             log.info("run %s: %s", spec.run_id, note)
         return Run(self.config.for_run(spec, results), store=self.store, events=self.events, origin=origin)

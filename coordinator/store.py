@@ -101,6 +101,21 @@ class StoredRun:
     counters: dict[str, dict[str, int]] = field(default_factory=dict)  # as of its last save: counters, rejects, transport
 
 
+class DamagedRow(ValueError):
+    """A stored row that is not the JSON table it must be (damage on disk, a hand edit): that run
+    cannot be read back, the others can."""
+
+
+def _table(text: Any, run_id: str, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise DamagedRow(f"run {run_id}: its stored {what} is not valid JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(value, dict):
+        raise DamagedRow(f"run {run_id}: its stored {what} is not a table (a {type(value).__name__})")
+    return value
+
+
 def default_store_url(state_dir: Path) -> str:
     return f"sqlite:///{Path(state_dir).resolve() / 'coordinator.db'}"
 
@@ -165,6 +180,7 @@ class RunStore:
             return [row.run_id for row in conn.execute(query)]
 
     def load(self, run_id: str) -> StoredRun | None:
+        """DamagedRow where a row of the run is not a JSON table."""
         with self.engine.connect() as conn:
             row = conn.execute(select(runs).where(runs.c.run_id == run_id)).first()
             if row is None:
@@ -173,11 +189,12 @@ class RunStore:
             infos = conn.execute(select(clients.c.client_id, clients.c.info).where(clients.c.run_id == run_id))
             counted = conn.execute(select(run_counters.c.counters).where(run_counters.c.run_id == run_id)).scalar()
             return StoredRun(
-                run_id=row.run_id, origin=row.origin, spec=json.loads(row.spec), config_hash=row.config_hash,
-                instance=row.instance, epoch=row.epoch, completed_rounds=row.completed_rounds, state=row.state,
-                started_at=row.started_at, finished_at=row.finished_at,
-                records=[json.loads(r.record) for r in recs], clients={c.client_id: json.loads(c.info) for c in infos},
-                counters=json.loads(counted) if counted else {},
+                run_id=row.run_id, origin=row.origin, spec=_table(row.spec, run_id, "spec"),
+                config_hash=row.config_hash, instance=row.instance, epoch=row.epoch,
+                completed_rounds=row.completed_rounds, state=row.state, started_at=row.started_at,
+                finished_at=row.finished_at, records=[_table(r.record, run_id, "round record") for r in recs],
+                clients={c.client_id: _table(c.info, run_id, f"client {c.client_id}") for c in infos},
+                counters=_table(counted, run_id, "counters") if counted else {},
             )
 
     def load_server_state(self, run_id: str) -> dict[str, Any]:

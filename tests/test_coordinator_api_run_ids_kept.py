@@ -256,3 +256,44 @@ def test_a_run_stored_with_an_empty_models_list_is_restored_as_it_ran(tmp_path):
         assert refused.status_code == 422 and "models" in refused.text  # new input: refused
     finally:
         runs.store.close()
+
+
+@pytest.mark.parametrize("damage, unread", [
+    ("UPDATE runs SET spec = '{not json' WHERE run_id = 'bad'", "spec is not valid JSON"),
+    ("UPDATE runs SET spec = '[1, 2]' WHERE run_id = 'bad'", "spec is not a table"),
+    ("INSERT INTO rounds (run_id, round, record) VALUES ('bad', 0, '{\"round\": 0')", "round record is not valid JSON"),
+    ("INSERT INTO clients (run_id, client_id, info) VALUES ('bad', 'pi-1', 'nan nan')", "client pi-1 is not valid JSON"),
+    ("INSERT INTO run_counters (run_id, counters) VALUES ('bad', '\"text\"')", "counters is not a table"),
+    # a table whose parts are of other shapes: read back (its thread then fails it, saying why)
+    ("INSERT INTO run_counters (run_id, counters) VALUES ('bad', '{\"counters\": [1], \"rejects\": 7}')", None),
+])
+def test_one_damaged_row_in_the_store_fails_that_run_alone(tmp_path, damage, unread):
+    """A row that is not a JSON table (damage on disk, a hand edit) made the coordinator exit with
+    a traceback at start, every run offline; now that run is shown failed, saying which row."""
+    from sqlalchemy import text
+
+    state = tmp_path / "state"
+    runs = manager_with_run(state, "good")
+    api = local_client(runs, raise_server_exceptions=False)
+    assert api.post("/api/v1/runs", json=spec("bad", public_file=str(state / "public.npz")), headers=AUTH).status_code == 201
+    with runs.store.engine.begin() as conn:
+        conn.execute(text(damage))
+    runs.store.close()
+
+    runs = manager(state)
+    runs.restore()
+    try:
+        api = local_client(runs, raise_server_exceptions=False)
+        listing = api.get("/api/v1/runs")
+        assert listing.status_code == 200
+        states = {r["run_id"]: r["state"] for r in listing.json()}
+        assert states["good"] != "failed" and "good" in runs.by_id
+        bad = api.get("/api/v1/runs/bad")
+        assert bad.status_code == 200
+        if unread is not None:
+            assert bad.json()["state"] == "failed" and f"run bad: its stored {unread}" in bad.json()["error"]
+        else:
+            assert "bad" in runs.by_id
+        assert api.get("/api/v1/clients").status_code == 200
+    finally:
+        runs.store.close()

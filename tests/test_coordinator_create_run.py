@@ -59,6 +59,8 @@ def test_create_run_in_process(client):
     bad = [
         ({**SPEC, "run_id": "x y"}, "run_id"),
         ({**SPEC, "run_id": "b", "client_ids": ["one"]}, "client_ids"),
+        # every open read of a run lists each client: a bound, as a simulation has
+        ({**SPEC, "run_id": "b2", "client_ids": [f"c{i}" for i in range(10_001)]}, "more than the 10000"),
         ({**SPEC, "run_id": "c", "run": {"strategy": "nope"}}, "strategy"),
         ({**SPEC, "run_id": "d", "surprise": 1}, "surprise"),
         ({**SPEC, "run_id": "e", "public_file": "/etc/passwd"}, "state_dir"),
@@ -67,12 +69,22 @@ def test_create_run_in_process(client):
          "run.data_dir must lie inside the coordinator's state_dir"),
         ({**SPEC, "run_id": "e3", "run": {**SPEC["run"], "dataset": "mnist1d", "data_dir": "/tmp/../root/made"}},
          "run.data_dir must lie inside"),
+        # a NUL byte in a path: 422 (was a 500, uncounted)
+        ({**SPEC, "run_id": "e4", "public_file": str(tmp_path / "state" / "x\u0000y.npz")}, "public_file must lie"),
+        ({**SPEC, "run_id": "e5", "run": {**SPEC["run"], "dataset": "mnist", "data_dir": "da\u0000ta"}},
+         "run.data_dir must lie inside"),
         ({**SPEC, "run_id": "f", "phases": {"pause_at": [{"round": 99}]}}, "round 99 is past the run's"),
         ({**SPEC, "run_id": "g", "phases": {"pause_at": [{"round": 1, "phase": "Transfer!"}]}}, "pause_at"),
     ]
     for spec, needle in bad:
         resp = api.post("/api/v1/runs", json=spec, headers=auth)
         assert resp.status_code == 422 and needle in resp.text, (spec, resp.text)
+    # a file of the operator's where the run's results would go: never written over
+    mine = tmp_path / "state" / "runs" / "exp1" / "results.json"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("the operator's notes\n")
+    taken = api.post("/api/v1/runs", json={**SPEC, "run_id": "exp1"}, headers=auth)
+    assert taken.status_code == 422 and "results" in taken.text and mine.read_text() == "the operator's notes\n"
     assert api.post("/api/v1/runs", content=b"{not json", headers={**auth, "content-type": "application/json"}).status_code == 422
     assert [r["run_id"] for r in api.get("/api/v1/runs").json()] == ["api-run"]  # nothing half-created
     assert not (tmp_path / "private").exists()

@@ -370,3 +370,22 @@ def test_a_run_restarted_before_its_first_round_keeps_its_start_time(mosquitto, 
         assert not thread.is_alive()
         time.sleep(0.05)  # a new start time would differ
     assert starts[0] is not None and starts[1] == starts[0]
+
+
+def test_a_file_put_where_the_results_go_during_the_run_is_never_written_over(mosquitto, tmp_path):
+    """A run writes its results at its end: a file the toolkit did not write put there meanwhile
+    is left as it is, and the run's error says so (its rounds are in the store)."""
+    cfg, first = run_with_its_round_stored(mosquitto, tmp_path, "end2", "running")
+    first.store.close()
+    mine = cfg.state_dir / "results.json"
+    mine.write_text("the operator's notes\n")
+
+    again = Run(load_coordinator_config(None, **json.loads(cfg.model_dump_json())))
+    run_to_its_end(again)
+    try:
+        snap = again.snapshot()
+        assert snap["state"] == "finished" and "results not written" in snap["error"]
+        assert mine.read_text() == "the operator's notes\n"
+    finally:
+        again.transport.stop()
+        again.store.close()

@@ -138,6 +138,9 @@ def lift_privacy(data: Any) -> Any:
     return data
 
 
+MAX_CLIENTS = 10_000  # a run's clients (a coordinator's enrolled ids too)
+
+
 class RunConfig(NoCoercion):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -149,7 +152,7 @@ class RunConfig(NoCoercion):
     strategy: str = "fedal"
     dataset: str = "mnist1d"
     data_dir: str | None = Field(None, description="folder with dataset files (file-backed datasets only)")
-    clients: int = Field(10, ge=2, le=10_000)
+    clients: int = Field(10, ge=2, le=MAX_CLIENTS)
     partition: str = "dirichlet-client"
     alpha: float = Field(1.0, gt=0, le=1e9, allow_inf_nan=False,  # (past 1e9 a Dirichlet draw is uniform to 9 digits;
                          description="Dirichlet concentration (per client or per class)")  # near 1e308 it overflows)
