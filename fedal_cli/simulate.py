@@ -103,10 +103,9 @@ def simulate_cmd(config_path, out, plot, checkpoint, checkpoint_every, resume, q
             raise click.ClickException(f"cannot write the plot to {plot}: {why_unwritten(exc)} (the results are in "
                                        f"{out}; `fedal simulate` plots nothing else)") from None
     final = results["final"]
-    click.echo(
-        f"{config.strategy} on {config.dataset}: mean acc {final['mean_acc']:.4f} "
-        f"(min {final['min_acc']:.4f}, max {final['max_acc']:.4f}) -> {out}" + (f", plot -> {plot}" if plot else "")
-    )
+    accuracy = (f"mean acc {final['mean_acc']:.4f} (min {final['min_acc']:.4f}, max {final['max_acc']:.4f})"
+                if "mean_acc" in final else "no client answered the last evaluation")  # (every one refused it)
+    click.echo(f"{config.strategy} on {config.dataset}: {accuracy} -> {out}" + (f", plot -> {plot}" if plot else ""))
     if "cf" in final:
         from fedal.sim.fairness import fairness_line
 

@@ -287,3 +287,22 @@ def test_a_repeated_run_on_another_public_set_says_so_from_a_file_or_a_pipe(tmp_
     assert "public set is not the one" in again.stderr and "000000000000" in again.stderr
     same = CliRunner().invoke(cli, ["simulate", "--config", "first.json", "--quiet", "--out", "same.json"])
     assert same.exit_code == 0 and "public set is not the one" not in same.stderr
+
+
+def test_a_run_whose_last_evaluation_nobody_answered_says_so(tmp_path, monkeypatch):
+    """final is {} when every client refused the last evaluation: the closing line raised a
+    KeyError after the results were written."""
+    import fedal.sim.runner as runner
+
+    real = runner.simulate
+
+    def unevaluated(*args, **kwargs):
+        results = real(*args, **kwargs)
+        return {**results, "final": {}}
+
+    monkeypatch.setattr(runner, "simulate", unevaluated)
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(cli, ["simulate", *QUICK, "--out", "r.json"])
+    assert r.exit_code == 0, r.output
+    assert "no client answered the last evaluation -> r.json" in r.output
+    assert json.loads((tmp_path / "r.json").read_text())["final"] == {}

@@ -232,6 +232,9 @@ def test_collaborative_fairness_on_hand_built_numbers():
     # clients without a number on either side are left out
     assert collaborative_fairness([1, 2, None, 3, 4], [1, 3, 0.5, 2, 4]) == pytest.approx(80.0)
     assert collaborative_fairness([0.5, 0.5, 0.5], [0.1, 0.2, 0.3]) is None  # undefined, not 0 or NaN
+    # a mean that is not exactly representable: np.std of these is 1e-17, and CF came out 2e-14
+    assert collaborative_fairness([0.1] * 7, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]) is None
+    assert collaborative_fairness([0.1, 0.2, 0.3], [0.7] * 3) is None
     assert collaborative_fairness([0.5], [0.1]) is None
 
 

@@ -108,6 +108,14 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="add --resume"):  # its rounds are not thrown away unasked
         simulate(_config(), checkpoint=path)
     assert other.read_text() == "mine" and completed_rounds(path) == 2
+    # cut short (a full disk, a copy that stopped): said to be a damaged one, not another's file
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    before = cut.read_bytes()
+    for resume in (True, False):
+        with pytest.raises(CheckpointError, match="is a damaged checkpoint of `fedal simulate`.*left as it is"):
+            simulate(_config(), checkpoint=cut, resume=resume)
+    assert cut.read_bytes() == before
 
 
 def test_the_evaluation_schedule_of_the_rounds_done_must_hold(tmp_path):
@@ -233,7 +241,7 @@ def test_a_tampered_checkpoint_runs_no_code(tmp_path):
     path = tmp_path / "run.ckpt"
     torch.save({"format": "fedal-simulate-checkpoint", "completed_rounds": 1, "x": _Payload(str(marker))}, path)
     assert completed_rounds(path) is None and not marker.exists()
-    with pytest.raises(CheckpointError, match="no checkpoint of `fedal simulate`"):
+    with pytest.raises(CheckpointError, match="is a damaged checkpoint of `fedal simulate`"):
         simulate(_config(), checkpoint=path, resume=True)
     assert not marker.exists()
     assert pickle.loads(pickle.dumps(_Payload(str(marker)))) and marker.exists()  # (the payload is live)

@@ -67,8 +67,22 @@ def completed_rounds(path: str | Path) -> int | None:
 
 
 def _foreign(path: str | Path) -> CheckpointError:
+    if _damaged_checkpoint(path):
+        return CheckpointError(f"{path} is a damaged checkpoint of `fedal simulate` (cut short or changed): it cannot "
+                               "be resumed, and is left as it is; remove it to start afresh, or give another path")
     return CheckpointError(f"{path} exists and is no checkpoint of `fedal simulate`: it is never overwritten; "
                            "give another path")
+
+
+def _damaged_checkpoint(path: str | Path) -> bool:
+    """A file torch cannot load that begins as one of these checkpoints does: torch's archive,
+    whose first member (the pickled dict, written first) names FORMAT."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(1 << 16)
+    except OSError:
+        return False
+    return head.startswith(b"PK\x03\x04") and FORMAT.encode() in head
 
 
 def check_path(path: str | Path, resume: bool) -> None:

@@ -24,7 +24,7 @@ def collaborative_fairness(standalone, federated) -> float | None:
     if len(pairs) < 2:
         return None
     s, f = np.array(pairs).T
-    if np.std(s) == 0 or np.std(f) == 0:
+    if np.ptp(s) == 0 or np.ptp(f) == 0:  # (not np.std: [0.1, 0.1, 0.1] has a std of 1e-17, not 0)
         return None
     return float(100.0 * np.corrcoef(s, f)[0, 1])
 
