@@ -78,7 +78,7 @@ def check_files(config) -> None:
     if state.exists() and not state.is_dir():
         raise click.UsageError(f"state_dir {state} is not a directory")
     try:
-        state.mkdir(parents=True, exist_ok=True)
+        state.mkdir(parents=True, exist_ok=True, mode=0o700)  # (its store lists clients and health: the owner's)
     except OSError as exc:
         raise click.UsageError(f"state_dir {state} cannot be created: {exc.strerror or exc}") from None
     why = unwritable(results)

@@ -8,8 +8,10 @@ last completed round and no round is ever recorded twice (rounds are keyed by ru
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,10 +266,20 @@ class RunStore:
         self.engine.dispose()
 
 
+def _own_database_file(path: Path) -> None:
+    """A database file made here is the owner's alone (mode 0600; SQLite gives its WAL files the
+    same mode): it lists the runs' clients, their health and specs, which other accounts of the
+    machine have no need to read (with `read_requires_token` the API does not show them either).
+    An existing file, and folders the toolkit did not make, are left as they are."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with contextlib.suppress(FileExistsError):  # (an empty file is an empty database)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
 def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
-            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            _own_database_file(Path(url.removeprefix("sqlite:///")))
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")

@@ -154,3 +154,24 @@ def test_a_damaged_store_is_one_line_and_left_as_it_is(tmp_path):
     assert r.exit_code == 1, r.output
     assert "Error: the run store" in r.output and "file is not a database" in r.output and "Traceback" not in r.output
     assert (state / "coordinator.db").read_bytes() == damaged
+
+
+def test_a_store_the_toolkit_makes_is_its_owners_alone(tmp_path):
+    """It lists every run's clients, their health and specs: mode 0600 (its WAL files too), in a
+    folder of mode 0700 where the toolkit makes that folder; one that exists is left as it is."""
+    store = RunStore(default_store_url(tmp_path / "state"))
+    exercise(store)
+    store.close()
+    assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700
+    made = [p for p in (tmp_path / "state").iterdir() if p.name.startswith("coordinator.db")]
+    assert made and all(p.stat().st_mode & 0o077 == 0 for p in made), [(p.name, oct(p.stat().st_mode)) for p in made]
+
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o755)
+    os.chmod(mine, 0o755)
+    (mine / "coordinator.db").touch(mode=0o644)
+    os.chmod(mine / "coordinator.db", 0o644)
+    store = RunStore(default_store_url(mine))
+    exercise(store)
+    store.close()
+    assert mine.stat().st_mode & 0o777 == 0o755 and (mine / "coordinator.db").stat().st_mode & 0o777 == 0o644
