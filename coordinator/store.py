@@ -278,8 +278,9 @@ def _own_database_file(path: Path) -> None:
 
 def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
-        if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
-            _own_database_file(Path(url.removeprefix("sqlite:///")))
+        database = make_url(url).database  # (the path alone: a URL may carry a query, ?timeout=20)
+        if database and database != ":memory:":
+            _own_database_file(Path(database))
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")

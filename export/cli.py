@@ -146,7 +146,11 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
             check_replaceable(int8_path, is_our_onnx, "model")
     except ForeignFile as exc:
         raise click.UsageError(str(exc)) from None
-    earlier_int8 = _recorded_int8(report_path, int8_path)  # (read before this export replaces the report)
+    earlier_int8 = _is_earlier_int8_copy(report_path, int8_path)  # (read before this export replaces the report)
+    if quantize and (int8_path.exists() or int8_path.is_symlink()) and not earlier_int8:
+        raise click.UsageError(f"{int8_path} is not the int8 copy the earlier export of {out} wrote (another "
+                               "export's --out, or a quantization of your own): it is never overwritten; move it "
+                               "away, or give another --out")
     if not checkpoint:  # (after the refusals: a refused command exports nothing)
         click.echo("note: no --checkpoint, exporting untrained weights", err=True)
     gen = torch.Generator().manual_seed(0)
@@ -168,7 +172,7 @@ def export_cmd(model_name, checkpoint, dataset, input_shape, num_classes, out, o
             os.replace(path, final)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    if not quantize and earlier_int8 is not None and _file_sha256(int8_path) == earlier_int8:
+    if not quantize and earlier_int8:
         int8_path.unlink()  # the earlier export's int8 copy of other weights: it no longer matches --out
         click.echo(f"removed {int8_path} (the earlier export's int8 copy; --quantize int8 writes a new one)")
     elif not quantize and (int8_path.exists() or int8_path.is_symlink()):
@@ -190,19 +194,22 @@ def _file_sha256(path: Path) -> str | None:
     return digest.hexdigest()
 
 
-def _recorded_int8(report_path: Path, int8_path: Path) -> str | None:
-    """The digest of the int8 copy the earlier export's report says it wrote at `int8_path`: only
-    that file is this command's to remove (a file at that name may be another export's `--out`,
-    or a user's own quantization, whose metadata carries the toolkit's mark across)."""
+def _is_earlier_int8_copy(report_path: Path, int8_path: Path) -> bool:
+    """`int8_path` holds the int8 copy the earlier export's report says it wrote there: only that
+    file is this command's to replace or remove (a file at that name may be another export's
+    `--out`, or a user's own quantization, whose metadata carries the toolkit's mark across). By
+    its SHA-256; a report written before digests were recorded, by its size."""
     try:
         entry = json.loads(report_path.read_bytes()).get("int8")
     except (OSError, ValueError, AttributeError, RecursionError):
-        return None
-    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not isinstance(entry.get("sha256"), str):
-        return None
-    if Path(entry["path"]).name != int8_path.name:  # (the report sits beside it; the path as --out was given)
-        return None
-    return entry["sha256"]
+        return False
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+        return False
+    if Path(entry["path"]).name != int8_path.name or int8_path.is_symlink() or not int8_path.is_file():
+        return False  # (the report sits beside it; the path as --out was given)
+    if isinstance(entry.get("sha256"), str):
+        return _file_sha256(int8_path) == entry["sha256"]
+    return type(entry.get("bytes")) is int and int8_path.stat().st_size == entry["bytes"]
 
 
 @dataclass(frozen=True)

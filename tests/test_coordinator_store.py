@@ -166,6 +166,13 @@ def test_a_store_the_toolkit_makes_is_its_owners_alone(tmp_path):
     made = [p for p in (tmp_path / "state").iterdir() if p.name.startswith("coordinator.db")]
     assert made and all(p.stat().st_mode & 0o077 == 0 for p in made), [(p.name, oct(p.stat().st_mode)) for p in made]
 
+    # a URL with a query: the database file is the path alone (no stray file named after the query)
+    store = RunStore(f"sqlite:///{tmp_path / 'q' / 'coordinator.db'}?timeout=20")
+    exercise(store)
+    store.close()
+    assert sorted(p.name for p in (tmp_path / "q").iterdir() if "?" in p.name) == []
+    assert (tmp_path / "q" / "coordinator.db").stat().st_mode & 0o077 == 0
+
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o755)
     os.chmod(mine, 0o755)

@@ -386,6 +386,10 @@ def test_an_idx_header_promising_more_than_a_dataset_holds_is_refused_before_inf
     assert len(bomb) < 1 << 20
     with pytest.raises(ValueError, match=r"more than the 4294967296 an IDX file may hold"):
         load_idx(write(tmp_path / "i.gz", bomb, False), lp, "mine", image_shape=(28, 28))
+    many = gzip.compress(struct.pack(">ii", 2049, 2**31 - 1) + bytes(64 << 20))  # labels: as many as the images
+    ip = write(tmp_path / "three", idx_images(np.zeros((3, 28, 28), np.uint8)), False)
+    with pytest.raises(ValueError, match=r"has 3 images but .* has 2147483647 labels"):
+        load_idx(ip, write(tmp_path / "l.gz", many, False), "mine", image_shape=(28, 28))
     wrong = gzip.compress(struct.pack(">iiii", 2051, 80_000, 29, 28) + bytes(64 << 20))
     with pytest.raises(ValueError, match=r"holds 29x28 images, mine images are 28x28"):
         load_idx(write(tmp_path / "w.gz", wrong, False), lp, "mine", image_shape=(28, 28))

@@ -115,3 +115,29 @@ def test_random_damage_to_the_tags_never_crashes_the_reader(tmp_path, compressed
     outcomes = _load_each(paths)
     assert len(outcomes) == len(paths)
     assert all(o == "loaded" or o.startswith("ValueError: ") for o in outcomes.values())
+
+
+def test_scipys_own_files_of_numeric_arrays_pass_the_check():
+    """The check is no stricter than scipy where a file is fine: the v5 files scipy ships for its
+    tests that hold numeric arrays alone (big-endian ones, MATLAB 6 and 7, compressed or not,
+    long names, doubles stored as small integers, dimensions as uint32, names as UTF-8) pass."""
+    import os
+
+    from fedal.data.mat_v5 import check_numeric_mat_v5
+
+    data = Path(os.path.dirname(scipy_io.matlab.__file__)) / "tests" / "data"
+    if not data.is_dir():
+        pytest.skip("this scipy has no test data")
+    checked = []
+    for path in sorted(data.glob("*.mat")):
+        try:
+            if scipy_io.matlab.matfile_version(path)[0] != 1:
+                continue
+            loaded = scipy_io.loadmat(path)
+        except Exception:  # noqa: BLE001 - files scipy itself refuses are not this test's
+            continue
+        if all(isinstance(v, np.ndarray) and v.dtype.kind in "biufc" for k, v in loaded.items() if not k.startswith("__")):
+            check_numeric_mat_v5(path)
+            checked.append(path.name)
+    assert len(checked) >= 10, checked
+    assert {"miuint32_for_miint32.mat", "miutf8_array_name.mat"} <= set(checked)

@@ -94,11 +94,29 @@ def test_an_int8_file_the_earlier_export_did_not_write_is_left_alone(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.int8.onnx", "mlp.int8.onnx.json", "mlp.onnx",
                                                           "mlp.onnx.json"]
 
+    refused = export(*MLP, "--out", str(tmp_path / "mlp.onnx"), "--quantize", "int8")  # nor written over
+    assert refused.exit_code == 2 and "is never overwritten" in refused.output and own.is_file(), refused.output
+    own.unlink()  # (moved away by its owner)
+    (tmp_path / "mlp.int8.onnx.json").unlink()
     assert export(*MLP, "--out", str(tmp_path / "mlp.onnx"), "--quantize", "int8").exit_code == 0
     users = (tmp_path / "mlp.onnx").read_bytes()  # the user's own int8 copy: other bytes, the mark kept
     own.write_bytes(users)
     result = export(*MLP, "--checkpoint", str(checkpoint(tmp_path / "a.pt", seed=3)), "--out", str(tmp_path / "mlp.onnx"))
     assert result.exit_code == 0 and own.read_bytes() == users and "left as it is" in result.output, result.output
+    # with --quantize the same file is not written over either (it was, carrying the mark)
+    again = export(*MLP, "--out", str(tmp_path / "mlp.onnx"), "--quantize", "int8")
+    assert again.exit_code == 2 and "is never overwritten" in again.output and own.read_bytes() == users
+
+
+def test_the_int8_copy_named_by_a_report_without_its_digest_is_still_removed(tmp_path):
+    """A report written before digests were recorded names its int8 copy by path and size."""
+    out = tmp_path / "mlp.onnx"
+    assert export(*MLP, "--out", str(out), "--quantize", "int8").exit_code == 0
+    report = json.loads((tmp_path / "mlp.onnx.json").read_text())
+    del report["int8"]["sha256"]
+    (tmp_path / "mlp.onnx.json").write_text(json.dumps(report))
+    result = export(*MLP, "--checkpoint", str(checkpoint(tmp_path / "a.pt", seed=3)), "--out", str(out))
+    assert result.exit_code == 0 and f"removed {tmp_path / 'mlp.int8.onnx'}" in result.output, result.output
 
 
 @pytest.mark.parametrize("poison, dtype, message", [

@@ -14,7 +14,7 @@ def results(evaluated: list[int], tau: int = 5) -> dict:
             "rounds": [{"round": r, **({"mean_acc": 0.5 + r / 100} if r in evaluated else {})} for r in range(4)]}
 
 
-@pytest.mark.parametrize("evaluated, marked", [([3], True), ([0, 1, 2, 3], False)])
+@pytest.mark.parametrize("evaluated, marked", [([3], True), ([0, 1], False), ([0, 1, 2, 3], False)])
 def test_a_run_with_one_evaluation_shows_its_point(tmp_path, monkeypatch, evaluated, marked):
     figures = []
     close = plt.close
@@ -24,5 +24,7 @@ def test_a_run_with_one_evaluation_shows_its_point(tmp_path, monkeypatch, evalua
     (line,) = ax.lines
     assert list(line.get_xdata()) == evaluated
     assert (line.get_marker() not in (None, "None", "", " ")) == marked
-    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    left, right = ax.get_xlim()
+    assert left < min(evaluated) and right > max(evaluated)  # no point on the axis' edge
+    ticks = [t for t in ax.get_xticks() if left <= t <= right]
     assert ticks and all(float(t).is_integer() for t in ticks)  # whole rounds, one point or many

@@ -111,10 +111,12 @@ def load_idx(images_path, labels_path, name: str, num_classes: int = 10,
                              f"{name} images are {expected}")
 
     images = _parse_idx(images_path, _IDX_IMAGES_MAGIC, 3, image_size)
-    labels = _parse_idx(labels_path, _IDX_LABELS_MAGIC, 1)
-    if len(images) != len(labels):
-        raise ValueError(f"{name}: {images_path} has {len(images)} images but "
-                         f"{labels_path} has {len(labels)} labels")
+
+    def as_many_labels(dims: tuple[int, ...]) -> None:  # (checked before a gzip file is inflated)
+        if dims[0] != len(images):
+            raise ValueError(f"{name}: {images_path} has {len(images)} images but {labels_path} has {dims[0]} labels")
+
+    labels = _parse_idx(labels_path, _IDX_LABELS_MAGIC, 1, as_many_labels)
     if len(labels) and labels.max() >= num_classes:
         raise ValueError(f"{name}: {labels_path} contains label {labels.max()}, "
                          f"expected labels below {num_classes}")

@@ -15,7 +15,7 @@ import zlib
 from pathlib import Path
 from typing import BinaryIO
 
-MI_INT8, MI_INT32, MI_UINT32, MI_MATRIX, MI_COMPRESSED = 1, 5, 6, 14, 15
+MI_INT8, MI_INT32, MI_UINT32, MI_MATRIX, MI_COMPRESSED, MI_UTF8 = 1, 5, 6, 14, 15, 16
 # the numeric data types the format defines (8, 10 and 11 are reserved)
 NUMERIC_TYPES = frozenset({1, 2, 3, 4, 5, 6, 7, 9, 12, 13})
 NUMERIC_CLASSES = frozenset(range(6, 16))  # mxDOUBLE_CLASS .. mxUINT64_CLASS
@@ -164,12 +164,12 @@ def _check_array(var: _Variable) -> None:
     word = struct.unpack(var.order + "I", flags[:4])[0]
     if word & 0xFF not in NUMERIC_CLASSES:
         raise ValueError(f"a variable of class {word & 0xFF}, not an array of numbers")
-    _, dims = var.element("dimensions", frozenset({MI_INT32}), keep=4 * MAX_DIMS + 1)
+    _, dims = var.element("dimensions", frozenset({MI_INT32, MI_UINT32}), keep=4 * MAX_DIMS + 1)  # (as scipy takes)
     if not 8 <= len(dims) <= 4 * MAX_DIMS or len(dims) % 4:
         raise ValueError(f"a variable's dimensions take {len(dims)} bytes")
     if min(struct.unpack(f"{var.order}{len(dims) // 4}i", dims)) < 0:
         raise ValueError("a variable has a negative dimension")
-    var.element("name", frozenset({MI_INT8}))
+    var.element("name", frozenset({MI_INT8, MI_UTF8}))
     var.element("real part", NUMERIC_TYPES)
     if word & COMPLEX_FLAG:
         var.element("imaginary part", NUMERIC_TYPES)

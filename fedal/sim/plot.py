@@ -23,10 +23,10 @@ def plot_accuracy(runs: dict[str, dict], path: str | Path, x: str = "round") -> 
         # one evaluation (a run of one round, or eval_every past its rounds): a line of one point draws nothing
         ax.plot(xs, [r["mean_acc"] for r in pts], label=label, marker="o" if len(pts) == 1 else None)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds and steps are whole numbers
-    left, right = ax.get_xlim()
-    if right - left < 2:  # (a single x: matplotlib's own margin puts fractions of a round on the axis)
-        middle = round((left + right) / 2)
-        ax.set_xlim(middle - 1, middle + 1)
+    shown = {float(x) for line in ax.lines for x in line.get_xdata()}
+    if len(shown) == 1:  # (one x: matplotlib's own margin puts fractions of a round on the axis)
+        (only,) = shown
+        ax.set_xlim(only - 1, only + 1)
     ax.set_xlabel("local steps (rounds x tau)" if x == "steps" else "round")
     ax.set_ylabel("mean client accuracy (common test set)")
     ax.grid(alpha=0.3)
