@@ -16,14 +16,15 @@ def plot_accuracy(runs: dict[str, dict], path: str | Path, x: str = "round") -> 
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    shown: set[float] = set()  # the rounds (or steps) plotted
     for label, res in runs.items():
         pts = [r for r in res["rounds"] if "mean_acc" in r]
         tau = res["config"]["strategy_params"]["tau"]
         xs = [r["round"] * (tau if x == "steps" else 1) for r in pts]
+        shown.update(float(v) for v in xs)
         # one evaluation (a run of one round, or eval_every past its rounds): a line of one point draws nothing
         ax.plot(xs, [r["mean_acc"] for r in pts], label=label, marker="o" if len(pts) == 1 else None)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds and steps are whole numbers
-    shown = {float(x) for line in ax.lines for x in line.get_xdata()}
     if len(shown) == 1:  # (one x: matplotlib's own margin puts fractions of a round on the axis)
         (only,) = shown
         ax.set_xlim(only - 1, only + 1)
