@@ -196,9 +196,10 @@ def warn_if_other_data(config: RunConfig, config_path: str | None, flags: dict, 
     """A results file repeated (--config results.json) on data that is not the same: its
     data_dir's files changed or are other files. The run is what the data gave; this says so.
     (The hash it ran on was read with its config: a pipe is read once.)"""
-    before, now = config.ran_on_public_hash, results["data"]["public_hash"]
+    before = config.ran_on_public_hash
     if before is None or any(flags.get(k) is not None for k in PUBLIC_SET_FLAGS):
         return
+    now = results["data"]["public_hash"]
     if before != now:
         click.echo(f"warning: this run's public set is not the one {config_path} ran on (public_hash {now[:12]}..., "
                    f"there {before[:12]}...): the files under data_dir changed, so the numbers need not match", err=True)

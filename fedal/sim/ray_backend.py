@@ -71,6 +71,7 @@ log = logging.getLogger("fedal.sim.ray")
 # how long the actors may take to be placed and started (their clients are built after that, unbounded):
 # past it, the run stops instead of waiting for resources that other work holds (FEDAL_RAY_START_TIMEOUT_S sets it)
 ACTOR_START_TIMEOUT_S = 120.0
+RESTART_WAIT_S = ACTOR_START_TIMEOUT_S  # a restarted actor is as slow to come back as a new one to start
 # what --client-resources calls a resource -> what Ray's cluster_resources() calls it
 RAY_RESOURCE_NAMES = {"num_cpus": "CPU", "num_gpus": "GPU"}
 # the counts a run's `backend` results always carry (0: nothing of the kind happened)
@@ -255,12 +256,28 @@ class RayTransport(SimulatedTransport):
                 self.counters["lost_tasks"] += len(by_actor[actor])
                 log.warning("an actor died with %d tasks (%s); Ray restarts it from its clients' round-start "
                             "snapshots", len(by_actor[actor]), type(exc).__name__)
+                self._await_restart(actor)
                 continue
             self.stacking.add(stacking)
             ks = by_actor[actor]
             for k, result in zip(ks, count_refusals(self.counters, [items[k] for k in ks], answers)):
                 results[k] = result
         return results
+
+
+    def _await_restart(self, actor: Any) -> None:
+        """Wait (in real time, at most RESTART_WAIT_S) for Ray to have the actor back: the engine
+        re-sends its lost tasks after a re-send period of simulated time, and a restart slower
+        than a few of those (a busy machine: a new worker imports torch and rebuilds its clients)
+        would let the phase's deadline close without clients that only their actor's restart
+        kept from answering."""
+        import ray
+
+        try:
+            ray.get(actor.ready.remote(self.public), timeout=RESTART_WAIT_S)
+        except (ray.exceptions.RayError, TimeoutError) as exc:  # still away: the engine's rules decide
+            log.warning("the actor is not back after %.0f s (%s): its clients miss what the phase's deadline "
+                        "leaves them", RESTART_WAIT_S, type(exc).__name__)
 
 
 def start_ray(address: str | None, num_cpus: int | None, verbose: bool) -> bool:
