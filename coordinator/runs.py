@@ -97,7 +97,8 @@ class RunManager:
                 continue
             try:
                 stored = self.store.load(run_id)  # (DamagedRow, a ValueError: that run alone is not restored)
-                assert stored is not None  # (listed by the store)
+                if stored is None:  # (gone since it was listed)
+                    continue
                 spec = RunSpec.model_validate(_as_stored_then(stored.spec))
                 where = self._outside_reach(spec)
                 if where:

@@ -53,8 +53,9 @@ class _Inflated:
                 return True
 
     def read(self, n: int) -> bytes:
-        while len(self.buffer) < n and self._more():
-            pass
+        while len(self.buffer) < n:
+            if not self._more():
+                break
         out, self.buffer = self.buffer[:n], self.buffer[n:]
         return out
 
