@@ -26,9 +26,12 @@ PARAMS = ("local_epochs", "privacy")
 
 def weighted_average(states: list[dict[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:
     w = np.asarray(weights, dtype=np.float64)
-    if not np.isfinite(w.sum()):  # finite weights whose sum overflows (clients claiming 1e308 samples):
+    with np.errstate(over="ignore"):  # (an overflowing sum is handled here, not warned of)
+        total = w.sum()
+    if not np.isfinite(total):  # finite weights whose sum overflows (clients claiming 1e308 samples):
         w = w / w.max()  # the same proportions (all zeros before, a global model of nothing)
-    w = w / w.sum()
+        total = w.sum()
+    w = w / total
     out = {}
     for key in states[0]:
         stacked = np.stack([s[key].astype(np.float64) for s in states])
