@@ -184,14 +184,11 @@ def _file_sha256(path: Path) -> str | None:
     """A regular file's digest (None: none there, a link, unreadable)."""
     if path.is_symlink() or not path.is_file():
         return None
-    digest = hashlib.sha256()
     try:
         with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
+            return hashlib.file_digest(fh, "sha256").hexdigest()
     except OSError:
         return None
-    return digest.hexdigest()
 
 
 def _is_earlier_int8_copy(report_path: Path, int8_path: Path) -> bool:
