@@ -83,54 +83,93 @@ def _summary(out: Path) -> dict:
     return summary
 
 
-def _passwd_entries(text: str, path: Path) -> dict[str, str]:
+def _passwd_user(line: str) -> tuple[str, str] | None:
+    """(user, hash) of a password-file line as Mosquitto 2.0 reads it (`pwfile__parse`): a line
+    starting with # or without a colon is no account; the name is the first colon-separated token,
+    blanks around it trimmed (` pi-2 :...` is pi-2's), so a hand-edited line is found by its name."""
+    if line.startswith("#") or ":" not in line:
+        return None
+    tokens = [t for t in line.split(":") if t]  # strtok: a run of colons is one separator
+    if not tokens or not tokens[0].strip():
+        return None
+    return tokens[0].strip(), (tokens[1].strip() if len(tokens) > 1 else "")
+
+
+def _passwd_entries(text: str) -> dict[str, str]:
     entries: dict[str, str] = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip() or line.startswith("#"):
-            continue
-        user, sep, hashed = line.partition(":")
-        if not sep:
-            raise FleetError(f"{path}:{n} is not a `user:hash` line")
-        entries[user] = hashed
+    for line in text.splitlines():
+        account = _passwd_user(line)
+        if account is not None:
+            entries.setdefault(*account)
     return entries
 
 
 def _passwd_text(text: str, entries: dict[str, str]) -> str:
     """The password file with `entries`' accounts: the lines there in their order (an operator's
     comments and accounts included), a changed account's hash in its own line, a removed one's
-    line gone, new ones at the end."""
+    line gone (every line Mosquitto would read as its account), new ones at the end."""
     lines, written = [], set()
     for line in text.splitlines():
-        user, sep, _ = line.partition(":")
-        if not line.strip() or line.startswith("#") or not sep:
+        account = _passwd_user(line)
+        if account is None:
             lines.append(line)
-        elif user in entries and user not in written:
-            lines.append(f"{user}:{entries[user]}")
-            written.add(user)
+        elif account[0] in entries and account[0] not in written:
+            lines.append(f"{account[0]}:{entries[account[0]]}")
+            written.add(account[0])
     lines += [f"{user}:{hashed}" for user, hashed in entries.items() if user not in written]
     return "".join(f"{line}\n" for line in lines)
 
 
-def _acl_blocks(text: str) -> tuple[list[str | tuple[str, list[str]]], dict[str, list[str]]]:
-    """The ACL in order: each `user` block as (user, its `topic` rules), every other line (comments,
+def _acl_word(line: str) -> tuple[str, str] | None:
+    """(keyword, the rest) of an ACL line as Mosquitto 2.0 reads it (`aclfile__parse`): trailing
+    blanks dropped, a line starting with # skipped, the keyword the first space-separated word
+    (`  user ops` is a user line)."""
+    stripped = line.rstrip()
+    if not stripped or stripped.startswith("#"):
+        return None
+    word, _, rest = stripped.lstrip(" ").partition(" ")
+    return word, rest.strip()
+
+
+def _acl_blocks(text: str) -> tuple[list[str | tuple[str, str]], dict[str, list[str]]]:
+    """The ACL in order: each `user` block as (user, its `user` line), every other line (comments,
     blank lines, `pattern` rules, which apply to every user) as it is; and each user's rules by
     name. As Mosquitto reads the file, a `topic` line is the rule of the last `user` line above
     it: a device's rules are those, and nothing else is the device's to remove."""
-    items: list[str | tuple[str, list[str]]] = []
+    items: list[str | tuple[str, str]] = []
     blocks: dict[str, list[str]] = {}
     current: list[str] | None = None
     for line in text.splitlines():
-        if line.startswith("user "):
-            current = blocks.setdefault(line[5:].strip(), [])
-            items.append((line[5:].strip(), current))
-        elif current is not None and line.lstrip().startswith("topic "):
+        word = _acl_word(line)
+        if word is not None and word[0] == "user":
+            current = blocks.setdefault(word[1], [])
+            items.append((word[1], line))  # the user line as written (its indentation kept)
+        elif current is not None and word is not None and word[0] == "topic":
             current.append(line)
         else:
             items.append(line)
     return items, blocks
 
 
-def _acl_text(items: list[str | tuple[str, list[str]]], blocks: dict[str, list[str]]) -> str:
+def _check_locked_out(passwd: str, acl_text: str, gone: list[str], new_hashes: dict[str, str]) -> None:
+    """The files about to be written read back as Mosquitto reads them: no revoked device has an
+    account or rules left, a reissued one has its new hash only. Refused before anything is
+    written otherwise (a line this reader and Mosquitto's would see differently)."""
+    accounts: dict[str, list[str]] = {}
+    for line in passwd.splitlines():
+        account = _passwd_user(line)
+        if account is not None:
+            accounts.setdefault(account[0], []).append(account[1])
+    users = {word[1] for word in map(_acl_word, acl_text.splitlines()) if word is not None and word[0] == "user"}
+    left = [cid for cid in gone if cid in accounts or cid in users]
+    left += [cid for cid, hashed in new_hashes.items() if accounts.get(cid) != [hashed]]
+    if left:
+        raise FleetError(f"the broker's passwd or acl would still admit {', '.join(left)} as before (a line there "
+                         "names it in a way this command does not rewrite); nothing was changed: edit those lines "
+                         "by hand, then run the command again")
+
+
+def _acl_text(items: list[str | tuple[str, str]], blocks: dict[str, list[str]]) -> str:
     """The ACL with `blocks` as they are now: a block removed leaves the lines around it, a block
     new (a revoked device reissued) goes at the end."""
     lines: list[str] = []
@@ -143,7 +182,7 @@ def _acl_text(items: list[str | tuple[str, list[str]]], blocks: dict[str, list[s
             removed = False
         elif item[0] in blocks and item[0] not in placed:
             placed.add(item[0])
-            lines += [f"user {item[0]}", *blocks[item[0]]]
+            lines += [item[1], *blocks[item[0]]]
             removed = False
         else:
             removed = True
@@ -251,7 +290,7 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
             raise FleetError(f"{cid!r} is not a device of the fleet in {out} (its devices: {', '.join(devices) or 'none'})")
     passwd_path, acl_path = out / "broker" / "passwd", out / "broker" / "acl"
     passwd_text = _read(passwd_path)
-    entries = _passwd_entries(passwd_text, passwd_path)
+    entries = _passwd_entries(passwd_text)
     acl_items, blocks = _acl_blocks(_read(acl_path))
     coordinator_toml = out / "coordinator" / "broker.toml"
     coordinator_text = _read(coordinator_toml)
@@ -290,8 +329,10 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
             done[cid] = "revoked"
     devices.sort(key=_natural)
 
-    # its files go only from folders of the fleet's own: through a link they would be another's
-    linked = [f"devices/{cid}" for cid in gone if linked_folders(out, out / "devices" / cid / "agent.toml")]
+    # its files go from, and a reissued device's to, folders of the fleet's own only: through a
+    # link they would be another's
+    linked = [f"devices/{cid}" for cid in [*gone, *new_passwords]
+              if linked_folders(out, out / "devices" / cid / "agent.toml")]
     if linked:
         raise FleetError(f"--out {out}: {', '.join(linked)} is a link, not a folder `fedal fleet init` wrote; nothing "
                          "was changed (replace the link by the folder it should be, or remove it)")
@@ -305,14 +346,22 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
         raise FleetError(f"cannot write a new config for the fleet's devices: {exc}") from None
     finally:
         _PLAN.reset(token)
+    foreign = [path.relative_to(out).as_posix() for path in device_files
+               if path.name != "agent.toml" and (path.exists() or path.is_symlink())
+               and path.relative_to(out).as_posix() not in files]
+    if foreign:  # (a device's config is kept, edited: _kept_config) a ca.crt of the user's is not replaced
+        raise FleetError(f"--out {out}: {', '.join(foreign)} exist(s) and no `fedal fleet` command wrote them; "
+                         "nothing was changed (move them away)")
     for cid, password in new_passwords.items():
         kept = _kept_config(out / "devices" / cid / "agent.toml", cid, password, device_files)
         if kept is not None:
             done[cid] = f"reissued ({kept})"
+    new_passwd, new_acl = _passwd_text(passwd_text, entries), _acl_text(acl_items, blocks)
+    _check_locked_out(new_passwd, new_acl, gone, {cid: entries[cid] for cid in new_passwords})
     try:
         # the accounts first: once these two are on the broker, a revoked card is locked out
-        _write(passwd_path, _passwd_text(passwd_text, entries), 0o600)
-        _write(acl_path, _acl_text(acl_items, blocks), 0o644)
+        _write(passwd_path, new_passwd, 0o600)
+        _write(acl_path, new_acl, 0o644)
         for path, (text, mode) in device_files.items():
             _write(path, text, mode)
             files.add(path.relative_to(out).as_posix())
