@@ -335,6 +335,8 @@ class Agent:
         torch.manual_seed(cfg.seed)  # the same initialisation as `fedal simulate` for this seed
         model = build_model(cfg.model, train.input_shape, manifest.num_classes)
         client = spec.client(cfg.client_id, model, train, public, params, seed=cfg.seed)
+        if client.private is not None and not cfg.dp_seeded_noise:
+            client.private.draw_secretly()  # (a checkpoint of this run restores its own draw, in host())
         if cfg.inference_backend != "torch":
             client.inference = OnnxInference(cfg.inference_backend, self.workspace, cfg.threads, train.x)
         self.host(client, manifest.instance)

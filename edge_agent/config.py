@@ -40,7 +40,11 @@ class AgentConfig(BaseSettings, NoCoercion):
     run_id: str
     broker: AgentBrokerSettings = Field(default_factory=AgentBrokerSettings)
     model: str = Field(description="private model architecture (zoo name); never leaves the device")
-    seed: int = Field(0, ge=0, description="model initialisation and minibatch sampling")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="model initialisation and minibatch sampling")
+    dp_seeded_noise: bool = Field(
+        False, description="in a private run, draw the differential-privacy noise and sampling from `seed`, as a "
+        "simulation does (reproducible) instead of from the operating system; anyone who knows the seed (the "
+        "coordinator may) can then take the noise away again: for tests and demos on one machine only")
     data_file: Path = Field(description=".npz with x (float32) and y (int64): the private training data")
     test_file: Path | None = Field(None, description=".npz with x, y: the common test set, for evaluation")
     local_test_file: Path | None = Field(None, description=".npz with x, y: this device's own held-out test split")

@@ -87,6 +87,8 @@ def prepare_workspace(config: RunConfig, workdir: Path, broker_url: str, api_por
             "seed": client_seed(config.seed, i), "data_file": str(ws / "train.npz"), "test_file": str(ws / "test.npz"),
             "workspace": str(ws), "threads": config.threads, "broker": {"url": broker_url},
         }
+        if config.strategy_params.privacy is not None:  # one machine, its own coordinator: the noise a
+            agent["dp_seeded_noise"] = True  # simulation of this config draws, so the numbers are its
         if len(data.client_tests[i]):
             np.savez(ws / "local_test.npz", x=data.client_tests[i].x, y=data.client_tests[i].y)
             agent["local_test_file"] = str(ws / "local_test.npz")

@@ -23,7 +23,9 @@ def clipped_class_sums(values: torch.Tensor, labels: torch.Tensor, num_classes: 
     then its count times `clip`."""
     values = values.reshape(len(values), -1).double()
     norms = values.norm(dim=1, keepdim=True)
-    clipped = values * (clip / norms.clamp_min(1e-12)).clamp(max=1.0)
+    # a row that is not finite counts as a zero row (inf * 0 is NaN: the release would depend on it)
+    finite = norms.isfinite()
+    clipped = torch.where(finite, values, 0.0) * torch.where(finite, (clip / norms.clamp_min(1e-12)).clamp(max=1.0), 0.0)
     sums = torch.zeros(num_classes, values.shape[1], dtype=torch.float64).index_add_(0, labels, clipped)
     counts = torch.bincount(labels, minlength=num_classes)[:num_classes].double()
     return torch.cat([sums, clip * counts[:, None]], dim=1)

@@ -5,14 +5,18 @@ privately. Each step draws its batch by Poisson sampling (every private sample j
 q = batch_size / n, the sampling the accountant assumes), computes every sample's gradient
 (Opacus's GradSampleModule hooks, attached for these steps only), clips each to max_grad_norm C,
 sums them, adds Gaussian noise of std sigma * C to the sum and divides by the expected batch size
-q * n; then the client's own optimizer steps. The noise comes from the client's own seeded
-generator, checkpointed with it, so a simulation and a deployment draw the same noise.
+q * n; then the client's own optimizer steps. The noise and the sampling come from the client's
+own generator, checkpointed with it (on the device: its checkpoint never leaves it). A simulation
+seeds it from the client's seed (reproducible; no one there to hide from); an agent draws it from
+the operating system (`draw_secretly`), as anyone who knows a seed (the coordinator may: the run's
+seed, the agent's default) could take the noise away again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -76,11 +80,17 @@ class PrivateTraining:
         self.n = n
         self.sample_rate = min(1.0, batch_size / n)
         self.expected_batch = self.sample_rate * n
-        self.generator = torch.Generator().manual_seed(int(seed))
+        self.generator = torch.Generator().manual_seed(int(seed) % 2**64)
         self.accountant = PrivacyAccountant(params.accountant)
         self._sigma = params.sigma_for(self.sample_rate, steps_per_round, releases_per_round, one_off_steps)
         self.refused_steps = 0  # steps not taken because of the budget
         self._gsm: Any = None  # Opacus's GradSampleModule while per_sample() is open
+
+    def draw_secretly(self) -> None:
+        """The noise and sampling from here on drawn from a seed of the operating system's
+        randomness that never leaves this process (and its checkpoint): no one who knows the run's
+        or the device's seed can reproduce them."""
+        self.generator.manual_seed(secrets.randbits(64))
 
     @property
     def sigma(self) -> float:
@@ -205,5 +215,8 @@ def clipped_sum(grad_samples: list[torch.Tensor], max_norm: float) -> list[torch
     taken over all of the sample's parameters together (Opacus's flat clipping)."""
     batch = grad_samples[0].shape[0]
     norms = torch.stack([g.reshape(batch, -1).norm(dim=1) for g in grad_samples], dim=1).norm(dim=1)
-    factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    # a sample whose gradient is not finite adds nothing (inf * 0 is NaN: the sum, and so what
+    # the step releases, would depend on that one sample being there)
+    factor = torch.where(norms.isfinite(), (max_norm / (norms + 1e-6)).clamp(max=1.0), 0.0)
+    grad_samples = [torch.where(factor.reshape(-1, *[1] * (g.dim() - 1)) > 0, g, 0.0) for g in grad_samples]
     return [torch.einsum("i,i...->...", factor, g) for g in grad_samples]

@@ -272,7 +272,10 @@ class ClientSession:
                 self.counters["round_replays"] -= 1
                 log.info("the task that replayed round %s was refused: back to the state before it", round_no)
 
-            self.client.load_state_dict(start[1])
+            # the privacy ledger and noise are not taken back: the replayed steps cost their
+            # epsilon again, with fresh noise (the same noise on other inputs would cancel out
+            # in the difference of the two releases)
+            self.client.load_state_dict({**start[1], "privacy": state["privacy"]} if "privacy" in state else start[1])
             self.round_steps = set()
             self.counters["round_replays"] += 1
             self._undo_replay = undo

@@ -256,6 +256,14 @@ class RunConfig(NoCoercion):
         if self.strategy_params.privacy is not None and self.strategy_params.privacy.noise_multiplier == 0:
             raise ValueError("privacy.noise_multiplier 0 adds no noise: epsilon would be unbounded; give a noise "
                              "multiplier > 0 or a target_epsilon (clipping alone is no differential privacy)")
+        privacy = self.strategy_params.privacy
+        if privacy is not None and privacy.target_epsilon is not None and privacy.planned_rounds is not None \
+                and privacy.planned_rounds < self.rounds \
+                and (privacy.epsilon_budget is None or privacy.epsilon_budget > privacy.target_epsilon):
+            raise ValueError(f"privacy.planned_rounds {privacy.planned_rounds} is fewer than the run's {self.rounds} "
+                             f"rounds: the clients would end above target_epsilon {privacy.target_epsilon:g}. Leave "
+                             "planned_rounds out (the run sets it), or add an epsilon_budget of at most the target "
+                             "(the clients then stop training on their private data there)")
         if self.strategy_params.privacy is not None and "privacy" not in spec.params:
             private = ", ".join(n for n, s in STRATEGIES.items() if "privacy" in s.params)
             raise ValueError(f"strategy {self.strategy!r} has no differentially private training yet; privacy "

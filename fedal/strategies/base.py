@@ -171,7 +171,7 @@ class ClientHalf(ABC):
             require_opacus()  # before anything: a device without it refuses the run
             model = dp_compatible(model, f"{client_id}'s model")
             steps, releases = plan
-            self.private = PrivateTraining(params.privacy, len(train), params.batch_size, seed=int(seed) * 7919 + 0xD9,
+            self.private = PrivateTraining(params.privacy, len(train), params.batch_size, seed=(int(seed) * 7919 + 0xD9) % 2**64,
                                            steps_per_round=steps, releases_per_round=releases,
                                            one_off_steps=self.private_one_off(params, len(train)))
         self.model = model
