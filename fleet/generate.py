@@ -41,7 +41,7 @@ import tomli_w
 
 from edge_agent.config import AgentConfig
 from fedal.hosts import url_host
-from fedal.protocol import MAX_PAYLOAD, BrokerAddress, BrokerSettings, parse_broker_url, topics
+from fedal.protocol import MAX_MESSAGE_BYTES, MAX_PAYLOAD, BrokerAddress, BrokerSettings, parse_broker_url, topics
 from fleet import acl, passwords, tls
 
 # Where install-agent.sh puts things on a device; the generated agent configs point there.
@@ -351,6 +351,11 @@ def _plan_fleet(spec: FleetSpec) -> dict:
     return summary
 
 
+# what the broker queues for one session: twice an agent's default max_message_bytes (one whole
+# task envelope, a FedAvg model included, always fits, with the next one behind it)
+QUEUED_BYTES = 2 * MAX_MESSAGE_BYTES
+
+
 def mosquitto_conf(spec: FleetSpec, port: int, coord_port: int) -> str:
     d = spec.broker_dir.rstrip("/")
     bind = f" {spec.bind}" if spec.bind else ""
@@ -376,6 +381,12 @@ def mosquitto_conf(spec: FleetSpec, port: int, coord_port: int) -> str:
         "# Tasks and results are a few kB each way per phase: with Nagle's algorithm on, each waits for",
         "# the peer's delayed ACK (up to 40 ms per hop). The toolkit's clients turn it off too.",
         "set_tcp_nodelay true",
+        "# A device that is off keeps its session, and the broker queues its tasks: at most this many",
+        "# bytes of them (twice the largest envelope an agent takes; the coordinator sends a device its",
+        "# open task again when it is back), and a session unused for two weeks is forgotten (a device",
+        "# back after that subscribes again; a dead one no longer holds the broker's memory).",
+        f"max_queued_bytes {QUEUED_BYTES}",
+        "persistent_client_expiration 2w",
         "",
         "# Devices. The broker takes the user name as the client id, whatever the client sends: an",
         "# account holds only its own session, so it cannot disconnect another device or the coordinator.",

@@ -28,9 +28,12 @@ class Client(mqtt.Client):
         # paho's network thread calls this for the first connection and every retry
         try:
             result = super().reconnect()
-        except Exception as exc:
+        except OSError as exc:
             self.last_connect_error = exc
             raise
+        except Exception as exc:  # e.g. a host name no resolver takes (UnicodeError): paho retries only
+            self.last_connect_error = exc  # an OSError; anything else ended its thread without a word
+            raise OSError(f"{type(exc).__name__}: {exc}") from exc
         self.last_connect_error = None
         no_delay(self.socket())
         return result

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from fedal.protocol.chunking import DEFAULT_MAX_PAYLOAD
 from fedal.strict_fields import NoCoercion
@@ -43,6 +43,11 @@ def parse_broker_url(url: str) -> BrokerAddress:
         raise ValueError(f"broker URL {without_password(url)!r} must start with mqtt:// or mqtts://")
     if not parts.hostname:
         raise ValueError(f"broker URL {without_password(url)!r} has no host")
+    try:  # as the resolver will: `broker..local` or a label over 63 characters is no host name
+        parts.hostname.encode("idna")
+    except UnicodeError:
+        raise ValueError(f"broker URL {without_password(url)!r}: {parts.hostname!r} is not a host name (an empty "
+                         "label, or one longer than 63 characters)") from None
     tls = parts.scheme == "mqtts"
     try:
         given = parts.port
@@ -78,6 +83,14 @@ class BrokerSettings(NoCoercion):
     def _url(cls, v: str) -> str:
         parse_broker_url(v)
         return v
+
+    @model_validator(mode="after")
+    def _ca_file_needs_tls(self) -> BrokerSettings:
+        if self.ca_file is not None and not parse_broker_url(self.url).tls:
+            raise ValueError(f"broker.ca_file is set but the URL {without_password(self.url)!r} is plain mqtt://: "
+                             "nothing would be encrypted (the password would cross the network in the clear); "
+                             "use mqtts:// (or leave ca_file out)")
+        return self
 
     def missing_file(self) -> str | None:
         """Why this machine cannot use these settings' files (a CA file that is not there), else
