@@ -17,13 +17,12 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
-from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.config import RunSpec
-from coordinator.dashboard import STATIC_DIR
+from coordinator.dashboard import dashboard_files
 from coordinator.events import CLOSED, TooManySubscribers, sse_format
 from coordinator.metrics import registry_for
 from coordinator.run import Run
@@ -313,9 +312,9 @@ def create_app(runs: RunManager | Run) -> FastAPI:
             raise HTTPException(status_code=503, detail=detail, headers={"Retry-After": str(STREAM_RETRY_AFTER_S)}) from None
 
         async def stream():
-            try:
-                yield sse_format({"id": 0, "type": "hello", "runs": {**{e.cfg.run_id: e.state for e in runs.list()},
-                                                                      **dict.fromkeys(runs.unrestored, "failed")}})
+            try:  # hello carries no id: a reconnecting browser's Last-Event-ID stays the last real event's
+                yield sse_format({"type": "hello", "runs": {**{e.cfg.run_id: e.state for e in runs.list()},
+                                                             **dict.fromkeys(runs.unrestored, "failed")}})
                 while not await request.is_disconnected():
                     event = await next_event(subscription, KEEP_ALIVE_S)
                     if event is None:
@@ -327,7 +326,8 @@ def create_app(runs: RunManager | Run) -> FastAPI:
             finally:
                 runs.events.unsubscribe(subscription)
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return SlotStream(stream(), lambda: runs.events.unsubscribe(subscription), media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @get_and_head(app, "/metrics", response_class=PlainTextResponse, dependencies=reads)
     def metrics() -> PlainTextResponse:
@@ -346,10 +346,30 @@ def create_app(runs: RunManager | Run) -> FastAPI:
     def root() -> RedirectResponse:
         return RedirectResponse("/dashboard/")
 
-    app.mount("/dashboard", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
+    app.mount("/dashboard", dashboard_files(), name="dashboard")
     app.add_middleware(RequestGuard, token=token, max_body_bytes=api.max_body_bytes,
                        allowed=allowed_hosts(api.host, api.public_base_url, api.allowed_hosts), on_refused=runs.refused)
     return app
+
+
+class SlotStream(StreamingResponse):
+    """An event stream that gives its slot back however the response ends. The generator's own
+    `finally` does not run when the client leaves while a send is blocked (a full socket buffer:
+    Starlette cancels the send and the paused generator waits for the garbage collector), and
+    ~100 such peers filled every slot (503 for every new dashboard) until a full collection."""
+
+    def __init__(self, content: Any, release: Callable[[], None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
 
 
 STOP_WAIT_S = 10.0  # how long a stop request waits for the run to reach `stopped` before it answers

@@ -96,6 +96,10 @@ class ApiSettings(NoCoercion):
         if v is not None and (not v or v != v.strip()):
             raise ValueError("an empty token, or one with spaces at its ends, can never be presented: set a token "
                              "without them, or leave `token` out (writes are then refused)")
+        if v is not None and not (v.isascii() and v.isprintable()):
+            # a browser sends a header's characters as latin-1 or not at all: such a token was always "wrong"
+            raise ValueError("the token must be printable ASCII (letters, digits, punctuation): a browser cannot send "
+                             "other characters in a header, so the dashboard could never present it")
         return v
 
 

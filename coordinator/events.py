@@ -83,4 +83,7 @@ def _put(q: queue.Queue, item: dict[str, Any]) -> None:
 
 
 def sse_format(event: dict[str, Any]) -> str:
-    return f"id: {event['id']}\nevent: {event['type']}\ndata: {json.dumps(event)}\n\n"
+    """One SSE message; an event without an id (the stream's hello) leaves the client's
+    last event id as it was."""
+    ident = f"id: {event['id']}\n" if "id" in event else ""
+    return f"{ident}event: {event['type']}\ndata: {json.dumps(event)}\n\n"

@@ -49,6 +49,16 @@ def test_a_token_that_can_never_be_presented_is_a_config_error(tmp_path, token):
         load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": token})
 
 
+@pytest.mark.parametrize("token", ["s\u00e4tze-1234567890", "tok\u200bzero-width-space", "tab\tinside"])
+def test_a_token_a_browser_cannot_send_is_a_config_error(tmp_path, token):
+    """A browser sends a header's characters as latin-1 (the coordinator compared UTF-8: `ä` was
+    always a wrong token) or refuses to send it at all (above U+00FF): the dashboard could never
+    present such a token."""
+    with pytest.raises(SettingsError, match="printable ASCII"):
+        load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": token})
+    load_coordinator_config(None, state_dir=tmp_path / "state", api={"token": "Ab9-._~+/=!#$%&*?@^|"})
+
+
 def test_a_short_token_is_warned_of_at_start(tmp_path, caplog):
     from coordinator.cli import warn_if_weak_token
 

@@ -60,7 +60,7 @@ def test_the_event_stream_ends_when_the_hub_is_closed(tmp_path):
         runs.events.close()
         runs.store.close()
     resp = box["resp"]
-    assert resp.status_code == 200 and resp.text.startswith("id: 0\nevent: hello\n")
+    assert resp.status_code == 200 and resp.text.startswith("event: hello\n")
 
 
 class ManifestStates:

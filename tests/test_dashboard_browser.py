@@ -19,6 +19,7 @@ from tests.health_trees import pi_tree, set_agent_options
 from tests.waiting import wait_until
 
 webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.chrome.options import Options  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -30,6 +31,7 @@ def chromium(user_data_dir: str, extra: tuple[str, ...] = ()):
         pytest.fail("Debian's chromium and chromium-driver are needed (scripts/install-test-tools.sh installs them)")
     options = Options()
     options.binary_location = browser
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console: CSP violations land there
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-dev-shm-usage", f"--user-data-dir={user_data_dir}", "--window-size=1280,1400", *extra):
         options.add_argument(flag)
@@ -73,13 +75,20 @@ def test_dashboard_follows_a_live_run(mosquitto, tmp_path):
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
         statuses = [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#clients tbody tr td:nth-child(2)")]
         assert statuses == ["online"] * 3
-        health = wait_until(lambda: {r.get_attribute("data-client"): r.find_element(By.CSS_SELECTOR, "td:last-child")
-                                     for r in driver.find_elements(By.CSS_SELECTOR, "#clients tbody tr")}, 60, "health")
-        assert {cid: td.text for cid, td in health.items()} == {"c00": "ok", "c01": "under_voltage, throttled",
-                                                               "c02": "ok"}
-        assert health["c01"].get_attribute("class") == "flagged" and health["c00"].get_attribute("class") == "healthy"
-        assert "get_throttled 0x50005" in health["c01"].get_attribute("title")
-        assert "board Raspberry Pi 4 Model B Rev 1.4" in health["c01"].get_attribute("title")
+        def health_cells() -> dict | None:  # read in one go: an event's refresh rebuilds the rows
+            try:
+                return {r.get_attribute("data-client"): {k: r.find_element(By.CSS_SELECTOR, "td:last-child")
+                                                         .get_attribute(k) for k in ("textContent", "class", "title")}
+                        for r in driver.find_elements(By.CSS_SELECTOR, "#clients tbody tr")} or None
+            except StaleElementReferenceException:
+                return None
+
+        health = wait_until(health_cells, 60, "health")
+        assert {cid: td["textContent"] for cid, td in health.items()} == {
+            "c00": "ok", "c01": "under_voltage, throttled", "c02": "ok"}
+        assert health["c01"]["class"] == "flagged" and health["c00"]["class"] == "healthy"
+        assert "get_throttled 0x50005" in health["c01"]["title"]
+        assert "board Raspberry Pi 4 Model B Rev 1.4" in health["c01"]["title"]
         assert driver.find_element(By.ID, "client-count").text == "(3 of 3 online, 1 flagged)"
         temps = [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#clients tbody tr td:nth-child(10)")]
         assert temps == ["52.6 °C"] * 3
@@ -93,6 +102,8 @@ def test_dashboard_follows_a_live_run(mosquitto, tmp_path):
         dep.control("resume")
         wait_until(lambda: round_counter() > 3, 180, "the round counter to advance past 3")
         wait_until(lambda: driver.execute_script("return window.fromEvents") > 0, 60, "a refresh on a server-sent event")
+        blocked = [e["message"] for e in driver.get_log("browser") if "Content Security Policy" in e["message"]]
+        assert not blocked, blocked  # the dashboard's own policy lets everything it does through
     finally:
         if driver is not None:
             driver.quit()
@@ -165,6 +176,65 @@ def test_the_api_pages_render_with_no_network_but_the_coordinators(tmp_path):
                    "Swagger UI to list the API's operations")
         paths = {e.text for e in driver.find_elements(By.CSS_SELECTOR, ".opblock-summary-path")}
         assert {"/api/v1/runs", "/metrics"} <= paths, paths
+    finally:
+        if driver is not None:
+            driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+        server.should_exit = True
+        thread.join(timeout=15)
+        runs.store.close()
+
+
+def test_a_dashboard_waiting_for_a_token_sends_nothing_and_a_live_one_does_not_poll(tmp_path):
+    """Waiting for a token, the dashboard went on polling every 2 s: 30 refused requests a minute,
+    each counted and logged as a guess. Live on the event stream it polled all the same (three
+    reads of every run each time, a full snapshot of each under its engine's lock)."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from coordinator.app import create_app
+    from coordinator.config import load_coordinator_config
+    from coordinator.runs import RunManager
+    from tests.waiting import free_port
+
+    runs = RunManager(load_coordinator_config(None, state_dir=tmp_path / "state",
+                                              api={"token": "s3cret", "read_requires_token": True}))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(runs), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    profile = tempfile.mkdtemp(prefix="fedal-chromium-")
+    driver = None
+    try:
+        wait_until(lambda: server.started, 30, "the API to listen")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/dashboard/app.js", timeout=10) as resp:
+            headers = resp.headers  # revalidated on every load (no stale app.js after an upgrade), no framing
+            assert headers["Cache-Control"] == "no-cache" and "frame-ancestors 'none'" in headers[
+                "Content-Security-Policy"] and headers["X-Content-Type-Options"] == "nosniff"
+        driver = chromium(profile)
+        driver.set_page_load_timeout(60)
+        driver.get(f"http://127.0.0.1:{port}/dashboard/")
+        wait_until(lambda: driver.find_element(By.ID, "token-form").is_displayed(), 60, "the token form")
+        settled = sum(runs.refused_requests.values())
+        time.sleep(6.5)  # three polls' worth
+        assert sum(runs.refused_requests.values()) == settled, dict(runs.refused_requests)
+        assert settled <= 3  # the first read, the event stream's 401 (and at most one read already under way)
+
+        runs.config.api.read_requires_token = False  # reads open: the event stream connects and stays
+        driver.find_element(By.ID, "token").send_keys("s3cret")
+        driver.find_element(By.CSS_SELECTOR, "#token-form button").click()
+        wait_until(lambda: "none yet" in driver.find_element(By.ID, "run-id").text, 60, "the dashboard to read")
+        driver.refresh()  # a new page: its event stream opens (reads need no token now)
+        wait_until(lambda: driver.find_element(By.ID, "live").text == "live", 60, "the event stream")
+        time.sleep(1.5)  # the refresh the stream's opening asks for
+        reads = driver.execute_script("return performance.getEntriesByType('resource')"
+                                      ".filter(e => e.name.endsWith('/api/v1/runs')).length")
+        time.sleep(6.5)
+        later = driver.execute_script("return performance.getEntriesByType('resource')"
+                                      ".filter(e => e.name.endsWith('/api/v1/runs')).length")
+        assert later == reads, (reads, later)  # live: nothing happened, nothing read
     finally:
         if driver is not None:
             driver.quit()

@@ -1,16 +1,34 @@
-// The coordinator dashboard: reads the REST API, refreshes on Server-Sent Events (and polls as a
-// fallback, e.g. when reads need a token, which EventSource cannot send).
+// The coordinator dashboard: reads the REST API, refreshes on Server-Sent Events, and polls only
+// while no event stream is open (e.g. when reads need a token, which EventSource cannot send).
+// One refresh at a time; none while the token form waits for a token (each would be a refused
+// request, counted and logged as a guess).
 "use strict";
 
 const state = { runId: new URLSearchParams(location.search).get("run"), token: sessionStorage.getItem("fedal-token"),
-                charts: {}, pending: null };
+                charts: {}, pending: null, running: false, again: false, live: false, needToken: false };
+
+function askForToken(message) {
+  state.needToken = true;
+  document.getElementById("token-form").hidden = false;
+  document.getElementById("token-error").textContent = message;
+}
 
 async function api(path) {
   const headers = state.token ? { Authorization: `Bearer ${state.token}` } : {};
-  const resp = await fetch(path, { headers, cache: "no-store" });
+  let resp;
+  try {
+    resp = await fetch(path, { headers, cache: "no-store" });
+  } catch (err) {
+    if (state.token && err instanceof TypeError && /[^\x20-\x7e]/.test(state.token)) {
+      // a header can carry no such character: fetch refuses it before sending anything
+      sessionStorage.removeItem("fedal-token");
+      state.token = null;
+      askForToken("that token holds characters a browser cannot send (paste it again without them)");
+    }
+    throw err;
+  }
   if (resp.status === 401 || resp.status === 403) {
-    document.getElementById("token-form").hidden = false;
-    document.getElementById("token-error").textContent = state.token ? "wrong token" : "this coordinator needs a token";
+    askForToken(state.token ? "wrong token" : "this coordinator needs a token");
     throw new Error(`HTTP ${resp.status}`);
   }
   if (!resp.ok) throw new Error(`HTTP ${resp.status} for ${path}`);
@@ -131,20 +149,30 @@ async function refresh() {
 }
 
 function scheduleRefresh(delayMs = 250) {
+  if (state.needToken) return;
+  if (state.running) { state.again = true; return; }  // one at a time: a late answer never overwrites a newer one
   if (state.pending) return;
-  state.pending = setTimeout(() => {
+  state.pending = setTimeout(async () => {
     state.pending = null;
-    refresh().catch((err) => console.warn("refresh failed:", err.message));
+    state.running = true;
+    try {
+      await refresh();
+    } catch (err) {
+      console.warn("refresh failed:", err.message);
+    } finally {
+      state.running = false;
+      if (state.again) { state.again = false; scheduleRefresh(); }
+    }
   }, delayMs);
 }
 
 function listen() {
   const badge = document.getElementById("live");
   const source = new EventSource("/api/v1/events");
-  source.onopen = () => { badge.textContent = "live"; badge.className = "badge on"; };
+  source.onopen = () => { state.live = true; badge.textContent = "live"; badge.className = "badge on"; scheduleRefresh(0); };
   // every event is sent with its type (`event: round`, ...), which onmessage never sees
   for (const type of ["run", "phase", "round", "client"]) source.addEventListener(type, () => scheduleRefresh());
-  source.onerror = () => { badge.textContent = "polling"; badge.className = "badge off"; };
+  source.onerror = () => { state.live = false; badge.textContent = "polling"; badge.className = "badge off"; };
 }
 
 document.getElementById("run-select").addEventListener("change", (e) => { state.runId = e.target.value; scheduleRefresh(0); });
@@ -153,9 +181,10 @@ document.getElementById("token-form").addEventListener("submit", (e) => {
   state.token = document.getElementById("token").value.trim();
   sessionStorage.setItem("fedal-token", state.token);
   document.getElementById("token-form").hidden = true;
+  state.needToken = false;
   scheduleRefresh(0);
 });
 
 listen();
 scheduleRefresh(0);
-setInterval(() => scheduleRefresh(0), 2000);
+setInterval(() => { if (!state.live) scheduleRefresh(0); }, 2000);  // the events say when to refresh while live
