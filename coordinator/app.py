@@ -226,11 +226,8 @@ def create_app(runs: RunManager | Run) -> FastAPI:
 
     @app.get("/api/v1/runs", dependencies=reads)
     def list_runs() -> list[dict[str, Any]]:
-        out = []
-        for engine in runs.list():
-            snap = engine.snapshot()
-            out.append({k: snap[k] for k in RUN_SUMMARY})
-        return out + [{k: snap[k] for k in RUN_SUMMARY} for snap in _unrestored()]
+        return [engine.summary() for engine in runs.list()] + [{k: snap[k] for k in RUN_SUMMARY}
+                                                               for snap in _unrestored()]
 
     @app.post("/api/v1/runs", status_code=201, dependencies=writes)
     def create_run(request: Request, spec: RunSpec = Body(..., examples=[{
@@ -247,8 +244,7 @@ def create_app(runs: RunManager | Run) -> FastAPI:
         except InvalidRunSpec as exc:
             runs.refused(422, request.method, request.url.path, _client_host(request), str(exc))
             raise HTTPException(status_code=422, detail=str(exc)) from None
-        snap = engine.snapshot()
-        return {k: snap[k] for k in RUN_SUMMARY}
+        return engine.summary()
 
     @app.get("/api/v1/runs/{run_id}", dependencies=reads)
     def get_run(run_id: str) -> dict[str, Any]:

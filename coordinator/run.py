@@ -480,6 +480,18 @@ class Run:
             return len(self.records)
         return min(self.round + 1, self.run_config.rounds)
 
+    def summary(self) -> dict[str, Any]:
+        """What a list of runs shows of this one: a snapshot's first fields, without copying
+        every client (a run of 10,000 clients took 0.7 s under the lock for each listing)."""
+        engine = self.engine
+        with self.lock:
+            cur = engine.current
+            return {"run_id": self.cfg.run_id, "strategy": self.run_config.strategy, "state": self.state,
+                    "round": self._round_shown(), "rounds": self.run_config.rounds,
+                    "completed_rounds": len(self.records), "phase": cur.phase.phase if cur else None,
+                    "iteration": cur.phase.iteration if cur else None, "started_at": self.started_at,
+                    "finished_at": self.finished_at}
+
     def snapshot(self) -> dict[str, Any]:
         engine = self.engine
         with self.lock:

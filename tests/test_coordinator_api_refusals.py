@@ -127,3 +127,27 @@ def test_reads_that_need_a_token_need_one_configured(tmp_path):
     message about writes: a config error now."""
     with pytest.raises(SettingsError, match="read_requires_token needs a token"):
         load_coordinator_config(None, state_dir=tmp_path / "state", api={"read_requires_token": True})
+
+
+def test_listing_runs_copies_no_client(tmp_path, monkeypatch):
+    """GET /api/v1/runs took a full snapshot of every run (every client's record and health
+    copied under the engine's lock: 0.7 s for a run of 10,000 clients) to show ten fields."""
+    import numpy as np
+
+    from coordinator.app import RUN_SUMMARY
+    from coordinator.run import Run
+
+    state = tmp_path / "state"
+    state.mkdir()
+    np.savez(state / "public.npz", x=np.zeros((4, 3), np.float32))
+    runs = RunManager(load_coordinator_config(None, state_dir=state, api={"token": TOKEN}))
+    api = local_client(runs, raise_server_exceptions=False)
+    body = {"run_id": "r", "client_ids": ["a", "b"], "public_file": str(state / "public.npz"),
+            "run": {"strategy": "fedmd", "dataset": "digits"}}
+    created = api.post("/api/v1/runs", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert created.status_code == 201 and tuple(created.json()) == RUN_SUMMARY
+    snapshot = api.get("/api/v1/runs/r").json()
+    monkeypatch.setattr(Run, "snapshot", lambda self: pytest.fail("a listing copied every client"))
+    listed = api.get("/api/v1/runs")
+    assert listed.status_code == 200 and listed.json() == [{k: snapshot[k] for k in RUN_SUMMARY}]
+    runs.store.close()
