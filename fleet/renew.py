@@ -70,14 +70,19 @@ def renew_server_cert(out: Path, days: int = 825) -> dict[str, object]:
     days = min(days, ca_days_left)  # never past the CA that vouches for it
     pem = tls.make_server_cert(ca_key, ca_cert, names, days=days)
     x509.load_pem_x509_certificate(pem.cert).verify_directly_issued_by(ca_cert)  # what devices will check
-    _write(out / "broker" / "server.crt", pem.cert, 0o644)
-    _write(out / "broker" / "server.key", pem.key, 0o600)
-    summary_path = out / "fleet.json"
-    try:  # the date fleet init recorded: this certificate's now
-        summary = json.loads(summary_path.read_text())
-    except (OSError, ValueError):
-        summary = None
-    if isinstance(summary, dict):
-        summary["server_cert_not_after"] = tls.not_after(pem.cert)
-        _write(summary_path, json.dumps(summary, indent=2) + "\n", 0o644)
+    try:
+        _write(out / "broker" / "server.crt", pem.cert, 0o644)
+        _write(out / "broker" / "server.key", pem.key, 0o600)
+        summary_path = out / "fleet.json"
+        try:  # the date fleet init recorded: this certificate's now
+            summary = json.loads(summary_path.read_text())
+        except (OSError, ValueError):
+            summary = None
+        if isinstance(summary, dict):
+            summary["server_cert_not_after"] = tls.not_after(pem.cert)
+            _write(summary_path, json.dumps(summary, indent=2) + "\n", 0o644)
+    except OSError as exc:  # a full disk, a read-only folder: the new certificate may be there without its key
+        raise FleetError(f"cannot write {Path(exc.filename or '').name or 'the new certificate'} in {out}: "
+                         f"{exc.strerror or exc}; do not copy broker/server.crt and server.key to the broker now "
+                         "(they may not match): run the same command again once it can write there") from None
     return {"names": names, "not_after": tls.not_after(pem.cert), "ca_not_after": tls.not_after(files["ca/ca.crt"].read_bytes())}

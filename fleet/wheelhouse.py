@@ -174,7 +174,7 @@ def pinned_requirements(constraints: Path, arch: str, python_version: str) -> li
         except InvalidRequirement as exc:
             raise UsageProblem(f"{constraints}:{number}: not a requirement: {exc}") from None
         specs = list(req.specifier)
-        if len(specs) != 1 or specs[0].operator != "==":
+        if len(specs) != 1 or specs[0].operator != "==" or "*" in specs[0].version:  # (==2.* is a range)
             raise UsageProblem(f"{constraints}:{number}: {line!r} must pin one version (name==version): "
                                f"a wheelhouse holds exactly what the device installs")
         if req.marker is None or req.marker.evaluate(env):

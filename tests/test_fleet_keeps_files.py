@@ -130,6 +130,33 @@ def test_renew_cert_with_another_fleets_ca_key_writes_nothing(tmp_path):
     assert code == 2 and "was not issued by" in output, output
 
 
+def test_a_renew_cert_that_cannot_write_says_so_and_not_to_copy_the_pair(tmp_path, monkeypatch):
+    """The certificate was written, then the key's write failed: a traceback, and a new
+    certificate beside the old key that the CLI's next step said to copy to the broker."""
+    out = tmp_path / "fleet"
+    assert fleet("init", "--devices", "2", "--broker", "mqtts://h", "--tls", "--out", str(out))[0] == 0
+    real = generate._write
+
+    def full_disk(path, text, mode):
+        if Path(path).name == "server.key":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, text, mode)
+
+    from fleet import renew
+
+    monkeypatch.setattr(renew, "_write", full_disk)
+    code, output = fleet("renew-cert", "--out", str(out))
+    assert code == 2 and "No space left on device" in output and "do not copy" in output, output
+    monkeypatch.setattr(renew, "_write", real)
+    assert fleet("renew-cert", "--out", str(out))[0] == 0  # the same command finishes it
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    cert = x509.load_pem_x509_certificate((out / "broker" / "server.crt").read_bytes())
+    key = serialization.load_pem_private_key((out / "broker" / "server.key").read_bytes(), password=None)
+    assert cert.public_key() == key.public_key()
+
+
 def test_a_config_the_user_cannot_read_is_a_clear_error(tmp_path, monkeypatch):
     """`fedal fleet check` (flash.sh runs it) on a device's 0600 config without sudo printed a
     PermissionError traceback."""

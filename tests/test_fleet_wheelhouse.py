@@ -196,14 +196,16 @@ def test_foreign_directories_are_never_touched(tmp_path, inputs):
     (["--python-version", "3"], "--python-version must be like 3.11"),
     (["--constraints", "missing.txt"], "constraints file not found"),
     (["--constraints", "loose.txt"], "must pin one version"),
+    (["--constraints", "wildcard.txt"], "must pin one version"),  # ==2.* is a range: any 2.x (a CUDA torch too)
     (["--find-links", "nowhere"], "--find-links nowhere does not exist"),
     (["--wheel", "agent.tar.gz"], "is not a .whl file"),
 ])
 def test_bad_arguments_exit_2_with_the_reason(tmp_path, inputs, extra, message):
     idx, constraints, wheel = inputs
     (tmp_path / "loose.txt").write_text("torch>=2.10\n")
+    (tmp_path / "wildcard.txt").write_text("numpy==1.26.*\n")
     (tmp_path / "agent.tar.gz").write_bytes(b"x")
-    extra = [str(tmp_path / e) if e in ("missing.txt", "loose.txt", "agent.tar.gz") else e for e in extra]
+    extra = [str(tmp_path / e) if e in ("missing.txt", "loose.txt", "wildcard.txt", "agent.tar.gz") else e for e in extra]
     args = {"--constraints": str(constraints), "--wheel": str(wheel)}
     for i in range(0, len(extra), 2):
         args[extra[i]] = extra[i + 1]
