@@ -122,6 +122,11 @@ def load_npz_dataset(path: Path, num_classes: int, name: str) -> ArrayDataset:
         raise ValueError(f"{path}: {exc}") from None
 
 
+def _layout(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A row's shape without its axes of length 1: (40,) and (1, 40) are one layout."""
+    return tuple(int(d) for d in shape if d != 1)
+
+
 class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
@@ -332,6 +337,11 @@ class Agent:
             most = None if manifest.public_size is None else manifest.public_size * int(np.prod(train.input_shape))
             public = load_public_set(manifest.public_hash, cfg.public_file, manifest.public_url,
                                      self.workspace / "public.npz", max_elements=most)
+            if _layout(public.shape[1:]) != _layout(train.input_shape):  # most models flatten what they get:
+                # a device whose data is laid out otherwise would train and distil on scrambled inputs
+                raise ValueError(f"the run's public set has rows of shape {tuple(public.shape[1:])}, this device's "
+                                 f"data_file {cfg.data_file} rows of {tuple(train.input_shape)}: they must be laid out "
+                                 "alike (the same dataset, preprocessed the same way)")
         torch.manual_seed(cfg.seed)  # the same initialisation as `fedal simulate` for this seed
         model = build_model(cfg.model, train.input_shape, manifest.num_classes)
         client = spec.client(cfg.client_id, model, train, public, params, seed=cfg.seed)

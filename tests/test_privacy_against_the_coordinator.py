@@ -122,3 +122,4 @@ def test_a_huge_run_seed_builds_private_clients():
     client = clients["c0"]
     big = cls("big", copy.deepcopy(client.model), client.train_data, client.public_x, client.params, seed=2**62 + 5)
     assert big.private is not None and len(big.private.batches(1)) == 1
+
