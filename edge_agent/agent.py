@@ -139,6 +139,11 @@ class Agent:
         self.stop_requested = False  # set by request_stop() from a signal handler
         self.finished = threading.Event()
         self.counters: Counter[str] = Counter()
+        # the last result this agent computed and published, and how many messages were waiting in
+        # the inbox when it went out: a re-send of its task among those came while it was computed
+        self._published: Packet | None = None
+        self._queued_before_publish = 0
+        self._taken_before_publish = False
         self.rejects: Counter[str] = Counter()  # the rejected messages by why
         self.manifest: RunManifest | None = None
         self.client = None
@@ -217,6 +222,8 @@ class Agent:
             try:
                 topic, payload = self.inbox.get(timeout=0.2)
                 self.link.taken(topic, payload)
+                self._taken_before_publish = self._queued_before_publish > 0
+                self._queued_before_publish = max(0, self._queued_before_publish - 1)
             except queue.Empty:
                 m = self.manifest
                 if m is not None and m.state != "finished" and self.client is None and time.monotonic() >= self.retry_at:
@@ -312,6 +319,7 @@ class Agent:
             log.error("cannot join run %s (retrying in %.0f s): %s", manifest.run_id, self.join_backoff, exc)
             return False
         held, self.deferred = self.deferred, []
+        self._taken_before_publish = False  # (held before joining: none came while a task was computed)
         for payload in held:
             self._guarded("handling a task held until the run was joined", self._on_task, payload)
         return True
@@ -453,9 +461,17 @@ class Agent:
 
     def _on_task(self, payload: bytes) -> None:
         wire = self.apply_task(payload)
-        if wire is not None:
-            self.link.publish_result(wire.payload)
-            self.crash.reached("after_publish", settle=lambda: self.link.wait_result_delivered(10.0))
+        if wire is None:
+            return
+        if wire is self._published and self._taken_before_publish:
+            # a copy the coordinator re-sent (every resend_s) while this agent computed the task: it
+            # was queued before the answer went out, which answers it too (a Pi's link is slow)
+            self.counters["resends_while_computing"] += 1
+            return
+        self.link.publish_result(wire.payload)
+        if wire is not self._published:  # computed now, not a cached answer sent again
+            self._published, self._queued_before_publish = wire, self.inbox.qsize()
+        self.crash.reached("after_publish", settle=lambda: self.link.wait_result_delivered(10.0))
 
     def apply_task(self, payload: bytes) -> Packet | None:
         """The result to send for one received task payload (None: nothing to send), with the
