@@ -38,7 +38,7 @@ class RunCollector(Collector):
         evaluated = [last_evaluated(engine.rounds()) for engine in engines]
         state = GaugeMetricFamily("fedal_run_state", "1 for the run's current state", labels=["run", "state"])
         gauges = {name: GaugeMetricFamily(name, help_text, labels=["run"]) for name, help_text in (
-            ("fedal_rounds_completed", "rounds completed"), ("fedal_rounds_total", "rounds the run will do"),
+            ("fedal_rounds_completed", "rounds completed"), ("fedal_rounds_planned", "rounds the run will do"),
             ("fedal_clients_online", "enrolled clients currently online"), ("fedal_clients_enrolled", "enrolled clients"),
             ("fedal_mean_accuracy", "last evaluated round: mean_acc"), ("fedal_min_accuracy", "last evaluated round: min_acc"),
             ("fedal_local_mean_accuracy", "last evaluated round: mean accuracy on the clients' own test splits"),
@@ -71,7 +71,7 @@ class RunCollector(Collector):
                 state.add_metric([run, s], 1.0 if snap["state"] == s else 0.0)
             clients = snap["clients"]
             last = snap.get("last_round") or {}
-            values = {"fedal_rounds_completed": snap["completed_rounds"], "fedal_rounds_total": snap["rounds"],
+            values = {"fedal_rounds_completed": snap["completed_rounds"], "fedal_rounds_planned": snap["rounds"],
                       "fedal_clients_online": sum(1 for c in clients.values() if c["online"]),
                       "fedal_clients_enrolled": len(clients), "fedal_mean_accuracy": scored.get("mean_acc"),
                       "fedal_min_accuracy": scored.get("min_acc"), "fedal_local_mean_accuracy": scored.get("local_mean_acc")}

@@ -271,6 +271,7 @@ class Run:
                 self.engine.handle(arrival)
             except Exception:  # noqa: BLE001 - a message to an ended run never ends the coordinator
                 log.exception("run %s: a message after the run's end could not be handled", self.cfg.run_id)
+        self.save_counts()
 
     def pause(self, by_operator: bool = True) -> None:
         """Hold the run before its next phase (a pending run: before its first); open phases
@@ -382,12 +383,30 @@ class Run:
                 progress = {"config_hash": self.config_hash, "completed_rounds": completed, "epoch": self.engine.epoch,
                             "instance": self.instance, "started_at": self.started_at, "state": state}
                 records = list(self.records)
-                info = {c: asdict(i) for c, i in self.engine.clients.items()}
-                # run-wide, kept as the per-client ones are: a restarted run goes on counting
-                counters = {"counters": dict(self.engine.counters), "rejects": dict(self.engine.reject_reasons),
-                            "transport": dict(self._transport_counters())}
+                info, counters = self._counts()
             self.store.save(self.cfg.run_id, progress, records, info,
                             self.server.state_dict() if server_state else None, counters)
+
+    def _counts(self) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, int]]]:
+        """Under the lock: every client's record and the run-wide counters, as the store keeps
+        them (a restarted run goes on counting from them)."""
+        info = {c: asdict(i) for c, i in self.engine.clients.items()}
+        counters = {"counters": dict(self.engine.counters), "rejects": dict(self.engine.reject_reasons),
+                    "transport": dict(self._transport_counters())}
+        return info, counters
+
+    def save_counts(self) -> None:
+        """The counts as they are now, also what came since the last round's save (a round under
+        way, messages after the run's end): kept when the coordinator shuts down, so the counters
+        it exports do not go back after a restart (Prometheus reads a decrease as a reset)."""
+        with self.state_write:
+            with self.lock:
+                info, counters = self._counts()
+            try:
+                self.store.save_counts(self.cfg.run_id, info, counters)
+            except Exception as exc:  # noqa: BLE001 - a full disk: the counts of the last round's save stay
+                log.error("run %s: its counts at shutdown are not recorded in the store (%s: %s)", self.cfg.run_id,
+                          type(exc).__name__, exc)
 
     def _finish(self, state: str, at: float | None = None) -> None:
         """End the run in `state`; `at`: when it ended before a restart (its results, written

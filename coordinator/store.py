@@ -234,16 +234,16 @@ class RunStore:
                 if values:
                     conn.execute(insert(metrics), [{"run_id": run_id, "round": rec["round"], "name": k, "value": v}
                                                    for k, v in values.items()])
-            conn.execute(delete(clients).where(clients.c.run_id == run_id))
-            if client_info:
-                conn.execute(insert(clients), [{"run_id": run_id, "client_id": c, "info": json.dumps(i)}
-                                               for c, i in client_info.items()])
             if blob is not None:
                 conn.execute(delete(server_states).where(server_states.c.run_id == run_id))
                 conn.execute(insert(server_states).values(run_id=run_id, state=blob))
-            if counters is not None:
-                conn.execute(delete(run_counters).where(run_counters.c.run_id == run_id))
-                conn.execute(insert(run_counters).values(run_id=run_id, counters=json.dumps(counters)))
+            _put_counts(conn, run_id, client_info, counters)
+
+    def save_counts(self, run_id: str, client_info: dict[str, dict[str, Any]],
+                    counters: dict[str, dict[str, int]]) -> None:
+        """One transaction: every client and the run-wide counters (nothing of the rounds)."""
+        with self.engine.begin() as conn:
+            _put_counts(conn, run_id, client_info, counters)
 
     def set_started(self, run_id: str, started_at: float) -> None:
         """When the run first reached the broker: stored at once, not with its first round (a
@@ -264,6 +264,18 @@ class RunStore:
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+def _put_counts(conn: Any, run_id: str, client_info: dict[str, dict[str, Any]],
+                counters: dict[str, dict[str, int]] | None) -> None:
+    """Every client's record (replacing the stored ones) and, if given, the run-wide counters."""
+    conn.execute(delete(clients).where(clients.c.run_id == run_id))
+    if client_info:
+        conn.execute(insert(clients), [{"run_id": run_id, "client_id": c, "info": json.dumps(i)}
+                                       for c, i in client_info.items()])
+    if counters is not None:
+        conn.execute(delete(run_counters).where(run_counters.c.run_id == run_id))
+        conn.execute(insert(run_counters).values(run_id=run_id, counters=json.dumps(counters)))
 
 
 def _own_database_file(path: Path) -> None:

@@ -209,3 +209,20 @@ def test_a_stored_client_field_this_version_does_not_know_is_left_out_at_resume(
         assert not again.engine.clients["a"].online
     finally:
         again.store.close()
+
+
+def test_counts_made_after_the_last_rounds_save_outlive_a_shutdown(unstarted_run):
+    """Only a round's save kept the counters: what came since (a round under way, messages after
+    the run's end) was lost at every restart, and the exported counters went back (Prometheus
+    reads a decrease as a reset, and rate() then counts the whole total again)."""
+    run = unstarted_run
+    run._resume()
+    run._save(completed=0)
+    run.engine.counters.update({"rejected": 3})
+    run.engine.clients["a"].answered = 7
+    run.closing.set()
+    run.follow_clients()  # the run thread, at the coordinator's shutdown
+    again = Run(run.cfg)
+    again._resume()
+    assert again.engine.counters["rejected"] == 3 and again.engine.clients["a"].answered == 7
+    again.store.close()
