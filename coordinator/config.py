@@ -39,6 +39,8 @@ class ApiSettings(NoCoercion):
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="larger request bodies are refused (413) before they are read")
     max_event_streams: int = Field(100, ge=1, le=100_000, description="live event streams (/api/v1/events) open at "
                                    "once; more are refused (503: the dashboard then polls)")
+    client_metrics: bool = Field(True, description="per-client series in /metrics (about 20 per client: a run of "
+                                 "thousands of clients makes a scrape of megabytes); false: the run-wide ones only")
     allowed_hosts: list[str] | None = Field(
         None, description="more names the Host header may carry, `*.example.org` for its subdomains, `*` for any; "
         "besides the API's own (loopback names, its host, public_base_url's, the machine's names) and IP addresses: "

@@ -79,14 +79,15 @@ class RunCollector(Collector):
             for name, value in values.items():
                 if value is not None:
                     gauges[name].add_metric([run], float(value))
+            listed = clients if self.runs.config.api.client_metrics else {}  # api.client_metrics = false: none
             for name, fam in per_client.items():
-                for cid, c in clients.items():
+                for cid, c in listed.items():
                     fam.add_metric([run, cid], float(c[name]))
-            for cid, c in clients.items():
+            for cid, c in listed.items():
                 if c.get("epsilon") is not None:
                     epsilon.add_metric([run, cid], float(c["epsilon"]))
                     exhausted.add_metric([run, cid], 1.0 if c.get("dp_exhausted") else 0.0)
-            for cid, c in clients.items():
+            for cid, c in listed.items():
                 reported = c.get("health") or {}
                 if not reported:
                     continue

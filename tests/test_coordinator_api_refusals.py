@@ -151,3 +151,26 @@ def test_listing_runs_copies_no_client(tmp_path, monkeypatch):
     listed = api.get("/api/v1/runs")
     assert listed.status_code == 200 and listed.json() == [{k: snapshot[k] for k in RUN_SUMMARY}]
     runs.store.close()
+
+
+@pytest.mark.parametrize("per_client", [True, False])
+def test_per_client_metrics_can_be_turned_off(tmp_path, per_client):
+    """About 20 series per client: a run of 10,000 clients made each scrape 15 MiB (past
+    Prometheus's scrape timeout, and every series then vanished). api.client_metrics = false
+    keeps the run-wide series only."""
+    import numpy as np
+
+    state = tmp_path / "state"
+    state.mkdir()
+    np.savez(state / "public.npz", x=np.zeros((4, 3), np.float32))
+    runs = RunManager(load_coordinator_config(None, state_dir=state,
+                                              api={"token": TOKEN, "client_metrics": per_client}))
+    api = local_client(runs, raise_server_exceptions=False)
+    body = {"run_id": "r", "client_ids": ["a", "b"], "public_file": str(state / "public.npz"),
+            "run": {"strategy": "fedmd", "dataset": "digits", "rounds": 7}}
+    assert api.post("/api/v1/runs", json=body, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 201
+    metrics = api.get("/metrics").text
+    assert 'fedal_rounds_planned{run="r"} 7.0' in metrics and "# TYPE fedal_rounds_planned gauge" in metrics
+    assert 'fedal_clients_enrolled{run="r"} 2.0' in metrics
+    assert ('fedal_client_answered_total{client="a",run="r"} 0.0' in metrics) is per_client, metrics[:2000]
+    runs.store.close()
