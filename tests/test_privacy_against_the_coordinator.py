@@ -123,3 +123,13 @@ def test_a_huge_run_seed_builds_private_clients():
     big = cls("big", copy.deepcopy(client.model), client.train_data, client.public_x, client.params, seed=2**62 + 5)
     assert big.private is not None and len(big.private.batches(1)) == 1
 
+
+
+def test_a_delta_not_below_one_over_n_is_warned_of(caplog):
+    """A fixed delta of 1e-5 for a client of 200,000 samples: one of them may leak with
+    probability delta, and no word said so."""
+    PrivateTraining(PrivacyParams(**PRIVACY, delta=1e-5), 200_000, 32, seed=1)
+    assert "is not below 1 / n for 200000 private samples" in caplog.text
+    caplog.clear()
+    PrivateTraining(PrivacyParams(**PRIVACY, delta=1e-5), 64, 32, seed=1)
+    assert "1 / n" not in caplog.text

@@ -78,6 +78,9 @@ class PrivateTraining:
         require_opacus()
         self.params = params
         self.n = n
+        if params.delta * n >= 1:  # one sample of such a set may leak with probability delta: no guarantee
+            log.warning("differential privacy: delta %g is not below 1 / n for %d private samples: the guarantee is "
+                        "weak (lower privacy.delta below %g)", params.delta, n, 1 / n)
         self.sample_rate = min(1.0, batch_size / n)
         self.expected_batch = self.sample_rate * n
         self.generator = torch.Generator().manual_seed(int(seed) % 2**64)
