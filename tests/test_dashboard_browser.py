@@ -19,7 +19,6 @@ from tests.health_trees import pi_tree, set_agent_options
 from tests.waiting import wait_until
 
 webdriver = pytest.importorskip("selenium.webdriver")
-from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.chrome.options import Options  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -36,6 +35,16 @@ def chromium(user_data_dir: str, extra: tuple[str, ...] = ()):
                  "--disable-dev-shm-usage", f"--user-data-dir={user_data_dir}", "--window-size=1280,1400", *extra):
         options.add_argument(flag)
     return webdriver.Chrome(service=Service(driver), options=options)
+
+
+def client_rows(driver) -> list[dict]:
+    """The client table read in one go by the page itself (each refresh rebuilds its rows: an
+    element found before a refresh is stale after it): per row its client and its cells' text,
+    and the last (health) cell's class and title."""
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#clients tbody tr')].map(r => ({client: r.dataset.client,"
+        " cells: [...r.cells].map(td => td.textContent), cls: r.cells[r.cells.length - 1].className,"
+        " title: r.cells[r.cells.length - 1].title}))")
 
 
 def test_dashboard_follows_a_live_run(mosquitto, tmp_path):
@@ -60,9 +69,7 @@ def test_dashboard_follows_a_live_run(mosquitto, tmp_path):
             return int(text) if text.isdigit() else 0
 
         wait_until(lambda: round_counter() == 3, 120, "the round counter to show round 3")
-        rows = wait_until(lambda: [r.get_attribute("data-client")
-                                   for r in driver.find_elements(By.CSS_SELECTOR, "#clients tbody tr")] or None,
-                          60, "the client list")
+        rows = wait_until(lambda: [r["client"] for r in client_rows(driver)] or None, 60, "the client list")
         assert sorted(rows) == ["c00", "c01", "c02"]
         assert driver.find_element(By.ID, "run-id").text == "demo"
         assert driver.find_element(By.ID, "run-strategy").text == "fedal"
@@ -73,25 +80,15 @@ def test_dashboard_follows_a_live_run(mosquitto, tmp_path):
         ticks = wait_until(lambda: driver.execute_script("return state.charts['acc-chart'].axes[0]._splits"),
                            60, "the accuracy chart's round axis")
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
-        statuses = [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#clients tbody tr td:nth-child(2)")]
-        assert statuses == ["online"] * 3
-        def health_cells() -> dict | None:  # read in one go: an event's refresh rebuilds the rows
-            try:
-                return {r.get_attribute("data-client"): {k: r.find_element(By.CSS_SELECTOR, "td:last-child")
-                                                         .get_attribute(k) for k in ("textContent", "class", "title")}
-                        for r in driver.find_elements(By.CSS_SELECTOR, "#clients tbody tr")} or None
-            except StaleElementReferenceException:
-                return None
-
-        health = wait_until(health_cells, 60, "health")
-        assert {cid: td["textContent"] for cid, td in health.items()} == {
+        assert [r["cells"][1] for r in client_rows(driver)] == ["online"] * 3
+        health = wait_until(lambda: {r["client"]: r for r in client_rows(driver)} or None, 60, "health")
+        assert {cid: r["cells"][-1] for cid, r in health.items()} == {
             "c00": "ok", "c01": "under_voltage, throttled", "c02": "ok"}
-        assert health["c01"]["class"] == "flagged" and health["c00"]["class"] == "healthy"
+        assert health["c01"]["cls"] == "flagged" and health["c00"]["cls"] == "healthy"
         assert "get_throttled 0x50005" in health["c01"]["title"]
         assert "board Raspberry Pi 4 Model B Rev 1.4" in health["c01"]["title"]
         assert driver.find_element(By.ID, "client-count").text == "(3 of 3 online, 1 flagged)"
-        temps = [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#clients tbody tr td:nth-child(10)")]
-        assert temps == ["52.6 °C"] * 3
+        assert [r["cells"][9] for r in client_rows(driver)] == ["52.6 °C"] * 3
         shot = tmp_path / "dashboard.png"
         assert driver.save_screenshot(str(shot))
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
@@ -131,8 +128,7 @@ def test_dashboard_shows_the_privacy_each_client_spent(mosquitto, tmp_path):
         driver = chromium(profile)
         driver.set_page_load_timeout(60)
         driver.get(f"{dep.api}/")
-        shown = wait_until(lambda: [td.text for td in driver.find_elements(
-            By.CSS_SELECTOR, "#clients tbody tr td:nth-child(9)")] or None, 60, "the client list")
+        shown = wait_until(lambda: [r["cells"][8] for r in client_rows(driver)] or None, 60, "the client list")
         assert shown == [f"{eps[c]:.2f}" for c in ("c00", "c01", "c02")]
         assert driver.find_element(By.ID, "local-acc").text == "–"
     finally:

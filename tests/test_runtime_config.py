@@ -25,10 +25,10 @@ def test_example_configs_load():
 
 
 def test_environment_overrides_the_file(monkeypatch):
-    monkeypatch.setenv("FEDAL_AGENT_BROKER__URL", "mqtt://10.0.0.5:1884")
+    monkeypatch.setenv("FEDAL_AGENT_BROKER__URL", "mqtts://10.0.0.5:1884")
     monkeypatch.setenv("FEDAL_AGENT_CLIENT_ID", "pi-07")
     agent = load_agent_config(EXAMPLES / "agent.toml")
-    assert agent.broker.url == "mqtt://10.0.0.5:1884" and agent.client_id == "pi-07"
+    assert agent.broker.url == "mqtts://10.0.0.5:1884" and agent.client_id == "pi-07"
     assert agent.broker.username == "pi-01"  # the rest of [broker] still comes from the file
 
 
