@@ -103,18 +103,26 @@ def test_refusal_logs_cannot_be_forged_or_flood_the_log(tmp_path, caplog):
     runs.store.close()
 
 
-def test_head_answers_where_get_does(tmp_path):
-    """HEAD on the public set and /metrics was a 405 with `allow: POST` (the control route matched)."""
+def one_run(tmp_path, rounds: int | None = None, **api_settings):
+    """A coordinator (not serving MQTT) with one API-created run `r` of clients a and b; returns
+    its RunManager, a client of its API and the creation's answer."""
     import numpy as np
 
     state = tmp_path / "state"
     state.mkdir()
     np.savez(state / "public.npz", x=np.zeros((4, 3), np.float32))
-    runs = RunManager(load_coordinator_config(None, state_dir=state, api={"token": TOKEN}))
+    runs = RunManager(load_coordinator_config(None, state_dir=state, api={"token": TOKEN, **api_settings}))
     api = local_client(runs, raise_server_exceptions=False)
     body = {"run_id": "r", "client_ids": ["a", "b"], "public_file": str(state / "public.npz"),
-            "run": {"strategy": "fedmd", "dataset": "digits"}}
-    assert api.post("/api/v1/runs", json=body, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 201
+            "run": {"strategy": "fedmd", "dataset": "digits", **({"rounds": rounds} if rounds else {})}}
+    created = api.post("/api/v1/runs", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert created.status_code == 201, created.text
+    return runs, api, created
+
+
+def test_head_answers_where_get_does(tmp_path):
+    """HEAD on the public set and /metrics was a 405 with `allow: POST` (the control route matched)."""
+    runs, api, _ = one_run(tmp_path)
     for path in ("/api/v1/runs/r/public", "/metrics"):
         head, get = api.head(path), api.get(path)
         assert head.status_code == get.status_code == 200 and head.content == b"", (path, head.status_code)
@@ -132,20 +140,11 @@ def test_reads_that_need_a_token_need_one_configured(tmp_path):
 def test_listing_runs_copies_no_client(tmp_path, monkeypatch):
     """GET /api/v1/runs took a full snapshot of every run (every client's record and health
     copied under the engine's lock: 0.7 s for a run of 10,000 clients) to show ten fields."""
-    import numpy as np
-
     from coordinator.app import RUN_SUMMARY
     from coordinator.run import Run
 
-    state = tmp_path / "state"
-    state.mkdir()
-    np.savez(state / "public.npz", x=np.zeros((4, 3), np.float32))
-    runs = RunManager(load_coordinator_config(None, state_dir=state, api={"token": TOKEN}))
-    api = local_client(runs, raise_server_exceptions=False)
-    body = {"run_id": "r", "client_ids": ["a", "b"], "public_file": str(state / "public.npz"),
-            "run": {"strategy": "fedmd", "dataset": "digits"}}
-    created = api.post("/api/v1/runs", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
-    assert created.status_code == 201 and tuple(created.json()) == RUN_SUMMARY
+    runs, api, created = one_run(tmp_path)
+    assert tuple(created.json()) == RUN_SUMMARY
     snapshot = api.get("/api/v1/runs/r").json()
     monkeypatch.setattr(Run, "snapshot", lambda self: pytest.fail("a listing copied every client"))
     listed = api.get("/api/v1/runs")
@@ -158,17 +157,7 @@ def test_per_client_metrics_can_be_turned_off(tmp_path, per_client):
     """About 20 series per client: a run of 10,000 clients made each scrape 15 MiB (past
     Prometheus's scrape timeout, and every series then vanished). api.client_metrics = false
     keeps the run-wide series only."""
-    import numpy as np
-
-    state = tmp_path / "state"
-    state.mkdir()
-    np.savez(state / "public.npz", x=np.zeros((4, 3), np.float32))
-    runs = RunManager(load_coordinator_config(None, state_dir=state,
-                                              api={"token": TOKEN, "client_metrics": per_client}))
-    api = local_client(runs, raise_server_exceptions=False)
-    body = {"run_id": "r", "client_ids": ["a", "b"], "public_file": str(state / "public.npz"),
-            "run": {"strategy": "fedmd", "dataset": "digits", "rounds": 7}}
-    assert api.post("/api/v1/runs", json=body, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 201
+    runs, api, _ = one_run(tmp_path, rounds=7, client_metrics=per_client)
     metrics = api.get("/metrics").text
     assert 'fedal_rounds_planned{run="r"} 7.0' in metrics and "# TYPE fedal_rounds_planned gauge" in metrics
     assert 'fedal_clients_enrolled{run="r"} 2.0' in metrics

@@ -6,6 +6,7 @@ has spent."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -138,10 +139,10 @@ def test_dashboard_shows_the_privacy_each_client_spent(mosquitto, tmp_path):
         shutil.rmtree(profile, ignore_errors=True)
 
 
-def test_the_api_pages_render_with_no_network_but_the_coordinators(tmp_path):
-    """/docs and /redoc loaded Swagger UI and ReDoc from a CDN: on a lab network without internet
-    the page stayed blank. The browser here resolves no name at all, and the page still renders
-    every operation."""
+@contextlib.contextmanager
+def served_api(tmp_path, **api):
+    """A coordinator's API with no run, served by uvicorn on a free loopback port; yields its
+    RunManager and base URL (and a fresh browser profile folder, removed after)."""
     import threading
 
     import uvicorn
@@ -151,90 +152,78 @@ def test_the_api_pages_render_with_no_network_but_the_coordinators(tmp_path):
     from coordinator.runs import RunManager
     from tests.waiting import free_port
 
-    runs = RunManager(load_coordinator_config(None, state_dir=tmp_path / "state"))
+    runs = RunManager(load_coordinator_config(None, state_dir=tmp_path / "state", api=api))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(runs), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     profile = tempfile.mkdtemp(prefix="fedal-chromium-")
-    driver = None
     try:
         wait_until(lambda: server.started, 30, "the API to listen")
-        base = f"http://127.0.0.1:{port}"
-        for page in ("/docs", "/redoc"):
-            html = urllib.request.urlopen(base + page, timeout=10).read().decode()
-            assert "cdn." not in html and "https://" not in html.split("<body>")[0], html[:500]
-        options_flag = "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"
-        driver = chromium(profile, extra=(options_flag,))
-        driver.set_page_load_timeout(60)
-        driver.get(f"{base}/docs")
-        wait_until(lambda: len(driver.find_elements(By.CSS_SELECTOR, ".opblock")) >= 10, 60,
-                   "Swagger UI to list the API's operations")
-        paths = {e.text for e in driver.find_elements(By.CSS_SELECTOR, ".opblock-summary-path")}
-        assert {"/api/v1/runs", "/metrics"} <= paths, paths
+        yield runs, f"http://127.0.0.1:{port}", profile
     finally:
-        if driver is not None:
-            driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
         server.should_exit = True
         thread.join(timeout=15)
         runs.store.close()
+
+
+def test_the_api_pages_render_with_no_network_but_the_coordinators(tmp_path):
+    """/docs and /redoc loaded Swagger UI and ReDoc from a CDN: on a lab network without internet
+    the page stayed blank. The browser here resolves no name at all, and the page still renders
+    every operation."""
+    driver = None
+    with served_api(tmp_path) as (_runs, base, profile):
+        try:
+            for page in ("/docs", "/redoc"):
+                html = urllib.request.urlopen(base + page, timeout=10).read().decode()
+                assert "cdn." not in html and "https://" not in html.split("<body>")[0], html[:500]
+            options_flag = "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"
+            driver = chromium(profile, extra=(options_flag,))
+            driver.set_page_load_timeout(60)
+            driver.get(f"{base}/docs")
+            wait_until(lambda: len(driver.find_elements(By.CSS_SELECTOR, ".opblock")) >= 10, 60,
+                       "Swagger UI to list the API's operations")
+            paths = {e.text for e in driver.find_elements(By.CSS_SELECTOR, ".opblock-summary-path")}
+            assert {"/api/v1/runs", "/metrics"} <= paths, paths
+        finally:
+            if driver is not None:
+                driver.quit()
 
 
 def test_a_dashboard_waiting_for_a_token_sends_nothing_and_a_live_one_does_not_poll(tmp_path):
     """Waiting for a token, the dashboard went on polling every 2 s: 30 refused requests a minute,
     each counted and logged as a guess. Live on the event stream it polled all the same (three
     reads of every run each time, a full snapshot of each under its engine's lock)."""
-    import threading
     import time
 
-    import uvicorn
-
-    from coordinator.app import create_app
-    from coordinator.config import load_coordinator_config
-    from coordinator.runs import RunManager
-    from tests.waiting import free_port
-
-    runs = RunManager(load_coordinator_config(None, state_dir=tmp_path / "state",
-                                              api={"token": "s3cret", "read_requires_token": True}))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(runs), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    profile = tempfile.mkdtemp(prefix="fedal-chromium-")
     driver = None
-    try:
-        wait_until(lambda: server.started, 30, "the API to listen")
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/dashboard/app.js", timeout=10) as resp:
-            headers = resp.headers  # revalidated on every load (no stale app.js after an upgrade), no framing
-            assert headers["Cache-Control"] == "no-cache" and "frame-ancestors 'none'" in headers[
-                "Content-Security-Policy"] and headers["X-Content-Type-Options"] == "nosniff"
-        driver = chromium(profile)
-        driver.set_page_load_timeout(60)
-        driver.get(f"http://127.0.0.1:{port}/dashboard/")
-        wait_until(lambda: driver.find_element(By.ID, "token-form").is_displayed(), 60, "the token form")
-        settled = sum(runs.refused_requests.values())
-        time.sleep(6.5)  # three polls' worth
-        assert sum(runs.refused_requests.values()) == settled, dict(runs.refused_requests)
-        assert settled <= 3  # the first read, the event stream's 401 (and at most one read already under way)
+    with served_api(tmp_path, token="s3cret", read_requires_token=True) as (runs, base, profile):
+        try:
+            with urllib.request.urlopen(f"{base}/dashboard/app.js", timeout=10) as resp:
+                headers = resp.headers  # revalidated on every load (no stale app.js after an upgrade), no framing
+                assert headers["Cache-Control"] == "no-cache" and "frame-ancestors 'none'" in headers[
+                    "Content-Security-Policy"] and headers["X-Content-Type-Options"] == "nosniff"
+            driver = chromium(profile)
+            driver.set_page_load_timeout(60)
+            driver.get(f"{base}/dashboard/")
+            wait_until(lambda: driver.find_element(By.ID, "token-form").is_displayed(), 60, "the token form")
+            settled = sum(runs.refused_requests.values())
+            time.sleep(6.5)  # three polls' worth
+            assert sum(runs.refused_requests.values()) == settled, dict(runs.refused_requests)
+            assert settled <= 3  # the first read, the event stream's 401 (and at most one read already under way)
 
-        runs.config.api.read_requires_token = False  # reads open: the event stream connects and stays
-        driver.find_element(By.ID, "token").send_keys("s3cret")
-        driver.find_element(By.CSS_SELECTOR, "#token-form button").click()
-        wait_until(lambda: "none yet" in driver.find_element(By.ID, "run-id").text, 60, "the dashboard to read")
-        driver.refresh()  # a new page: its event stream opens (reads need no token now)
-        wait_until(lambda: driver.find_element(By.ID, "live").text == "live", 60, "the event stream")
-        time.sleep(1.5)  # the refresh the stream's opening asks for
-        reads = driver.execute_script("return performance.getEntriesByType('resource')"
-                                      ".filter(e => e.name.endsWith('/api/v1/runs')).length")
-        time.sleep(6.5)
-        later = driver.execute_script("return performance.getEntriesByType('resource')"
-                                      ".filter(e => e.name.endsWith('/api/v1/runs')).length")
-        assert later == reads, (reads, later)  # live: nothing happened, nothing read
-    finally:
-        if driver is not None:
-            driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
-        server.should_exit = True
-        thread.join(timeout=15)
-        runs.store.close()
+            runs.config.api.read_requires_token = False  # reads open: the event stream connects and stays
+            driver.find_element(By.ID, "token").send_keys("s3cret")
+            driver.find_element(By.CSS_SELECTOR, "#token-form button").click()
+            wait_until(lambda: "none yet" in driver.find_element(By.ID, "run-id").text, 60, "the dashboard to read")
+            driver.refresh()  # a new page: its event stream opens (reads need no token now)
+            wait_until(lambda: driver.find_element(By.ID, "live").text == "live", 60, "the event stream")
+            time.sleep(1.5)  # the refresh the stream's opening asks for
+            count = "return performance.getEntriesByType('resource').filter(e => e.name.endsWith('/api/v1/runs')).length"
+            reads = driver.execute_script(count)
+            time.sleep(6.5)
+            assert driver.execute_script(count) == reads  # live: nothing happened, nothing read
+        finally:
+            if driver is not None:
+                driver.quit()

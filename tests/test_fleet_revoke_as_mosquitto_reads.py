@@ -6,22 +6,10 @@ put in a device folder is never written through or over."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
-from click.testing import CliRunner
-
-from fedal_cli.main import cli
 from fleet.revoke import _acl_blocks
 from tests.fleet_broker import RawClient, provision, start_broker
-
-
-def fleet(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(cli, ["fleet", *args])
-    return result.exit_code, result.output
-
-
-def snapshot(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+from tests.test_fleet_keeps_files import fleet, snapshot
 
 
 def test_a_revoked_device_whose_passwd_line_was_hand_edited_is_locked_out(tmp_path):
