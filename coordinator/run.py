@@ -119,6 +119,7 @@ class Run:
         self.finished_at: float | None = None
         self.finished_before: float | None = None  # when a run found finished in the store finished
         self.was_paused = False  # the store had it paused: an operator's hold outlives a restart
+        self.resumed = False  # _resume() went through: the counts are the stored ones and what came since
         self.connected_once = False  # past its broker connection: a resume makes it `running`, else `pending`
         self.operator_paused = False  # paused over the API (a phases.pause_at hold comes back by itself)
         # a state change and its store write as one (pause/resume from the API, the end from the run's
@@ -357,6 +358,7 @@ class Run:
         if kept == "paused" and self.stored_state_taken:  # that hold is the run's own state now: an
             kept = None  # operator's resume since has changed it, and is what the store must keep
         self._save(completed=start, server_state=start == 0, pending_as=kept)
+        self.resumed = True  # the store's counts are this run's now: save_counts may write over them
         return start
 
     def _keep_replaced(self, stored: StoredRun) -> Path:
@@ -399,6 +401,8 @@ class Run:
         """The counts as they are now, also what came since the last round's save (a round under
         way, messages after the run's end): kept when the coordinator shuts down, so the counters
         it exports do not go back after a restart (Prometheus reads a decrease as a reset)."""
+        if not self.resumed:  # a run whose resume failed holds none of the stored counts: those stay
+            return
         with self.state_write:
             with self.lock:
                 info, counters = self._counts()

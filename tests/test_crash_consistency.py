@@ -226,3 +226,24 @@ def test_counts_made_after_the_last_rounds_save_outlive_a_shutdown(unstarted_run
     again._resume()
     assert again.engine.counters["rejected"] == 3 and again.engine.clients["a"].answered == 7
     again.store.close()
+
+
+def test_a_run_whose_resume_failed_leaves_the_stored_counts_alone(unstarted_run):
+    """The counts are saved at shutdown; a run whose resume failed (here: its earlier rounds could
+    not be kept in previous-runs/) wrote its empty counts over the stored ones, before they were
+    kept anywhere."""
+    import pytest
+
+    run = unstarted_run
+    run._resume()
+    run.engine.clients["a"].answered = 7
+    run.engine.counters.update({"rejected": 3})
+    run._save(completed=0)
+    (run.cfg.state_dir / "previous-runs").write_text("in the way")
+    other = Run(run.cfg.model_copy(update={"run": run.cfg.run.model_copy(update={"rounds": 6})}))
+    with pytest.raises(OSError):
+        other._resume()  # another config: the stored rounds must be kept first, and cannot be
+    other.closing.set()
+    other.follow_clients()  # the run thread at shutdown
+    stored = run.store.load(run.cfg.run_id)
+    assert stored.clients["a"]["answered"] == 7 and stored.counters["counters"]["rejected"] == 3
