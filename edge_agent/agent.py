@@ -307,6 +307,7 @@ class Agent:
         self.journal.close()
         self.ckpt_round_start = self.sit_out = None
         self._sitting_out = False
+        self._published, self._queued_before_publish = None, 0  # (a model's bytes, not kept past the run)
 
     def _join(self, manifest: RunManifest) -> bool:
         try:
@@ -429,6 +430,9 @@ class Agent:
                 self._save_checkpoint(round_start=None)
         if self.config.durability == "round" and not records and self.ckpt_round_start is not None:
             self.sit_out = self.ckpt_round_start  # what was done of that round since is lost
+        private = getattr(self.client, "private", None)
+        if self.sit_out is not None and private is not None:  # its results went out: their cost stays
+            private.lost_round(secret=not self.config.dp_seeded_noise)
         self.counters["replayed"] += replayed
         log.info("resumed from checkpoint at %s (%d journal records replayed: at %s)%s", at, replayed,
                  self.session.last_key, f"; sitting out round {self.sit_out}" if self.sit_out is not None else "")

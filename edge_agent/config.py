@@ -40,7 +40,7 @@ class AgentConfig(BaseSettings, NoCoercion):
     run_id: str
     broker: AgentBrokerSettings = Field(default_factory=AgentBrokerSettings)
     model: str = Field(description="private model architecture (zoo name); never leaves the device")
-    seed: int = Field(0, ge=0, le=2**63 - 1, description="model initialisation and minibatch sampling")
+    seed: int = Field(0, ge=0, le=2**64 - 1, description="model initialisation and minibatch sampling")
     dp_seeded_noise: bool = Field(
         False, description="in a private run, draw the differential-privacy noise and sampling from `seed`, as a "
         "simulation does (reproducible) instead of from the operating system; anyone who knows the seed (the "

@@ -104,19 +104,20 @@ def _passwd_entries(text: str) -> dict[str, str]:
     return entries
 
 
-def _passwd_text(text: str, entries: dict[str, str]) -> str:
-    """The password file with `entries`' accounts: the lines there in their order (an operator's
-    comments and accounts included), a changed account's hash in its own line, a removed one's
-    line gone (every line Mosquitto would read as its account), new ones at the end."""
+def _passwd_text(text: str, entries: dict[str, str], targets: set[str]) -> str:
+    """The password file with the `targets`' accounts as `entries` has them: every other line as
+    it is (an operator's comments and accounts, a duplicate line of theirs included), a target's
+    first line given its new hash, its other lines (or all, for one removed) gone, a new one at
+    the end."""
     lines, written = [], set()
     for line in text.splitlines():
         account = _passwd_user(line)
-        if account is None:
+        if account is None or account[0] not in targets:
             lines.append(line)
         elif account[0] in entries and account[0] not in written:
             lines.append(f"{account[0]}:{entries[account[0]]}")
             written.add(account[0])
-    lines += [f"{user}:{hashed}" for user, hashed in entries.items() if user not in written]
+    lines += [f"{user}:{hashed}" for user, hashed in entries.items() if user in targets and user not in written]
     return "".join(f"{line}\n" for line in lines)
 
 
@@ -356,7 +357,7 @@ def revoke_devices(out: Path, ids: list[str], reissue: bool = False) -> Revoked:
         kept = _kept_config(out / "devices" / cid / "agent.toml", cid, password, device_files)
         if kept is not None:
             done[cid] = f"reissued ({kept})"
-    new_passwd, new_acl = _passwd_text(passwd_text, entries), _acl_text(acl_items, blocks)
+    new_passwd, new_acl = _passwd_text(passwd_text, entries, set(ids)), _acl_text(acl_items, blocks)
     _check_locked_out(new_passwd, new_acl, gone, {cid: entries[cid] for cid in new_passwords})
     try:
         # the accounts first: once these two are on the broker, a revoked card is locked out

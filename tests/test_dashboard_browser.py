@@ -219,8 +219,15 @@ def test_a_dashboard_waiting_for_a_token_sends_nothing_and_a_live_one_does_not_p
             wait_until(lambda: "none yet" in driver.find_element(By.ID, "run-id").text, 60, "the dashboard to read")
             driver.refresh()  # a new page: its event stream opens (reads need no token now)
             wait_until(lambda: driver.find_element(By.ID, "live").text == "live", 60, "the event stream")
-            time.sleep(1.5)  # the refresh the stream's opening asks for
             count = "return performance.getEntriesByType('resource').filter(e => e.name.endsWith('/api/v1/runs')).length"
+            seen = [-1]
+
+            def settled() -> bool:  # the refresh the stream's opening asks for is done: no new read for 1.5 s
+                before, seen[0] = seen[0], driver.execute_script(count)
+                time.sleep(1.5)
+                return seen[0] >= 1 and seen[0] == before == driver.execute_script(count)
+
+            wait_until(settled, 60, "the reads to settle")
             reads = driver.execute_script(count)
             time.sleep(6.5)
             assert driver.execute_script(count) == reads  # live: nothing happened, nothing read

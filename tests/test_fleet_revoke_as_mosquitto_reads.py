@@ -81,3 +81,16 @@ def test_reissue_never_replaces_a_file_the_user_put_in_a_revoked_devices_folder(
     code, output = fleet("revoke", "--out", str(out), "--reissue", "pi-3")
     assert code == 0 and "reissued" in output, output
     assert (out / "devices" / "pi-3" / "ca.crt").read_bytes() == (out / "ca" / "ca.crt").read_bytes()
+
+
+def test_a_revoke_leaves_every_other_accounts_lines_as_they_are(tmp_path):
+    """The password file was rebuilt from one entry per account: an operator's account written
+    twice lost its later line (the one Mosquitto may take), whichever device was revoked."""
+    out = tmp_path / "fleet"
+    assert fleet("init", "--devices", "3", "--broker", "mqtt://h", "--out", str(out))[0] == 0
+    passwd = out / "broker" / "passwd"
+    ops = ["ops:$7$101$b2xk$b2xkaGFzaA==", "ops:$7$101$bmV3$bmV3aGFzaA=="]  # an old line and the new one
+    passwd.write_text(passwd.read_text() + "\n".join(ops) + "\n")
+    assert fleet("revoke", "--out", str(out), "pi-2")[0] == 0
+    lines = passwd.read_text().splitlines()
+    assert lines[-2:] == ops and not any(line.startswith("pi-2:") for line in lines)

@@ -133,3 +133,42 @@ def test_a_delta_not_below_one_over_n_is_warned_of(caplog):
     caplog.clear()
     PrivateTraining(PrivacyParams(**PRIVACY, delta=1e-5), 64, 32, seed=1)
     assert "1 / n" not in caplog.text
+
+
+def test_a_restart_that_loses_a_round_charges_it_and_draws_fresh_noise(tmp_path, one_torch_thread):
+    """durability = "round": a restart goes back to the round's start, whose first result had gone
+    out. The restored ledger did not count it, and the restored generator drew its noise again
+    in the next round, on other inputs (the difference of the two releases noise-free)."""
+    import copy
+    import shutil
+
+    from edge_agent.checkpoint import load
+    from tests.helpers import in_process
+    from tests.test_agent_journal import HOSTED, ThroughAgent, make_agent
+
+    marks: list = []
+    holder: dict = {}
+
+    def on_applied(_payload, _wire):
+        agent = holder["agent"]
+        if not marks and agent.session.round_no == 1:  # round 1's first task answered: the card as a crash leaves it
+            shutil.copytree(agent.workspace, tmp_path / "crashed")
+            marks.append(copy.deepcopy(load(agent.ckpt_path)["client"]["privacy"]))
+
+    server, clients, _ = toy_federation("fedal", tau=2, privacy=PRIVACY)
+    agent = holder["agent"] = make_agent(tmp_path / "ws", "round")
+    agent.host(clients[HOSTED], "sim")
+    engine = in_process(server, clients)
+    engine.transport.sessions[HOSTED] = ThroughAgent(agent, on_applied)
+    for r in range(2):
+        engine.run_round(r)
+    (at_round_start,) = marks
+
+    _, fresh, _ = toy_federation("fedal", tau=2, privacy=PRIVACY)
+    restarted = make_agent(tmp_path / "crashed", "round")
+    restarted.host(fresh[HOSTED], "sim")
+    private = restarted.client.private
+    assert restarted.sit_out == 1
+    steps_then = sum(n for _, _, n in at_round_start["accountant"]["history"])
+    assert private.accountant.steps == steps_then + 2  # the lost round (tau = 2 private steps), charged
+    assert not torch.equal(private.generator.get_state(), at_round_start["generator"])  # drawn afresh

@@ -17,7 +17,8 @@ async function api(path) {
   const headers = state.token ? { Authorization: `Bearer ${state.token}` } : {};
   let resp;
   try {
-    resp = await fetch(path, { headers, cache: "no-store" });
+    // never waits for ever: one refresh runs at a time, and one that hung would hold every later one
+    resp = await fetch(path, { headers, cache: "no-store", signal: AbortSignal.timeout(20000) });
   } catch (err) {
     if (state.token && err instanceof TypeError && /[^\x20-\x7e]/.test(state.token)) {
       // a header can carry no such character: fetch refuses it before sending anything
@@ -161,7 +162,7 @@ function scheduleRefresh(delayMs = 250) {
       console.warn("refresh failed:", err.message);
     } finally {
       state.running = false;
-      if (state.again) { state.again = false; scheduleRefresh(); }
+      if (state.again) { state.again = false; scheduleRefresh(0); }
     }
   }, delayMs);
 }
@@ -187,4 +188,7 @@ document.getElementById("token-form").addEventListener("submit", (e) => {
 
 listen();
 scheduleRefresh(0);
-setInterval(() => { if (!state.live) scheduleRefresh(0); }, 2000);  // the events say when to refresh while live
+// while live the events say when to refresh, and a slow poll brings what sends none (health
+// reports, last seen, answers counted within a phase); without a stream, every two seconds
+let ticks = 0;
+setInterval(() => { ticks += 1; if (!state.live || ticks % 15 === 0) scheduleRefresh(0); }, 2000);
