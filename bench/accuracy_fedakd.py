@@ -140,7 +140,7 @@ def summarise(table: dict, rounds: int, seeds: list[int]) -> str:
                     diffs = [100 * (rows[strategy][s]["mean_acc"] - rows["standalone"][s]["mean_acc"]) for s in paired]
                     lines.append(f"- {strategy} − standalone mean accuracy, paired by seed: "
                                  + ", ".join(f"{d:+.1f}" for d in diffs) + " points")
-            sel = [x for s in paired for x in rows["fedakd"][s].get("selected_frac", []) if x is not None]
+            sel = [x for x in rows["fedakd"][paired[-1]].get("selected_frac", []) if x is not None] if paired else []
             if sel:
                 lines.append(f"- FedAKD's selection kept {100 * sel[0]:.0f} % of the samples in round 1 and "
                              f"{100 * sel[-1]:.0f} % in the last round (mean over clients, last seed)")

@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
     md_path.write_text(markdown(rows, conf, summ, profiles) + ("\n" + tail if tail else ""))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     for batch, s in summ.items():
         print(f"median speedup batch {batch}: ort fp32 x{s['median_ratio']:.2f} (min x{s['min_ratio']:.2f}), "

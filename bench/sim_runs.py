@@ -18,12 +18,18 @@ from tqdm import tqdm
 
 
 def simulate_cached(config: dict, path: str) -> str:
-    """`fedal simulate` of `config` into `path` unless it is there already; returns the path."""
+    """`fedal simulate` of `config` into `path` unless a run of the same resolved config is there
+    already (a default changed since, e.g. stacked clients, makes it run again); returns the path.
+    The toolkit's code is not part of the key: after a change to what a run computes, remove the
+    cache folder."""
     target = Path(path)
-    if not target.exists():
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        from fedal.sim import RunConfig, simulate
+    from fedal.sim import RunConfig, simulate
 
+    run = RunConfig(**config)
+    # as the results record it (simulate makes the path that ran explicit)
+    resolved = run.model_copy(update={"vectorize": run.vectorized}).resolved().model_dump(mode="json")
+    if not target.exists() or json.loads(target.read_text()).get("config") != resolved:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
         res = simulate(RunConfig(**config))
         tmp = target.with_suffix(".tmp")
         tmp.write_text(json.dumps(res))

@@ -90,7 +90,7 @@ def measure(n: int, variant: str, args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="10,100,1000")
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (N >= 1000: one)")
+    ap.add_argument("--rounds", type=at_least(1), default=3, help="timed rounds (N >= 1000: one)")
     ap.add_argument("--samples-per-client", type=int, default=60)
     ap.add_argument("--tau", type=int, default=5)
     ap.add_argument("--repeats", type=at_least(1), default=3, help="runs of each variant below N = 1000")

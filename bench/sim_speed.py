@@ -188,10 +188,10 @@ def build(config: dict, vectorize: bool):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clients", type=int, default=10)
+    ap.add_argument("--clients", type=at_least(2), default=10)
     ap.add_argument("--tau", type=int, default=5)
     ap.add_argument("--rounds", type=at_least(2), default=40, help="timed rounds per variant")
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=at_least(0), default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--models", default="mlp,cnn1d,cnn1d_wide", help="the zoo's MNIST-1D models, round-robin")
     ap.add_argument("--out", default="docs/results")
