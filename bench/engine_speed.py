@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fedal import procs
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import at_least  # noqa: E402
 
@@ -40,7 +42,7 @@ print(json.dumps({"s_per_round": sum(walls) / len(walls)}))
 def timed(tree: Path, config: dict) -> float:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(config)], cwd=tree, env=env, capture_output=True,
-                         text=True, timeout=3600)
+                         text=True, timeout=3600, preexec_fn=procs.dies_with_this_process())  # ends with the bench
     if out.returncode != 0:  # say why (e.g. the baseline needs a package this venv lacks), not just that it failed
         tail = "\n".join(out.stderr.strip().splitlines()[-8:])
         raise SystemExit(f"engine_speed: the run in {tree} failed (exit {out.returncode}):\n{tail}")
@@ -62,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     config = {"strategy": "fedal", "dataset": "mnist1d", "clients": args.clients, "rounds": args.rounds, "tau": 5,
               "seed": 0, "models": ["mlp", "cnn1d", "cnn1d_wide"], "threads": 1, "eval_every": args.rounds,
               "vectorize": args.path == "vectorized"}
-    with tempfile.TemporaryDirectory(prefix="fedal-baseline-") as tmp:
+    # SIGTERM/SIGHUP as Ctrl-C: the worktree is removed and the temporary folder with it
+    with procs.stop_signals_interrupt(), tempfile.TemporaryDirectory(prefix="fedal-baseline-") as tmp:
         base = Path(tmp) / "tree"
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(base), args.baseline], cwd=REPO, check=True)
         try:

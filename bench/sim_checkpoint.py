@@ -56,20 +56,32 @@ def measure(n: int, rounds: int, warmup: int, folder: Path) -> dict:
     times: dict[str, list[float]] = {"no checkpoint": [], "checkpoint every round": []}
     save_s: list[float] = []
     done: list[dict] = []
-    for r in range(warmup + rounds):
+    def plain_round(r: int) -> float:
         t0 = time.perf_counter()
         plain.run_round(r)
-        t1 = time.perf_counter()
+        return time.perf_counter() - t0
+
+    def saving_round(r: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
         done.append(saving.run_round(r))
-        t2 = time.perf_counter()
+        t1 = time.perf_counter()
         if not ckpt.save(cfg, data.public_hash, saving, done, 0.0):  # (a full disk: timed as a fast save)
             raise SystemExit(f"the checkpoint after round {r + 1} could not be written (see the warning)")
-        t3 = time.perf_counter()
+        t2 = time.perf_counter()
+        return t2 - t0, t2 - t1
+
+    for r in range(warmup + rounds):
+        if r % 2 == 0:  # taking turns: which goes first alternates, so neither always runs on a warmer cache
+            without = plain_round(r)
+            with_ckpt, saved = saving_round(r)
+        else:
+            with_ckpt, saved = saving_round(r)
+            without = plain_round(r)
         if r >= warmup:
-            times["no checkpoint"].append(t1 - t0)
-            times["checkpoint every round"].append(t3 - t1)
-            save_s.append(t3 - t2)
-        print(f"N={n} round {r}: {t1 - t0:.3f}s, with checkpoint {t3 - t1:.3f}s", file=sys.stderr)
+            times["no checkpoint"].append(without)
+            times["checkpoint every round"].append(with_ckpt)
+            save_s.append(saved)
+        print(f"N={n} round {r}: {without:.3f}s, with checkpoint {with_ckpt:.3f}s", file=sys.stderr)
     t0 = time.perf_counter()
     state = read(path)
     t1 = time.perf_counter()

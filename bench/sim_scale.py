@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from fedal import procs
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import at_least  # noqa: E402
 
@@ -81,7 +83,7 @@ def measure(n: int, variant: str, args) -> dict:
             "config": config_for(n, args.samples_per_client, args.tau, variant.endswith("vectorized"), backend)}
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(spec)], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=3600)
+                         text=True, timeout=3600, preexec_fn=procs.dies_with_this_process())  # (and its Ray instance)
     if out.returncode != 0:
         raise SystemExit(f"{variant} at N = {n} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
