@@ -200,16 +200,19 @@ def markdown(rows: list[dict], conf: dict, summ: dict, profiles: dict) -> str:
         f"onnxruntime {conf['onnxruntime']} via `OrtModel(threads={conf['ort_threads']})` "
         "(sequential, inter-op 1, all graph optimisations); int8 = "
         f"{conf['int8_mode']} QDQ (S8S8, per-channel, MinMax calibration on the train split). "
-        f"Machine: {conf['machine']} ({conf['processor']}), process pinned to CPU(s) {pinned} of "
-        f"{conf['cpus_total']}, shared with other busy processes (1-min load average at the end: "
-        f"{conf['load_avg_1min_at_end']}).",
+        f"Machine: {conf['machine']} ({conf['processor']}), "
+        + (f"process pinned to CPU(s) {pinned} of {conf['cpus_total']}"
+           if len(conf["cpus_allowed"]) < (conf["cpus_total"] or 0) else f"{conf['cpus_total']} CPUs")
+        + f" (1-min load average at the end: {conf['load_avg_1min_at_end']}).",
         "",
         "`ort fp32` is today's export (1-D conv stacks lifted to unit-height 2-D, see docs/export.md); "
         "`1-D graph` is the same model exported with `conv1d_as_2d=False` (the previous export), "
         "measured in the same rounds.",
         "",
-        "**This is x86-64, not a Raspberry Pi.** Ratios on ARM (NEON, different int8 kernels) will differ; "
-        "rerun this script on the board before relying on them.",
+        *([f"**This is {conf['machine']}, not a Raspberry Pi.** Ratios on ARM (NEON, different int8 kernels) will "
+           "differ; rerun this script on the board before relying on them."]
+          if conf["machine"] not in ("aarch64", "arm64", "armv7l") else
+          [f"Measured on {conf['machine']}: a board's numbers, for this board's CPU."]),
         "",
         "| model | dataset | batch | torch ms | ort fp32 ms | 1-D graph ms | ort int8 ms | torch/ort | "
         "torch/1-D graph | torch/int8 | int8 acc delta (pts) |",

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cli_args import at_least  # noqa: E402
+from report_text import kept_reading  # noqa: E402
 
 from fedal import procs  # noqa: E402
 from hil.coordinator_setup import get_json, start_coordinator, stop_process, wait_for_run, write_coordinator_config  # noqa: E402
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             ap.error(f"argument --render: {args.render} is not a readable scale.json ({type(exc).__name__}: {exc})")
         out.mkdir(parents=True, exist_ok=True)
-        (out / "scale.md").write_text(md)
+        write_report(out / "scale.md", md)  # the hand-written reading the file holds stays below
         print(md)
         return 0
     sizes = args.clients
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "scale.json").write_text(json.dumps(report, indent=1) + "\n")
     md = render(report)
-    (out / "scale.md").write_text(md)
+    write_report(out / "scale.md", md)
     print(md)
     return 0
 
@@ -268,10 +269,12 @@ def render(report: dict) -> str:
             f"From N = {rs[0]['clients']} to {big['clients']}: compute {growth(rs, 'transfer_compute_s')}, "
             f"end-to-end {growth(rs, 'transfer_end_to_end_s')}."
         ]
-    return "\n".join(lines) + "\n" + READING
+    return "\n".join(lines) + "\n"
 
 
-READING = """
+# the reading written with the first record: a report written where none is yet starts with it
+# (a rerun keeps the one its file holds, edited by hand for that run's numbers)
+FIRST_READING = """
 ## Reading
 
 - **FedAL's server half does not scale linearly, by construction.** Its discriminator maps each of
@@ -295,6 +298,11 @@ READING = """
 - The emulated fleet is part of the measurement: its one thread answers every client and takes
   about as much CPU per message as the coordinator, on the same two cores.
 """
+
+
+def write_report(path: Path, generated: str) -> None:
+    """`generated` at `path`, then the reading the file holds (FIRST_READING where it holds none)."""
+    path.write_text(generated + (kept_reading(path) or FIRST_READING))
 
 
 if __name__ == "__main__":
