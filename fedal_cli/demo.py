@@ -289,7 +289,7 @@ def deployable(config: RunConfig) -> RunConfig:
                    f"made (it holds {workspace.MARKER}; its coordinator/ and agents/ are replaced).")
 @click.option("--out", type=click.Path(dir_okay=False), help="Results JSON (default: results.json in --workdir).")
 @click.option("--plot", type=click.Path(dir_okay=False),
-              help="Accuracy vs round as a PNG (default: accuracy.png in --workdir).")
+              help="Accuracy vs round as an image, .png, .pdf, .svg, .svgz, .ps or .eps (default: accuracy.png in --workdir).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def demo_cmd(config_path, broker, api_port, linger, workdir, out, plot, quiet, **flags) -> None:
     """Run a federated training across processes: broker, coordinator and N agents over MQTT."""

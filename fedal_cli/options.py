@@ -51,7 +51,8 @@ RUN_OPTIONS = [
     click.option("--tau", type=int, help="Local steps and transfer iterations per round (default: the strategy's, 5 for fedal)."),
     click.option("--seed", type=int, help=_said("Seed driving data, models and sampling", "seed")),
     click.option("--models", callback=_models, help="Comma-separated model names, assigned round-robin (default: the dataset's; "
-                 f"its first alone for {', '.join(n for n, s in STRATEGIES.items() if s.homogeneous_models)})."),
+                 f"its first alone for {', '.join(n for n, s in STRATEGIES.items() if s.homogeneous_models)}; models of one "
+                 f"feature width for {', '.join(n for n, s in STRATEGIES.items() if s.same_feature_dim)})."),
     click.option("--eval-every", type=int, help=_said("Evaluate every k rounds (and after the last)", "eval_every")),
     click.option("--threads", type=int, help=_said("torch threads per process", "threads")),
     click.option("--dp-noise-multiplier", type=FiniteFloatRange(min=0, min_open=True),

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 @run_options
 @fault_options
 @click.option("--out", type=click.Path(dir_okay=False), default="results.json", show_default=True, help="Results JSON.")
-@click.option("--plot", type=click.Path(dir_okay=False), help="Also write accuracy vs round as a PNG.")
+@click.option("--plot", type=click.Path(dir_okay=False),
+              help="Also write accuracy vs round as an image (.png, .pdf, .svg, .svgz, .ps, .eps).")
 @click.option("--checkpoint", type=click.Path(dir_okay=False), help="Write the run's state there after every "
               "--checkpoint-every rounds (removed once the results are written), so that --resume can go on from "
               "it.")

@@ -80,6 +80,17 @@ def test_an_mhat_server_model_that_cannot_be_built_is_a_usage_error(tmp_path, mo
     assert not (tmp_path / "r.json").exists()
 
 
+def test_an_mhat_server_model_that_is_no_zoo_model_is_refused_when_the_config_is_read():
+    """It was refused only once a simulation had built its data (and a coordinator's config
+    loaded with it)."""
+    import pytest
+
+    from fedal.sim.config import ConfigError
+
+    with pytest.raises(ConfigError, match="mhat_server_model: unknown model 'nope'"):
+        load_config(None, dict(strategy="mhat", strategy_params={"mhat_server_model": "nope"}))
+
+
 def test_missing_dataset_files_are_a_usage_error_naming_the_flag(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(cli, ["simulate", "--dataset", "mnist", "--data-dir", str(tmp_path / "nowhere"), "--clients",

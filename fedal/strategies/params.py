@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from fedal.model_names import MODEL_NAMES
 from fedal.privacy.settings import PrivacyParams
 from fedal.protocol.validation import DEFAULT_MAX_ABS_VALUE
 from fedal.protocol.wire_dtype import FLOAT16_MAX
@@ -165,6 +166,13 @@ class StrategyParams(NoCoercion):
         None, description="differentially private training on the private data (fedal/privacy/, docs/privacy.md); "
         "unset: none"
     )
+
+    @field_validator("mhat_server_model")
+    @classmethod
+    def _zoo_model(cls, v: str) -> str:
+        if v not in MODEL_NAMES:
+            raise ValueError(f"unknown model {v!r}; valid choices: {', '.join(MODEL_NAMES)}")
+        return v
 
     @model_validator(mode="after")
     def _float16_holds_the_bound(self) -> StrategyParams:
