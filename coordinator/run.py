@@ -119,6 +119,7 @@ class Run:
         self.finished_at: float | None = None
         self.finished_before: float | None = None  # when a run found finished in the store finished
         self.was_paused = False  # the store had it paused: an operator's hold outlives a restart
+        self.found_complete = False  # every round of it was in the store when it started
         self.resumed = False  # _resume() went through: the counts are the stored ones and what came since
         self.connected_once = False  # past its broker connection: a resume makes it `running`, else `pending`
         self.operator_paused = False  # paused over the API (a phases.pause_at hold comes back by itself)
@@ -145,8 +146,8 @@ class Run:
             return False
         if stored is None or stored.config_hash != self.config_hash:
             return True
-        if stored.state == "finished" and stored.completed_rounds >= self.run_config.rounds:
-            self.state, self.finished_at = "finished", stored.finished_at
+        if stored.completed_rounds >= self.run_config.rounds:  # (a kill between its last round's save and
+            self.state, self.finished_at = "finished", stored.finished_at  # its end left it `running`)
         elif stored.state == "paused" and stored.completed_rounds < self.run_config.rounds:
             log.info("run %s was paused when the coordinator stopped: it stays paused (resume it over the API)",
                      self.cfg.run_id)
@@ -192,9 +193,13 @@ class Run:
         try:
             start = self._resume()
             self.round = min(start, self.run_config.rounds - 1)  # a run found finished: its last round, as at its end
-            if start >= self.run_config.rounds:  # found finished in the store: it says so at once, broker or not
+            # every round in the store (its end recorded, or killed between its last save and its end): finished
+            self.found_complete = start >= self.run_config.rounds
+            if self.found_complete:  # it says so at once, broker or not
                 with self.lock:  # (a pause or resume meanwhile is refused: it is not `pending`)
-                    self.state, self.finished_at = "finished", self.finished_before
+                    self.finished_at = self.finished_before
+                if self.state != "finished":
+                    self._set_state("finished")
             if self.was_paused and start < self.run_config.rounds and not self.stored_state_taken:
                 log.info("run %s was paused when the coordinator stopped: it stays paused (resume it over the API)",
                          self.cfg.run_id)
@@ -209,13 +214,14 @@ class Run:
             if start >= self.run_config.rounds:  # found finished in the store: it just finishes
                 self._finish("finished", at=self.finished_before)  # (again: as it finished then)
                 return
-            with self.lock:  # paused while pending: it stays paused, held before its first phase
-                self.connected_once = True
-                held = self.state == "paused"
+            with self.state_write:  # the state and its event together: a pause now comes after both
+                with self.lock:  # paused while pending: it stays paused, held before its first phase
+                    self.connected_once = True
+                    held = self.state == "paused"
+                    if not held:
+                        self.state = "running"
                 if not held:
-                    self.state = "running"
-            if not held:
-                self.events.publish("run", run_id=self.cfg.run_id, state="running")
+                    self.events.publish("run", run_id=self.cfg.run_id, state="running")
             self._publish_manifest()
             self.engine.wait_for_clients(self.cfg.phases.start_timeout_s)
             for r in range(start, self.run_config.rounds):
@@ -230,8 +236,8 @@ class Run:
                 self._save(completed=r + 1)
             self._finish("finished")
         except Stopped:
-            # a run found finished stays so, with its end time and results
-            self._end("finished" if self.finished_before is not None else "stopped", self.finished_before)
+            # a run found finished stays so, with its end time and results (written now if its end was not recorded)
+            self._end("finished" if self.found_complete else "stopped", self.finished_before)
         except Exception as exc:  # the API, the event stream and the store must still say what happened
             log.exception("run failed")
             with self.lock:
@@ -246,9 +252,9 @@ class Run:
         except Exception as exc:
             log.exception("run %s: could not record its end (%s)", self.cfg.run_id, state)
             with self.lock:
-                self.state = state
                 self.finished_at = self.finished_at or at or time.time()
                 self.error = self.error or f"its end ({state}) not recorded: {type(exc).__name__}: {exc}"
+            self._set_state(state)
             self.finished_event.set()
 
     def stop(self) -> None:
@@ -283,11 +289,12 @@ class Run:
             with self.lock:
                 if self.state not in ("pending", "running"):
                     return
+            if by_operator:  # the store first: a write that fails changes nothing (the API says so, and a
+                self.store.set_state(self.cfg.run_id, "paused")  # second pause writes it); the run's
+            with self.lock:  # end cannot come between (it takes state_write too)
                 self.engine.pause()
                 self.state = "paused"
                 self.operator_paused = by_operator
-            if by_operator:
-                self.store.set_state(self.cfg.run_id, "paused")
             self.events.publish("run", run_id=self.cfg.run_id, state="paused")
 
     def resume(self) -> None:
@@ -296,14 +303,15 @@ class Run:
         with self.state_write:
             if self.state != "paused":
                 return
-            was_operator = self.operator_paused
+            if self.operator_paused:  # the store first: a write that fails leaves the run held and paused
+                with self.lock:  # (the API says so; a second resume writes it), never `running` and held
+                    stored = "running" if self.connected_once else "pending"
+                self.store.set_state(self.cfg.run_id, stored)
             self.operator_paused = False
             with self.lock:  # decided with the run thread's check after its connect: one of the two says `running`
                 state = "running" if self.connected_once else "pending"  # paused while pending: pending again
                 self.state = state
             self.events.publish("run", run_id=self.cfg.run_id, state=state)
-            if was_operator:
-                self.store.set_state(self.cfg.run_id, state)
             self.engine.resume()
 
     def _set_state(self, state: str) -> None:
@@ -557,3 +565,4 @@ class Run:
                              {"public_hash": self.public_hash, "public_size": self.server.context.public_size},
                              [{"id": cid} for cid in self.client_ids], records, final_summary(records), wall,
                              deployment=deployment)
+

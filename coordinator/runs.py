@@ -132,18 +132,24 @@ class RunManager:
             with self.build_lock:
                 run = self._new_run(spec, "api")
         except (ValueError, OSError) as exc:
-            raise InvalidRunSpec(f"invalid run: {exc}") from None
-        finally:
             with self.lock:
                 self.creating.discard(spec.run_id)
-        with self.lock:
-            if self.stopping:  # stop() has closed the runs it knew: this one is never started
-                run.transport.stop()
-                raise ShuttingDown("the coordinator is shutting down")
-            self.store.register(spec.run_id, run.run_spec(), "api")
-            self._add(run)
-            if self.started:
-                self._start(run)
+            raise InvalidRunSpec(f"invalid run: {exc}") from None
+        except BaseException:
+            with self.lock:
+                self.creating.discard(spec.run_id)
+            raise
+        with self.lock:  # its id stays claimed (`creating`) until the run is added, in this one block:
+            try:  # a second request for the same id, checked in between, would pass and start a run of its own
+                if self.stopping:  # stop() has closed the runs it knew: this one is never started
+                    run.transport.stop()
+                    raise ShuttingDown("the coordinator is shutting down")
+                self.store.register(spec.run_id, run.run_spec(), "api")
+                self._add(run)
+                if self.started:
+                    self._start(run)
+            finally:
+                self.creating.discard(spec.run_id)
         log.info("created run %s (%s, %d clients)", spec.run_id, run.run_config.strategy, len(run.client_ids))
         return run
 

@@ -248,3 +248,139 @@ def test_a_resume_while_the_restarted_run_reads_the_store_is_what_the_store_keep
         assert again.state == "pending" and again.store.load("race").state == "pending"
     finally:
         again.store.close()
+
+
+def failing_once(monkeypatch, owner, name: str) -> None:
+    """`owner.name` raises the first time it is called (a store locked past its timeout), then works."""
+    original, calls = getattr(owner, name), []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("database is locked")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, flaky)
+
+
+def test_a_pause_or_resume_whose_store_write_fails_changes_nothing_and_a_second_one_works(unstarted_run, monkeypatch):
+    """A pause whose store write failed had paused the run in memory only: no event, the store
+    `running`, and a second pause did nothing (the run not held after a restart). A resume whose
+    write failed said `running` while the engine stayed held, and a second resume did nothing."""
+    import pytest
+
+    run = unstarted_run
+    run._resume()
+    run.state, run.connected_once = "running", True
+    seen = run.events.subscribe()
+    failing_once(monkeypatch, store_module.RunStore, "set_state")
+    with pytest.raises(OSError):
+        run.pause()
+    assert run.state == "running" and run.engine.resume_event.is_set()
+    assert run.store.load("race").state != "paused"
+    run.pause()  # the operator tries again
+    assert run.state == "paused" and run.store.load("race").state == "paused"
+
+    failing_once(monkeypatch, store_module.RunStore, "set_state")
+    with pytest.raises(OSError):
+        run.resume()
+    assert run.state == "paused" and not run.engine.resume_event.is_set()  # still held, and says so
+    run.resume()
+    assert run.state == "running" and run.engine.resume_event.is_set() and run.store.load("race").state == "running"
+    kinds = []
+    while not seen.empty():
+        event = seen.get_nowait()
+        kinds.append(event.get("state"))
+    assert kinds == ["paused", "running"]  # one event per change that happened
+
+
+def test_a_run_killed_between_its_last_save_and_its_end_is_found_finished(unstarted_run):
+    """The last round's save landed, the end did not (kill -9): the store said `running` with
+    every round done. The restarted run showed `pending` (a pause accepted and written), and
+    without a broker it ended `stopped`, its results never written."""
+    run = unstarted_run
+    run._resume()
+    run._save(completed=run.run_config.rounds)
+    again = restarted(run)
+    try:
+        assert again.state == "finished"
+        again.pause()
+        assert again.state == "finished" and again.store.load("race").state != "paused"
+        thread = threading.Thread(target=again.run, daemon=True)  # its broker never answers
+        thread.start()
+        time.sleep(0.5)
+        again.close()  # the coordinator shuts down before it reached the broker
+        thread.join(30)
+        assert again.state == "finished" and again.store.load("race").state == "finished"
+        assert (again.cfg.state_dir / "results.json").exists()  # written now: its end never was
+    finally:
+        again.transport.stop()
+        again.store.close()
+
+
+class SlowSecondAcquire:
+    """A run manager's lock whose owner thread, once `armed`, waits before its second acquisition
+    from then on: the window between two of its lock blocks, widened."""
+
+    def __init__(self, lock):
+        self.lock, self.armed, self.count = lock, None, 0
+
+    def __enter__(self):
+        if self.armed is threading.current_thread():
+            self.count += 1
+            if self.count == 2:
+                time.sleep(0.5)
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+
+def test_two_creations_of_one_run_id_at_once_start_one_run(tmp_path, monkeypatch):
+    """Between the end of a run's build and its addition the id was claimed nowhere: a second
+    request for the same id passed its checks, both were answered 201, and one run was shown
+    (never started) while the other ran unreachable."""
+    import numpy as np
+
+    from coordinator.config import load_coordinator_config
+    from coordinator.runs import RunConflict, RunManager
+
+    state = tmp_path / "state"
+    state.mkdir()
+    np.savez(state / "public.npz", x=np.zeros((4, 3), np.float32))
+    runs = RunManager(load_coordinator_config(None, state_dir=state, broker={"url": "mqtt://127.0.0.1:1"}))
+    body = {"run_id": "dup", "client_ids": ["a", "b"], "public_file": str(state / "public.npz"),
+            "run": {"strategy": "fedmd", "dataset": "digits"}}
+    lock = runs.lock = SlowSecondAcquire(runs.lock)
+    built = threading.Event()
+    original = RunManager._new_run
+
+    def built_then_armed(self, spec, origin):
+        run = original(self, spec, origin)
+        lock.armed = threading.current_thread()  # from here on its second lock block waits
+        built.set()
+        return run
+
+    monkeypatch.setattr(RunManager, "_new_run", built_then_armed)
+    answers: list = []
+
+    def create() -> None:
+        try:
+            answers.append(runs.create(body))
+        except RunConflict as exc:
+            answers.append(exc)
+
+    first = threading.Thread(target=create)
+    first.start()
+    built.wait(30)
+    time.sleep(0.1)  # in the widened window
+    monkeypatch.setattr(RunManager, "_new_run", original)
+    create()
+    first.join(30)
+    try:
+        assert sum(isinstance(a, RunConflict) for a in answers) == 1, answers
+        assert len(runs.list()) == 1
+    finally:
+        for run in runs.list():
+            run.transport.stop()
+        runs.store.close()
