@@ -1,8 +1,11 @@
 """Seconds per round of `fedal simulate` for this checkout against an earlier commit, measured
 side by side in one run (alternating, each in a fresh process on one thread).
 
-    python bench/engine_speed.py --baseline 0e32d04          # FedAL, 10 clients, MNIST-1D, tau 5
-    python bench/engine_speed.py --baseline 0e32d04 --repeats 5 --rounds 10
+    python bench/engine_speed.py --baseline a0b5733          # FedAL, 10 clients, MNIST-1D, tau 5
+    python bench/engine_speed.py --baseline a0b5733 --repeats 5 --rounds 10 --path vectorized
+
+A baseline must know the `vectorize` key (from 2026-11-26 on; docs/results/engine_speed.md compared
+against an earlier commit, with the whole run's time).
 
 The baseline is checked out into a temporary git worktree (removed afterwards); both run the
 same config through their own `fedal simulate`. Prints each run's s/round, the medians and the
@@ -33,9 +36,11 @@ from fedal.sim import load_config, simulate
 torch.set_num_threads(1)
 cfg = load_config(None, json.loads(sys.argv[1]))
 simulate(load_config(None, {**json.loads(sys.argv[1]), "rounds": 1}))  # warm-up: data cache, imports
+t0 = time.perf_counter()
 res = simulate(cfg)  # the rounds' own wall time: building the clients and the results are not a round's
-walls = [r["wall_s"] for r in res["rounds"]]
-print(json.dumps({"s_per_round": sum(walls) / len(walls)}))
+walls = [r.get("wall_s") for r in res["rounds"]]
+whole = all(w is not None for w in walls)  # (older code: the whole run's time, its build included)
+print(json.dumps({"s_per_round": (sum(walls) if whole else time.perf_counter() - t0) / len(walls)}))
 """
 
 
@@ -59,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the simulation path both sides run")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    # evaluated once, after the last round; the path pinned, as a simulation's default changed (per
+    # evaluated once, with the last round (its time counts); the path pinned, as a simulation's default changed (per
     # client before 2026-11-26, stacked since): a baseline must know the `vectorize` key
     config = {"strategy": "fedal", "dataset": "mnist1d", "clients": args.clients, "rounds": args.rounds, "tau": 5,
               "seed": 0, "models": ["mlp", "cnn1d", "cnn1d_wide"], "threads": 1, "eval_every": args.rounds,

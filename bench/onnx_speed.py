@@ -211,7 +211,7 @@ def markdown(rows: list[dict], conf: dict, summ: dict, profiles: dict) -> str:
         "",
         *([f"**This is {conf['machine']}, not a Raspberry Pi.** Ratios on ARM (NEON, different int8 kernels) will "
            "differ; rerun this script on the board before relying on them."]
-          if conf["machine"] not in ("aarch64", "arm64", "armv7l") else
+          if conf["machine"] not in ("aarch64", "arm64", "armv7l", "armv6l") else
           [f"Measured on {conf['machine']}: a board's numbers, for this board's CPU."]),
         "",
         "| model | dataset | batch | torch ms | ort fp32 ms | 1-D graph ms | ort int8 ms | torch/ort | "

@@ -23,13 +23,13 @@ def simulate_cached(config: dict, path: str) -> str:
     The toolkit's code is not part of the key: after a change to what a run computes, remove the
     cache folder."""
     target = Path(path)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (this process's first run)
     from fedal.sim import RunConfig, simulate
 
     run = RunConfig(**config)
     # as the results record it (simulate makes the path that ran explicit)
     resolved = run.model_copy(update={"vectorize": run.vectorized}).resolved().model_dump(mode="json")
     if not target.exists() or json.loads(target.read_text()).get("config") != resolved:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
         res = simulate(RunConfig(**config))
         tmp = target.with_suffix(".tmp")
         tmp.write_text(json.dumps(res))

@@ -156,6 +156,9 @@ class Agent:
         self.ckpt_path = self.workspace / "checkpoint.pt"
         self.round_start_path = self.workspace / "round-start.pt"  # durability "phase"
         self.journal = checkpoint.Journal(self.workspace / "journal.bin")
+        # a private run's privacy ledger, written before each of its results may leave: a restart that
+        # goes back to before a result that went out (a round's start) keeps what that result cost
+        self.ledger_path = self.workspace / "privacy-ledger.json"
         self.crash = CrashHook(os.environ.get("FEDAL_AGENT_CRASH_AT"))
         self.ckpt_round_start: Any = None  # the round whose start checkpoint.pt holds (journal, round)
         self.replaying = False
@@ -320,9 +323,11 @@ class Agent:
             log.error("cannot join run %s (retrying in %.0f s): %s", manifest.run_id, self.join_backoff, exc)
             return False
         held, self.deferred = self.deferred, []
-        self._taken_before_publish = False  # (held before joining: none came while a task was computed)
-        for payload in held:
+        self._taken_before_publish = False  # the first held task is computed; each one after it came
+        for payload in held:  # before any answer this loop sends (a copy of a task answered here: dropped)
             self._guarded("handling a task held until the run was joined", self._on_task, payload)
+            self._taken_before_publish = True
+        self._taken_before_publish = False
         return True
 
     def _defer(self, payload: bytes) -> None:
@@ -387,6 +392,40 @@ class Agent:
                 raise
         elif cfg.durability != "phase":  # the base the journal follows, before any task changes the state
             self._save_checkpoint(round_start=None)
+        self._take_ledger()
+
+    def _take_ledger(self) -> None:
+        """A private client restored to a state from before results that went out (a round's start,
+        a checkpoint without its journal, no checkpoint at all): its accountant takes the ledger's
+        count, and its noise is drawn afresh (the restored generator would draw the noise of those
+        results again, on other inputs: their difference would be noise-free)."""
+        private = getattr(self.client, "private", None)
+        if private is None:
+            return
+        try:
+            ledger = json.loads(self.ledger_path.read_text())
+            if (ledger.get("run_id"), ledger.get("instance")) != (self.config.run_id, self.session.instance):
+                return  # another run's (or an earlier start's) ledger
+            spent = ledger["accountant"]
+            steps = int(sum(entry[2] for entry in spent["history"]))
+            if spent["kind"] != private.accountant.kind:
+                raise ValueError(f"a {spent['kind']} accountant's ledger, this run's is {private.accountant.kind}")
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # damaged: said, not fatal
+            log.error("the privacy ledger %s cannot be read (%s: %s): this device's epsilon may be under-counted",
+                      self.ledger_path, type(exc).__name__, exc)
+            return
+        if steps <= private.accountant.steps:
+            return
+        log.warning("restored to before results that went out: the privacy ledger's %d steps are counted (the "
+                    "restored state had %d), and the noise is drawn afresh", steps, private.accountant.steps)
+        private.accountant.load_state_dict(spent)
+        if self.config.dp_seeded_noise:  # reproducible still, but not the noise already used
+            private.generator.manual_seed((self.config.seed * 0x9E3779B97F4A7C15 + steps) % 2**64)
+        else:
+            private.draw_secretly()
+        self.counters["ledger_restored"] += 1
 
     def _keep_aside(self, suffix: str, why: str) -> None:
         """A checkpoint that cannot be taken up again is moved aside for a look, never written over."""
@@ -430,9 +469,6 @@ class Agent:
                 self._save_checkpoint(round_start=None)
         if self.config.durability == "round" and not records and self.ckpt_round_start is not None:
             self.sit_out = self.ckpt_round_start  # what was done of that round since is lost
-        private = getattr(self.client, "private", None)
-        if self.sit_out is not None and private is not None:  # its results went out: their cost stays
-            private.lost_round(secret=not self.config.dp_seeded_noise)
         self.counters["replayed"] += replayed
         log.info("resumed from checkpoint at %s (%d journal records replayed: at %s)%s", at, replayed,
                  self.session.last_key, f"; sitting out round {self.sit_out}" if self.sit_out is not None else "")
@@ -576,6 +612,12 @@ class Agent:
         """Durable before the result may leave: the next restart reaches this very state."""
         if self.replaying:
             return
+        private = getattr(self.client, "private", None)
+        if private is not None:  # what every result so far cost, whatever the durability keeps of the rest
+            ledger = json.dumps({"run_id": self.config.run_id, "instance": session.instance,
+                                 "accountant": private.accountant.state_dict()}).encode()
+            write_bytes_atomic(self.ledger_path, ledger, private=True)
+            self._count("ledger", len(ledger))
         if self.config.durability == "phase":
             self._save_checkpoint(round_start=None)
         elif self.config.durability == "journal":

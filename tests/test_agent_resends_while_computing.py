@@ -39,3 +39,18 @@ def test_copies_queued_while_a_task_was_computed_are_not_answered_again(tmp_path
     finally:
         agent.stop_event.set()
         worker.join(timeout=10)
+
+
+def test_copies_of_a_task_held_until_the_run_was_joined_are_answered_once(tmp_path, one_torch_thread):
+    """An agent back online gets the broker's queued re-sends before the retained manifest: it
+    holds them until it has joined, then answered every copy with the full result."""
+    server, clients, _ = toy_federation("fedal", tau=2)
+    agent = make_agent(tmp_path / "ws")
+    published: list[bytes] = []
+    agent.link.publish_result = published.append
+    task = server.begin_round(0).tasks[HOSTED]
+    payload = encode(Message({**task.meta, "instance": "sim", "epoch": 0, "seq": 1}, task.tensors))
+    agent._setup = lambda _manifest: agent.host(clients[HOSTED], "sim")  # (its data and model: the toy's)
+    agent.deferred = [payload] * 3
+    assert agent._join(None)
+    assert len(published) == 1 and agent.counters["resends_while_computing"] == 2

@@ -135,25 +135,26 @@ def test_a_delta_not_below_one_over_n_is_warned_of(caplog):
     assert "1 / n" not in caplog.text
 
 
-def test_a_restart_that_loses_a_round_charges_it_and_draws_fresh_noise(tmp_path, one_torch_thread):
-    """durability = "round": a restart goes back to the round's start, whose first result had gone
-    out. The restored ledger did not count it, and the restored generator drew its noise again
-    in the next round, on other inputs (the difference of the two releases noise-free)."""
-    import copy
+@pytest.mark.parametrize("restart_with", ["round", "journal", "phase"])
+def test_a_restart_from_before_results_that_went_out_keeps_what_they_cost(tmp_path, one_torch_thread, restart_with):
+    """durability = "round": a restart goes back to the round's start, whose results had gone out.
+    The restored ledger did not count them, and the restored generator drew their noise again in
+    the next round, on other inputs (the difference of two releases noise-free). Also when the
+    restart runs under another durability (no journal to tell it the round was lost). The ledger,
+    written before each result may leave, says what went out, whatever else the card holds."""
     import shutil
 
-    from edge_agent.checkpoint import load
     from tests.helpers import in_process
     from tests.test_agent_journal import HOSTED, ThroughAgent, make_agent
 
-    marks: list = []
+    spent: list = []
     holder: dict = {}
 
-    def on_applied(_payload, _wire):
+    def on_applied(_payload, wire):
         agent = holder["agent"]
-        if not marks and agent.session.round_no == 1:  # round 1's first task answered: the card as a crash leaves it
-            shutil.copytree(agent.workspace, tmp_path / "crashed")
-            marks.append(copy.deepcopy(load(agent.ckpt_path)["client"]["privacy"]))
+        if wire is not None and not spent and agent.session.round_no == 1:
+            shutil.copytree(agent.workspace, tmp_path / "crashed")  # the card as a crash leaves it
+            spent.append((agent.client.private.accountant.steps, agent.client.private.generator.get_state()))
 
     server, clients, _ = toy_federation("fedal", tau=2, privacy=PRIVACY)
     agent = holder["agent"] = make_agent(tmp_path / "ws", "round")
@@ -162,13 +163,12 @@ def test_a_restart_that_loses_a_round_charges_it_and_draws_fresh_noise(tmp_path,
     engine.transport.sessions[HOSTED] = ThroughAgent(agent, on_applied)
     for r in range(2):
         engine.run_round(r)
-    (at_round_start,) = marks
+    ((steps_out, generator_then),) = spent
 
     _, fresh, _ = toy_federation("fedal", tau=2, privacy=PRIVACY)
-    restarted = make_agent(tmp_path / "crashed", "round")
+    restarted = make_agent(tmp_path / "crashed", restart_with)
     restarted.host(fresh[HOSTED], "sim")
     private = restarted.client.private
-    assert restarted.sit_out == 1
-    steps_then = sum(n for _, _, n in at_round_start["accountant"]["history"])
-    assert private.accountant.steps == steps_then + 2  # the lost round (tau = 2 private steps), charged
-    assert not torch.equal(private.generator.get_state(), at_round_start["generator"])  # drawn afresh
+    assert private.accountant.steps == steps_out  # every step whose result went out, counted
+    assert restarted.counters["ledger_restored"] == 1
+    assert not torch.equal(private.generator.get_state(), generator_then)  # drawn afresh

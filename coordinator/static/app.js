@@ -13,12 +13,19 @@ function askForToken(message) {
   document.getElementById("token-error").textContent = message;
 }
 
+function timeoutSignal(ms) {  // AbortSignal.timeout where the browser has it (Chromium 103+, Safari 16+)
+  if (typeof AbortSignal.timeout === "function") return AbortSignal.timeout(ms);
+  const controller = new AbortController();
+  setTimeout(() => controller.abort(), ms);
+  return controller.signal;
+}
+
 async function api(path) {
   const headers = state.token ? { Authorization: `Bearer ${state.token}` } : {};
   let resp;
   try {
     // never waits for ever: one refresh runs at a time, and one that hung would hold every later one
-    resp = await fetch(path, { headers, cache: "no-store", signal: AbortSignal.timeout(20000) });
+    resp = await fetch(path, { headers, cache: "no-store", signal: timeoutSignal(20000) });
   } catch (err) {
     if (state.token && err instanceof TypeError && /[^\x20-\x7e]/.test(state.token)) {
       // a header can carry no such character: fetch refuses it before sending anything

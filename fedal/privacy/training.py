@@ -86,7 +86,6 @@ class PrivateTraining:
         self.generator = torch.Generator().manual_seed(int(seed) % 2**64)
         self.accountant = PrivacyAccountant(params.accountant)
         self._sigma = params.sigma_for(self.sample_rate, steps_per_round, releases_per_round, one_off_steps)
-        self.steps_per_round, self.releases_per_round = steps_per_round, releases_per_round
         self.refused_steps = 0  # steps not taken because of the budget
         self._gsm: Any = None  # Opacus's GradSampleModule while per_sample() is open
 
@@ -95,16 +94,6 @@ class PrivateTraining:
         randomness that never leaves this process (and its checkpoint): no one who knows the run's
         or the device's seed can reproduce them."""
         self.generator.manual_seed(secrets.randbits(64))
-
-    def lost_round(self, secret: bool = True) -> None:
-        """A restart went back to a round's start whose results had gone out (what they cost is
-        not in the restored ledger): that round is charged as planned, and with `secret` the
-        noise from here on is drawn afresh (the restored generator would draw the lost round's
-        noise again, on other inputs: their difference would be noise-free)."""
-        self.accountant.step(self.sigma, self.sample_rate, self.steps_per_round)
-        self.accountant.step(self.sigma, 1.0, self.releases_per_round)
-        if secret:
-            self.draw_secretly()
 
     @property
     def sigma(self) -> float:

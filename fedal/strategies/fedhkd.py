@@ -154,7 +154,7 @@ class FedHKDClient(FedAvgClient):
         if not (hasattr(model, "features") and hasattr(model, "head")):
             raise ValueError("FedHKD needs a model split into features (R) and head (G), like every zoo model")
         self.num_classes = int(model.num_classes)
-        self.noise_generator = torch.Generator().manual_seed(int(seed) + NOISE_STREAM)
+        self.noise_generator = torch.Generator().manual_seed((int(seed) + NOISE_STREAM) % 2**64)
 
     def handle(self, task: Message) -> Message:
         if task.phase != "train":
