@@ -95,7 +95,6 @@ def test_api_events_results_and_dashboard_agree_on_round_numbers(mosquitto, tmp_
 def read_dashboard(api: str) -> dict:
     """What the dashboard shows for the finished run, in Debian's headless chromium."""
     pytest.importorskip("selenium.webdriver")
-    from selenium.webdriver.common.by import By
 
     from tests.test_dashboard_browser import chromium
 
@@ -106,13 +105,16 @@ def read_dashboard(api: str) -> dict:
         driver.set_page_load_timeout(60)
         driver.get(f"{api}/dashboard/")
 
-        def shown() -> dict | None:
-            cells = driver.find_elements(By.CSS_SELECTOR, "#runs tbody tr td")
-            total = driver.find_element(By.ID, "rounds-total").text.strip()
-            if len(cells) < 4 or not total.isdigit():
+        def shown() -> dict | None:  # read in one go by the page: a refresh rebuilds the runs table
+            seen = driver.execute_script(
+                "return {cells: [...document.querySelectorAll('#runs tbody tr td')].map(td => td.textContent),"
+                " total: document.getElementById('rounds-total').textContent.trim(),"
+                " round: document.getElementById('round-counter').textContent.trim(),"
+                " completed: document.getElementById('completed-rounds').textContent.trim()}")
+            if len(seen["cells"]) < 4 or not seen["total"].isdigit():
                 return None
-            return {"round": driver.find_element(By.ID, "round-counter").text.strip(), "total": total,
-                    "completed": driver.find_element(By.ID, "completed-rounds").text.strip(), "runs_row": cells[3].text}
+            return {"round": seen["round"], "total": seen["total"], "completed": seen["completed"],
+                    "runs_row": seen["cells"][3]}
 
         return wait_until(shown, 60, "the dashboard to show the run")
     finally:
