@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -24,6 +25,13 @@ def describe(exc: ValidationError, model: type[BaseModel] | None = None, whole: 
         place = where or whole
         parts.append(f"{place}: {msg}" if place else msg)
     return "; ".join(parts)
+
+
+def one_of(value: str, names: Sequence[str], what: str) -> str:
+    """`value` if it is one of `names`, else a ValueError that lists them."""
+    if value not in names:
+        raise ValueError(f"unknown {what} {value!r}; valid choices: {', '.join(names)}")
+    return value
 
 
 def _suggestion(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str:

@@ -15,6 +15,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -23,7 +24,7 @@ from fedal.protocol.manifest import MAX_ROUNDS
 from fedal.strategies import STRATEGIES, STRATEGY_NAMES, StrategyParams, get_strategy
 from fedal.strategies.params import COMMON_PARAMS, MAX_DISCRIMINATOR_PARAMS, discriminator_params
 from fedal.strict_fields import NoCoercion
-from fedal.validation import describe
+from fedal.validation import describe, one_of
 
 MAX_DATASET_CLASSES = 10  # the most classes of the datasets below (celeba has 2)
 DATASET_NAMES = ("mnist1d", "digits", "mnist", "fashion-mnist", "cifar10", "svhn", "cinic10", "celeba")
@@ -212,26 +213,11 @@ class RunConfig(NoCoercion):
         get_strategy(v)
         return v
 
-    @field_validator("dataset")
+    @field_validator("dataset", "partition", "train_splits")
     @classmethod
-    def _dataset(cls, v: str) -> str:
-        if v not in DATASET_NAMES:
-            raise ValueError(f"unknown dataset {v!r}; valid choices: {', '.join(DATASET_NAMES)}")
-        return v
-
-    @field_validator("partition")
-    @classmethod
-    def _partition(cls, v: str) -> str:
-        if v not in PARTITION_NAMES:
-            raise ValueError(f"unknown partition {v!r}; valid choices: {', '.join(PARTITION_NAMES)}")
-        return v
-
-    @field_validator("train_splits")
-    @classmethod
-    def _train_splits(cls, v: str) -> str:
-        if v not in TRAIN_SPLIT_NAMES:
-            raise ValueError(f"unknown train_splits {v!r}; valid choices: {', '.join(TRAIN_SPLIT_NAMES)}")
-        return v
+    def _one_of_names(cls, v: str, info: ValidationInfo) -> str:
+        names = {"dataset": DATASET_NAMES, "partition": PARTITION_NAMES, "train_splits": TRAIN_SPLIT_NAMES}
+        return one_of(v, names[info.field_name or ""], info.field_name or "value")
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:

@@ -16,6 +16,7 @@ from fedal.privacy.settings import PrivacyParams
 from fedal.protocol.validation import DEFAULT_MAX_ABS_VALUE
 from fedal.protocol.wire_dtype import FLOAT16_MAX
 from fedal.strict_fields import NoCoercion
+from fedal.validation import one_of
 
 # what every strategy uses; each strategy module names its own further knobs (`PARAMS`)
 # bounds far past any useful value, so that a typo (1e20 epochs, lr 1e300) is refused when the config is read
@@ -170,9 +171,7 @@ class StrategyParams(NoCoercion):
     @field_validator("mhat_server_model")
     @classmethod
     def _zoo_model(cls, v: str) -> str:
-        if v not in MODEL_NAMES:
-            raise ValueError(f"unknown model {v!r}; valid choices: {', '.join(MODEL_NAMES)}")
-        return v
+        return one_of(v, MODEL_NAMES, "model")
 
     @model_validator(mode="after")
     def _float16_holds_the_bound(self) -> StrategyParams:
