@@ -281,7 +281,9 @@ def create_app(runs: RunManager | Run) -> FastAPI:
         """pause (before the next phase), resume, stop (the run can be resumed by restarting).
         A stop's wait for the run to reach `stopped` polls on the event loop: a worker thread held
         for it by each of a few dozen stops at once would leave none for the reads."""
-        run = _run(run_id)
+        # the run manager's lock is held across a store write while a run is created: waited for in a
+        # worker thread, never on the event loop (every event stream and request would wait with it)
+        run = await run_in_threadpool(_run, run_id)
         if action not in ("pause", "resume", "stop"):
             raise HTTPException(status_code=404, detail=f"no action {action!r}: pause, resume or stop")
         if run.state in ("finished", "stopped", "failed"):
@@ -307,10 +309,12 @@ def create_app(runs: RunManager | Run) -> FastAPI:
             runs.refused(503, request.method, request.url.path, _client_host(request), detail)
             raise HTTPException(status_code=503, detail=detail, headers={"Retry-After": str(STREAM_RETRY_AFTER_S)}) from None
 
+        def states() -> dict[str, str]:
+            return {**{e.cfg.run_id: e.state for e in runs.list()}, **dict.fromkeys(runs.unrestored, "failed")}
+
         async def stream():
             try:  # hello carries no id: a reconnecting browser's Last-Event-ID stays the last real event's
-                yield sse_format({"type": "hello", "runs": {**{e.cfg.run_id: e.state for e in runs.list()},
-                                                             **dict.fromkeys(runs.unrestored, "failed")}})
+                yield sse_format({"type": "hello", "runs": await run_in_threadpool(states)})  # (the lock, as above)
                 while not await request.is_disconnected():
                     event = await next_event(subscription, KEEP_ALIVE_S)
                     if event is None:

@@ -5,6 +5,7 @@ presented (empty, or with spaces at its ends) is a config error."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -162,4 +163,42 @@ def test_per_client_metrics_can_be_turned_off(tmp_path, per_client):
     assert 'fedal_rounds_planned{run="r"} 7.0' in metrics and "# TYPE fedal_rounds_planned gauge" in metrics
     assert 'fedal_clients_enrolled{run="r"} 2.0' in metrics
     assert ('fedal_client_answered_total{client="a",run="r"} 0.0' in metrics) is per_client, metrics[:2000]
+    runs.store.close()
+
+
+def test_a_control_request_waiting_for_the_run_managers_lock_leaves_the_event_loop_free(tmp_path):
+    """The run manager's lock is held across a store write while a run is created (up to 30 s
+    behind another run's save on SQLite). A pause, resume or stop waited for it on the event loop:
+    every event stream and every other request waited with it."""
+    import threading
+    import urllib.request
+
+    from tests.local_api import served
+
+    runs, _, _ = one_run(tmp_path)
+    holding, answered = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with runs.lock:
+            holding.set()
+            answered.wait(10)  # released once the other request is answered, or after 10 s
+
+    with served(runs) as port:
+        base = f"http://127.0.0.1:{port}"
+        holder = threading.Thread(target=hold_the_lock)
+        holder.start()
+        holding.wait(10)
+        pause = urllib.request.Request(f"{base}/api/v1/runs/r/pause", method="POST",
+                                       headers={"Authorization": f"Bearer {TOKEN}"})
+        waiting = threading.Thread(target=lambda: urllib.request.urlopen(pause, timeout=30).read())
+        waiting.start()
+        try:
+            time.sleep(0.3)  # the pause is waiting for the lock
+            with urllib.request.urlopen(f"{base}/dashboard/app.js", timeout=30) as page:  # the event loop alone
+                served_while_held = holder.is_alive()
+                assert page.status == 200 and served_while_held
+        finally:
+            answered.set()
+            holder.join(15)
+            waiting.join(15)
     runs.store.close()

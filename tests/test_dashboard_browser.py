@@ -141,30 +141,19 @@ def test_dashboard_shows_the_privacy_each_client_spent(mosquitto, tmp_path):
 
 @contextlib.contextmanager
 def served_api(tmp_path, **api):
-    """A coordinator's API with no run, served by uvicorn on a free loopback port; yields its
-    RunManager and base URL (and a fresh browser profile folder, removed after)."""
-    import threading
-
-    import uvicorn
-
-    from coordinator.app import create_app
+    """A coordinator's API with no run, served on a free loopback port (tests/local_api.py); yields
+    its RunManager, base URL and a fresh browser profile folder (removed after)."""
     from coordinator.config import load_coordinator_config
     from coordinator.runs import RunManager
-    from tests.waiting import free_port
+    from tests.local_api import served
 
     runs = RunManager(load_coordinator_config(None, state_dir=tmp_path / "state", api=api))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(runs), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     profile = tempfile.mkdtemp(prefix="fedal-chromium-")
     try:
-        wait_until(lambda: server.started, 30, "the API to listen")
-        yield runs, f"http://127.0.0.1:{port}", profile
+        with served(runs) as port:
+            yield runs, f"http://127.0.0.1:{port}", profile
     finally:
         shutil.rmtree(profile, ignore_errors=True)
-        server.should_exit = True
-        thread.join(timeout=15)
         runs.store.close()
 
 
