@@ -324,3 +324,31 @@ def test_a_stopped_simulate_says_where_its_rounds_are(tmp_path):
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
     assert f"are in {ckpt}: add --resume to go on from there" in err
+
+
+def test_a_stop_signal_while_the_checkpoint_is_named_still_says_where_its_rounds_are(tmp_path, monkeypatch):
+    """SIGTERM right as a save noted which file it had written (the first stop signal raises
+    there): the run forgot it, and said "no results written" without "add --resume" (seen once
+    in CI, where the test below stops a run the moment its checkpoint appears)."""
+    from fedal.procs import Stopped
+    from fedal.sim import build_run, simulated_engine
+
+    config = _config(rounds=2).resolved()
+    data, clients, server = build_run(config)
+    engine = simulated_engine(config, data, clients, server)
+    ckpt = CheckpointFile(tmp_path / "run.ckpt", resume=False)
+    done = [engine.run_round(0)]
+    real, calls = CheckpointFile._identity, []
+
+    def signalled_once(self):
+        calls.append(1)
+        if len(calls) == 2:  # the first look is before the write; the second names what was written
+            raise Stopped(signal.SIGTERM)
+        return real(self)
+
+    monkeypatch.setattr(CheckpointFile, "_identity", signalled_once)
+    with pytest.raises(Stopped):
+        ckpt.save(config, data.public_hash, engine, done, 0.0)
+    monkeypatch.setattr(CheckpointFile, "_identity", real)
+    assert ckpt.resumable() == 1  # what the stopped run says: its first round is there
+    ckpt.close()

@@ -190,7 +190,11 @@ class CheckpointFile:
             log.warning("no checkpoint after round %d (%s): the run goes on, a later round tries again", len(rounds), exc)
             return False
         finally:  # (a stop signal, too, may come just after the file was put in place: it is this run's,
-            self._ours = self._identity()  # written atomically, so the file there is the old one or the new)
+            try:  # written atomically, so the file there is the old one or the new)
+                self._ours = self._identity()
+            except BaseException:  # the stop signal came right here: only the first raises, so once more
+                self._ours = self._identity()
+                raise
         return True
 
     def remove(self) -> bool:
